@@ -1,0 +1,21 @@
+"""siamesenorm: the normalisation topology of Transformers as a swappable, tested part.
+
+Centre: SiameseNorm (Li et al., ICML 2026, arXiv 2602.08064), two residual streams (a
+Post-Norm-like X and a Pre-Norm-like Y) sharing every sublayer, with every baseline it is compared
+with, behind one interface (:class:`ResidualScheme`) and one registry.
+"""
+
+from .errors import ConfigError
+from .schemes import (
+                      ResidualScheme,
+                      SchemeRequirements,
+                      build_scheme,
+                      list_schemes,
+                      register_scheme,
+                      scheme_options,
+)
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "ResidualScheme", "SchemeRequirements", "__version__", "build_scheme",
+           "list_schemes", "register_scheme", "scheme_options"]

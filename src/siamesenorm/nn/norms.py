@@ -1,0 +1,73 @@
+"""Normalisation layers: LayerNorm and RMSNorm with factory kwargs and ``reset_parameters``.
+
+Both compute in the input's dtype through the fused ``torch.nn.functional`` kernels, so they are the
+pure-PyTorch reference path that every faster path is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(dim, **kw)) if affine else None
+        self.bias = nn.Parameter(torch.empty(dim, **kw)) if affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if bias:
+            raise ConfigError("RMSNorm has no bias; use norm='layernorm' for a norm with a bias")
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype)) if affine else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
+
+
+def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True,
+               device=None, dtype=None) -> nn.Module:
+    """Build a norm by name (``"layernorm"`` or ``"rmsnorm"``)."""
+    if kind == "layernorm":
+        return LayerNorm(dim, eps, affine=affine, device=device, dtype=dtype)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps, affine=affine, device=device, dtype=dtype)
+    raise ConfigError(f"unknown norm {kind!r}; choose one of {', '.join(NORM_KINDS)}")

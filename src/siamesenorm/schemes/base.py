@@ -1,0 +1,203 @@
+"""The residual-scheme interface and its registry.
+
+A Transformer is an embedding, a stack of sublayers ``F_i`` (attention and MLP alternate, so sublayer
+``i`` belongs to block ``i // 2``) and a head. A :class:`ResidualScheme` is everything in between: how
+the residual stream(s) carry state from one sublayer to the next and where the norms sit. Every model
+runs the same loop and never branches on a scheme's name::
+
+    state = scheme.enter(h)
+    for i, sublayer in enumerate(sublayers):
+        state = scheme.step(state, i, sublayer)
+    h = scheme.exit(state)
+
+``branch`` is the bare sublayer (attention or MLP with no norm around it); the scheme applies every
+norm itself. What a scheme needs from the sublayers (QKV-norm, an initialisation gain) it declares as
+data in :attr:`ResidualScheme.requires`, and the model builder honours it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..nn.norms import NORM_KINDS, build_norm
+
+State = Tensor | tuple
+Branch = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class SchemeRequirements:
+    """What a scheme asks of the model that hosts it.
+
+    Attributes:
+        qkv_norm_blocks: blocks whose attention must normalise q, k and v per head (HybridNorm).
+        init: ``None`` (the model's own initialisation) or ``"xavier"`` (DeepNorm).
+        branch_gain: multiplier on the initialisation of the value and output projections of
+            attention and of every MLP weight (DeepNorm's beta); 1.0 means unchanged.
+    """
+
+    qkv_norm_blocks: frozenset[int] = field(default_factory=frozenset)
+    init: str | None = None
+    branch_gain: float = 1.0
+
+
+class ResidualScheme(nn.Module):
+    """Base class: owns every norm and mixing parameter of the residual path of one model.
+
+    Args:
+        dim: model width.
+        n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
+        norm: ``"layernorm"`` or ``"rmsnorm"``, used for every norm the scheme owns.
+        eps: epsilon of those norms.
+        device, dtype: factory kwargs for the parameters.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one-line equation, shown by ``siamesenorm schemes``
+    paper: ClassVar[str] = ""  # citation, e.g. "SiameseNorm, arXiv 2602.08064"
+    sublayers_per_block: ClassVar[int] = 2
+
+    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+            raise ConfigError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
+        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
+            raise ConfigError(
+                f"scheme {self.name!r}: n_layers must be a positive integer, got {n_layers!r}")
+        if norm not in NORM_KINDS:
+            raise ConfigError(f"scheme {self.name!r}: unknown norm {norm!r}; "
+                              f"choose one of {', '.join(NORM_KINDS)}")
+        if not eps > 0:
+            raise ConfigError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
+        self.dim, self.n_layers, self.norm_kind, self.eps = dim, n_layers, norm, float(eps)
+        self._factory = {"device": device, "dtype": dtype}
+        self.requires = SchemeRequirements()
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def n_sublayers(self) -> int:
+        return self.n_layers * self.sublayers_per_block
+
+    @staticmethod
+    def block_of(i: int) -> int:
+        """Block index of sublayer ``i``."""
+        return i // 2
+
+    @staticmethod
+    def is_attention(i: int) -> bool:
+        """Sublayer ``i`` is attention (even) or MLP (odd)."""
+        return i % 2 == 0
+
+    def make_norm(self, affine: bool = True) -> nn.Module:
+        return build_norm(self.norm_kind, self.dim, self.eps, affine=affine, **self._factory)
+
+    def make_norms(self, count: int) -> nn.ModuleList:
+        return nn.ModuleList(self.make_norm() for _ in range(count))
+
+    def reset_parameters(self) -> None:
+        """Reset every parameter the scheme owns to its initial value."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    # ---- the interface --------------------------------------------------------------------
+    def enter(self, h: Tensor) -> State:
+        """Embedding output -> stream state (default: the single stream ``h``)."""
+        return h
+
+    def step(self, state: State, i: int, branch: Branch) -> State:
+        """Apply sublayer ``i`` (``branch``) to the state; every scheme defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define step()")
+
+    def exit(self, state: State) -> Tensor:
+        """Stream state -> hidden state for the head (default: the single stream as it is)."""
+        return state
+
+    def streams(self, state: State) -> dict[str, Tensor]:
+        """The named residual streams held in ``state`` (for diagnostics)."""
+        return {"h": state}
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_layers={self.n_layers}, norm={self.norm_kind}, eps={self.eps}"
+
+
+# ---- registry ------------------------------------------------------------------------------
+_REGISTRY: dict[str, type[ResidualScheme]] = {}
+
+
+def register_scheme(cls: type[ResidualScheme]) -> type[ResidualScheme]:
+    """Class decorator: add a scheme to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a scheme named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_schemes() -> list[str]:
+    """Names of every registered scheme, in registration order."""
+    return list(_REGISTRY)
+
+
+def get_scheme_class(name: str) -> type[ResidualScheme]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown scheme {name!r}; choose one of {', '.join(_REGISTRY)}") from None
+
+
+_COMMON = ("dim", "n_layers", "norm", "eps", "device", "dtype")
+
+
+def scheme_options(name: str) -> dict[str, Any]:
+    """The scheme-specific options of ``name`` and their defaults."""
+    cls = get_scheme_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    return {k: p.default for k, p in params.items() if k != "self" and k not in _COMMON
+            and p.kind is p.KEYWORD_ONLY}
+
+
+def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> ResidualScheme:
+    """Build the scheme ``name``; an option it does not have is refused with its valid options."""
+    cls = get_scheme_class(name)
+    allowed = set(scheme_options(name)) | {"norm", "eps", "device", "dtype"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        valid = ", ".join(sorted(scheme_options(name))) or "none"
+        raise ConfigError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
+                          f"its options are: {valid} (and norm, eps)")
+    return cls(dim, n_layers, **options)
+
+
+# ---- option checks shared by the schemes ----------------------------------------------------
+def check_choice(scheme: str, option: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is not one of "
+                          f"{', '.join(map(repr, choices))}")
+    return value
+
+
+def check_bool(scheme: str, option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"scheme {scheme!r}: option {option} must be true or false, got {value!r}")
+    return value
+
+
+def check_number(scheme: str, option: str, value: Any, *, low: float | None = None,
+                 high: float | None = None, integer: bool = False) -> Any:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"scheme {scheme!r}: option {option} must be "
+                          f"{'an integer' if integer else 'a number'}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        rng = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
+    return value

@@ -1,0 +1,52 @@
+"""DeepNorm: Post-Norm with an up-weighted residual and down-scaled init (arXiv 2203.00555)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .base import (
+    Branch,
+    ResidualScheme,
+    SchemeRequirements,
+    check_choice,
+    check_number,
+    register_scheme,
+)
+
+
+@register_scheme
+class DeepNorm(ResidualScheme):
+    """DeepNorm (Wang et al. 2022, DeepNet, arXiv 2203.00555).
+
+    ``h <- LN_i(alpha * h + F_i(h))``, with Xavier initialisation whose gain is ``beta`` on the
+    value and output projections and the FFN weights (q and k keep gain 1; declared in
+    ``requires``). With M (decoder) or N (encoder) layers, from the paper's table::
+
+        decoder-only: alpha = (2M)^(1/4), beta = (8M)^(-1/4)
+        encoder-only: alpha = (2N)^(1/4), beta = (8N)^(-1/4)
+
+    ``alpha``/``beta`` override the table. Parameters: ``post_norm[i]``.
+    """
+
+    name = "deepnorm"
+    summary = "h = LN(alpha*h + F(h)), Xavier init x beta"
+    paper = "Wang et al. 2022, arXiv 2203.00555"
+
+    def __init__(self, dim: int, n_layers: int, *, arch: str = "decoder",
+                 alpha: float | None = None, beta: float | None = None,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.arch = check_choice(self.name, "arch", arch, ("decoder", "encoder"))
+        # Decoder-only and encoder-only have the same formula, with M or N the layer count.
+        self.alpha = float((2 * n_layers) ** 0.25 if alpha is None
+                           else check_number(self.name, "alpha", alpha, low=0))
+        self.beta = float((8 * n_layers) ** -0.25 if beta is None
+                          else check_number(self.name, "beta", beta, low=0))
+        self.post_norm = self.make_norms(self.n_sublayers)
+        self.requires = SchemeRequirements(init="xavier", branch_gain=self.beta)
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        return self.post_norm[i](self.alpha * state + branch(state))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, arch={self.arch}, alpha={self.alpha:.4g}, beta={self.beta:.4g}"

@@ -1,0 +1,51 @@
+"""HybridNorm: QKV-norm attention with a Post-Norm FFN (arXiv 2503.04598)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .base import Branch, ResidualScheme, SchemeRequirements, check_bool, register_scheme
+
+
+@register_scheme
+class HybridNorm(ResidualScheme):
+    """HybridNorm (Zhuo et al. 2025, arXiv 2503.04598), as in its official OLMo code.
+
+    Attention has no norm on the residual path; q, k and v are normalised per head instead
+    (declared in ``requires.qkv_norm_blocks``). The FFN is Post-Norm with the residual taken after
+    the norm::
+
+        h = h + Attn_qkvnorm(h)
+        hn = LN_b(h);  h = hn + FFN(hn)
+        out = LN_final(h)
+
+    ``first_layer_pre=True`` is HybridNorm*: block 0 is a Pre-Norm block (with QKV-norm),
+    ``h + Attn(LN(h))`` then ``h + FFN(LN(h))``. Parameters: ``ffn_norm`` (per block),
+    ``attn_norm`` (HybridNorm* only), ``final_norm``.
+    """
+
+    name = "hybridnorm"
+    summary = "h = h + Attn_qkvnorm(h); hn = LN(h); h = hn + FFN(hn); out = LN(h)"
+    paper = "Zhuo et al. 2025, arXiv 2503.04598"
+
+    def __init__(self, dim: int, n_layers: int, *, first_layer_pre: bool = False,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.first_layer_pre = check_bool(self.name, "first_layer_pre", first_layer_pre)
+        self.ffn_norm = self.make_norms(n_layers)
+        self.attn_norm = self.make_norm() if self.first_layer_pre else None
+        self.final_norm = self.make_norm()
+        self.requires = SchemeRequirements(qkv_norm_blocks=frozenset(range(n_layers)))
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        b = self.block_of(i)
+        pre_block = self.first_layer_pre and b == 0
+        if self.is_attention(i):
+            return state + branch(self.attn_norm(state) if pre_block else state)
+        if pre_block:
+            return state + branch(self.ffn_norm[b](state))
+        normed = self.ffn_norm[b](state)
+        return normed + branch(normed)
+
+    def exit(self, state: Tensor) -> Tensor:
+        return self.final_norm(state)

@@ -1,0 +1,27 @@
+"""LayerNorm Scaling: Pre-Norm with each norm output scaled by 1/sqrt(layer) (arXiv 2502.05795)."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from .base import Branch, register_scheme
+from .pre import PreNorm
+
+
+@register_scheme
+class LayerNormScaling(PreNorm):
+    """LayerNorm Scaling (Sun et al. 2025, "The Curse of Depth", arXiv 2502.05795).
+
+    ``h <- h + F_i(LN_i(h) / sqrt(l))`` with ``l = b + 1`` the 1-based layer index of sublayer
+    ``i``, then an unscaled ``LN_final(h)``. It damps the variance growth of deep Pre-Norm layers.
+    Parameters (as ``pre``): ``pre_norm[i]``, ``final_norm``.
+    """
+
+    name = "lns"
+    summary = "h = h + F(LN(h) / sqrt(l)); out = LN(h)"
+    paper = "Sun et al. 2025, arXiv 2502.05795"
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        return state + branch(self.pre_norm[i](state) / math.sqrt(self.block_of(i) + 1))

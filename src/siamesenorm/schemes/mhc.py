@@ -1,0 +1,94 @@
+"""mHC: hyper-connections whose residual mixing is kept doubly stochastic (arXiv 2512.24880)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.norms import RMSNorm
+from .base import Branch, check_number, register_scheme
+from .hyper import MultiStreamScheme
+
+
+def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+    """Sinkhorn-Knopp: ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters`` times."""
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+@register_scheme
+class ManifoldHyperConnections(MultiStreamScheme):
+    r"""Manifold-constrained hyper-connections, mHC (DeepSeek-AI, arXiv 2512.24880).
+
+    ``x_{l+1} = H^res x_l + H^post^T F(H^pre x_l)`` over ``n`` streams, the three maps computed
+    from the normalised flattened state ``x' = RMSNorm(vec(x_l))``::
+
+        H^pre  = sigmoid(a_pre * x' phi_pre + b_pre)          (1 x n)
+        H^post = 2 sigmoid(a_post * x' phi_post + b_post)     (1 x n)
+        H^res  = SinkhornKnopp(a_res * mat(x' phi_res) + b_res)   (n x n, doubly stochastic)
+
+    The sublayer is Pre-Norm: ``F(LN(H^pre x))``; the output is ``LN_final(sum_k H_k)``.
+    Initialisation (ours; the paper's exact values were not available): ``phi = 0``, ``a = 0.01``,
+    ``b_pre`` = +2 on stream ``i mod n`` and -2 elsewhere (breaks the symmetry between streams, as
+    HC's ``e_{i mod n}`` does), ``b_post = 0`` (``H^post = 1``), ``b_res`` = 4 on the diagonal
+    (near-identity mixing). Parameters: ``norm[i]``, ``stream_norm[i]``, ``phi_pre``,
+    ``phi_post``, ``phi_res``, ``alpha_pre``, ``alpha_post``, ``alpha_res``, ``b_pre``,
+    ``b_post``, ``b_res``, ``final_norm``.
+    """
+
+    name = "mhc"
+    summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
+    paper = "DeepSeek-AI 2025, arXiv 2512.24880"
+
+    def __init__(self, dim: int, n_layers: int, *, n_streams: int = 4, sinkhorn_iters: int = 20,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        n = self.n_streams = check_number(self.name, "n_streams", n_streams, low=1, integer=True)
+        self.sinkhorn_iters = check_number(self.name, "sinkhorn_iters", sinkhorn_iters, low=1,
+                                           integer=True)
+        s, kw = self.n_sublayers, self._factory
+        self.norm = self.make_norms(s)
+        self.final_norm = self.make_norm()
+        self.stream_norm = nn.ModuleList(RMSNorm(n * dim, self.eps, **kw) for _ in range(s))
+        self.phi_pre = nn.Parameter(torch.empty(s, n * dim, n, **kw))
+        self.phi_post = nn.Parameter(torch.empty(s, n * dim, n, **kw))
+        self.phi_res = nn.Parameter(torch.empty(s, n * dim, n * n, **kw))
+        self.alpha_pre = nn.Parameter(torch.empty(s, **kw))
+        self.alpha_post = nn.Parameter(torch.empty(s, **kw))
+        self.alpha_res = nn.Parameter(torch.empty(s, **kw))
+        self.b_pre = nn.Parameter(torch.empty(s, n, **kw))
+        self.b_post = nn.Parameter(torch.empty(s, n, **kw))
+        self.b_res = nn.Parameter(torch.empty(s, n, n, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        n = self.n_streams
+        with torch.no_grad():
+            for p in (self.phi_pre, self.phi_post, self.phi_res, self.b_post):
+                p.zero_()
+            for p in (self.alpha_pre, self.alpha_post, self.alpha_res):
+                p.fill_(0.01)
+            self.b_pre.fill_(-2.0)
+            for i in range(self.n_sublayers):
+                self.b_pre[i, i % n] = 2.0
+            self.b_res.copy_(4.0 * torch.eye(n).expand_as(self.b_res))
+
+    def maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i."""
+        n = self.n_streams
+        x = self.stream_norm[i](state.flatten(-2))
+        pre = torch.sigmoid(self.alpha_pre[i] * (x @ self.phi_pre[i]) + self.b_pre[i])
+        post = 2 * torch.sigmoid(self.alpha_post[i] * (x @ self.phi_post[i]) + self.b_post[i])
+        res_logits = self.alpha_res[i] * (x @ self.phi_res[i]).unflatten(-1, (n, n)) + self.b_res[i]
+        return pre, post, sinkhorn(res_logits, self.sinkhorn_iters)
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        pre, post, res = self.maps(state, i)
+        inp = (pre.unsqueeze(-2) @ state).squeeze(-2)            # sum_k pre_k H_k
+        out = branch(self.norm[i](inp))
+        return res @ state + post.unsqueeze(-1) * out.unsqueeze(-2)
+

@@ -1,0 +1,44 @@
+"""Mix-LN: Post-Norm in the first layers, Pre-Norm in the rest (arXiv 2412.13795)."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from .base import Branch, ResidualScheme, check_number, register_scheme
+
+
+@register_scheme
+class MixLN(ResidualScheme):
+    """Mix-LN (Li, Yin, Liu, ICLR 2025, arXiv 2412.13795).
+
+    The first ``n_post = floor(post_fraction * n_layers)`` blocks are Post-Norm,
+    ``h <- LN_i(h + F_i(h))``; the others are Pre-Norm, ``h <- h + F_i(LN_i(h))``. A final norm
+    follows when at least one Pre-Norm block exists (a Post-Norm output is already normalised), so
+    ``post_fraction=0`` is exactly ``pre`` and ``post_fraction=1`` exactly ``post``. The paper's
+    default fraction is 0.25. Parameters: ``norm[i]``, ``final_norm``.
+    """
+
+    name = "mix_ln"
+    summary = "first floor(a*L) blocks h = LN(h + F(h)); rest h = h + F(LN(h))"
+    paper = "Li, Yin, Liu, ICLR 2025, arXiv 2412.13795"
+
+    def __init__(self, dim: int, n_layers: int, *, post_fraction: float = 0.25,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.post_fraction = check_number(self.name, "post_fraction", post_fraction, low=0, high=1)
+        self.n_post = math.floor(self.post_fraction * n_layers + 1e-9)
+        self.norm = self.make_norms(self.n_sublayers)
+        self.final_norm = self.make_norm() if self.n_post < n_layers else None
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        if self.block_of(i) < self.n_post:
+            return self.norm[i](state + branch(state))
+        return state + branch(self.norm[i](state))
+
+    def exit(self, state: Tensor) -> Tensor:
+        return state if self.final_norm is None else self.final_norm(state)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, n_post={self.n_post}"

@@ -1,0 +1,39 @@
+"""Peri-LN: a norm on both sides of every sublayer, inside the residual branch (arXiv 2502.02732)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .base import Branch, ResidualScheme, check_bool, register_scheme
+
+
+@register_scheme
+class PeriLN(ResidualScheme):
+    """Peri-LN (Kim et al., ICML 2025, arXiv 2502.02732), the "sandwich" placement.
+
+    ``h <- h + LN^out_i(F_i(LN^in_i(h)))``, then ``LN_final(h)``. ``embed_norm=True`` also
+    normalises the embedding output on entry (whether the paper does so by default is not
+    confirmed, so it is off by default). Parameters: ``input_norm[i]``, ``output_norm[i]``,
+    ``final_norm``, ``embed_norm``.
+    """
+
+    name = "peri_ln"
+    summary = "h = h + LN(F(LN(h))); out = LN(h)"
+    paper = "Kim et al., ICML 2025, arXiv 2502.02732"
+
+    def __init__(self, dim: int, n_layers: int, *, embed_norm: bool = False,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.input_norm = self.make_norms(self.n_sublayers)
+        self.output_norm = self.make_norms(self.n_sublayers)
+        self.final_norm = self.make_norm()
+        self.embed_norm = self.make_norm() if check_bool(self.name, "embed_norm", embed_norm) else None
+
+    def enter(self, h: Tensor) -> Tensor:
+        return h if self.embed_norm is None else self.embed_norm(h)
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        return state + self.output_norm[i](branch(self.input_norm[i](state)))
+
+    def exit(self, state: Tensor) -> Tensor:
+        return self.final_norm(state)

@@ -1,0 +1,59 @@
+"""Pre-Norm and Post-Norm, the two classic placements."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .base import Branch, ResidualScheme, check_bool, register_scheme
+
+
+@register_scheme
+class PreNorm(ResidualScheme):
+    """Pre-Norm (Xiong et al. 2020, arXiv 2002.04745; GPT-2).
+
+    ``h <- h + F_i(LN_i(h))`` for every sublayer, then ``LN_final(h)``. The identity path keeps the
+    gradient undamped with depth, but the hidden-state norm grows and deep layers are diluted.
+    Parameters: ``pre_norm[i]``, ``final_norm``.
+    """
+
+    name = "pre"
+    summary = "h = h + F(LN(h)); out = LN(h)"
+    paper = "Xiong et al. 2020, arXiv 2002.04745"
+
+    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
+                 device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.pre_norm = self.make_norms(self.n_sublayers)
+        self.final_norm = self.make_norm()
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        return state + branch(self.pre_norm[i](state))
+
+    def exit(self, state: Tensor) -> Tensor:
+        return self.final_norm(state)
+
+
+@register_scheme
+class PostNorm(ResidualScheme):
+    """Post-Norm (Vaswani et al. 2017, arXiv 1706.03762).
+
+    ``h <- LN_i(h + F_i(h))``; the output of the last sublayer is already normalised, so there is
+    no final norm unless ``final_norm=True``. Bounded hidden states, but the gradient reaching the
+    first layers decays with depth. Parameters: ``post_norm[i]`` (and ``final_norm``).
+    """
+
+    name = "post"
+    summary = "h = LN(h + F(h))"
+    paper = "Vaswani et al. 2017, arXiv 1706.03762"
+
+    def __init__(self, dim: int, n_layers: int, *, final_norm: bool = False,
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.post_norm = self.make_norms(self.n_sublayers)
+        self.final_norm = self.make_norm() if check_bool(self.name, "final_norm", final_norm) else None
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        return self.post_norm[i](state + branch(state))
+
+    def exit(self, state: Tensor) -> Tensor:
+        return state if self.final_norm is None else self.final_norm(state)

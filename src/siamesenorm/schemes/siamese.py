@@ -1,0 +1,139 @@
+"""SiameseNorm: two residual streams that share every sublayer (arXiv 2602.08064, ICML 2026)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .base import (
+    Branch,
+    ResidualScheme,
+    SchemeRequirements,
+    check_bool,
+    check_choice,
+    register_scheme,
+)
+
+FORMS = ("post_pre", "hybrid_pre")
+MERGES = ("normed_sum", "sum")
+TOPOLOGIES = ("siamese", "single", "resi_dual")
+
+
+@register_scheme
+class SiameseNorm(ResidualScheme):
+    r"""SiameseNorm (Li et al., ICML 2026, arXiv 2602.08064).
+
+    Two streams start from the embedding, ``X = Y = h``: X is Post-Norm-like (bounded), Y is
+    Pre-Norm-like (a clean identity path). Every sublayer reads both and writes into both, so each
+    sublayer gets the gradients of both. With ``c_b = sqrt(2 (b + 1))`` for block ``b`` (1 without
+    ``depth_scale``):
+
+    ``form="post_pre"`` (the official DeiT and DiT code), per sublayer ``i``::
+
+        X = LN^X_i(X)                       # post_norm[i]: the Post-Norm of X, deferred
+        O = F_i(LN^in_i(X + LN^Y_i(Y)))     # input_norm[i], pre_norm[i]
+        X = X + O / c_b ;  Y = Y + O
+
+    ``form="hybrid_pre"`` (the official OLMo code, a HybridNorm X stream), block ``b``::
+
+        A = Attn_qkvnorm(X * gamma_b + LN^Y_{2b}(Y));   X = X + A / c_b ; Y = Y + A
+        Xn = LN^X_b(X); M = FFN(LN^in_b(Xn + LN^Y_{2b+1}(Y)));  X = Xn + M / c_b ; Y = Y + M
+
+    Exit: ``merge="normed_sum"`` computes ``LN(LN_a(X) + LN_b(Y))`` as the official code does;
+    ``merge="sum"`` computes Algorithm 1's ``X_N + LN(Y_N)``, with ``LN_a`` as the deferred last
+    Post-Norm of X: ``LN_a(X) + LN_b(Y)`` (also what the DiT file feeds its final layer).
+
+    Ablations (the paper's Table 3) are options: ``input_norm`` (LN^in on/off), ``depth_scale``
+    (``c_b`` or 1), and ``topology``: ``"siamese"``; ``"single"`` (the X stream alone: Post-Norm or
+    HybridNorm with the auxiliary mechanisms); ``"resi_dual"`` (Y accumulates the outputs but never
+    feeds a sublayer, the ResiDual topology).
+
+    Parameters (by role): ``post_norm`` (LN^X), ``pre_norm`` (LN^Y), ``input_norm`` (LN^in),
+    ``x_gain`` (gamma, hybrid_pre), ``merge_norm_x``, ``merge_norm_y``, ``final_norm``.
+    """
+
+    name = "siamese"
+    summary = "X = LN(X); O = F(LN(X + LN(Y))); X += O/c; Y += O; out = LN(LN(X) + LN(Y))"
+    paper = "Li et al., ICML 2026, arXiv 2602.08064"
+
+    def __init__(self, dim: int, n_layers: int, *, form: str = "post_pre", input_norm: bool = True,
+                 depth_scale: bool = True, merge: str = "normed_sum", topology: str = "siamese",
+                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+        self.form = check_choice(self.name, "form", form, FORMS)
+        self.merge = check_choice(self.name, "merge", merge, MERGES)
+        self.topology = check_choice(self.name, "topology", topology, TOPOLOGIES)
+        self.depth_scale = check_bool(self.name, "depth_scale", depth_scale)
+        has_input_norm = check_bool(self.name, "input_norm", input_norm)
+        hybrid = self.form == "hybrid_pre"
+        two_streams = self.topology != "single"
+
+        # LN^X: one per sublayer (post_pre) or one per block before the FFN (hybrid_pre).
+        self.post_norm = self.make_norms(n_layers if hybrid else self.n_sublayers)
+        # LN^Y: the Y stream's contribution to each sublayer's input.
+        self.pre_norm = self.make_norms(self.n_sublayers) if self.topology == "siamese" else None
+        # LN^in: every sublayer (post_pre) or the FFN only (hybrid_pre; attention has QKV-norm).
+        n_in = n_layers if hybrid else self.n_sublayers
+        self.input_norm = self.make_norms(n_in) if has_input_norm else None
+        self.x_gain = nn.ParameterList(
+            nn.Parameter(torch.empty(dim, **self._factory)) for _ in range(n_layers)
+        ) if hybrid else None
+        self.merge_norm_x = self.make_norm()
+        self.merge_norm_y = self.make_norm() if two_streams else None
+        self.final_norm = self.make_norm() if two_streams and self.merge == "normed_sum" else None
+        if hybrid:
+            self.requires = SchemeRequirements(qkv_norm_blocks=frozenset(range(n_layers)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.x_gain is not None:
+            for gain in self.x_gain:
+                nn.init.ones_(gain)
+
+    def scale(self, i: int) -> float:
+        """``c_b``: the divisor of the update written into X at sublayer ``i``."""
+        return math.sqrt(2 * (self.block_of(i) + 1)) if self.depth_scale else 1.0
+
+    # ----------------------------------------------------------------------------------------
+    def enter(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        return h, (None if self.topology == "single" else h)
+
+    def _merged(self, x: Tensor, y: Tensor | None, i: int) -> Tensor:
+        """The sublayer input before LN^in: X plus the normalised Y stream (topology siamese)."""
+        return x if self.pre_norm is None else x + self.pre_norm[i](y)
+
+    def step(self, state: tuple, i: int, branch: Branch) -> tuple[Tensor, Tensor | None]:
+        x, y = state
+        c = self.scale(i)
+        if self.form == "post_pre":
+            x = self.post_norm[i](x)
+            u = self._merged(x, y, i)
+            out = branch(u if self.input_norm is None else self.input_norm[i](u))
+        elif self.is_attention(i):
+            b = self.block_of(i)
+            out = branch(self._merged(x * self.x_gain[b], y, i))
+        else:
+            b = self.block_of(i)
+            x = self.post_norm[b](x)
+            u = self._merged(x, y, i)
+            out = branch(u if self.input_norm is None else self.input_norm[b](u))
+        return x + out / c, (None if y is None else y + out)
+
+    def exit(self, state: tuple) -> Tensor:
+        x, y = state
+        if y is None:
+            return self.merge_norm_x(x)
+        merged = self.merge_norm_x(x) + self.merge_norm_y(y)
+        return merged if self.final_norm is None else self.final_norm(merged)
+
+    def streams(self, state: tuple) -> dict[str, Tensor]:
+        x, y = state
+        return {"x": x} if y is None else {"x": x, "y": y}
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, form={self.form}, topology={self.topology}, "
+                f"input_norm={self.input_norm is not None}, depth_scale={self.depth_scale}, "
+                f"merge={self.merge}")

@@ -1,0 +1,32 @@
+"""Shared test helpers: deterministic random branches and a plain loop over a scheme."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def make_branches(n: int, dim: int, *, seed: int = 0, dtype=torch.float64) -> list:
+    """``n`` fixed random non-linear sublayers ``u -> tanh(u W1) W2``, different for each i."""
+    g = torch.Generator().manual_seed(seed)
+    branches = []
+    for _ in range(n):
+        w1 = torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5
+        w2 = torch.randn(dim, dim, generator=g, dtype=dtype) / dim**0.5
+        branches.append(lambda u, w1=w1, w2=w2: torch.tanh(u @ w1) @ w2)
+    return branches
+
+
+def run_scheme(scheme, h: Tensor, branches) -> Tensor:
+    state = scheme.enter(h)
+    for i in range(scheme.n_sublayers):
+        state = scheme.step(state, i, branches[i])
+    return scheme.exit(state)
+
+
+def randomize_(module: torch.nn.Module, *, seed: int = 1, scale: float = 0.3) -> None:
+    """Give every parameter a random value around its initial one, so no norm is an identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))

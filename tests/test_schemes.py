@@ -1,0 +1,211 @@
+"""Generic properties of every registered scheme: registry, misuse, degenerate cases, init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import siamesenorm as sn
+from helpers import make_branches, randomize_, run_scheme
+from siamesenorm.schemes import get_scheme_class
+
+SCHEMES = sn.list_schemes()
+DIM, LAYERS = 8, 3
+
+
+def test_registry_has_every_scheme_the_paper_compares():
+    expected = {"pre", "post", "siamese", "hybridnorm", "spannorm", "resi_dual", "deepnorm",
+                "mix_ln", "peri_ln", "lns", "hyper", "mhc"}
+    assert expected <= set(SCHEMES)
+    assert SCHEMES[:3] == ["pre", "post", "siamese"]
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_every_scheme_documents_its_paper_and_equation(name):
+    cls = get_scheme_class(name)
+    assert "arXiv" in cls.paper and cls.summary
+    assert "arXiv" in (cls.__doc__ or "")
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_output_shape_dtype_and_every_parameter_gets_a_gradient(name, norm):
+    torch.manual_seed(0)
+    scheme = sn.build_scheme(name, DIM, LAYERS, norm=norm, dtype=torch.float64)
+    randomize_(scheme)
+    h = torch.randn(2, 3, DIM, dtype=torch.float64)
+    out = run_scheme(scheme, h, make_branches(scheme.n_sublayers, DIM))
+    assert out.shape == h.shape and out.dtype == torch.float64
+    out.pow(2).sum().backward()
+    unused = [n for n, p in scheme.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not unused, f"parameters that never receive a gradient: {unused}"
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_eps_reaches_every_norm(name):
+    scheme = sn.build_scheme(name, DIM, LAYERS, eps=1e-3)
+    epss = {m.eps for m in scheme.modules() if hasattr(m, "eps") and m is not scheme}
+    assert epss == {1e-3}
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_reset_parameters_restores_the_initial_state(name):
+    torch.manual_seed(0)
+    scheme = sn.build_scheme(name, DIM, LAYERS)
+    initial = {k: v.clone() for k, v in scheme.state_dict().items()}
+    randomize_(scheme)
+    scheme.reset_parameters()
+    for k, v in scheme.state_dict().items():
+        torch.testing.assert_close(v, initial[k], msg=k)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_meta_build_materialises_to_the_same_scheme(name):
+    direct = sn.build_scheme(name, DIM, LAYERS)
+    meta = sn.build_scheme(name, DIM, LAYERS, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    for (k, a), (_, b) in zip(direct.state_dict().items(), meta.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=k)
+
+
+# ---- misuse -----------------------------------------------------------------------------------
+def test_unknown_scheme_is_named_with_the_choices():
+    with pytest.raises(sn.ConfigError, match=r"unknown scheme 'siamse'.*siamese"):
+        sn.build_scheme("siamse", DIM, LAYERS)
+
+
+def test_option_a_scheme_does_not_have_is_named_with_its_options():
+    with pytest.raises(sn.ConfigError, match=r"'pre' has no option 'depth_scale'"):
+        sn.build_scheme("pre", DIM, LAYERS, depth_scale=True)
+    with pytest.raises(sn.ConfigError, match=r"input_norm"):
+        sn.build_scheme("siamese", DIM, LAYERS, input_nrom=False)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"dim": 0}, "dim must be a positive integer"),
+    ({"dim": 8.5}, "dim must be a positive integer"),
+    ({"n_layers": -1}, "n_layers must be a positive integer"),
+    ({"norm": "batchnorm"}, "unknown norm 'batchnorm'"),
+    ({"eps": 0.0}, "eps must be positive"),
+])
+def test_bad_dimensions_and_norms_are_refused(kwargs, fragment):
+    args = {"dim": DIM, "n_layers": LAYERS} | kwargs
+    with pytest.raises(sn.ConfigError, match=fragment):
+        sn.build_scheme("siamese", args.pop("dim"), args.pop("n_layers"), **args)
+
+
+@pytest.mark.parametrize("name, options, fragment", [
+    ("siamese", {"form": "hybrid"}, "form='hybrid'"),
+    ("siamese", {"merge": "mean"}, "merge='mean'"),
+    ("siamese", {"input_norm": "yes"}, "input_norm must be true or false"),
+    ("mix_ln", {"post_fraction": 1.5}, "post_fraction=1.5 is outside"),
+    ("hyper", {"n_streams": 0}, "n_streams=0 is outside"),
+    ("hyper", {"n_streams": 2.0}, "n_streams must be an integer"),
+    ("deepnorm", {"arch": "seq2seq"}, "arch='seq2seq'"),
+])
+def test_bad_option_values_are_refused(name, options, fragment):
+    with pytest.raises(sn.ConfigError, match=fragment):
+        sn.build_scheme(name, DIM, LAYERS, **options)
+
+
+# ---- degenerate cases -------------------------------------------------------------------------
+def _copy_norms(dst_norms, src_norms):
+    """Load the parameters of ``src_norms`` into ``dst_norms``, pairwise."""
+    assert len(dst_norms) == len(src_norms)
+    for d, s in zip(dst_norms, src_norms):
+        d.load_state_dict(s.state_dict())
+
+
+def _h():
+    return torch.randn(2, 3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hyper_with_one_stream_is_pre_norm(dynamic):
+    pre = sn.build_scheme("pre", DIM, LAYERS, dtype=torch.float64)
+    randomize_(pre)
+    hyper = sn.build_scheme("hyper", DIM, LAYERS, n_streams=1, dynamic=dynamic, dtype=torch.float64)
+    _copy_norms(list(hyper.norm) + [hyper.final_norm], list(pre.pre_norm) + [pre.final_norm])
+    branches = make_branches(2 * LAYERS, DIM)
+    torch.testing.assert_close(run_scheme(hyper, _h(), branches), run_scheme(pre, _h(), branches),
+                               atol=1e-12, rtol=0)
+
+
+def test_hyper_at_init_is_pre_norm_on_copies():
+    pre = sn.build_scheme("pre", DIM, LAYERS, eps=1e-12, dtype=torch.float64)
+    randomize_(pre)
+    hyper = sn.build_scheme("hyper", DIM, LAYERS, n_streams=3, dynamic=False, eps=1e-12,
+                            dtype=torch.float64)
+    _copy_norms(list(hyper.norm) + [hyper.final_norm], list(pre.pre_norm) + [pre.final_norm])
+    branches = make_branches(2 * LAYERS, DIM)
+    # Static init: all streams equal h + sum F; the final norm removes the factor n of the sum
+    # (exactly, up to eps, which is why eps is tiny here).
+    torch.testing.assert_close(run_scheme(hyper, _h(), branches), run_scheme(pre, _h(), branches),
+                               atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("fraction, other", [(0.0, "pre"), (1.0, "post")])
+def test_mix_ln_extremes_are_pre_and_post(fraction, other):
+    ref = sn.build_scheme(other, DIM, LAYERS, dtype=torch.float64)
+    randomize_(ref)
+    mix = sn.build_scheme("mix_ln", DIM, LAYERS, post_fraction=fraction, dtype=torch.float64)
+    ref_norms = list(ref.pre_norm) + [ref.final_norm] if other == "pre" else list(ref.post_norm)
+    mix_norms = list(mix.norm) + ([mix.final_norm] if mix.final_norm is not None else [])
+    assert len(ref_norms) == len(mix_norms)
+    _copy_norms(mix_norms, ref_norms)
+    branches = make_branches(2 * LAYERS, DIM)
+    torch.testing.assert_close(run_scheme(mix, _h(), branches), run_scheme(ref, _h(), branches),
+                               atol=1e-12, rtol=0)
+
+
+def _zero_(norm):
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.zero_()
+
+
+def test_siamese_with_the_x_stream_switched_off_is_pre_norm():
+    """Paper: LN^X == 0 recovers Pre-Norm (here with the Algorithm-1 merge, no LN^in)."""
+    pre = sn.build_scheme("pre", DIM, LAYERS, dtype=torch.float64)
+    randomize_(pre)
+    siam = sn.build_scheme("siamese", DIM, LAYERS, input_norm=False, merge="sum",
+                           dtype=torch.float64)
+    for norm in list(siam.post_norm) + [siam.merge_norm_x]:
+        _zero_(norm)
+    _copy_norms(list(siam.pre_norm) + [siam.merge_norm_y],
+                list(pre.pre_norm) + [pre.final_norm])
+    branches = make_branches(2 * LAYERS, DIM)
+    torch.testing.assert_close(run_scheme(siam, _h(), branches), run_scheme(pre, _h(), branches),
+                               atol=1e-12, rtol=0)
+
+
+def test_siamese_with_the_y_stream_switched_off_is_post_norm():
+    """Paper: LN^Y == 0 recovers Post-Norm (without depth scaling and LN^in). The deferred form
+    also normalises the embedding first, so the reference Post-Norm starts from LN(h)."""
+    post = sn.build_scheme("post", DIM, LAYERS, dtype=torch.float64)
+    randomize_(post)
+    siam = sn.build_scheme("siamese", DIM, LAYERS, input_norm=False, depth_scale=False,
+                           merge="sum", dtype=torch.float64)
+    randomize_(siam)
+    for norm in list(siam.pre_norm) + [siam.merge_norm_y]:
+        _zero_(norm)
+    # siamese post_norm[0] normalises the embedding; post_norm[i+1] plays post's post_norm[i];
+    # merge_norm_x is the last one.
+    _copy_norms(list(siam.post_norm[1:]) + [siam.merge_norm_x], list(post.post_norm))
+    branches = make_branches(2 * LAYERS, DIM)
+    h = _h()
+    expected = run_scheme(post, siam.post_norm[0](h), branches)
+    torch.testing.assert_close(run_scheme(siam, h, branches), expected, atol=1e-12, rtol=0)
+
+
+def test_siamese_streams_start_equal_and_split():
+    siam = sn.build_scheme("siamese", DIM, LAYERS, dtype=torch.float64)
+    h = _h()
+    state = siam.enter(h)
+    assert set(siam.streams(state)) == {"x", "y"}
+    assert torch.equal(state[0], h) and torch.equal(state[1], h)
+    state = siam.step(state, 0, make_branches(1, DIM)[0])
+    x, y = state
+    assert not torch.allclose(x, y)
