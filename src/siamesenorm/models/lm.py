@@ -1,0 +1,284 @@
+"""Decoder-only language model: embedding, a residual scheme over attention/MLP sublayers, a head.
+
+The forward pass is the one loop every model in the library runs::
+
+    state = scheme.enter(embed(input_ids))
+    for i, sublayer in enumerate(sublayers):      # even i: attention of block i // 2; odd i: MLP
+        state = scheme.step(state, i, sublayer)
+    logits = head(scheme.exit(state))
+
+The sublayers are bare (no norm, no residual); the scheme owns every norm and residual add. The
+model honours what the scheme declares in ``scheme.requires``: per-head QKV-norm on some blocks,
+DeepNorm's Xavier initialisation, a gain on the branch weights.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..nn.attention import Attention, KVCache
+from ..nn.mlp import build_mlp
+from .lm_config import LMConfig
+
+if TYPE_CHECKING:
+    from ..schemes.base import ResidualScheme
+
+__all__ = ["LMConfig", "LMOutput", "LanguageModel"]
+
+
+class LMOutput(NamedTuple):
+    """``logits``: ``(B, T, vocab_size)``; ``loss``: mean cross-entropy or ``None``."""
+
+    logits: Tensor
+    loss: Tensor | None
+
+
+def _build_scheme(config: LMConfig, device, dtype) -> ResidualScheme:
+    # Importing through the package registers every built-in scheme.
+    from ..schemes.base import build_scheme
+
+    return build_scheme(config.scheme, config.dim, config.n_layers, norm=config.norm,
+                        eps=config.norm_eps, device=device, dtype=dtype, **config.scheme_options)
+
+
+def _rng_devices(device) -> dict:
+    """Arguments of :func:`torch.random.fork_rng` that cover the generator ``device`` draws from."""
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    if dev.type in ("cpu", "meta"):
+        return {"devices": []}
+    index = dev.index if dev.index is not None else 0
+    return {"devices": [index], "device_type": dev.type}
+
+
+def _normal(weight: Tensor, std: float, truncated: bool) -> None:
+    if truncated:
+        nn.init.trunc_normal_(weight, 0.0, std, -3.0 * std, 3.0 * std)
+    else:
+        nn.init.normal_(weight, 0.0, std)
+
+
+class LanguageModel(nn.Module):
+    """Causal language model built from an :class:`LMConfig`.
+
+    Attributes:
+        embed: token embedding ``(vocab_size, dim)``; also the output projection when tied.
+        scheme: the residual scheme (owns every norm of the residual path).
+        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
+        lm_head: untied output projection, or ``None`` when ``tie_embeddings``.
+    """
+
+    def __init__(self, config: LMConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        # The submodules' own default inits draw random numbers; fork the generator so that the
+        # model's reset_parameters() draws from the caller's state, exactly as a meta-device build
+        # followed by reset_parameters() does.
+        with torch.random.fork_rng(**_rng_devices(device)):
+            self.scheme = _build_scheme(config, device, dtype)
+            if self.scheme.sublayers_per_block != 2:
+                raise ConfigError(f"scheme {config.scheme!r} expects "
+                                  f"{self.scheme.sublayers_per_block} sublayers per block; the "
+                                  "language model has 2 (attention, MLP)")
+            qkv_blocks = self.scheme.requires.qkv_norm_blocks
+            self.embed = nn.Embedding(config.vocab_size, config.dim, **kw)
+            self.sublayers = nn.ModuleList()
+            for block in range(config.n_layers):
+                self.sublayers.append(Attention(
+                    config.dim, config.n_heads, config.kv_heads, max_seq_len=config.max_seq_len,
+                    rope_theta=config.rope_theta, qk_norm=config.qk_norm,
+                    qkv_norm=block in qkv_blocks, norm=config.norm, norm_eps=config.norm_eps,
+                    bias=config.bias, dropout=config.dropout, layer_idx=block, **kw))
+                self.sublayers.append(build_mlp(config.mlp, config.dim, config.hidden_dim,
+                                                bias=config.bias, dropout=config.dropout, **kw))
+            self.lm_head: nn.Linear | None = None
+            if not config.tie_embeddings:
+                self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, **kw)
+        self.reset_parameters()
+
+    # ---- initialisation ----------------------------------------------------------------------
+    def _branch_weights(self) -> list[tuple[Tensor, float, bool]]:
+        """Every sublayer weight as ``(weight, std under config.init, takes branch_gain)``."""
+        cfg, out = self.config, []
+        mitchell = cfg.init == "mitchell"
+        in_std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
+        for i, sub in enumerate(self.sublayers):
+            depth = i // 2 + 1
+            if isinstance(sub, Attention):
+                out_std = 1.0 / math.sqrt(2 * cfg.dim * depth) if mitchell else \
+                    cfg.init_std / math.sqrt(2 * cfg.n_layers)
+                out += [(sub.q_proj.weight, in_std, False), (sub.k_proj.weight, in_std, False),
+                        (sub.v_proj.weight, in_std, True), (sub.out_proj.weight, out_std, True)]
+            else:
+                out_std = 1.0 / math.sqrt(2 * sub.hidden * depth) if mitchell else \
+                    cfg.init_std / math.sqrt(2 * cfg.n_layers)
+                for name, proj in sub.named_children():
+                    if isinstance(proj, nn.Linear):
+                        std = out_std if name == "down_proj" else in_std
+                        out.append((proj.weight, std, True))
+        return out
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter and buffer, in a fixed order, from the torch generator.
+
+        ``normal``: embedding and every linear ~ N(0, init_std); attention ``out_proj`` and MLP
+        ``down_proj`` ~ N(0, init_std / sqrt(2 * n_layers)). ``mitchell`` (OLMo): truncated at
+        +-3 std; q/k/v, gate/up, embedding and untied head std 1/sqrt(dim); ``out_proj`` of block l
+        (from 0) std 1/sqrt(2 * dim * (l + 1)); ``down_proj`` std 1/sqrt(2 * mlp_hidden * (l + 1)).
+        Biases are zero; norm weights one. If the scheme requires ``init="xavier"`` (DeepNorm),
+        every sublayer weight is Xavier-normal instead, with gain ``branch_gain`` on v_proj,
+        out_proj and the MLP; otherwise a ``branch_gain`` != 1 multiplies those same weights.
+        """
+        cfg, req = self.config, self.scheme.requires
+        mitchell = cfg.init == "mitchell"
+        head_std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
+        self.scheme.reset_parameters()
+        for sub in self.sublayers:  # per-head norms and RoPE tables
+            for module in sub.modules():
+                if module is not sub and not isinstance(module, nn.Linear) \
+                        and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        _normal(self.embed.weight, head_std, mitchell)
+        for weight, std, gained in self._branch_weights():
+            if req.init == "xavier":
+                nn.init.xavier_normal_(weight, gain=req.branch_gain if gained else 1.0)
+            else:
+                _normal(weight, std, mitchell)
+                if gained and req.branch_gain != 1.0:
+                    weight.mul_(req.branch_gain)
+        if self.lm_head is not None:
+            _normal(self.lm_head.weight, head_std, mitchell)
+        for module in self.sublayers.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens.
+
+        ``max_len`` defaults to ``max_seq_len``.
+        """
+        cfg, weight = self.config, self.embed.weight
+        return KVCache(cfg.n_layers, batch_size, cfg.kv_heads, max_len or cfg.max_seq_len,
+                       cfg.head_dim, device=weight.device, dtype=weight.dtype)
+
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
+                cache: KVCache | None = None, pos: int = 0) -> LMOutput:
+        """Logits for ``input_ids`` (``(B, T)``) sitting at positions ``pos .. pos + T - 1``.
+
+        With ``cache``, keys/values of the new tokens are written into it at ``pos`` and attention
+        also reads the cached positions before ``pos``; ``cache.length`` becomes ``pos + T``.
+        ``targets`` (``(B, T)``, ``-100`` ignored) adds the mean cross-entropy as ``loss``.
+        """
+        if input_ids.dim() != 2:
+            raise ConfigError(
+                f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if pos + t > self.config.max_seq_len:
+            raise ConfigError(f"{pos + t} positions exceed max_seq_len={self.config.max_seq_len}")
+        h = F.dropout(self.embed(input_ids), self.config.dropout, self.training)
+        state = self.scheme.enter(h)
+        for i, sublayer in enumerate(self.sublayers):
+            branch = partial(sublayer, cache=cache, pos=pos) \
+                if isinstance(sublayer, Attention) else sublayer
+            state = self.scheme.step(state, i, branch)
+        h = self.scheme.exit(state)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, head)
+        if cache is not None:
+            cache.length = pos + t
+        loss = None
+        if targets is not None:
+            wide = torch.promote_types(logits.dtype, torch.float32)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide),
+                                   targets.reshape(-1), ignore_index=-100)
+        return LMOutput(logits, loss)
+
+    # ---- accounting --------------------------------------------------------------------------
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Number of parameters; ``non_embedding`` leaves out the token embedding (not the head)."""
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.embed.weight.numel() if non_embedding else total
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) at context ``seq_len`` (max_seq_len).
+
+        ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` is the non-embedding parameter
+        count plus ``vocab_size * dim`` for the output projection when it is tied to the embedding
+        (so every matmul weight counts once; norm weights are included, being negligible). The
+        second term is attention's scores and weighted sum over ``seq_len`` keys.
+        """
+        cfg = self.config
+        seq_len = cfg.max_seq_len if seq_len is None else seq_len
+        n = self.num_parameters(non_embedding=True)
+        if self.lm_head is None:
+            n += cfg.vocab_size * cfg.dim
+        return float(6 * n + 12 * cfg.n_layers * cfg.dim * seq_len)
+
+    # ---- generation --------------------------------------------------------------------------
+    @staticmethod
+    def _pick(logits: Tensor, temperature: float, top_k: int | None, greedy: bool,
+              generator: torch.Generator | None) -> Tensor:
+        """Next token ``(B, 1)`` from last-position logits ``(B, vocab)``."""
+        if greedy or temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, greedy: bool = False, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Extend ``input_ids`` (``(B, T)``) by ``max_new_tokens``; returns ``(B, T + new)``.
+
+        ``greedy`` (or ``temperature == 0``) takes the argmax; otherwise tokens are sampled from
+        ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when given,
+        drawing from ``generator``. With ``use_cache`` the prompt is run once and each new token
+        is fed alone through a KV cache (prompt + new tokens must fit in max_seq_len); without
+        it, the last max_seq_len tokens are re-run every step. Runs in eval mode, then restores
+        the training mode.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ConfigError(f"input_ids must have shape (batch, seq>0), got "
+                              f"{tuple(input_ids.shape)}")
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k <= 0):
+            raise ConfigError("generate needs max_new_tokens >= 0, temperature >= 0 and top_k > 0; "
+                              f"got {max_new_tokens}, {temperature}, {top_k}")
+        total = input_ids.shape[1] + max_new_tokens
+        if use_cache and total > self.config.max_seq_len:
+            raise ConfigError(f"prompt + max_new_tokens = {total} exceeds max_seq_len="
+                              f"{self.config.max_seq_len}; use use_cache=False to slide the window")
+        was_training = self.training
+        self.eval()
+        try:
+            pick = partial(self._pick, temperature=temperature, top_k=top_k, greedy=greedy,
+                           generator=generator)
+            tokens = [input_ids]
+            if max_new_tokens == 0:
+                return input_ids
+            if use_cache:
+                cache = self.new_cache(input_ids.shape[0], total)
+                logits = self(input_ids, cache=cache, pos=0).logits[:, -1]
+                for step in range(max_new_tokens):
+                    tokens.append(pick(logits))
+                    if step + 1 < max_new_tokens:
+                        logits = self(tokens[-1], cache=cache, pos=cache.length).logits[:, -1]
+                return torch.cat(tokens, dim=1)
+            seq = input_ids
+            for _ in range(max_new_tokens):
+                logits = self(seq[:, -self.config.max_seq_len:]).logits[:, -1]
+                seq = torch.cat((seq, pick(logits)), dim=1)
+            return seq
+        finally:
+            self.train(was_training)

@@ -1,0 +1,102 @@
+"""Configuration of the decoder-only language model, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from ..nn.mlp import MLP_KINDS, default_mlp_hidden
+from ..nn.norms import NORM_KINDS
+
+INIT_KINDS = ("normal", "mitchell")
+
+
+def _positive_int(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"LMConfig.{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"LMConfig.{name}: unknown value {value!r}; choose one of "
+                          f"{', '.join(choices)}")
+
+
+@dataclass
+class LMConfig:
+    """Decoder-only Transformer language model.
+
+    ``n_kv_heads=None`` means ``n_heads`` (no grouping); ``mlp_hidden=None`` means 8/3 * dim rounded
+    up to a multiple of 64 for SwiGLU and 4 * dim for GELU (see :attr:`hidden_dim`). ``scheme`` and
+    ``scheme_options`` name the residual scheme and its options; ``init`` is ``"normal"`` (GPT-2
+    style, ``init_std``) or ``"mitchell"`` (OLMo's depth-scaled truncated normal).
+    """
+
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    mlp: str = "swiglu"
+    mlp_hidden: int | None = None
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    bias: bool = False
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    scheme: str = "pre"
+    scheme_options: dict[str, Any] = field(default_factory=dict)
+    init: str = "normal"
+    init_std: float = 0.02
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("n_kv_heads", self.n_kv_heads, optional=True)
+        _positive_int("mlp_hidden", self.mlp_hidden, optional=True)
+        if self.dim % self.n_heads:
+            raise ConfigError(f"LMConfig.dim ({self.dim}) must be divisible by "
+                              f"LMConfig.n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"LMConfig.dim / LMConfig.n_heads = {self.head_dim} must be even "
+                              "for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"LMConfig.n_heads ({self.n_heads}) must be divisible by "
+                              f"LMConfig.n_kv_heads ({self.kv_heads})")
+        _choice("mlp", self.mlp, MLP_KINDS)
+        _choice("norm", self.norm, NORM_KINDS)
+        _choice("init", self.init, INIT_KINDS)
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"LMConfig.{name} must be a positive number, got {value!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.scheme, str) or not self.scheme:
+            raise ConfigError(f"LMConfig.scheme must be a scheme name, got {self.scheme!r}")
+        if not isinstance(self.scheme_options, dict):
+            raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
+                              f"values, got {self.scheme_options!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """``n_kv_heads`` resolved (``n_heads`` when unset)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """``mlp_hidden`` resolved (the default size for ``mlp`` when unset)."""
+        if self.mlp_hidden is None:
+            return default_mlp_hidden(self.mlp, self.dim)
+        return self.mlp_hidden

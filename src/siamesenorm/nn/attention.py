@@ -1,0 +1,147 @@
+"""Causal multi-head self-attention: RoPE, grouped-query attention, QK(V)-norm and a KV cache.
+
+For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
+
+    q = rope(q_norm(split_heads(q_proj(x))))          # (B, n_heads,    T, head_dim)
+    k = rope(k_norm(split_heads(k_proj(x))))          # (B, n_kv_heads, T, head_dim)
+    v = v_norm(split_heads(v_proj(x)))                # (B, n_kv_heads, T, head_dim)
+    out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
+
+The norms are optional and act on one head at a time (over ``head_dim``, weights shared by the
+heads). Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
+runs through :func:`torch.nn.functional.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from .norms import build_norm
+from .rope import RotaryEmbedding
+
+
+class KVCache:
+    """Preallocated keys and values of every attention layer, for incremental decoding.
+
+    ``k[layer]`` and ``v[layer]`` have shape ``(batch, n_kv_heads, max_len, head_dim)``; positions
+    ``0 .. length - 1`` hold valid entries. A forward pass at position ``pos`` with ``T`` new tokens
+    writes rows ``pos .. pos + T - 1`` of every layer; the model then sets ``length = pos + T``.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
+                 head_dim: int, *, device=None, dtype=None) -> None:
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+        """Write ``k``, ``v`` (``(B, H_kv, T, D)``) at ``pos``; return all keys/values up to it."""
+        end = pos + k.shape[-2]
+        if pos < 0 or pos > self.length or end > self.max_len:
+            raise ConfigError(f"KV cache write at positions {pos}..{end - 1} is invalid: the cache "
+                              f"holds {self.length} of at most {self.max_len} positions")
+        self.k[layer][:, :, pos:end] = k
+        self.v[layer][:, :, pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are kept)."""
+        self.length = 0
+
+
+def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
+    """Boolean ``(t_query, t_key)`` mask: query ``i`` (position ``pos + i``) sees keys up to it."""
+    return torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(diagonal=pos)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``.
+
+    Args:
+        dim: model width; ``dim // n_heads`` is the head size (even, for RoPE).
+        n_heads: query heads.
+        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
+        max_seq_len: longest sequence RoPE and the cache support.
+        rope_theta: RoPE base.
+        qk_norm: normalise q and k per head.
+        qkv_norm: normalise q, k and v per head (implies ``qk_norm``); HybridNorm needs it.
+        norm, norm_eps: kind and epsilon of those per-head norms.
+        bias: biases on the four projections.
+        dropout: dropout on the attention weights and on the output (training only).
+        layer_idx: which entry of a :class:`KVCache` this layer uses.
+        device, dtype: factory kwargs.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *,
+                 max_seq_len: int = 2048, rope_theta: float = 10000.0, qk_norm: bool = False,
+                 qkv_norm: bool = False, norm: str = "rmsnorm", norm_eps: float = 1e-5,
+                 bias: bool = False, dropout: float = 0.0, layer_idx: int = 0,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if dim % n_heads:
+            raise ConfigError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ConfigError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        kw = {"device": device, "dtype": dtype}
+        self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.dropout, self.layer_idx = dropout, layer_idx
+        kv_dim = n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(dim, dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
+        self.out_proj = nn.Linear(dim, dim, bias=bias, **kw)
+
+        def head_norm(wanted: bool) -> nn.Module | None:
+            return build_norm(norm, self.head_dim, norm_eps, **kw) if wanted else None
+
+        self.q_norm = head_norm(qk_norm or qkv_norm)
+        self.k_norm = head_norm(qk_norm or qkv_norm)
+        self.v_norm = head_norm(qkv_norm)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw)
+
+    def reset_parameters(self) -> None:
+        """PyTorch's default Linear init, unit norms, fresh RoPE tables (a model re-inits after)."""
+        for module in (self.q_proj, self.k_proj, self.v_proj, self.out_proj,
+                       self.q_norm, self.k_norm, self.v_norm, self.rope):
+            if module is not None:
+                module.reset_parameters()
+
+    def _heads(self, x: Tensor, n: int, norm: nn.Module | None) -> Tensor:
+        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked."""
+        b, t, _ = x.shape
+        x = x.view(b, t, n, self.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(1, 2)
+
+    def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0) -> Tensor:
+        """Attend causally over ``x`` (``(B, T, dim)``) and, with a cache, over its earlier keys."""
+        b, t, _ = x.shape
+        q = self.rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), pos)
+        k = self.rope(self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm), pos)
+        v = self._heads(self.v_proj(x), self.n_kv_heads, self.v_norm)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, pos)
+        t_key = k.shape[-2]
+        mask, is_causal = None, False
+        if t_key == t:
+            is_causal = t > 1  # keys and queries cover the same positions
+        elif t > 1:
+            mask = causal_mask(t, t_key, t_key - t, device=x.device)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads)
+        y = self.out_proj(y.transpose(1, 2).reshape(b, t, self.dim))
+        return F.dropout(y, self.dropout, self.training)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, layer_idx={self.layer_idx}")

@@ -1,0 +1,77 @@
+"""Rotary position embeddings (RoPE), rotate-half convention.
+
+A head vector ``x`` of even size ``d`` is split into halves ``x1 = x[:d/2]`` and ``x2 = x[d/2:]``;
+pair ``(x1[j], x2[j])`` at position ``p`` is rotated by the angle ``p * theta ** (-2j / d)``::
+
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+
+The cos/sin tables are non-persistent buffers of shape ``(max_seq_len, d / 2)``, computed in
+float64 and stored in at least float32. :meth:`RotaryEmbedding.reset_parameters` recomputes them, so
+a module built on the meta device and materialised with ``to_empty()`` + ``reset_parameters()`` is
+correct.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate q or k of shape ``(B, H, T, head_dim)`` by their positions ``pos .. pos + T - 1``.
+
+    Args:
+        head_dim: size of one head (even).
+        max_seq_len: number of positions in the cos/sin tables.
+        theta: base of the rotation frequencies.
+        device, dtype: factory kwargs; the tables use ``dtype`` if it is at least float32 wide.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, *,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if head_dim <= 0 or head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head_dim (dim // n_heads), got {head_dim}")
+        if max_seq_len <= 0:
+            raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
+        if not theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {theta!r}")
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, float(theta)
+        table_dtype = torch.float32
+        if dtype is not None and dtype.is_floating_point:
+            table_dtype = torch.promote_types(dtype, torch.float32)
+        shape = (max_seq_len, head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape, device=device, dtype=table_dtype),
+                             persistent=False)
+        self.register_buffer("sin", torch.empty(shape, device=device, dtype=table_dtype),
+                             persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute the cos/sin tables (uses no random numbers)."""
+        device, half = self.cos.device, self.head_dim // 2
+        exponent = torch.arange(half, device=device, dtype=torch.float64) * 2.0 / self.head_dim
+        inv_freq = self.theta ** -exponent
+        positions = torch.arange(self.max_seq_len, device=device, dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, x: Tensor, pos: int = 0) -> Tensor:
+        """Rotate ``x`` (``(..., T, head_dim)``) as if its first row sat at position ``pos``."""
+        t = x.shape[-2]
+        if pos < 0 or pos + t > self.max_seq_len:
+            raise ConfigError(f"positions {pos}..{pos + t - 1} exceed max_seq_len="
+                              f"{self.max_seq_len}; raise max_seq_len or shorten the input")
+        cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
+        work = torch.promote_types(x.dtype, cos.dtype)
+        x1, x2 = x.to(work).chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
