@@ -1,0 +1,93 @@
+"""The ``siamesenorm`` command.
+
+Every error a user can cause ends with one line on stderr and exit status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .errors import ConfigError
+
+
+def _cmd_schemes(args: argparse.Namespace) -> int:
+    from .schemes import get_scheme_class, list_schemes, scheme_options
+
+    rows = []
+    for name in list_schemes():
+        cls = get_scheme_class(name)
+        opts = ", ".join(f"{k}={v!r}" for k, v in scheme_options(name).items()) or "-"
+        rows.append((name, cls.summary, cls.paper, opts))
+    if args.verbose:
+        for name, summary, paper, opts in rows:
+            print(f"{name}\n  equation: {summary}\n  paper:    {paper}\n  options:  {opts}")
+        return 0
+    w = max(len(r[0]) for r in rows)
+    s = max(len(r[1]) for r in rows)
+    print(f"{'scheme':<{w}}  {'equation':<{s}}  paper")
+    for name, summary, paper, _ in rows:
+        print(f"{name:<{w}}  {summary:<{s}}  {paper}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(schemes=args.schemes.split(","), n_layers=args.layers, dim=args.dim,
+             steps=args.steps, lr=args.lr, seed=args.seed)
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2, as argparse does)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="siamesenorm",
+        description="SiameseNorm and its baselines: build, train and compare normalisation schemes.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"siamesenorm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("schemes", help="list the residual schemes with their equation and paper")
+    p.add_argument("-v", "--verbose", action="store_true", help="also list each scheme's options")
+    p.set_defaults(func=_cmd_schemes)
+
+    p = sub.add_parser("demo", help="build language models with several schemes and train them "
+                                    "side by side for a few steps on embedded text")
+    p.add_argument("--schemes", default="pre,post,siamese", help="comma-separated scheme names")
+    p.add_argument("--layers", type=int, default=12, help="number of blocks (default 12)")
+    p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per scheme (default 60)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
