@@ -1,0 +1,245 @@
+"""Run configuration: a YAML preset plus ``key=value`` overrides with dotted keys.
+
+A configuration is a tree of dataclasses (``RunConfig`` with ``model``, ``data`` and ``train``
+sections). :func:`load_config` starts from the defaults, applies the preset, then each override
+(``model.n_layers=24 train.lr=2e-3 model.scheme_options.depth_scale=false``), and checks every
+value against its field's type before any work starts. An unknown key, a wrong type or a bad
+value is a :class:`~siamesenorm.errors.ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from .errors import ConfigError
+from .models.lm_config import LMConfig
+from .schemes import build_scheme, get_scheme_class, scheme_options
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path."""
+
+    corpus: str = "pystdlib"
+    tokenizer: str = "bytes"           # "bytes" or "bpe"
+    vocab_size: int = 1024             # BPE only
+    max_bytes: int = 8_000_000         # pystdlib only
+    val_fraction: float = 0.1
+    batch_size: int = 16
+    seq_len: int = 128
+    val_batches: int = 8
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("bytes", "bpe"):
+            raise ConfigError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
+        for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation."""
+
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    eval_every: int = 50
+    checkpoint_every: int = 100
+    divergence_factor: float = 3.0
+    compile: bool = False
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "eval_every", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must not be negative, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.divergence_factor > 1:
+            raise ConfigError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
+
+
+@dataclass
+class RunConfig:
+    """One run: the model, its data, its training, and the seed of everything random."""
+
+    model: LMConfig = field(default_factory=LMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             dict: "a mapping"}
+    if tp in names:
+        return names[tp]
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (int -> float, list -> tuple)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be finite, got {value!r}")
+        return float(value)
+    if tp in (int, float, bool, str):
+        if isinstance(value, bool) != (tp is bool) or not isinstance(value, tp):
+            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # a programming error, kept loud
+
+
+def _set(obj: Any, path: list[str], value: Any, full_key: str) -> None:
+    """Set ``obj.<path>`` to ``value`` (a dict value merges into a section)."""
+    hints = get_type_hints(type(obj))
+    fields = {f.name for f in dataclasses.fields(obj)}
+    name = path[0]
+    if name not in fields:
+        prefix = full_key[: len(full_key) - len(".".join(path))]
+        close = difflib.get_close_matches(name, sorted(fields), n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else \
+            f"; known keys here: {', '.join(sorted(fields))}"
+        raise ConfigError(f"unknown key {full_key!r}{hint}")
+    current = getattr(obj, name)
+    if dataclasses.is_dataclass(current):
+        if len(path) > 1:
+            _set(current, path[1:], value, full_key)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _set(current, [str(k)], v, f"{full_key}.{k}")
+        else:
+            raise ConfigError(f"{full_key} is a section; set its keys, e.g. {full_key}.KEY=VALUE")
+        return
+    if len(path) > 1:
+        if not isinstance(current, dict):
+            raise ConfigError(f"unknown key {full_key!r}: {'.'.join(path[:1])} has no sub-keys")
+        setattr(obj, name, {**current, ".".join(path[1:]): value})
+        return
+    setattr(obj, name, _coerce(full_key, value, hints[name]))
+
+
+def _revalidate(obj: Any) -> Any:
+    """Rebuild the dataclass tree so every section's own checks run on the final values."""
+    kwargs = {f.name: _revalidate(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name))
+              else getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return type(obj)(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"model.n_layers=24"`` -> ``("model.n_layers", 24)``; the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.lr=2e-3)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def read_preset(preset: str) -> dict:
+    """A preset name from the packaged ``configs/`` folder, or a path to a YAML file."""
+    path = Path(preset)
+    if not path.suffix:
+        path = PRESET_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"preset {preset!r} not found: give a YAML file or one of "
+                          f"{', '.join(known) or '(none packaged)'}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read preset {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {path} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and not key.endswith("scheme_options"):
+            out += _flatten(v, key + ".")
+        else:
+            out.append((key, v))
+    return out
+
+
+def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the preset, then the overrides; every value checked, the scheme's options too."""
+    cfg = RunConfig()
+    items = _flatten(read_preset(preset)) if preset else []
+    items += [parse_override(o) for o in overrides]
+    for key, value in items:
+        _set(cfg, key.split("."), value, key)
+    cfg = _revalidate(cfg)
+    get_scheme_class(cfg.model.scheme)
+    known = scheme_options(cfg.model.scheme)
+    unknown = sorted(set(cfg.model.scheme_options) - set(known))
+    if unknown:
+        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {cfg.model.scheme!r} has no option "
+                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
+    # Build the scheme on the meta device (no memory, no compute) so its option values are checked now.
+    build_scheme(cfg.model.scheme, cfg.model.dim, cfg.model.n_layers, norm=cfg.model.norm,
+                 eps=cfg.model.norm_eps, device="meta", **cfg.model.scheme_options)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The fully resolved configuration as plain data (for ``config.yaml``)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = config_to_dict(v) if dataclasses.is_dataclass(v) else \
+            (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
