@@ -1,0 +1,65 @@
+"""Data for training small language models side by side: corpora, tokenizers, splits, batches.
+
+Nothing here downloads. A typical run::
+
+    corpus = load_corpus("pystdlib", max_bytes=8_000_000)     # or "arithmetic", "hf:NAME", a path
+    tokenizer = build_tokenizer("bytes", corpus)              # or ("bpe", corpus, vocab_size=1024)
+    train, val = train_val_tokens(corpus, tokenizer, val_fraction=0.1)
+    sampler = BatchSampler(train, batch_size=16, seq_len=128, seed=0)
+    x, y = sampler.next_batch()                               # int64 (16, 128); y is x shifted by one
+    fixed_val = validation_batches(val, 16, 128, n_batches=8)
+
+Corpora (``load_corpus(spec, **options)``; an option the spec does not take is refused):
+
+* ``pystdlib`` (``max_bytes=8_000_000``): this interpreter's standard-library ``*.py`` source
+  without tests and site-packages, in sorted path order; ``meta["fingerprint"]`` holds
+  ``files``, ``bytes``, ``sha256`` and ``python``.
+* ``arithmetic`` (``operations="+-*"``, ``min_digits=1``, ``max_digits=3``, ``n_train=20_000``,
+  ``n_heldout=1_000``, ``seed=0``): lines such as ``12*34=408``; the held-out problems
+  (``corpus.heldout``) are the validation text and never appear in training. Score a model with
+  ``evaluate_arithmetic(lm_answer_fn(model, tokenizer, max_new_tokens), corpus.heldout)``.
+* ``hf:NAME[:CONFIG]`` (``split="train"``, ``val_split=None``, ``text_field="text"``,
+  ``max_bytes=None``): a dataset already in the local Hugging Face cache, through the optional
+  ``datasets`` package, offline.
+* a path (``max_bytes=None``, ``val=None``): a text file; a folder of text files (recursive,
+  sorted, every UTF-8 file); a ``.bin`` token file (nanoGPT's headerless uint16 or a
+  modded-nanogpt shard, told apart by the header magic); a folder of ``.bin`` shards; or a glob.
+  ``val`` names separate validation data of the same kind (e.g. ``train.bin`` + ``val.bin``).
+
+A :class:`Corpus` holds ``text`` or, for ``.bin`` files, ``tokens`` (no tokenizer then; the model's
+vocabulary must exceed ``meta["max_token"]``). Saved tokenizers come back with
+:func:`load_tokenizer`.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .arithmetic import ArithmeticProblem, load_arithmetic, make_problems
+from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
+from .batches import BatchSampler, validation_batches
+from .corpora import load_corpus
+from .corpus import Corpus
+from .splits import split_tokens, train_val_tokens
+from .tokenfiles import read_token_file, write_shard
+from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus", "Tokenizer",
+           "build_tokenizer", "evaluate_arithmetic", "lm_answer_fn", "load_arithmetic", "load_corpus",
+           "load_tokenizer", "make_problems", "read_token_file", "split_tokens", "train_val_tokens",
+           "validation_batches", "write_shard"]
+
+TOKENIZER_KINDS = ("bytes", "bpe")
+
+
+def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024) -> Tokenizer:
+    """A ``bytes`` tokenizer, or a ``bpe`` one trained on ``corpus.text`` up to ``vocab_size`` ids.
+
+    BPE is trained on the training text only (not the validation text).
+    """
+    if kind not in TOKENIZER_KINDS:
+        raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
+    if corpus.is_tokenized:
+        raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it takes no tokenizer")
+    if kind == "bytes":
+        return ByteTokenizer()
+    return BPETokenizer.train(corpus.text, vocab_size)

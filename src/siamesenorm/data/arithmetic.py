@@ -1,0 +1,106 @@
+"""The ``arithmetic`` corpus: generated problems such as ``123+45=168``, one per line.
+
+Each operand first draws its number of digits uniformly from ``min_digits..max_digits``, then a
+value uniformly among numbers of that many digits (one digit: 0..9); the operation is drawn
+uniformly from ``operations``. The held-out problems are drawn first, all distinct; training
+problems are then drawn (repeats allowed) and redrawn whenever they equal a held-out problem, so no
+held-out problem ever appears in the training text. Everything comes from ``random.Random(seed)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .corpus import Corpus
+
+__all__ = ["OPERATIONS", "ArithmeticProblem", "load_arithmetic", "make_problems"]
+
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """``a op b``; ``prompt`` is ``"a op b="``, ``answer`` the exact result in decimal."""
+
+    a: int
+    op: str
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(OPERATIONS[self.op](self.a, self.b))
+
+    @property
+    def text(self) -> str:
+        """The problem as it appears in the corpus: prompt, answer, newline."""
+        return f"{self.prompt}{self.answer}\n"
+
+
+def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train: int,
+           n_heldout: int) -> tuple[str, int]:
+    """The operations in canonical order and the number of distinct problems; refuses bad options."""
+    ops = "".join(op for op in OPERATIONS if op in set(operations))
+    unknown = set(operations) - set(OPERATIONS)
+    if unknown or not ops:
+        raise ConfigError(f"arithmetic operations must be a non-empty subset of '+-*', got {operations!r}")
+    if not 1 <= min_digits <= max_digits <= 18:
+        raise ConfigError(f"arithmetic needs 1 <= min_digits <= max_digits <= 18, got "
+                          f"{min_digits} and {max_digits}")
+    if n_train < 1 or n_heldout < 1:
+        raise ConfigError(f"arithmetic needs n_train >= 1 and n_heldout >= 1, got {n_train} and {n_heldout}")
+    operands = 10**max_digits - (10 ** (min_digits - 1) if min_digits > 1 else 0)
+    space = len(ops) * operands**2
+    if n_heldout > space // 2:
+        raise ConfigError(f"arithmetic: {n_heldout} held-out problems leave too few for training: only "
+                          f"{space} distinct problems exist; use at most {space // 2} or more digits")
+    return ops, space
+
+
+def make_problems(operations: Iterable[str] = "+-*", min_digits: int = 1, max_digits: int = 3,
+                  n_train: int = 20_000, n_heldout: int = 1_000, seed: int = 0,
+                  ) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+    """``(train, heldout)`` problem lists, disjoint; held-out problems are distinct."""
+    ops, _ = _check(operations, min_digits, max_digits, n_train, n_heldout)
+    rng = random.Random(seed)
+
+    def operand() -> int:
+        digits = rng.randint(min_digits, max_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def draw() -> ArithmeticProblem:
+        op = rng.choice(ops)
+        return ArithmeticProblem(operand(), op, operand())
+
+    heldout: dict[ArithmeticProblem, None] = {}  # insertion-ordered set
+    while len(heldout) < n_heldout:
+        heldout[draw()] = None
+    train = []
+    for _ in range(n_train):
+        problem = draw()
+        while problem in heldout:
+            problem = draw()
+        train.append(problem)
+    return train, list(heldout)
+
+
+def load_arithmetic(*, operations: Iterable[str] = "+-*", min_digits: int = 1, max_digits: int = 3,
+                    n_train: int = 20_000, n_heldout: int = 1_000, seed: int = 0) -> Corpus:
+    """Training text of ``n_train`` problems; the ``n_heldout`` held-out ones are the validation text."""
+    ops, space = _check(operations, min_digits, max_digits, n_train, n_heldout)
+    train, heldout = make_problems(ops, min_digits, max_digits, n_train, n_heldout, seed)
+    text = "".join(p.text for p in train)
+    val_text = "".join(p.text for p in heldout)
+    digest = hashlib.sha256(f"{text}\x00{val_text}".encode()).hexdigest()
+    meta = {"operations": ops, "min_digits": min_digits, "max_digits": max_digits, "n_train": n_train,
+            "n_heldout": n_heldout, "seed": seed, "distinct_problems": space,
+            "fingerprint": {"train": n_train, "heldout": n_heldout, "sha256": digest}}
+    return Corpus(name="arithmetic", text=text, meta=meta, val_text=val_text, heldout=heldout)

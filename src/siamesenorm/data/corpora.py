@@ -1,0 +1,95 @@
+"""``load_corpus(spec, **options)``: one entry point for every corpus.
+
+``spec`` is ``pystdlib``, ``arithmetic``, ``hf:NAME[:CONFIG]``, or a path: a text file, a ``.bin``
+token file, a folder (of ``.bin`` shards when it holds any at its top level, otherwise of text
+files, read recursively), or a glob such as ``data/fineweb_train_*.bin``. The options are the
+keyword arguments of the loader the spec selects; an option it does not take is refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import ConfigError
+from .arithmetic import load_arithmetic
+from .corpus import Corpus
+from .hf import load_hf
+from .pystdlib import load_pystdlib
+from .textfiles import folder_files, load_text_files
+from .tokenfiles import load_token_files
+
+__all__ = ["load_corpus", "resolve_paths"]
+
+_GLOB_CHARS = set("*?[")
+
+
+def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
+    """``(files, is_tokens)`` named by a path spec: a file, a folder, or a glob, files sorted.
+
+    A folder holding ``.bin`` files at its top level names those shards; any other folder names
+    every non-hidden file under it, recursively.
+    """
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        shards = sorted(p for p in path.glob("*.bin") if p.is_file())
+        if shards:
+            return shards, True
+        files = folder_files(path)
+        if not files:
+            raise ConfigError(f"corpus folder {path} is empty")
+        return files, False
+    if path.exists():
+        files = [path]
+    elif _GLOB_CHARS & set(text):
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+        if not files:
+            raise ConfigError(f"corpus pattern {text} matches no file")
+    else:
+        raise ConfigError(f"corpus path {path} does not exist; give pystdlib, arithmetic, hf:NAME, or "
+                          "an existing text file, folder or .bin file")
+    bins = [f.suffix == ".bin" for f in files]
+    if any(bins) and not all(bins):
+        raise ConfigError(f"corpus {text} mixes .bin token files and text files; name one kind")
+    return files, all(bins)
+
+
+def _load_path(spec: str, *, max_bytes: int | None = None, val: str | None = None) -> Corpus:
+    """A path corpus: tokens for ``.bin`` files, text otherwise; ``val`` names validation data."""
+    files, is_tokens = resolve_paths(spec)
+    val_files, val_is_tokens = resolve_paths(val) if val is not None else (None, is_tokens)
+    if val_is_tokens != is_tokens:
+        raise ConfigError(f"corpus {spec} and its val={val} must both be text or both .bin tokens")
+    if not is_tokens:
+        return load_text_files(files, spec, max_bytes=max_bytes, val_files=val_files)
+    if max_bytes is not None:
+        raise ConfigError(f"corpus {spec} is .bin tokens; max_bytes applies to text corpora only")
+    return load_token_files(files, name=spec, val=val_files)
+
+
+def _loader(spec: str) -> tuple[Callable[..., Corpus], bool]:
+    """The loader of ``spec`` and whether it takes the spec as its first argument."""
+    if spec == "pystdlib":
+        return load_pystdlib, False
+    if spec == "arithmetic":
+        return load_arithmetic, False
+    if spec.startswith("hf:"):
+        return load_hf, True
+    return _load_path, True
+
+
+def load_corpus(spec: str, **options) -> Corpus:
+    """Load the corpus ``spec`` names, with the options of its loader (see the package docstring)."""
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"corpus must be a non-empty string, got {spec!r}")
+    loader, takes_spec = _loader(spec)
+    accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        kind = spec if not takes_spec else ("hf" if spec.startswith("hf:") else "path")
+        raise ConfigError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                          f"{', '.join(accepted) or 'none'}")
+    return loader(spec, **options) if takes_spec else loader(**options)

@@ -1,0 +1,98 @@
+"""Token corpora from ``.bin`` files: nanoGPT's headerless uint16 arrays and modded-nanogpt shards.
+
+* nanoGPT (``prepare.py``): the file is the raw little-endian ``uint16`` tokens, nothing else.
+* modded-nanogpt (``data/fineweb.py``): a header of 256 ``int32`` (``header[0]`` the magic
+  20240520, ``header[1]`` the version 1, ``header[2]`` the token count), then the ``uint16`` tokens.
+
+The format is told by the magic. A file with the magic must have version 1 and exactly
+``1024 + 2 * count`` bytes; a headerless file must have an even, non-zero size. A single file is
+memory-mapped (nothing is read until used); several shards are read and concatenated in sorted
+order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .corpus import Corpus
+
+__all__ = ["SHARD_MAGIC", "SHARD_VERSION", "load_token_files", "read_token_file", "write_shard"]
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+_HEADER_INTS = 256
+_HEADER_BYTES = _HEADER_INTS * 4
+
+
+def _format(path: Path) -> str:
+    """``"modded-nanogpt"`` when the file starts with the shard magic, else ``"nanogpt"``."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    magic = int.from_bytes(head, "little", signed=True) if len(head) == 4 else None
+    return "modded-nanogpt" if magic == SHARD_MAGIC else "nanogpt"
+
+
+def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
+    """``(tokens, format)`` of one ``.bin`` file; tokens are a read-only ``uint16`` memmap."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"token file {path} does not exist")
+    size = path.stat().st_size
+    fmt = _format(path)
+    if fmt == "nanogpt":
+        if size == 0:
+            raise ConfigError(f"token file {path} is empty")
+        if size % 2:
+            raise ConfigError(f"token file {path} has an odd size ({size} bytes); a headerless .bin "
+                              "must hold whole uint16 tokens")
+        return np.memmap(path, dtype="<u2", mode="r"), fmt
+    if size < _HEADER_BYTES:
+        raise ConfigError(f"token file {path} starts with the shard magic {SHARD_MAGIC} but is shorter "
+                          f"than its {_HEADER_BYTES}-byte header ({size} bytes)")
+    header = np.fromfile(path, dtype="<i4", count=_HEADER_INTS)
+    version, count = int(header[1]), int(header[2])
+    if version != SHARD_VERSION:
+        raise ConfigError(f"token file {path} is a modded-nanogpt shard of version {version}; only "
+                          f"version {SHARD_VERSION} is supported")
+    if count < 0 or size != _HEADER_BYTES + 2 * count:
+        raise ConfigError(f"token file {path}: header says {count} tokens but the file holds "
+                          f"{(size - _HEADER_BYTES) / 2:g} ({size} bytes)")
+    if count == 0:
+        return np.zeros(0, dtype="<u2"), fmt
+    return np.memmap(path, dtype="<u2", mode="r", offset=_HEADER_BYTES, shape=(count,)), fmt
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Write ``tokens`` (all below 65536) as a modded-nanogpt shard (header + ``uint16``)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
+        raise ConfigError("a shard holds uint16 tokens: every token must be in 0..65535")
+    header = np.zeros(_HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    with Path(path).open("wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def _read_many(paths: list[Path]) -> tuple[np.ndarray, list[str]]:
+    arrays, formats = zip(*(read_token_file(p) for p in paths))
+    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return tokens, list(formats)
+
+
+def load_token_files(paths: list[Path], *, name: str | None = None,
+                     val: list[Path] | None = None) -> Corpus:
+    """Tokens of ``paths`` (taken in the order given) as a token corpus; ``val``: validation files."""
+    if not paths:
+        raise ConfigError(f"no .bin token files in {name}")
+    tokens, formats = _read_many(paths)
+    if tokens.size == 0:
+        raise ConfigError(f"token files {name or paths[0]} hold no tokens")
+    val_tokens = _read_many(val)[0] if val else None
+    meta = {"files": [str(p) for p in paths], "formats": sorted(set(formats)),
+            "max_token": int(tokens.max()),
+            "fingerprint": {"files": len(paths), "tokens": int(tokens.size)}}
+    return Corpus(name=name or str(paths[0]), tokens=tokens, meta=meta, val_tokens=val_tokens)
