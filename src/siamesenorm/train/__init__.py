@@ -1,0 +1,12 @@
+"""Training engine for one run: the loop, AdamW and its schedule, checkpoints, metric logs.
+
+It knows nothing of where batches come from: anything with ``next_batch``, ``state_dict`` and
+``load_state_dict`` (:class:`BatchSource`) will do.
+"""
+
+from .checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from .loop import BatchSource, TrainSettings, train
+from .optim import build_optimizer, decay_groups, lr_at
+
+__all__ = ["BatchSource", "TrainSettings", "build_optimizer", "decay_groups", "has_checkpoint",
+           "load_checkpoint", "lr_at", "save_checkpoint", "train"]

@@ -1,0 +1,210 @@
+"""Checkpoints: a directory written beside its target and renamed into place.
+
+Layout of a checkpoint directory (e.g. ``run_dir/checkpoints/last/``)::
+
+    model.safetensors   the model's state_dict; a tensor that shares storage with another entry
+                        (tied weights) is stored once, under the first name that holds it
+    state.pt            {"format": 1, "optimizer": optimizer.state_dict(), "extra": {...}};
+                        plain containers, numbers, strings and tensors only, so that it loads
+                        with ``torch.load(weights_only=True)``
+
+Atomicity: both files are written and fsynced in a fresh temporary directory
+``.<name>.tmp-*`` next to the target. The swap then renames the old checkpoint to
+``.<name>.old-*``, renames the new one to ``<name>`` and deletes the old one. A crash at any point
+leaves either ``<name>`` complete (old or new) or, in the instant between the two renames, no
+``<name>`` but a complete ``.<name>.old-*``, which :func:`load_checkpoint`, :func:`has_checkpoint`
+and the next :func:`save_checkpoint` move back into place. Hidden ``.tmp-`` directories are never
+read; the next save deletes them. One writer per checkpoint directory at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+FORMAT = 1
+_PLAIN = (str, int, float, bool, type(None), Tensor)
+
+
+# ---- tied weights ------------------------------------------------------------------------------
+def _split_aliases(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(unique, aliases)``: entries with their own storage, and ``alias -> name it shares with``."""
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
+        key = (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ptr and t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        unique[name] = t
+    return unique, aliases
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def _check_plain(obj, where: str) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_plain(key, where)
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(f"checkpoint {where} is a {type(obj).__name__}; only dicts, lists, tuples, "
+                        "numbers, strings, None and tensors load with weights_only=True")
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk; a no-op where the OS refuses."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_model(path: Path, model: nn.Module) -> None:
+    unique, _ = _split_aliases(model.state_dict())
+    save_file({k: v.detach().cpu().contiguous() for k, v in unique.items()}, str(path),
+              metadata={"format": "pt"})
+    _fsync(path)
+
+
+def _write_state(path: Path, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+    torch.save({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}, path)
+    _fsync(path)
+
+
+def _hidden(path: Path, kind: str) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}.{kind}-*"))
+
+
+def _recover(path: Path, clean: bool) -> None:
+    """Put a checkpoint whose swap was cut short back at ``path``; with ``clean``, delete leftovers."""
+    olds = _hidden(path, "old")
+    if not path.exists() and olds:
+        os.replace(olds.pop(), path)
+        _fsync(path.parent)
+    if clean:
+        for leftover in olds + _hidden(path, "tmp"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict) -> None:
+    """Write ``model``, ``optimizer`` and ``extra`` into the checkpoint directory ``path``.
+
+    ``extra`` (step, RNG and sampler states, ...) must hold only dicts, lists, tuples, numbers,
+    strings, None and tensors; anything else is a TypeError before a byte is written. An existing
+    checkpoint at ``path`` is replaced atomically (see the module docstring).
+    """
+    path = Path(path)
+    _check_plain(extra, "extra")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path, clean=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _write_model(tmp / MODEL_FILE, model)
+        _write_state(tmp / STATE_FILE, optimizer, extra)
+        _fsync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a checkpoint (after finishing a swap that a crash cut short)."""
+    path = Path(path)
+    _recover(path, clean=False)
+    return (path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()
+
+
+def _problem(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
+    """The full state_dict for ``model`` from ``file``, checked against the model's own."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as error:
+        raise ConfigError(f"cannot read checkpoint {file}: {_problem(error)}") from None
+    unique, aliases = _split_aliases(model.state_dict())
+    missing = sorted(set(unique) - set(tensors))
+    unexpected = sorted(set(tensors) - set(unique))
+    bad = [k for k in unique if k in tensors and tensors[k].shape != unique[k].shape]
+    if missing or unexpected or bad:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+                  if unexpected else f"{bad[0]} has shape {tuple(tensors[bad[0]].shape)}, "
+                  f"the model has {tuple(unique[bad[0]].shape)}")
+        raise ConfigError(f"checkpoint {file} does not fit this model ({detail}); "
+                          "was it written by a model with another configuration?")
+    tensors.update({alias: tensors[name] for alias, name in aliases.items()})
+    return tensors
+
+
+def _read_state(file: Path) -> dict:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ConfigError(f"cannot read checkpoint {file}: {_problem(error)}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT \
+            or not isinstance(state.get("extra"), dict) or "optimizer" not in state:
+        raise ConfigError(f"cannot read checkpoint {file}: not a siamesenorm training state "
+                          f"(format {FORMAT})")
+    return state
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load the checkpoint directory ``path`` into ``model`` (and ``optimizer``); return ``extra``.
+
+    Both files are read and checked before anything is changed: a missing, unreadable or corrupt
+    checkpoint, or one written by a model of another shape, raises :class:`ConfigError` with the
+    path and the problem on one line, leaving ``model`` and ``optimizer`` as they were.
+    """
+    path = Path(path)
+    if not has_checkpoint(path):
+        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there)")
+    tensors = _read_model(path / MODEL_FILE, model)
+    state = _read_state(path / STATE_FILE)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except Exception as error:
+            raise ConfigError(f"checkpoint {path / STATE_FILE} does not fit this optimizer: "
+                              f"{_problem(error)}") from None
+    model.load_state_dict(tensors, strict=True)
+    return state["extra"]

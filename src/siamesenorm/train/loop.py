@@ -1,0 +1,316 @@
+"""The training loop of one run.
+
+Each step draws ``grad_accum`` micro-batches from a :class:`BatchSource`, accumulates the gradient
+of ``loss / grad_accum``, clips the total norm, sets the learning rate from :func:`lr_at` and takes
+one AdamW step. The run directory receives ``metrics.jsonl``, ``summary.json`` and
+``checkpoints/last/``. On CPU a resumed run repeats, bit for bit, the losses of a run that was
+never stopped: the checkpoint holds the model, the optimizer, every global RNG, the batch source's
+state and the run's counters, and evaluation never moves a generator the training draws from.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from .checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from .evaluate import validation_loss
+from .forward import ForwardBackward
+from .interrupt import DeferredInterrupt
+from .metrics import METRICS_FILE, MetricsLog, plain, write_json
+from .optim import build_optimizer, lr_at
+from .progress import ProgressLine
+from .rng import preserved_rng, rng_state, set_rng_state
+from .state import RunState
+from .summary import build_summary, perplexity
+
+CHECKPOINT_DIR = Path("checkpoints") / "last"
+SUMMARY_FILE = "summary.json"
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Where training batches come from.
+
+    ``next_batch`` returns ``(x, y)``, int64 tensors of shape ``(B, T)`` (``y`` may hold ``-100``
+    for ignored targets). ``state_dict`` returns a snapshot (later ``next_batch`` calls must not
+    change it) of plain containers, numbers, strings and tensors; after ``load_state_dict`` of it,
+    ``next_batch`` returns the same batches as it did after the snapshot was taken.
+    """
+
+    def next_batch(self) -> tuple[Tensor, Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TrainSettings:
+    """How one run trains.
+
+    ``eval_every`` / ``checkpoint_every`` of 0 mean only at the last step (both also happen there
+    otherwise). ``eval_batches`` are fixed ``(x, y)`` validation batches. The run stops as diverged
+    at the first step whose loss or gradient norm is not finite, or, after step
+    ``divergence_min_step`` (default: ``warmup``), whose loss exceeds ``divergence_factor`` times
+    the lowest training loss so far. ``seed`` (None: leave the generators alone) seeds Python's and
+    torch's global generators at the start of a fresh run; the model is built by the caller.
+    """
+
+    steps: int
+    lr: float
+    warmup: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0          # 0 disables clipping (the norm is still logged)
+    grad_accum: int = 1
+    eval_every: int = 0
+    eval_batches: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    log_every: int = 1
+    checkpoint_every: int = 0
+    divergence_factor: float = 3.0
+    divergence_min_step: int | None = None
+    compile: bool = False
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must not be negative, got {getattr(self, name)}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or not self.divergence_factor > 1:
+            raise ConfigError("train needs lr > 0, min_lr_ratio in [0, 1] and divergence_factor > 1; "
+                              f"got {self.lr}, {self.min_lr_ratio}, {self.divergence_factor}")
+
+    @property
+    def divergence_start(self) -> int:
+        return self.warmup if self.divergence_min_step is None else self.divergence_min_step
+
+    def is_eval_step(self, step: int) -> bool:
+        return step == self.steps or (self.eval_every > 0 and step % self.eval_every == 0)
+
+    def is_checkpoint_step(self, step: int) -> bool:
+        return step == self.steps or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0)
+
+
+class _Run:
+    """One call of :func:`train`: the objects it drives and the state it carries."""
+
+    def __init__(self, model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: Path,
+                 device: torch.device, extra_eval: Callable[[nn.Module], dict] | None) -> None:
+        self.model, self.source, self.s, self.run_dir = model, source, settings, run_dir
+        self.device, self.extra_eval = device, extra_eval
+        self.ckpt_dir = run_dir / CHECKPOINT_DIR
+        self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay, settings.betas,
+                                         settings.adam_eps)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.forward = ForwardBackward(model, settings.compile)
+        self.state = RunState()
+        self.diverged_at: int | None = None
+        self.interrupted = False
+        self.phase = "idle"         # "compute": gradients of a step; "update": inside optimizer.step
+        self.snapshot: tuple[dict, dict] | None = None
+        self.started = time.perf_counter()
+        self.interval = [0, 0.0]    # tokens and seconds since the last logged row
+
+    def autocast(self) -> AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def wall_time(self) -> float:
+        return self.state.wall_time_s + time.perf_counter() - self.started
+
+    # ---- start -------------------------------------------------------------------------------
+    def start(self, resume: bool) -> int | None:
+        """Load the checkpoint or seed a fresh run; returns the step the metric log keeps."""
+        if resume:
+            extra = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+            try:
+                self.state = RunState.from_dict(extra["run"])
+                self.source.load_state_dict(extra["source"])
+                set_rng_state(extra["rng"])
+            except KeyError as error:
+                raise ConfigError(f"checkpoint {self.ckpt_dir} lacks the training state "
+                                  f"{error}; it was not written by siamesenorm.train") from None
+            return self.state.step
+        if has_checkpoint(self.ckpt_dir) or (self.run_dir / METRICS_FILE).exists():
+            raise ConfigError(f"{self.run_dir} already holds a run; resume it or choose a new run "
+                              "directory")
+        if self.s.seed is not None:
+            torch.manual_seed(self.s.seed)
+            random.seed(self.s.seed)
+        return None
+
+    # ---- one step ----------------------------------------------------------------------------
+    def compute(self) -> tuple[float, float, int]:
+        """Accumulate the gradient of one step; returns ``(loss, pre-clip grad norm, tokens)``."""
+        n, total, tokens = self.s.grad_accum, None, 0
+        for _ in range(n):
+            x, y = self.source.next_batch()
+            if self.state.seq_len is None:
+                self.state.seq_len = int(x.shape[-1])
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            loss = self.forward(x, y, n, self.autocast)
+            total = loss if total is None else total + loss
+            tokens += x.numel()
+        clip = self.s.grad_clip if self.s.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        loss_value, norm_value = torch.stack([total.float() / n, norm.float()]).tolist()
+        return loss_value, norm_value, tokens
+
+    def diverges(self, step: int, loss: float, norm: float) -> bool:
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return True
+        return step > self.s.divergence_start and loss > self.s.divergence_factor * self.state.best_loss
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and ``extra_eval``, without moving any generator training draws from."""
+        row: dict[str, Any] = {}
+        with preserved_rng():
+            val = validation_loss(self.model, self.s.eval_batches, self.device, self.autocast) \
+                if self.s.eval_batches else None
+            extra: dict[str, Any] = {}
+            if self.extra_eval is not None:
+                self.model.eval()
+                try:
+                    with torch.no_grad():
+                        extra = plain(dict(self.extra_eval(self.model)))  # checkpointable
+                finally:
+                    self.model.train()
+        if val is not None:
+            row.update(val_loss=val, val_ppl=perplexity(val))
+        self.state.record_val(val, extra)
+        return {**row, **extra}
+
+    def save(self) -> None:
+        run = self.state.to_dict()
+        run.update(wall_time_s=self.wall_time(), checkpoint_step=self.state.step)
+        save_checkpoint(self.ckpt_dir, self.model, self.optimizer,
+                        {"run": run, "source": self.source.state_dict(), "rng": rng_state()})
+        self.state.checkpoint_step = self.state.step
+
+    def loop(self, log: MetricsLog, bar: ProgressLine, ctrl_c: DeferredInterrupt) -> None:
+        s, state = self.s, self.state
+        while state.step < s.steps:
+            if ctrl_c.requested:
+                raise KeyboardInterrupt
+            self.snapshot = (self.source.state_dict(), rng_state())
+            self.phase = "compute"
+            step = state.step + 1
+            lr = lr_at(step, s.lr, s.warmup, s.steps, s.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            began = time.perf_counter()
+            loss, norm, tokens = self.compute()
+            diverged = self.diverges(step, loss, norm)
+            if not diverged:
+                self.phase = "update"
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - began
+            self.phase = "after"
+            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+            if diverged:
+                self.diverged_at = step
+                log.write({**row, "tokens_per_s": tokens / max(seconds, 1e-9), "diverged": True})
+                return
+            state.step, state.last_loss = step, loss
+            state.best_loss = min(state.best_loss, loss)
+            state.tokens_seen += tokens
+            state.train_time_s += seconds
+            self.interval[0] += tokens
+            self.interval[1] += seconds
+            row["tokens_per_s"] = self.interval[0] / max(self.interval[1], 1e-9)
+            bar.update(step, loss, lr, row["tokens_per_s"])
+            if s.is_eval_step(step):
+                row.update(self.evaluate())
+            if step % s.log_every == 0 or s.is_eval_step(step) or step == s.steps:
+                log.write(row)
+                self.interval = [0, 0.0]
+            if s.is_checkpoint_step(step):
+                self.save()
+            self.phase = "idle"
+
+    # ---- end ---------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        return build_summary(self.model, self.state, self.s.steps, diverged_at=self.diverged_at,
+                             interrupted=self.interrupted, wall_time_s=self.wall_time())
+
+    def on_interrupt(self) -> None:
+        """Checkpoint the last completed step, unless an optimizer update was cut in half."""
+        self.interrupted = True
+        if self.phase == "update":
+            print("warning: interrupted inside an optimizer update; the checkpoint on disk is from "
+                  f"step {self.state.checkpoint_step}", file=sys.stderr, flush=True)
+            return
+        if self.phase == "compute" and self.snapshot is not None:
+            self.source.load_state_dict(self.snapshot[0])
+            set_rng_state(self.snapshot[1])
+            self.optimizer.zero_grad(set_to_none=True)
+        self.save()
+
+
+def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: str | Path, *,
+          resume: bool = False, device: str | torch.device = "cpu",
+          extra_eval: Callable[[nn.Module], dict] | None = None,
+          progress: bool | None = None) -> dict[str, Any]:
+    """Train ``model`` on batches from ``source`` into ``run_dir``; returns the summary.
+
+    ``model(x, y)`` must return an object with a scalar ``.loss``; the model is moved to
+    ``device`` and trained in float32, under bf16 autocast on CUDA. ``extra_eval(model)`` runs at
+    every evaluation (eval mode, no grad) and returns more numbers for the row (e.g. accuracy);
+    the last ones also go to the summary as ``final_<name>``. ``progress=None`` shows a progress
+    line only when stderr is a terminal.
+
+    A fresh run refuses a ``run_dir`` that already holds ``metrics.jsonl`` or a checkpoint
+    (ConfigError); ``resume=True`` continues from ``run_dir/checkpoints/last`` and truncates
+    ``metrics.jsonl`` to the checkpoint's step. A divergence ends the run normally (the summary
+    says ``diverged``; the checkpoint on disk stays the last good one). Ctrl-C finishes the step in
+    flight (a second Ctrl-C stops at once), saves a checkpoint of the last completed step, writes
+    ``summary.json`` with ``"interrupted": true`` and then re-raises :class:`KeyboardInterrupt`.
+    Any other exception propagates without a summary; the last checkpoint stays usable.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device)
+    model.to(device)
+    model.train()
+    run = _Run(model, source, settings, run_dir, device, extra_eval)
+    keep_until = run.start(resume)
+    log = MetricsLog(run_dir, keep_until)
+    bar = ProgressLine(settings.steps, progress)
+    try:
+        try:
+            with DeferredInterrupt() as ctrl_c:
+                run.loop(log, bar, ctrl_c)
+                if run.diverged_at is None and run.state.checkpoint_step != run.state.step:
+                    run.save()
+        except KeyboardInterrupt:
+            bar.close()
+            run.on_interrupt()
+            write_json(run_dir / SUMMARY_FILE, run.summary())
+            raise
+        bar.close()
+        summary = run.summary()
+        write_json(run_dir / SUMMARY_FILE, summary)
+        return summary
+    finally:
+        bar.close()
+        log.close()

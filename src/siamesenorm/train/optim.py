@@ -1,0 +1,58 @@
+"""AdamW with decoupled weight decay on matrices only, and the warm-up + cosine learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split the trainable parameters of ``model`` into ``(decayed, not_decayed)``.
+
+    Decayed: every parameter with two or more dimensions (linear weights, the token embedding,
+    which is also the output projection when tied). Not decayed: biases, norm gains and every
+    other 0-D/1-D parameter, and *every* parameter that lives inside ``model.scheme`` whatever its
+    shape. A scheme owns only norm gains and connection weights (hyper-connections' ``static_alpha``,
+    mHC's ``phi_*``); decaying them would pull the residual topology toward zero, not regularise it.
+    Parameters shared by several modules (tied weights) appear once.
+    """
+    scheme = getattr(model, "scheme", None)
+    in_scheme = {id(p) for p in scheme.parameters()} if isinstance(scheme, nn.Module) else set()
+    decayed, plain = [], []
+    for p in model.parameters():  # parameters() yields a shared parameter once
+        if not p.requires_grad:
+            continue
+        (decayed if p.dim() >= 2 and id(p) not in in_scheme else plain).append(p)
+    return decayed, plain
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over ``model`` with two groups: ``weight_decay`` on the matrices, none elsewhere.
+
+    See :func:`decay_groups` for the split. Group 0 is the decayed group, group 1 the other. The
+    fused CUDA kernel is used when every parameter is on a CUDA device.
+    """
+    decayed, plain = decay_groups(model)
+    groups = [{"params": decayed, "weight_decay": weight_decay},
+              {"params": plain, "weight_decay": 0.0}]
+    on_cuda = all(p.is_cuda for p in decayed + plain) and bool(decayed + plain)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps,
+                             fused=True if on_cuda else None)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Learning rate of update number ``step`` (the first update is step 1).
+
+    Linear warm-up from 0 at step 0 to ``base_lr`` at step ``warmup``, then a half cosine from
+    ``base_lr`` down to ``min_lr_ratio * base_lr`` at step ``total``; constant after ``total``.
+    With ``warmup == 0`` the schedule starts at the peak.
+    """
+    if step < warmup:
+        return base_lr * step / warmup
+    min_lr = min_lr_ratio * base_lr
+    span = total - warmup
+    progress = min(1.0, (step - warmup) / span) if span > 0 else float(step > warmup)
+    return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

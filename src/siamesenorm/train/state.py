@@ -1,0 +1,42 @@
+"""The running totals of a training run that a checkpoint carries across a resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunState:
+    """Counters and records of one run. ``step`` counts completed optimizer updates."""
+
+    step: int = 0
+    last_loss: float | None = None
+    best_loss: float = math.inf           # lowest finite training loss so far
+    last_val_loss: float | None = None
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    last_extra: dict[str, Any] = field(default_factory=dict)   # what extra_eval last returned
+    tokens_seen: int = 0
+    train_time_s: float = 0.0             # time inside training steps (no eval, no checkpoints)
+    wall_time_s: float = 0.0              # of the sessions before this one
+    seq_len: int | None = None            # of the training batches, for flops_per_token
+    checkpoint_step: int | None = None    # step of the checkpoint on disk
+
+    def record_val(self, val_loss: float | None, extra: dict[str, Any]) -> None:
+        self.last_extra = dict(extra)
+        if val_loss is None:
+            return
+        self.last_val_loss = val_loss
+        if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
+            self.best_val_loss, self.best_val_step = val_loss, self.step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

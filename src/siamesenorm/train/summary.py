@@ -1,0 +1,47 @@
+"""The summary of a run, as written to ``summary.json``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from .state import RunState
+
+
+def perplexity(loss: float | None) -> float | None:
+    """``exp(loss)``; infinite past float range, ``None`` for no loss."""
+    return None if loss is None else math.exp(loss) if loss < 700 else math.inf
+
+
+def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, diverged_at: int | None,
+                  interrupted: bool, wall_time_s: float) -> dict[str, Any]:
+    """Figures of the run so far.
+
+    ``steps`` counts applied updates (a diverged step is not applied); ``final_*`` are the last
+    evaluation's figures, ``best_val_*`` the lowest validation loss and its step; ``tokens_per_s``
+    is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
+    model's, at the training sequence length. ``extra_eval``'s last numbers follow as ``final_<name>``.
+    """
+    count = model.num_parameters() if hasattr(model, "num_parameters") \
+        else sum(p.numel() for p in model.parameters())
+    flops = None
+    if hasattr(model, "flops_per_token"):
+        flops = model.flops_per_token(state.seq_len) if state.seq_len else model.flops_per_token()
+    out = {
+        "steps": state.step, "steps_planned": steps_planned,
+        "diverged": diverged_at is not None, "diverged_at": diverged_at,
+        "interrupted": interrupted, "checkpoint_step": state.checkpoint_step,
+        "final_loss": state.last_loss,
+        "best_loss": state.best_loss if math.isfinite(state.best_loss) else None,
+        "final_val_loss": state.last_val_loss, "final_val_ppl": perplexity(state.last_val_loss),
+        "best_val_loss": state.best_val_loss, "best_val_ppl": perplexity(state.best_val_loss),
+        "best_val_step": state.best_val_step,
+        "wall_time_s": wall_time_s, "train_time_s": state.train_time_s,
+        "tokens_seen": state.tokens_seen,
+        "tokens_per_s": state.tokens_seen / state.train_time_s if state.train_time_s > 0 else None,
+        "num_parameters": count, "flops_per_token": flops,
+    }
+    out.update({f"final_{k}": v for k, v in state.last_extra.items() if f"final_{k}" not in out})
+    return out
