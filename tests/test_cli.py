@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import siamesenorm as sn
 
@@ -57,3 +59,47 @@ def test_user_errors_are_one_line_with_exit_status_2(args, fragment):
     assert fragment in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ---- train ------------------------------------------------------------------------------------
+def test_train_writes_the_run_directory_and_resume_continues_it(tmp_path):
+    out = tmp_path / "run"
+    first = run("train", "tiny", "model.scheme=siamese", "train.steps=6", "train.checkpoint_every=3",
+                "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "tokenizer"):
+        assert (out / name).exists(), name
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["scheme"] == "siamese"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["diverged"] is False
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and "val_loss" in rows[-1]
+    again = run("train", "--resume", "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6  # finished: nothing added
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("tiny", "model.n_layer=3"), "unknown key 'model.n_layer'"),
+    (("tiny", "train.lr=fast"), "train.lr must be a number"),
+    (("tiny", "train.steps=-5"), "train.steps must be positive"),
+    (("tiny", "data.corpus=/no/such/data.txt"), "does not exist"),
+    (("tiny", "model.scheme_options.depth_scale=false"), "has no option 'depth_scale'"),
+    (("tiny", "data.seq_len=64"), "exceeds model.max_seq_len"),
+    (("nosuchpreset",), "preset 'nosuchpreset' not found"),
+])
+def test_train_refuses_bad_input_up_front(tmp_path, args, fragment):
+    out = tmp_path / "run"
+    res = run("train", *args, "--out", str(out))
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_train_refuses_a_folder_that_holds_another_run(tmp_path):
+    out = tmp_path / "run"
+    assert run("train", "tiny", "train.steps=2", "--out", str(out)).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    res = run("train", "tiny", "train.steps=2", "--out", str(out))
+    assert res.returncode == 2 and "already holds a run" in res.stderr
+    assert (out / "metrics.jsonl").read_text() == before

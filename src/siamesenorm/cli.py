@@ -48,6 +48,34 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .run import run_training
+
+    preset, overrides = _split_preset(args.args)
+    if args.resume and (preset or overrides):
+        raise ConfigError("--resume takes the run's own config.yaml; give no preset or overrides")
+    cfg = None if args.resume else load_config(preset, overrides)
+    summary = run_training(cfg, args.out, resume=args.resume)
+    state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
+        f"{summary['steps']} steps"
+    val = summary.get("final_val_loss")
+    print(f"{args.out}: {state}, final val loss {val if val is None else f'{val:.4f}'}")
+    return 0
+
+
+def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
+    """``[PRESET] key=value ...``: the first item without ``=`` is the preset."""
+    if items and "=" not in items[0]:
+        preset, rest = items[0], items[1:]
+    else:
+        preset, rest = None, items
+    stray = [x for x in rest if "=" not in x]
+    if stray:
+        raise ConfigError(f"expected key=value, got {stray[0]!r} (only the first argument may be a preset)")
+    return preset, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="siamesenorm",
@@ -60,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schemes", help="list the residual schemes with their equation and paper")
     p.add_argument("-v", "--verbose", action="store_true", help="also list each scheme's options")
     p.set_defaults(func=_cmd_schemes)
+
+    p = sub.add_parser("train", help="train one model into a run directory")
+    p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
+                   help="a preset name or YAML file, then dotted overrides (model.n_layers=12)")
+    p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")

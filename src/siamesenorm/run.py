@@ -1,0 +1,99 @@
+"""One training run from a :class:`~siamesenorm.config.RunConfig`: data, model, engine, run directory.
+
+The run directory holds ``config.yaml`` (the fully resolved config, with the vocabulary size the
+data set), ``tokenizer/`` (so the run can be reloaded), ``metrics.jsonl``, ``summary.json`` and
+``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig, dump_config, load_config
+from .data import (
+    BatchSampler,
+    build_tokenizer,
+    evaluate_arithmetic,
+    lm_answer_fn,
+    load_corpus,
+    train_val_tokens,
+    validation_batches,
+)
+from .data.tokenizers import load_tokenizer
+from .errors import ConfigError
+from .models import LanguageModel
+from .train import TrainSettings, train
+
+ARITHMETIC_EVAL_PROBLEMS = 200
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device: unknown device {name!r}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu")
+    return device
+
+
+def _corpus_options(cfg: RunConfig) -> dict:
+    return {"max_bytes": cfg.data.max_bytes} if cfg.data.corpus == "pystdlib" else {}
+
+
+def run_training(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
+                 progress: bool | None = None) -> dict:
+    """Train ``cfg`` into ``run_dir`` (or continue it with ``resume``); returns the summary."""
+    run_dir = Path(run_dir)
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"cannot resume {run_dir}: it holds no config.yaml")
+        cfg = load_config(str(run_dir / "config.yaml"))
+    elif (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"{run_dir} already holds a run; resume it with --resume or choose another --out")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
+                          f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
+    device = resolve_device(cfg.train.device)
+    corpus = load_corpus(cfg.data.corpus, **_corpus_options(cfg))
+    tokenizer = None
+    if not corpus.is_tokenized:
+        tok_dir = run_dir / "tokenizer"
+        tokenizer = load_tokenizer(tok_dir) if resume and tok_dir.is_dir() else \
+            build_tokenizer(cfg.data.tokenizer, corpus, cfg.data.vocab_size)
+    train_tokens, val_tokens = train_val_tokens(corpus, tokenizer, cfg.data.val_fraction)
+    vocab = tokenizer.vocab_size if tokenizer is not None else int(corpus.meta["max_token"]) + 1
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if tokenizer is not None:
+            tokenizer.save(run_dir / "tokenizer")
+
+    torch.manual_seed(cfg.seed)
+    model = LanguageModel(cfg.model, device=device)
+    sampler = BatchSampler(train_tokens, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.seed)
+    val = validation_batches(val_tokens, cfg.data.batch_size, cfg.data.seq_len, cfg.data.val_batches)
+    t = cfg.train
+    settings = TrainSettings(steps=t.steps, lr=t.lr, warmup=t.warmup, min_lr_ratio=t.min_lr_ratio,
+                             weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+                             grad_accum=t.grad_accum, eval_every=t.eval_every, eval_batches=val,
+                             checkpoint_every=t.checkpoint_every,
+                             divergence_factor=t.divergence_factor, compile=t.compile, seed=cfg.seed)
+    extra_eval = None
+    if corpus.heldout:
+        problems = corpus.heldout[:ARITHMETIC_EVAL_PROBLEMS]
+        longest = max(len(tokenizer.encode(p.answer)) for p in problems) + 1
+
+        def extra_eval(m: torch.nn.Module) -> dict:
+            score = evaluate_arithmetic(lm_answer_fn(m, tokenizer, longest), problems)
+            return {"arith_acc": score["accuracy"]}
+
+    return train(model, sampler, settings, run_dir, resume=resume, device=device,
+                 extra_eval=extra_eval, progress=progress)
