@@ -103,3 +103,26 @@ def test_train_refuses_a_folder_that_holds_another_run(tmp_path):
     res = run("train", "tiny", "train.steps=2", "--out", str(out))
     assert res.returncode == 2 and "already holds a run" in res.stderr
     assert (out / "metrics.jsonl").read_text() == before
+
+
+# ---- generate ---------------------------------------------------------------------------------
+def test_generate_continues_the_prompt_of_a_trained_run(tmp_path):
+    out = tmp_path / "run"
+    assert run("train", "tiny", "train.steps=3", "--out", str(out)).returncode == 0
+    greedy = [run("generate", str(out), "--prompt", "def f(", "--max-new-tokens", "50", "--greedy")
+              for _ in range(2)]
+    assert greedy[0].returncode == 0, greedy[0].stderr
+    assert greedy[0].stdout.startswith("def f(") and greedy[0].stdout == greedy[1].stdout
+    sampled = run("generate", str(out), "--prompt", "x", "--max-new-tokens", "5", "--seed", "3")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("x")
+
+
+def test_generate_refuses_what_is_not_a_usable_run(tmp_path):
+    res = run("generate", str(tmp_path), "--prompt", "x")
+    assert res.returncode == 2 and "not a run directory" in res.stderr
+    out = tmp_path / "run"
+    assert run("train", "tiny", "train.steps=2", "--out", str(out)).returncode == 0
+    (out / "checkpoints" / "last" / "model.safetensors").write_bytes(b"garbage")
+    res = run("generate", str(out), "--prompt", "x")
+    assert res.returncode == 2 and "model.safetensors" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -64,6 +64,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .run import generate_text
+
+    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, greedy=args.greedy, seed=args.seed, device=args.device))
+    return 0
+
+
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
     """``[PRESET] key=value ...``: the first item without ``=`` is the preset."""
     if items and "=" not in items[0]:
@@ -95,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained run's model")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="take the most likely token every step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")

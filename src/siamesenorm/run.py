@@ -97,3 +97,37 @@ def run_training(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
 
     return train(model, sampler, settings, run_dir, resume=resume, device=device,
                  extra_eval=extra_eval, progress=progress)
+
+
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[LanguageModel, object]:
+    """The trained model of ``run_dir`` (weights of its last checkpoint) and its tokenizer."""
+    from .train import load_checkpoint
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it holds no config.yaml")
+    cfg = load_config(str(run_dir / "config.yaml"))
+    if not (run_dir / "tokenizer").is_dir():
+        raise ConfigError(f"{run_dir} was trained on token files and has no tokenizer to turn text "
+                          "into tokens")
+    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    model = LanguageModel(cfg.model, device=resolve_device(device))
+    load_checkpoint(run_dir / "checkpoints" / "last", model, None)
+    return model.eval(), tokenizer
+
+
+def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *,
+                  temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
+                  seed: int = 0, device: str = "cpu") -> str:
+    """Continue ``prompt`` with the model of ``run_dir``; returns the prompt and its continuation."""
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
+    model, tokenizer = load_run(run_dir, device)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ConfigError("the prompt is empty; give at least one character")
+    x = torch.tensor([ids], device=model.embed.weight.device)
+    fits = len(ids) + max_new_tokens <= model.config.max_seq_len
+    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, greedy=greedy,
+                         use_cache=fits, generator=torch.Generator(x.device).manual_seed(seed))
+    return tokenizer.decode(out[0].tolist())
