@@ -64,6 +64,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .experiments import compare
+
+    preset, overrides = _split_preset(args.args)
+    compare(preset, overrides, args.out, schemes=_csv(args.schemes, str, "--schemes"),
+            lrs=_csv(args.lrs, float, "--lrs"), seeds=_csv(args.seeds, int, "--seeds"))
+    return 0
+
+
+def _csv(text: str | None, kind: type, flag: str) -> list | None:
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list") from None
+    if not values:
+        raise ConfigError(f"{flag} is empty")
+    return values
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .run import generate_text
 
@@ -103,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("compare", help="train several schemes (x learning rates x seeds) side by "
+                                       "side and write summary.csv, summary.json and report.md")
+    p.add_argument("args", nargs="*", metavar="[PRESET] key=value")
+    p.add_argument("--schemes", default="pre,post,siamese", help="comma-separated (default pre,post,siamese)")
+    p.add_argument("--lrs", default=None, help="comma-separated learning rates (default: train.lr)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: seed)")
+    p.add_argument("--out", default="experiments/compare", help="experiment directory")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")
     p.add_argument("run_dir", metavar="RUN_DIR")
