@@ -18,6 +18,7 @@ data in :attr:`ResidualScheme.requires`, and the model builder honours it.
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -47,7 +48,7 @@ class SchemeRequirements:
     branch_gain: float = 1.0
 
 
-class ResidualScheme(nn.Module):
+class ResidualScheme(nn.Module, ABC):
     """Base class: owns every norm and mixing parameter of the residual path of one model.
 
     Args:
@@ -112,9 +113,9 @@ class ResidualScheme(nn.Module):
         """Embedding output -> stream state (default: the single stream ``h``)."""
         return h
 
+    @abstractmethod
     def step(self, state: State, i: int, branch: Branch) -> State:
         """Apply sublayer ``i`` (``branch``) to the state; every scheme defines it."""
-        raise NotImplementedError(f"{type(self).__name__} does not define step()")
 
     def exit(self, state: State) -> Tensor:
         """Stream state -> hidden state for the head (default: the single stream as it is)."""
