@@ -1,0 +1,5 @@
+"""Many runs, one table, one report: ``siamesenorm compare``."""
+
+from .compare import compare
+
+__all__ = ["compare"]
