@@ -20,6 +20,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from .data.corpora import check_corpus_options
 from .errors import ConfigError
 from .models.lm_config import LMConfig
 from .schemes import build_scheme, get_scheme_class, scheme_options
@@ -32,6 +33,7 @@ class DataConfig:
     """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path."""
 
     corpus: str = "pystdlib"
+    corpus_options: dict[str, Any] = field(default_factory=dict)  # keyword options of its loader
     tokenizer: str = "bytes"           # "bytes" or "bpe"
     vocab_size: int = 1024             # BPE only
     max_bytes: int = 8_000_000         # pystdlib only
@@ -39,11 +41,12 @@ class DataConfig:
     batch_size: int = 16
     seq_len: int = 128
     val_batches: int = 8
+    eval_problems: int = 200           # arithmetic only: held-out problems answered at each evaluation
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("bytes", "bpe"):
             raise ConfigError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
-        for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches"):
+        for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches", "eval_problems"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
@@ -204,21 +207,30 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for k, v in data.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and not key.endswith("scheme_options"):
+        if isinstance(v, dict) and not key.endswith(("scheme_options", "corpus_options")):
             out += _flatten(v, key + ".")
         else:
             out.append((key, v))
     return out
 
 
-def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the preset, then the overrides; every value checked, the scheme's options too."""
+# Preset sections that are not part of a run's configuration (``compare`` holds an experiment's grid).
+NON_RUN_SECTIONS = ("compare",)
+
+
+def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = ()) -> RunConfig:
+    """Defaults, then the preset, then the overrides, then ``extra`` (already parsed ``(key, value)``
+    pairs, e.g. a compare variant's settings); every value checked, the scheme's options too."""
     cfg = RunConfig()
-    items = _flatten(read_preset(preset)) if preset else []
+    data = read_preset(preset) if preset else {}
+    items = _flatten({k: v for k, v in data.items() if k not in NON_RUN_SECTIONS})
     items += [parse_override(o) for o in overrides]
+    items += list(extra)
     for key, value in items:
         _set(cfg, key.split("."), value, key)
     cfg = _revalidate(cfg)
+    check_corpus_options(cfg.data.corpus, cfg.data.corpus_options)
     get_scheme_class(cfg.model.scheme)
     known = scheme_options(cfg.model.scheme)
     unknown = sorted(set(cfg.model.scheme_options) - set(known))

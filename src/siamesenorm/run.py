@@ -27,8 +27,6 @@ from .errors import ConfigError
 from .models import LanguageModel
 from .train import TrainSettings, train
 
-ARITHMETIC_EVAL_PROBLEMS = 200
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -43,7 +41,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _corpus_options(cfg: RunConfig) -> dict:
-    return {"max_bytes": cfg.data.max_bytes} if cfg.data.corpus == "pystdlib" else {}
+    """``data.corpus_options``, plus ``data.max_bytes`` for pystdlib (which the options may override)."""
+    base = {"max_bytes": cfg.data.max_bytes} if cfg.data.corpus == "pystdlib" else {}
+    return {**base, **cfg.data.corpus_options}
 
 
 def run_training(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
@@ -88,7 +88,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
                              divergence_factor=t.divergence_factor, compile=t.compile, seed=cfg.seed)
     extra_eval = None
     if corpus.heldout:
-        problems = corpus.heldout[:ARITHMETIC_EVAL_PROBLEMS]
+        problems = corpus.heldout[:cfg.data.eval_problems]
         longest = max(len(tokenizer.encode(p.answer)) for p in problems) + 1
 
         def extra_eval(m: torch.nn.Module) -> dict:

@@ -21,7 +21,7 @@ from .pystdlib import load_pystdlib
 from .textfiles import folder_files, load_text_files
 from .tokenfiles import load_token_files
 
-__all__ = ["load_corpus", "resolve_paths"]
+__all__ = ["check_corpus_options", "load_corpus", "resolve_paths"]
 
 _GLOB_CHARS = set("*?[")
 
@@ -81,8 +81,8 @@ def _loader(spec: str) -> tuple[Callable[..., Corpus], bool]:
     return _load_path, True
 
 
-def load_corpus(spec: str, **options) -> Corpus:
-    """Load the corpus ``spec`` names, with the options of its loader (see the package docstring)."""
+def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus], bool]:
+    """Refuse an option the loader of ``spec`` does not take; returns the loader (see :func:`_loader`)."""
     if not isinstance(spec, str) or not spec:
         raise ConfigError(f"corpus must be a non-empty string, got {spec!r}")
     loader, takes_spec = _loader(spec)
@@ -92,4 +92,10 @@ def load_corpus(spec: str, **options) -> Corpus:
         kind = spec if not takes_spec else ("hf" if spec.startswith("hf:") else "path")
         raise ConfigError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
                           f"{', '.join(accepted) or 'none'}")
+    return loader, takes_spec
+
+
+def load_corpus(spec: str, **options) -> Corpus:
+    """Load the corpus ``spec`` names, with the options of its loader (see the package docstring)."""
+    loader, takes_spec = check_corpus_options(spec, options)
     return loader(spec, **options) if takes_spec else loader(**options)

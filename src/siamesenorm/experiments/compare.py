@@ -1,42 +1,68 @@
 """``compare``: every (scheme, learning rate, seed) as its own run, then one table and one report.
 
-Every run of an experiment shares the base configuration; only ``model.scheme``, ``train.lr`` and
-``seed`` vary, so all schemes of one seed see the same data in the same order and start from the
-same generator state. ``experiment.json`` records the grid; repeating the command skips the runs
-that finished, and a folder that holds another experiment's runs is refused.
+Every run of an experiment shares the base configuration; only the variant (a scheme with its options
+and overrides, see :mod:`.grid`), ``train.lr`` and ``seed`` vary, so all schemes of one seed see the
+same data in the same order and start from the same generator state. ``experiment.json`` records
+the grid; repeating the command skips the runs that finished, and a folder that holds another
+experiment's runs is refused.
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 from pathlib import Path
 
-from ..config import RunConfig, config_to_dict, load_config
+from ..config import config_to_dict
 from ..errors import ConfigError
 from ..run import run_training
+from .grid import build_grid
 from .report import write_report
 
 COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "diverged",
-           "diverged_at", "steps", "tokens_per_s", "num_parameters")
+           "diverged_at", "steps", "tokens_per_s", "num_parameters", "max_grad_norm", "max_grad_norm_step")
 
 
-def run_name(scheme: str, lr: float, seed: int) -> str:
-    return f"{scheme}-lr{lr:g}-s{seed}"
+def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
+    """The largest logged gradient norm (before clipping) after step ``after``, and its step."""
+    best: tuple[float | None, int | None] = (None, None)
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            g = row.get("grad_norm")
+            if row.get("step", 0) > after and isinstance(g, (int, float)) and \
+                    (best[0] is None or g > best[0]):
+                best = (float(g), int(row["step"]))
+    return best
 
 
-def _grid(base: RunConfig, schemes: list[str], lrs: list[float], seeds: list[int]) -> list[tuple]:
-    runs = []
-    for seed in seeds:
+def _one_line(summary: dict, peak: tuple) -> str:
+    val = summary.get("final_val_loss")
+    state = f"diverged at step {summary['diverged_at']}" if summary.get("diverged") else \
+        f"final val loss {'-' if val is None else f'{val:.4f}'}"
+    grad = "" if peak[0] is None else f", max grad norm {peak[0]:.3g} (step {peak[1]})"
+    return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
+
+
+def text_table(rows: list[dict], labels: list[str], lrs: list[float]) -> str:
+    """Final validation loss per scheme (rows) and learning rate (columns), mean over seeds."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["scheme"], r["lr"]), []).append(r)
+    width = max(len("scheme"), *(len(label) for label in labels))
+    lines = [f"{'scheme':<{width}}  " + "  ".join(f"{'lr ' + format(lr, 'g'):>12}" for lr in lrs)]
+    for label in labels:
+        texts = []
         for lr in lrs:
-            for scheme in schemes:
-                model = dataclasses.replace(base.model, scheme=scheme, scheme_options={}
-                                            if scheme != base.model.scheme else base.model.scheme_options)
-                cfg = dataclasses.replace(base, model=model, seed=seed,
-                                          train=dataclasses.replace(base.train, lr=lr))
-                runs.append((run_name(scheme, lr, seed), scheme, lr, seed, cfg))
-    return runs
+            group = cells.get((label, lr), [])
+            if any(r["diverged"] for r in group):
+                texts.append(f"div@{min(r['diverged_at'] for r in group if r['diverged'])}")
+            else:
+                vals = [r["final_val_loss"] for r in group if r["final_val_loss"] is not None]
+                texts.append(f"{sum(vals) / len(vals):.4f}" if vals else "-")
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{t:>12}" for t in texts))
+    return "\n".join(lines)
 
 
 def _claim(out: Path, spec: dict) -> None:
@@ -54,23 +80,20 @@ def _claim(out: Path, spec: dict) -> None:
     marker.write_text(json.dumps(spec, indent=2))
 
 
-def compare(preset: str | None, overrides: list[str], out: str | Path, *, schemes: list[str],
-            lrs: list[float] | None = None, seeds: list[int] | None = None,
-            log=print) -> list[dict]:
-    """Train the grid into ``out`` (skipping finished runs) and write the table and the report."""
-    base = load_config(preset, overrides)
-    lrs = lrs or [base.train.lr]
-    seeds = seeds or [base.seed]
-    for name in schemes:  # each scheme's options checked before any run starts
-        load_config(preset, [o for o in overrides if not o.startswith("model.scheme")] +
-                    [f"model.scheme={name}"])
-    if any(not lr > 0 for lr in lrs):
-        raise ConfigError(f"learning rates must be positive, got {lrs}")
+def compare(preset: str | None, overrides: list[str], out: str | Path, *,
+            schemes: list[str] | None = None, lrs: list[float] | None = None,
+            seeds: list[int] | None = None, log=print) -> list[dict]:
+    """Train the grid into ``out`` (skipping finished runs) and write the table and the report.
+
+    ``schemes``, ``lrs`` and ``seeds`` default to the preset's ``compare`` section, then to
+    pre/post/siamese, ``train.lr`` and ``seed`` (see :mod:`siamesenorm.experiments.grid`).
+    """
+    base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
     out = Path(out)
-    grid = _grid(base, schemes, lrs, seeds)
-    _claim(out, {"base": config_to_dict(base), "schemes": schemes, "lrs": lrs, "seeds": seeds})
+    _claim(out, {"base": config_to_dict(base), **spec})
     rows = []
-    for i, (name, scheme, lr, seed, cfg) in enumerate(grid, 1):
+    for i, cell in enumerate(grid, 1):
+        name, cfg = cell.name, cell.config
         run_dir = out / name
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
@@ -79,13 +102,18 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *, scheme
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
             summary = run_training(cfg, run_dir, resume=(run_dir / "config.yaml").exists())
-        rows.append({"run": name, "scheme": scheme, "lr": lr, "seed": seed,
-                     **{k: summary.get(k) for k in COLUMNS[4:]}})
+            log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
+        peak = grad_norm_peak(run_dir)
+        rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
+                     **{k: summary.get(k) for k in COLUMNS[4:-2]},
+                     "max_grad_norm": peak[0], "max_grad_norm_step": peak[1]})
     with open(out / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    write_report(out, rows, schemes, lrs)
+    write_report(out, rows, spec["schemes"], spec["lrs"])
+    log("final validation loss (div@N: diverged at step N)")
+    log(text_table(rows, spec["schemes"], spec["lrs"]))
     log(f"report: {out / 'report.md'}")
     return rows

@@ -1,0 +1,160 @@
+"""The grid of a comparison: which variants, learning rates and seeds, from a preset and the command line.
+
+A preset may carry a ``compare`` section next to its run sections::
+
+    compare:
+      schemes: [pre, post, siamese-noscale]   # scheme names, or names of the variants below
+      lrs: [1.0e-3, 4.0e-3]                    # default: train.lr
+      seeds: [0]                               # default: seed
+      variants:                                # optional: named scheme settings
+        siamese-noscale: {scheme: siamese, options: {depth_scale: false}}
+        pre-24L: {scheme: pre, overrides: {model.n_layers: 24, model.dim: 48}}
+
+A variant is a scheme with its own options (replacing the preset's ``model.scheme_options``) and its
+own overrides of any run key, applied after the command line's overrides, so the variant is what
+tells its cells apart. A bare scheme name is that scheme with its default options (or the preset's
+options when it is the preset's own scheme). ``--schemes``, ``--lrs`` and ``--seeds`` on the command
+line replace the section's lists; they may name the section's variants too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import RunConfig, load_config, read_preset
+from ..errors import ConfigError
+from ..schemes import list_schemes
+
+DEFAULT_SCHEMES = ("pre", "post", "siamese")
+_SECTION_KEYS = ("schemes", "lrs", "seeds", "variants")
+_VARIANT_KEYS = ("scheme", "options", "overrides")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the grid: a label, its scheme, and the settings that make it differ."""
+
+    label: str
+    scheme: str
+    options: dict | None = None          # None: the scheme's defaults (or the preset's, same scheme)
+    overrides: dict = field(default_factory=dict)
+
+    def extra(self) -> list[tuple[str, Any]]:
+        items = [(str(k), v) for k, v in self.overrides.items()] + [("model.scheme", self.scheme)]
+        if self.options is not None:
+            items.append(("model.scheme_options", dict(self.options)))
+        return items
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid."""
+
+    name: str
+    variant: Variant
+    lr: float
+    seed: int
+    config: RunConfig
+
+
+def run_name(label: str, lr: float, seed: int) -> str:
+    return f"{label}-lr{lr:g}-s{seed}"
+
+
+def _check_list(key: str, value: Any, kind: type) -> list:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"compare.{key} must be a non-empty list, got {value!r}")
+    out = []
+    for v in value:
+        if kind is float and isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+            raise ConfigError(f"compare.{key}: {v!r} is not {'a number' if kind is float else kind.__name__}")
+        out.append(kind(v))
+    return out
+
+
+def read_section(preset: str | None) -> dict:
+    """The preset's ``compare`` section, checked (``{}`` when there is none)."""
+    if not preset:
+        return {}
+    section = read_preset(preset).get("compare") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"compare section of preset {preset!r} must be a mapping")
+    for key in section:
+        if key not in _SECTION_KEYS:
+            raise ConfigError(f"unknown key 'compare.{key}'; known keys: {', '.join(_SECTION_KEYS)}")
+    out: dict = {}
+    if "schemes" in section:
+        out["schemes"] = _check_list("schemes", section["schemes"], str)
+    if "lrs" in section:
+        out["lrs"] = _check_list("lrs", section["lrs"], float)
+    if "seeds" in section:
+        out["seeds"] = _check_list("seeds", section["seeds"], int)
+    variants = section.get("variants") or {}
+    if not isinstance(variants, dict):
+        raise ConfigError("compare.variants must map a label to {scheme, options, overrides}")
+    out["variants"] = {str(label): _variant(str(label), spec) for label, spec in variants.items()}
+    return out
+
+
+def _variant(label: str, spec: Any) -> Variant:
+    if not isinstance(spec, dict) or "scheme" not in spec:
+        raise ConfigError(f"compare.variants.{label} must be a mapping with a 'scheme' key")
+    for key in spec:
+        if key not in _VARIANT_KEYS:
+            raise ConfigError(f"unknown key 'compare.variants.{label}.{key}'; known keys: "
+                              f"{', '.join(_VARIANT_KEYS)}")
+    options, overrides = spec.get("options"), spec.get("overrides") or {}
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"compare.variants.{label}.options must be a mapping")
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"compare.variants.{label}.overrides must be a mapping of dotted keys")
+    return Variant(label, str(spec["scheme"]), options, overrides)
+
+
+def resolve_variants(names: list[str], variants: dict[str, Variant]) -> list[Variant]:
+    out = []
+    for name in names:
+        if name in variants:
+            out.append(variants[name])
+        elif name in list_schemes():
+            out.append(Variant(name, name))
+        else:
+            known = ", ".join(list(variants) + list_schemes())
+            raise ConfigError(f"unknown scheme {name!r}; choose one of {known}")
+    labels = [v.label for v in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--schemes names a scheme twice: {', '.join(labels)}")
+    return out
+
+
+def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
+               lrs: list[float] | None = None, seeds: list[int] | None = None,
+               ) -> tuple[RunConfig, dict, list[Cell]]:
+    """The base configuration, the grid's spec (for experiment.json) and every cell, all checked."""
+    section = read_section(preset)
+    base = load_config(preset, overrides)
+    variants = resolve_variants(schemes or section.get("schemes") or list(DEFAULT_SCHEMES),
+                                section.get("variants", {}))
+    lrs = lrs or section.get("lrs") or [base.train.lr]
+    seeds = seeds or section.get("seeds") or [base.seed]
+    if any(not lr > 0 for lr in lrs):
+        raise ConfigError(f"learning rates must be positive, got {lrs}")
+    configs = {}
+    for v in variants:  # each variant's settings are checked before any run starts
+        keep = v.options is None and v.scheme == base.model.scheme
+        options = [] if keep or v.options is not None else [("model.scheme_options", {})]
+        configs[v.label] = load_config(preset, overrides, v.extra() + options)
+    cells = [Cell(run_name(v.label, lr, seed), v, lr, seed,
+                  dataclasses.replace(configs[v.label], seed=seed,
+                                      train=dataclasses.replace(configs[v.label].train, lr=lr)))
+             for seed in seeds for lr in lrs for v in variants]
+    spec = {"schemes": [v.label for v in variants], "lrs": lrs, "seeds": seeds,
+            "variants": {v.label: dataclasses.asdict(v) for v in variants}}
+    return base, spec, cells
