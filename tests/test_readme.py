@@ -23,7 +23,42 @@ def test_readme_example_runs(code):
 
 def test_readme_starts_with_the_main_job_and_the_test_command():
     commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)[:2]
-    assert commands[0].endswith("siamesenorm demo")
+    assert commands[0].endswith("siamesenorm compare")
     assert commands[1].endswith("python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in ci and "torch==2.13.0" in ci
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``siamesenorm ...`` command of the README's bash blocks, split into arguments."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)\n```", README, flags=re.S):
+        for line in block.splitlines():
+            for part in line.split("#")[0].split("&&"):
+                words = shlex.split(part)
+                if words and words[0] == "siamesenorm":
+                    out.append(words[1:])
+    return out
+
+
+@pytest.mark.parametrize("argv", _readme_commands(), ids=lambda a: " ".join(a)[:60])
+def test_readme_commands_parse_and_their_configs_load(argv):
+    """The README's commands are accepted as written: arguments, presets, overrides and grids."""
+    from siamesenorm.cli import DEFAULT_COMPARE_PRESET, _split_preset, build_parser
+    from siamesenorm.config import load_config
+    from siamesenorm.experiments import build_grid
+
+    args = build_parser().parse_args(argv)
+    if args.command == "train" and not args.resume:
+        load_config(*_split_preset(args.args))
+    elif args.command == "compare":
+        preset, overrides = _split_preset(args.args)
+        schemes = args.schemes.split(",") if args.schemes else None
+        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else None
+        build_grid(preset or DEFAULT_COMPARE_PRESET, overrides, schemes=schemes, lrs=lrs)
+
+
+def test_readme_shows_the_main_commands():
+    assert {a[0] for a in _readme_commands()} >= {"compare", "train", "generate"}
