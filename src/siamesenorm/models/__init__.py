@@ -1,6 +1,13 @@
-"""Models built from ``siamesenorm.nn`` parts and a residual scheme."""
+"""Models built from ``siamesenorm.nn`` parts and a residual scheme: a language model, a DeiT-style
+vision transformer and a DiT. ``siamesenorm.models.timm_models`` registers the ViTs with timm when
+it is installed (import it explicitly)."""
 
+from .dit import DiT
+from .dit_config import DIT_SIZES, DiTConfig
 from .lm import LanguageModel, LMOutput
 from .lm_config import LMConfig
+from .vit import VisionTransformer, ViTOutput
+from .vit_config import VIT_SIZES, ViTConfig
 
-__all__ = ["LMConfig", "LMOutput", "LanguageModel"]
+__all__ = ["DIT_SIZES", "VIT_SIZES", "DiT", "DiTConfig", "LMConfig", "LMOutput", "LanguageModel",
+           "ViTConfig", "ViTOutput", "VisionTransformer"]

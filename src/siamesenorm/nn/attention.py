@@ -1,4 +1,4 @@
-"""Causal multi-head self-attention: RoPE, grouped-query attention, QK(V)-norm and a KV cache.
+"""Multi-head self-attention: causal or not, RoPE, grouped-query attention, QK(V)-norm, a KV cache.
 
 For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
 
@@ -9,7 +9,9 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
 
 The norms are optional and act on one head at a time (over ``head_dim``, weights shared by the
 heads). Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
-runs through :func:`torch.nn.functional.scaled_dot_product_attention`.
+runs through :func:`torch.nn.functional.scaled_dot_product_attention`. ``causal=False`` drops the
+mask (every query sees every key: ViT, DiT) and ``rope=False`` drops the rotation (the model adds
+absolute position embeddings instead).
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``.
+    """Self-attention with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``.
 
     Args:
-        dim: model width; ``dim // n_heads`` is the head size (even, for RoPE).
+        dim: model width; ``dim // n_heads`` is the head size (even, when ``rope``).
         n_heads: query heads.
         n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
         max_seq_len: longest sequence RoPE and the cache support.
@@ -74,6 +76,8 @@ class Attention(nn.Module):
         bias: biases on the four projections.
         dropout: dropout on the attention weights and on the output (training only).
         layer_idx: which entry of a :class:`KVCache` this layer uses.
+        causal: mask future positions (language models); ``False`` for encoders (ViT, DiT).
+        rope: rotate q and k by their positions; ``False`` leaves positions to the model.
         device, dtype: factory kwargs.
     """
 
@@ -81,7 +85,7 @@ class Attention(nn.Module):
                  max_seq_len: int = 2048, rope_theta: float = 10000.0, qk_norm: bool = False,
                  qkv_norm: bool = False, norm: str = "rmsnorm", norm_eps: float = 1e-5,
                  bias: bool = False, dropout: float = 0.0, layer_idx: int = 0,
-                 device=None, dtype=None) -> None:
+                 causal: bool = True, rope: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if dim % n_heads:
@@ -91,7 +95,7 @@ class Attention(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.head_dim = dim // n_heads
-        self.dropout, self.layer_idx = dropout, layer_idx
+        self.dropout, self.layer_idx, self.causal = dropout, layer_idx, bool(causal)
         kv_dim = n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(dim, dim, bias=bias, **kw)
         self.k_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
@@ -104,7 +108,7 @@ class Attention(nn.Module):
         self.q_norm = head_norm(qk_norm or qkv_norm)
         self.k_norm = head_norm(qk_norm or qkv_norm)
         self.v_norm = head_norm(qkv_norm)
-        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw) if rope else None
 
     def reset_parameters(self) -> None:
         """PyTorch's default Linear init, unit norms, fresh RoPE tables (a model re-inits after)."""
@@ -122,18 +126,21 @@ class Attention(nn.Module):
         return x.transpose(1, 2)
 
     def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0) -> Tensor:
-        """Attend causally over ``x`` (``(B, T, dim)``) and, with a cache, over its earlier keys."""
+        """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
+        cache, over its earlier keys."""
         b, t, _ = x.shape
-        q = self.rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), pos)
-        k = self.rope(self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm), pos)
+        q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
+        k = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
         v = self._heads(self.v_proj(x), self.n_kv_heads, self.v_norm)
+        if self.rope is not None:
+            q, k = self.rope(q, pos), self.rope(k, pos)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, pos)
         t_key = k.shape[-2]
-        mask, is_causal = None, False
-        if t_key == t:
+        mask, is_causal = None, False  # non-causal: every query sees every key
+        if self.causal and t_key == t:
             is_causal = t > 1  # keys and queries cover the same positions
-        elif t > 1:
+        elif self.causal and t > 1:
             mask = causal_mask(t, t_key, t_key - t, device=x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal,
@@ -144,4 +151,5 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, layer_idx={self.layer_idx}")
+                f"head_dim={self.head_dim}, layer_idx={self.layer_idx}, causal={self.causal}, "
+                f"rope={self.rope is not None}")

@@ -46,14 +46,25 @@ class SwiGLUMLP(nn.Module):
         return F.dropout(y, self.dropout, self.training)
 
 
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
 class GELUMLP(nn.Module):
-    """Two-layer MLP with a GELU in between: ``down_proj(gelu(up_proj(x)))``."""
+    """Two-layer MLP with a GELU in between: ``down_proj(gelu(up_proj(x)))``.
+
+    ``approximate="tanh"`` uses the tanh approximation of GELU (as DiT does); ``"none"`` the exact
+    erf form (ViT/DeiT, GPT-style models here).
+    """
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = False, dropout: float = 0.0,
-                 device=None, dtype=None) -> None:
+                 approximate: str = "none", device=None, dtype=None) -> None:
         super().__init__()
+        if approximate not in GELU_APPROXIMATIONS:
+            raise ConfigError(f"unknown GELU approximation {approximate!r}; choose one of "
+                              f"{', '.join(GELU_APPROXIMATIONS)}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.hidden, self.dropout = dim, hidden, dropout
+        self.approximate = approximate
         self.up_proj = nn.Linear(dim, hidden, bias=bias, **kw)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, **kw)
 
@@ -62,7 +73,7 @@ class GELUMLP(nn.Module):
             proj.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.down_proj(F.gelu(self.up_proj(x)))
+        y = self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
         return F.dropout(y, self.dropout, self.training)
 
 

@@ -56,6 +56,12 @@ class ResidualScheme(nn.Module, ABC):
         n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
         norm: ``"layernorm"`` or ``"rmsnorm"``, used for every norm the scheme owns.
         eps: epsilon of those norms.
+        branch_affine: ``False`` builds every norm whose output feeds a branch directly (and
+            nothing else) without affine parameters, for hosts whose branches bring their own
+            per-sample affine map (DiT's adaLN modulation). Norms on the residual path stay affine.
+        final_norm: ``False`` leaves the scheme's outermost final norm out of :meth:`exit`, for
+            heads that normalise themselves (DiT's final layer). Each scheme's docstring says what
+            its ``exit`` returns then.
         device, dtype: factory kwargs for the parameters.
     """
 
@@ -65,7 +71,8 @@ class ResidualScheme(nn.Module, ABC):
     sublayers_per_block: ClassVar[int] = 2
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 device=None, dtype=None) -> None:
+                 branch_affine: bool = True, final_norm: bool = True, device=None,
+                 dtype=None) -> None:
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ConfigError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
@@ -78,6 +85,8 @@ class ResidualScheme(nn.Module, ABC):
         if not eps > 0:
             raise ConfigError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
         self.dim, self.n_layers, self.norm_kind, self.eps = dim, n_layers, norm, float(eps)
+        self.branch_affine = check_bool(self.name, "branch_affine", branch_affine)
+        self.use_final_norm = check_bool(self.name, "final_norm", final_norm)
         self._factory = {"device": device, "dtype": dtype}
         self.requires = SchemeRequirements()
 
@@ -101,6 +110,17 @@ class ResidualScheme(nn.Module, ABC):
 
     def make_norms(self, count: int) -> nn.ModuleList:
         return nn.ModuleList(self.make_norm() for _ in range(count))
+
+    def make_branch_norm(self) -> nn.Module:
+        """A norm whose output only feeds a branch: affine unless ``branch_affine=False``."""
+        return self.make_norm(affine=self.branch_affine)
+
+    def make_branch_norms(self, count: int) -> nn.ModuleList:
+        return nn.ModuleList(self.make_branch_norm() for _ in range(count))
+
+    def make_final_norm(self) -> nn.Module | None:
+        """The outermost final norm, or ``None`` when built with ``final_norm=False``."""
+        return self.make_norm() if self.use_final_norm else None
 
     def reset_parameters(self) -> None:
         """Reset every parameter the scheme owns to its initial value."""
@@ -126,7 +146,10 @@ class ResidualScheme(nn.Module, ABC):
         return {"h": state}
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, n_layers={self.n_layers}, norm={self.norm_kind}, eps={self.eps}"
+        out = f"dim={self.dim}, n_layers={self.n_layers}, norm={self.norm_kind}, eps={self.eps}"
+        if not self.branch_affine:
+            out += ", branch_affine=False"
+        return out
 
 
 # ---- registry ------------------------------------------------------------------------------
@@ -155,15 +178,22 @@ def get_scheme_class(name: str) -> type[ResidualScheme]:
         raise ConfigError(f"unknown scheme {name!r}; choose one of {', '.join(_REGISTRY)}") from None
 
 
-_COMMON = ("dim", "n_layers", "norm", "eps", "device", "dtype")
+# Constructor arguments every scheme has. ``dim``, ``n_layers``, ``norm``, ``eps``, ``device`` and
+# ``dtype`` come from the host model's own configuration; the two head options below are set
+# through ``scheme_options`` like a scheme's own options, so :func:`scheme_options` lists them
+# (after the scheme's own, with that scheme's defaults: ``post`` has ``final_norm=False``).
+COMMON_OPTIONS = ("branch_affine", "final_norm")
+_COMMON = ("dim", "n_layers", "norm", "eps", *COMMON_OPTIONS, "device", "dtype")
 
 
 def scheme_options(name: str) -> dict[str, Any]:
-    """The scheme-specific options of ``name`` and their defaults."""
+    """The options of ``name`` and their defaults: its own, then ``branch_affine``, ``final_norm``."""
     cls = get_scheme_class(name)
     params = inspect.signature(cls.__init__).parameters
-    return {k: p.default for k, p in params.items() if k != "self" and k not in _COMMON
-            and p.kind is p.KEYWORD_ONLY}
+    own = {k: p.default for k, p in params.items() if k != "self" and k not in _COMMON
+           and p.kind is p.KEYWORD_ONLY}
+    base = inspect.signature(ResidualScheme.__init__).parameters  # for ``(*args, **kwargs)`` subclasses
+    return own | {k: (params.get(k) or base[k]).default for k in COMMON_OPTIONS}
 
 
 def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> ResidualScheme:

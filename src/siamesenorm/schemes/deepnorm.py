@@ -25,7 +25,9 @@ class DeepNorm(ResidualScheme):
         decoder-only: alpha = (2M)^(1/4), beta = (8M)^(-1/4)
         encoder-only: alpha = (2N)^(1/4), beta = (8N)^(-1/4)
 
-    ``alpha``/``beta`` override the table. Parameters: ``post_norm[i]``.
+    ``alpha``/``beta`` override the table. Parameters: ``post_norm[i]``. No norm feeds a branch
+    alone and the last post-norm is on the residual path, so ``branch_affine`` and ``final_norm``
+    change nothing (exit returns the stream).
     """
 
     name = "deepnorm"
@@ -34,8 +36,10 @@ class DeepNorm(ResidualScheme):
 
     def __init__(self, dim: int, n_layers: int, *, arch: str = "decoder",
                  alpha: float | None = None, beta: float | None = None,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.arch = check_choice(self.name, "arch", arch, ("decoder", "encoder"))
         # Decoder-only and encoder-only have the same formula, with M or N the layer count.
         self.alpha = float((2 * n_layers) ** 0.25 if alpha is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import Branch, ResidualScheme, SchemeRequirements, check_bool, register_scheme
 
@@ -22,6 +22,10 @@ class HybridNorm(ResidualScheme):
     ``first_layer_pre=True`` is HybridNorm*: block 0 is a Pre-Norm block (with QKV-norm),
     ``h + Attn(LN(h))`` then ``h + FFN(LN(h))``. Parameters: ``ffn_norm`` (per block),
     ``attn_norm`` (HybridNorm* only), ``final_norm``.
+
+    ``branch_affine=False`` makes the pre-norms of HybridNorm*'s block 0 (``attn_norm`` and
+    ``ffn_norm[0]``) non-affine; the FFN post-norms feed the residual too and stay affine.
+    ``final_norm=False``: exit returns ``h``.
     """
 
     name = "hybridnorm"
@@ -29,12 +33,16 @@ class HybridNorm(ResidualScheme):
     paper = "Zhuo et al. 2025, arXiv 2503.04598"
 
     def __init__(self, dim: int, n_layers: int, *, first_layer_pre: bool = False,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.first_layer_pre = check_bool(self.name, "first_layer_pre", first_layer_pre)
-        self.ffn_norm = self.make_norms(n_layers)
-        self.attn_norm = self.make_norm() if self.first_layer_pre else None
-        self.final_norm = self.make_norm()
+        pre0 = self.first_layer_pre  # block 0's FFN norm is then a pre-norm, feeding the branch only
+        self.ffn_norm = nn.ModuleList(self.make_branch_norm() if pre0 and b == 0 else self.make_norm()
+                                      for b in range(n_layers))
+        self.attn_norm = self.make_branch_norm() if pre0 else None
+        self.final_norm = self.make_final_norm()
         self.requires = SchemeRequirements(qkv_norm_blocks=frozenset(range(n_layers)))
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
@@ -48,4 +56,4 @@ class HybridNorm(ResidualScheme):
         return normed + branch(normed)
 
     def exit(self, state: Tensor) -> Tensor:
-        return self.final_norm(state)
+        return state if self.final_norm is None else self.final_norm(state)

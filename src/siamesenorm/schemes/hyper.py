@@ -10,16 +10,18 @@ from .base import Branch, ResidualScheme, check_bool, check_number, register_sch
 
 class MultiStreamScheme(ResidualScheme):
     """Shared by hyper and mhc: ``n_streams`` copies of the embedding on entry, a state of shape
-    ``(..., n, d)``, and ``final_norm`` of the streams' sum on exit."""
+    ``(..., n, d)``, and ``final_norm`` of the streams' sum on exit (the bare sum with
+    ``final_norm=False``)."""
 
     n_streams: int
-    final_norm: nn.Module
+    final_norm: nn.Module | None
 
     def enter(self, h: Tensor) -> Tensor:
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1])
 
     def exit(self, state: Tensor) -> Tensor:
-        return self.final_norm(state.sum(-2))
+        total = state.sum(-2)
+        return total if self.final_norm is None else self.final_norm(total)
 
     def streams(self, state: Tensor) -> dict[str, Tensor]:
         return {f"h{k}": state[..., k, :] for k in range(self.n_streams)}
@@ -41,7 +43,9 @@ class HyperConnections(MultiStreamScheme):
     ``B = B_static + s_b * tanh(LN(H) W_b)``, with ``W`` initialised to 0 and ``s = 0.01``.
     The SiameseNorm paper compares with HC 2xDHC (``n_streams=2, dynamic=True``).
     Parameters: ``norm[i]``, ``static_alpha``, ``static_beta``, ``dyn_norm[i]``, ``alpha_proj``,
-    ``beta_proj``, ``alpha_scale``, ``beta_scale``, ``final_norm``.
+    ``beta_proj``, ``alpha_scale``, ``beta_scale``, ``final_norm``. ``branch_affine=False`` makes
+    ``norm[i]`` non-affine (``dyn_norm`` feeds the connections, not the branch, and stays affine);
+    ``final_norm=False``: exit returns ``sum_k H_k``.
     """
 
     name = "hyper"
@@ -49,13 +53,15 @@ class HyperConnections(MultiStreamScheme):
     paper = "Zhu et al., ICLR 2025, arXiv 2409.19606"
 
     def __init__(self, dim: int, n_layers: int, *, n_streams: int = 2, dynamic: bool = True,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         n = self.n_streams = check_number(self.name, "n_streams", n_streams, low=1, integer=True)
         self.dynamic = check_bool(self.name, "dynamic", dynamic)
         s, kw = self.n_sublayers, self._factory
-        self.norm = self.make_norms(s)
-        self.final_norm = self.make_norm()
+        self.norm = self.make_branch_norms(s)
+        self.final_norm = self.make_final_norm()
         self.static_alpha = nn.Parameter(torch.empty(s, n, n + 1, **kw))
         self.static_beta = nn.Parameter(torch.empty(s, n, **kw))
         if self.dynamic:

@@ -16,7 +16,8 @@ class LayerNormScaling(PreNorm):
 
     ``h <- h + F_i(LN_i(h) / sqrt(l))`` with ``l = b + 1`` the 1-based layer index of sublayer
     ``i``, then an unscaled ``LN_final(h)``. It damps the variance growth of deep Pre-Norm layers.
-    Parameters (as ``pre``): ``pre_norm[i]``, ``final_norm``.
+    Parameters (as ``pre``): ``pre_norm[i]``, ``final_norm``; ``branch_affine`` and
+    ``final_norm`` act as in ``pre`` (the scaling applies after the, possibly non-affine, norm).
     """
 
     name = "lns"

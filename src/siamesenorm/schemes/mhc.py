@@ -36,7 +36,9 @@ class ManifoldHyperConnections(MultiStreamScheme):
     HC's ``e_{i mod n}`` does), ``b_post = 0`` (``H^post = 1``), ``b_res`` = 4 on the diagonal
     (near-identity mixing). Parameters: ``norm[i]``, ``stream_norm[i]``, ``phi_pre``,
     ``phi_post``, ``phi_res``, ``alpha_pre``, ``alpha_post``, ``alpha_res``, ``b_pre``,
-    ``b_post``, ``b_res``, ``final_norm``.
+    ``b_post``, ``b_res``, ``final_norm``. ``branch_affine=False`` makes ``norm[i]`` non-affine
+    (``stream_norm`` feeds the maps and stays affine); ``final_norm=False``: exit returns
+    ``sum_k H_k``.
     """
 
     name = "mhc"
@@ -44,14 +46,16 @@ class ManifoldHyperConnections(MultiStreamScheme):
     paper = "DeepSeek-AI 2025, arXiv 2512.24880"
 
     def __init__(self, dim: int, n_layers: int, *, n_streams: int = 4, sinkhorn_iters: int = 20,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         n = self.n_streams = check_number(self.name, "n_streams", n_streams, low=1, integer=True)
         self.sinkhorn_iters = check_number(self.name, "sinkhorn_iters", sinkhorn_iters, low=1,
                                            integer=True)
         s, kw = self.n_sublayers, self._factory
-        self.norm = self.make_norms(s)
-        self.final_norm = self.make_norm()
+        self.norm = self.make_branch_norms(s)
+        self.final_norm = self.make_final_norm()
         self.stream_norm = nn.ModuleList(RMSNorm(n * dim, self.eps, **kw) for _ in range(s))
         self.phi_pre = nn.Parameter(torch.empty(s, n * dim, n, **kw))
         self.phi_post = nn.Parameter(torch.empty(s, n * dim, n, **kw))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import Branch, ResidualScheme, check_number, register_scheme
 
@@ -17,7 +17,9 @@ class MixLN(ResidualScheme):
     ``h <- LN_i(h + F_i(h))``; the others are Pre-Norm, ``h <- h + F_i(LN_i(h))``. A final norm
     follows when at least one Pre-Norm block exists (a Post-Norm output is already normalised), so
     ``post_fraction=0`` is exactly ``pre`` and ``post_fraction=1`` exactly ``post``. The paper's
-    default fraction is 0.25. Parameters: ``norm[i]``, ``final_norm``.
+    default fraction is 0.25. Parameters: ``norm[i]``, ``final_norm``. ``branch_affine=False``
+    makes the norms of the Pre-Norm blocks non-affine (the Post-Norm ones stay affine);
+    ``final_norm=False``: exit returns ``h``.
     """
 
     name = "mix_ln"
@@ -25,12 +27,16 @@ class MixLN(ResidualScheme):
     paper = "Li, Yin, Liu, ICLR 2025, arXiv 2412.13795"
 
     def __init__(self, dim: int, n_layers: int, *, post_fraction: float = 0.25,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.post_fraction = check_number(self.name, "post_fraction", post_fraction, low=0, high=1)
         self.n_post = math.floor(self.post_fraction * n_layers + 1e-9)
-        self.norm = self.make_norms(self.n_sublayers)
-        self.final_norm = self.make_norm() if self.n_post < n_layers else None
+        self.norm = nn.ModuleList(
+            self.make_norm() if self.block_of(i) < self.n_post else self.make_branch_norm()
+            for i in range(self.n_sublayers))
+        self.final_norm = self.make_final_norm() if self.n_post < n_layers else None
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
         if self.block_of(i) < self.n_post:

@@ -14,7 +14,8 @@ class PeriLN(ResidualScheme):
     ``h <- h + LN^out_i(F_i(LN^in_i(h)))``, then ``LN_final(h)``. ``embed_norm=True`` also
     normalises the embedding output on entry (whether the paper does so by default is not
     confirmed, so it is off by default). Parameters: ``input_norm[i]``, ``output_norm[i]``,
-    ``final_norm``, ``embed_norm``.
+    ``final_norm``, ``embed_norm``. ``branch_affine=False`` makes ``input_norm`` non-affine
+    (``output_norm`` and ``embed_norm`` stay affine); ``final_norm=False``: exit returns ``h``.
     """
 
     name = "peri_ln"
@@ -22,11 +23,13 @@ class PeriLN(ResidualScheme):
     paper = "Kim et al., ICML 2025, arXiv 2502.02732"
 
     def __init__(self, dim: int, n_layers: int, *, embed_norm: bool = False,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
-        self.input_norm = self.make_norms(self.n_sublayers)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
+        self.input_norm = self.make_branch_norms(self.n_sublayers)
         self.output_norm = self.make_norms(self.n_sublayers)
-        self.final_norm = self.make_norm()
+        self.final_norm = self.make_final_norm()
         self.embed_norm = self.make_norm() if check_bool(self.name, "embed_norm", embed_norm) else None
 
     def enter(self, h: Tensor) -> Tensor:
@@ -36,4 +39,4 @@ class PeriLN(ResidualScheme):
         return state + self.output_norm[i](branch(self.input_norm[i](state)))
 
     def exit(self, state: Tensor) -> Tensor:
-        return self.final_norm(state)
+        return state if self.final_norm is None else self.final_norm(state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Branch, ResidualScheme, check_bool, register_scheme
+from .base import Branch, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -13,7 +13,8 @@ class PreNorm(ResidualScheme):
 
     ``h <- h + F_i(LN_i(h))`` for every sublayer, then ``LN_final(h)``. The identity path keeps the
     gradient undamped with depth, but the hidden-state norm grows and deep layers are diluted.
-    Parameters: ``pre_norm[i]``, ``final_norm``.
+    Parameters: ``pre_norm[i]`` (feeds the branch: non-affine with ``branch_affine=False``),
+    ``final_norm`` (``None`` with ``final_norm=False``: exit returns the stream ``h`` itself).
     """
 
     name = "pre"
@@ -21,16 +22,18 @@ class PreNorm(ResidualScheme):
     paper = "Xiong et al. 2020, arXiv 2002.04745"
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
-        self.pre_norm = self.make_norms(self.n_sublayers)
-        self.final_norm = self.make_norm()
+                 branch_affine: bool = True, final_norm: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
+        self.pre_norm = self.make_branch_norms(self.n_sublayers)
+        self.final_norm = self.make_final_norm()
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
         return state + branch(self.pre_norm[i](state))
 
     def exit(self, state: Tensor) -> Tensor:
-        return self.final_norm(state)
+        return state if self.final_norm is None else self.final_norm(state)
 
 
 @register_scheme
@@ -38,19 +41,23 @@ class PostNorm(ResidualScheme):
     """Post-Norm (Vaswani et al. 2017, arXiv 1706.03762).
 
     ``h <- LN_i(h + F_i(h))``; the output of the last sublayer is already normalised, so there is
-    no final norm unless ``final_norm=True``. Bounded hidden states, but the gradient reaching the
-    first layers decays with depth. Parameters: ``post_norm[i]`` (and ``final_norm``).
+    no final norm unless ``final_norm=True`` (so, unlike the other schemes, ``final_norm`` is off
+    by default and exit returns the stream). Bounded hidden states, but the gradient reaching the
+    first layers decays with depth. No norm feeds a branch alone, so ``branch_affine`` changes
+    nothing. Parameters: ``post_norm[i]`` (and ``final_norm``).
     """
 
     name = "post"
     summary = "h = LN(h + F(h))"
     paper = "Vaswani et al. 2017, arXiv 1706.03762"
 
-    def __init__(self, dim: int, n_layers: int, *, final_norm: bool = False,
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
+                 branch_affine: bool = True, final_norm: bool = False, device=None,
+                 dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.post_norm = self.make_norms(self.n_sublayers)
-        self.final_norm = self.make_norm() if check_bool(self.name, "final_norm", final_norm) else None
+        self.final_norm = self.make_final_norm()
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
         return self.post_norm[i](state + branch(state))

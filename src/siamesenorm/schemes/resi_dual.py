@@ -18,7 +18,9 @@ class ResiDual(ResidualScheme):
         O = F(x_a);  x_a = LN_i(x_a + O);  x_d = x_d + O
         out = x_a + LN_dual(x_d)
 
-    Parameters: ``post_norm[i]``, ``dual_norm``.
+    Parameters: ``post_norm[i]``, ``dual_norm``. No norm feeds a branch alone and there is no
+    outer final norm (``dual_norm`` feeds the merge), so ``branch_affine`` and ``final_norm``
+    change nothing.
     """
 
     name = "resi_dual"
@@ -26,8 +28,10 @@ class ResiDual(ResidualScheme):
     paper = "Xie et al. 2023, arXiv 2304.14802"
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 branch_affine: bool = True, final_norm: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.post_norm = self.make_norms(self.n_sublayers)
         self.dual_norm = self.make_norm()
 

@@ -50,6 +50,12 @@ class SiameseNorm(ResidualScheme):
     HybridNorm with the auxiliary mechanisms); ``"resi_dual"`` (Y accumulates the outputs but never
     feeds a sublayer, the ResiDual topology).
 
+    Head options: ``branch_affine=False`` makes ``input_norm`` (LN^in, the only norm that feeds a
+    branch alone) non-affine, which is DiT's non-affine ``norm1``/``norm2`` in the official DiT
+    file; without ``input_norm`` it changes nothing. ``final_norm=False`` drops the outer ``LN`` of
+    ``merge="normed_sum"``, so exit is ``LN_a(X) + LN_b(Y)`` (the official DiT merge, fed to DiT's
+    own final layer); ``merge="sum"`` and topology ``"single"`` have no outer norm to drop.
+
     Parameters (by role): ``post_norm`` (LN^X), ``pre_norm`` (LN^Y), ``input_norm`` (LN^in),
     ``x_gain`` (gamma, hybrid_pre), ``merge_norm_x``, ``merge_norm_y``, ``final_norm``.
     """
@@ -60,8 +66,10 @@ class SiameseNorm(ResidualScheme):
 
     def __init__(self, dim: int, n_layers: int, *, form: str = "post_pre", input_norm: bool = True,
                  depth_scale: bool = True, merge: str = "normed_sum", topology: str = "siamese",
-                 norm: str = "layernorm", eps: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
         self.form = check_choice(self.name, "form", form, FORMS)
         self.merge = check_choice(self.name, "merge", merge, MERGES)
         self.topology = check_choice(self.name, "topology", topology, TOPOLOGIES)
@@ -76,13 +84,14 @@ class SiameseNorm(ResidualScheme):
         self.pre_norm = self.make_norms(self.n_sublayers) if self.topology == "siamese" else None
         # LN^in: every sublayer (post_pre) or the FFN only (hybrid_pre; attention has QKV-norm).
         n_in = n_layers if hybrid else self.n_sublayers
-        self.input_norm = self.make_norms(n_in) if has_input_norm else None
+        self.input_norm = self.make_branch_norms(n_in) if has_input_norm else None
         self.x_gain = nn.ParameterList(
             nn.Parameter(torch.empty(dim, **self._factory)) for _ in range(n_layers)
         ) if hybrid else None
         self.merge_norm_x = self.make_norm()
         self.merge_norm_y = self.make_norm() if two_streams else None
-        self.final_norm = self.make_norm() if two_streams and self.merge == "normed_sum" else None
+        self.final_norm = self.make_final_norm() if two_streams and self.merge == "normed_sum" \
+            else None
         if hybrid:
             self.requires = SchemeRequirements(qkv_norm_blocks=frozenset(range(n_layers)))
         self.reset_parameters()

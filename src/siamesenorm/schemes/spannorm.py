@@ -20,6 +20,11 @@ class SpanNorm(ResidualScheme):
     "principled scaling strategy" is not implemented: its constant could not be confirmed from the
     sources available to us (see docs/schemes.md). State: ``(x, y)``. Parameters: ``attn_norm``,
     ``ffn_norm`` (per block), ``initial_norm``.
+
+    ``branch_affine=False`` makes ``initial_norm`` and ``attn_norm`` non-affine: their outputs feed
+    a branch only (``y`` is read by the FFN alone; the FFN's skip is ``x_l``). ``ffn_norm`` is on
+    the residual path and stays affine. There is no final norm: exit is ``x`` whatever
+    ``final_norm`` is.
     """
 
     name = "spannorm"
@@ -27,10 +32,12 @@ class SpanNorm(ResidualScheme):
     paper = "Wang et al., ICML 2026, arXiv 2601.22580"
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype)
-        self.initial_norm = self.make_norm()
-        self.attn_norm = self.make_norms(n_layers)
+                 branch_affine: bool = True, final_norm: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
+        self.initial_norm = self.make_branch_norm()
+        self.attn_norm = self.make_branch_norms(n_layers)
         self.ffn_norm = self.make_norms(n_layers)
 
     def enter(self, h: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,300 @@
+"""DiT with adaLN-Zero blocks over any residual scheme.
+
+DiT (Peebles & Xie 2023, arXiv 2212.09748) as the SiameseNorm paper trains it (arXiv 2602.08064,
+``dit-model-siamesenorm.py``)::
+
+    h = patch_embed(x) + pos_embed                     # fixed 2-D sin-cos positions
+    c = t_embed(t) + y_embed(y)                        # y == num_classes: the null label
+    state = scheme.enter(h)
+    for i, sublayer in enumerate(sublayers):           # even i: attention, odd i: MLP of block b
+        shift, scale, gate = modulation[b](c)          # SiLU -> Linear(dim, 6 dim), zero-initialised
+        state = scheme.step(state, i, u -> gate * sublayer(u * (1 + scale) + shift))
+    out = unpatchify(final_layer(scheme.exit(state), c))
+
+The scheme is built with ``branch_affine=False, final_norm=False`` (``scheme_options`` may
+override them): the norm that feeds each branch is non-affine because adaLN modulation follows, and
+the final layer normalises by itself. So ``scheme="pre"`` is exactly DiT (``norm1``/``norm2`` are
+the scheme's non-affine pre-norms, and the final layer reads the bare stream), and
+``scheme="siamese"`` is exactly the official SiameseNorm DiT: the non-affine input norm feeds the
+modulation, the X update is divided by ``sqrt(2 (b + 1))``, and the final layer reads
+``LN_X(X) + LN_Y(Y)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..nn.attention import Attention
+from ..nn.mlp import GELUMLP
+from ..nn.norms import build_norm
+from .dit_config import DIT_SIZES, DiTConfig
+from .host import branch_weights, build_model_scheme, reset_sublayer_norms
+from .lm import _rng_devices
+
+__all__ = ["DIT_SIZES", "DiT", "DiTConfig", "modulate", "sincos_pos_embed_2d", "timestep_features"]
+
+
+def modulate(h: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN modulation of tokens ``h`` ``(B, T, d)`` by per-sample ``shift``, ``scale`` ``(B, d)``."""
+    return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _modulated(sublayer: nn.Module, shift: Tensor, scale: Tensor, gate: Tensor, u: Tensor) -> Tensor:
+    """One DiT branch: ``gate * F(modulate(u, shift, scale))``."""
+    return gate.unsqueeze(1) * sublayer(modulate(u, shift, scale))
+
+
+def timestep_features(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal features ``(B, dim)`` of timesteps ``t`` ``(B,)``: ``[cos(t f_j), sin(t f_j)]``
+    with ``f_j = max_period ** (-j / (dim / 2))``, ``j = 0 .. dim / 2 - 1`` (computed in float64)."""
+    half = dim // 2
+    freqs = max_period ** (-torch.arange(half, device=t.device, dtype=torch.float64) / half)
+    angles = t.to(torch.float64).unsqueeze(-1) * freqs
+    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
+
+
+def sincos_pos_embed_2d(dim: int, grid_size: int, *, device=None) -> Tensor:
+    """Fixed 2-D sin-cos position embedding ``(grid_size ** 2, dim)`` in float64, DiT's layout.
+
+    Token ``r * grid_size + c`` (row ``r``, column ``c``) gets
+    ``[sin(c w), cos(c w), sin(r w), cos(r w)]`` with ``w_j = 10000 ** (-j / (dim / 4))``,
+    ``j = 0 .. dim / 4 - 1``: the first half encodes the column, the second the row.
+    """
+    quarter = dim // 4
+    omega = 10000.0 ** (-torch.arange(quarter, device=device, dtype=torch.float64) / quarter)
+    coords = torch.arange(grid_size, device=device, dtype=torch.float64)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+
+    def encode(pos: Tensor) -> Tensor:
+        angles = pos.reshape(-1, 1) * omega
+        return torch.cat((torch.sin(angles), torch.cos(angles)), dim=-1)
+
+    return torch.cat((encode(cols), encode(rows)), dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    """Timestep -> ``(B, dim)``: sinusoidal features, then ``Linear -> SiLU -> Linear``."""
+
+    def __init__(self, dim: int, frequency_dim: int = 256, max_period: float = 10000.0, *,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.frequency_dim, self.max_period = frequency_dim, max_period
+        self.mlp = nn.Sequential(nn.Linear(frequency_dim, dim, **kw), nn.SiLU(),
+                                 nn.Linear(dim, dim, **kw))
+
+    def reset_parameters(self) -> None:
+        """DiT's init: weights N(0, 0.02), biases zero."""
+        for layer in (self.mlp[0], self.mlp[2]):
+            nn.init.normal_(layer.weight, 0.0, 0.02)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, t: Tensor) -> Tensor:
+        weight = self.mlp[0].weight
+        return self.mlp(timestep_features(t, self.frequency_dim, self.max_period).to(weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class label -> ``(B, dim)``, with a null label (index ``num_classes``) for classifier-free
+    guidance that replaces each label with probability ``dropout_prob`` when asked."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float, *, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
+        self.table = nn.Embedding(num_classes + 1, dim, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        """DiT's init: N(0, 0.02)."""
+        nn.init.normal_(self.table.weight, 0.0, 0.02)
+
+    def forward(self, y: Tensor, drop: bool) -> Tensor:
+        if drop and self.dropout_prob > 0:
+            dropped = torch.rand(y.shape, device=y.device) < self.dropout_prob
+            y = torch.where(dropped, torch.full_like(y, self.num_classes), y)
+        return self.table(y)
+
+
+class FinalLayer(nn.Module):
+    """DiT's output layer: non-affine norm, adaLN modulation (shift, scale), a linear to patches."""
+
+    def __init__(self, dim: int, patch_size: int, out_channels: int, *, norm: str, eps: float,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.norm = build_norm(norm, dim, eps, affine=False, **kw)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, **kw))
+        self.linear = nn.Linear(dim, patch_size * patch_size * out_channels, **kw)
+
+    def reset_parameters(self) -> None:
+        """adaLN-Zero: the modulation and the output linear start at zero."""
+        for layer in (self.modulation[1], self.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, h: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(h), shift, scale))
+
+
+class DiT(nn.Module):
+    """Class-conditional diffusion transformer built from a :class:`DiTConfig`.
+
+    Attributes:
+        x_embedder: ``Conv2d(in_chans, dim, patch_size, stride=patch_size)``.
+        pos_embed: fixed ``(1, num_patches, dim)`` buffer (not saved; rebuilt by reset_parameters).
+        t_embedder, y_embedder: timestep and label embeddings; ``c`` is their sum.
+        scheme: the residual scheme (``branch_affine=False, final_norm=False`` unless overridden).
+        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
+        modulation: per block ``SiLU -> Linear(dim, 6 dim)`` giving shift, scale, gate for the
+            attention and then the MLP.
+        final_layer: :class:`FinalLayer`.
+    """
+
+    def __init__(self, config: DiTConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = cfg = config
+        kw = {"device": device, "dtype": dtype}
+        # Fork the generator so that the default inits below leave the caller's state to
+        # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
+        with torch.random.fork_rng(**_rng_devices(device)):
+            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                             eps=cfg.norm_eps, options=cfg.scheme_options,
+                                             branch_affine=False, final_norm=False, **kw)
+            qkv_blocks = self.scheme.requires.qkv_norm_blocks
+            self.x_embedder = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
+                                        stride=cfg.patch_size, **kw)
+            self.register_buffer("pos_embed", torch.empty(1, cfg.num_patches, cfg.dim, **kw),
+                                 persistent=False)
+            self.t_embedder = TimestepEmbedder(cfg.dim, cfg.frequency_dim, cfg.max_period, **kw)
+            self.y_embedder = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob, **kw)
+            self.sublayers = nn.ModuleList()
+            self.modulation = nn.ModuleList()
+            for block in range(cfg.n_layers):
+                self.sublayers.append(Attention(
+                    cfg.dim, cfg.n_heads, qkv_norm=block in qkv_blocks, norm=cfg.norm,
+                    norm_eps=cfg.norm_eps, bias=True, layer_idx=block, causal=False, rope=False,
+                    max_seq_len=cfg.num_patches, **kw))
+                self.sublayers.append(GELUMLP(cfg.dim, cfg.hidden_dim, bias=True,
+                                              approximate="tanh", **kw))
+                self.modulation.append(nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw)))
+            self.final_layer = FinalLayer(cfg.dim, cfg.patch_size, cfg.out_channels,
+                                          norm=cfg.norm, eps=cfg.norm_eps, **kw)
+        self.reset_parameters()
+
+    @property
+    def out_channels(self) -> int:
+        return self.config.out_channels
+
+    # ---- initialisation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter and buffer, in a fixed order (DiT's init).
+
+        Every linear Xavier-uniform with zero bias; the patch embedding Xavier-uniform as a linear
+        over its flattened kernel, zero bias; the label table and the timestep MLP weights
+        N(0, 0.02); every adaLN modulation and the final linear zero (adaLN-Zero: a fresh model
+        outputs exactly 0); norm weights one; the position embedding recomputed. DiT's init is
+        Xavier already, so a scheme requiring ``init="xavier"`` (DeepNorm) only adds its
+        ``branch_gain`` on the v, out and MLP weights (as does any ``branch_gain`` != 1).
+        """
+        cfg, gain = self.config, self.scheme.requires.branch_gain
+        self.scheme.reset_parameters()
+        reset_sublayer_norms(self.sublayers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and not name.startswith("scheme"):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        if gain != 1.0:
+            for weight, gained in branch_weights(self.sublayers):
+                if gained:
+                    weight.mul_(gain)
+        self.pos_embed.copy_(sincos_pos_embed_2d(cfg.dim, cfg.grid_size).unsqueeze(0))
+        nn.init.xavier_uniform_(self.x_embedder.weight.view(cfg.dim, -1))
+        nn.init.zeros_(self.x_embedder.bias)
+        self.y_embedder.reset_parameters()
+        self.t_embedder.reset_parameters()
+        for mod in self.modulation:
+            nn.init.zeros_(mod[1].weight)
+            nn.init.zeros_(mod[1].bias)
+        self.final_layer.reset_parameters()
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _check_inputs(self, x: Tensor, t: Tensor, y: Tensor) -> None:
+        cfg = self.config
+        want = (cfg.in_chans, cfg.input_size, cfg.input_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != want:
+            raise ConfigError(f"x must have shape (batch, {', '.join(map(str, want))}), got "
+                              f"{tuple(x.shape)}; resize it or change DiTConfig")
+        b = x.shape[0]
+        if tuple(t.shape) != (b,) or tuple(y.shape) != (b,):
+            raise ConfigError(f"t and y must have shape ({b},), got {tuple(t.shape)} and "
+                              f"{tuple(y.shape)}")
+        if y.dtype.is_floating_point or y.dtype == torch.bool:
+            raise ConfigError(f"y must hold integer class labels, got dtype {y.dtype}")
+        # A value check reads the labels back (a sync, a graph break): skipped under torch.compile.
+        if b and not torch.compiler.is_compiling() and \
+                (int(y.min()) < 0 or int(y.max()) > cfg.num_classes):
+            raise ConfigError(f"labels must lie in 0..{cfg.num_classes} ({cfg.num_classes} is the "
+                              f"null label), got {int(y.min())}..{int(y.max())}")
+
+    def unpatchify(self, tokens: Tensor) -> Tensor:
+        """``(B, T, p * p * C)`` -> ``(B, C, H, W)``; each token's features are ordered (p, p, C)."""
+        cfg = self.config
+        b, g, p, ch = tokens.shape[0], cfg.grid_size, cfg.patch_size, cfg.out_channels
+        x = tokens.reshape(b, g, g, p, p, ch)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(b, ch, g * p, g * p)
+
+    def _forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: bool) -> Tensor:
+        self._check_inputs(x, t, y)
+        h = self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, drop_labels)
+        state = self.scheme.enter(h)
+        mods: tuple[Tensor, ...] = ()
+        for i, sublayer in enumerate(self.sublayers):
+            if i % 2 == 0:
+                mods = self.modulation[i // 2](c).chunk(6, dim=-1)
+            shift, scale, gate = mods[:3] if i % 2 == 0 else mods[3:]
+            state = self.scheme.step(state, i, partial(_modulated, sublayer, shift, scale, gate))
+        return self.unpatchify(self.final_layer(self.scheme.exit(state), c))
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        """Prediction ``(B, out_channels, H, W)`` for noisy inputs ``x`` ``(B, C, H, W)`` at
+        timesteps ``t`` ``(B,)`` (int64 in ``[0, 1000)``; floats work too) with labels ``y``
+        ``(B,)`` (int64; ``num_classes`` is the null label). In training mode each label is
+        replaced by the null label with probability ``class_dropout_prob``."""
+        return self._forward(x, t, y, drop_labels=self.training)
+
+    def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:
+        """Classifier-free guidance in one batch.
+
+        The first half of the batch is conditional (``y`` its labels), the second unconditional
+        (``y`` the null label, ``num_classes``); only the first half of ``x`` is read, and both
+        halves run on it. The first ``in_chans`` output channels (the noise) become
+        ``uncond + cfg_scale * (cond - uncond)`` in both halves; the others (the learned variance)
+        are returned as predicted. Labels are never dropped at random here.
+        """
+        if x.shape[0] % 2:
+            raise ConfigError(f"forward_with_cfg needs an even batch (conditional half, then "
+                              f"unconditional half), got {x.shape[0]}")
+        half = x[: x.shape[0] // 2]
+        out = self._forward(torch.cat((half, half)), t, y, drop_labels=False)
+        eps, rest = out[:, : self.config.in_chans], out[:, self.config.in_chans:]
+        cond, uncond = eps.chunk(2)
+        guided = uncond + cfg_scale * (cond - uncond)
+        return torch.cat((torch.cat((guided, guided)), rest), dim=1)
+
+    # ---- accounting --------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Number of parameters (the fixed position embedding is a buffer, not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (f"input_size={cfg.input_size}, patch_size={cfg.patch_size}, "
+                f"out_channels={cfg.out_channels}, scheme={cfg.scheme}")
+

@@ -1,0 +1,98 @@
+"""Configuration of the DiT (adaLN-Zero diffusion transformer), validated on construction, and its
+sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import config_checks as check
+
+_OWNER = "DiTConfig"
+
+_WIDTHS = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16)}
+
+# The DiT paper's sizes (arXiv 2212.09748, Table 1) with patch 2 and 4, at its latent input
+# (32 x 32 x 4, a 256 px image through the SD VAE), and a tiny size for the 8x8 handwritten digits.
+DIT_SIZES: dict[str, dict[str, Any]] = {
+    f"DiT-{name}/{patch}": {"input_size": 32, "patch_size": patch, "in_chans": 4, "dim": dim,
+                            "n_layers": layers, "n_heads": heads}
+    for name, (dim, layers, heads) in _WIDTHS.items() for patch in (2, 4)
+}
+DIT_SIZES["digits"] = {"input_size": 8, "patch_size": 2, "in_chans": 1, "num_classes": 10,
+                       "dim": 64, "n_layers": 4, "n_heads": 4}
+
+
+@dataclass
+class DiTConfig:
+    """DiT with adaLN-Zero blocks (Peebles & Xie 2023, arXiv 2212.09748) over any residual scheme.
+
+    Inputs are ``(B, in_chans, input_size, input_size)``; ``input_size`` must be a multiple of
+    ``patch_size`` and ``dim`` of ``n_heads`` and of 4 (the 2-D sin-cos position embedding splits
+    ``dim`` into four). ``learn_sigma`` doubles the output channels (predicted noise, then the
+    variance interpolation). Labels run ``0 .. num_classes - 1``; ``num_classes`` is the null
+    label of classifier-free guidance, which replaces a label with probability
+    ``class_dropout_prob`` in training. ``frequency_dim`` is the size of the sinusoidal timestep
+    features and ``max_period`` their longest period.
+    """
+
+    input_size: int = 32
+    patch_size: int = 2
+    in_chans: int = 4
+    num_classes: int = 1000
+    dim: int = 384
+    n_layers: int = 12
+    n_heads: int = 6
+    mlp_ratio: float = 4.0
+    class_dropout_prob: float = 0.1
+    learn_sigma: bool = True
+    scheme: str = "pre"
+    scheme_options: dict[str, Any] = field(default_factory=dict)
+    norm: str = "layernorm"
+    norm_eps: float = 1e-6
+    frequency_dim: int = 256
+    max_period: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("input_size", "patch_size", "in_chans", "num_classes", "dim", "n_layers",
+                     "n_heads", "frequency_dim"):
+            check.positive_int(_OWNER, name, getattr(self, name))
+        for name in ("mlp_ratio", "norm_eps", "max_period"):
+            check.positive_number(_OWNER, name, getattr(self, name))
+        check.probability(_OWNER, "class_dropout_prob", self.class_dropout_prob)
+        check.boolean(_OWNER, "learn_sigma", self.learn_sigma)
+        check.divisible(_OWNER, "input_size", self.input_size, f"{_OWNER}.patch_size",
+                        self.patch_size)
+        check.divisible(_OWNER, "dim", self.dim, f"{_OWNER}.n_heads", self.n_heads)
+        check.divisible(_OWNER, "dim", self.dim, "4 (the 2-D sin-cos position embedding)", 4)
+        check.divisible(_OWNER, "frequency_dim", self.frequency_dim, "2 (cos and sin halves)", 2)
+        check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
+        check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+
+    @classmethod
+    def from_size(cls, size: str, **overrides: Any) -> DiTConfig:
+        """The config of a named size in :data:`DIT_SIZES` ("DiT-B/2", "digits", ...), with
+        ``overrides`` on top."""
+        return cls(**(check.size_preset(_OWNER, DIT_SIZES, size) | overrides))
+
+    @property
+    def out_channels(self) -> int:
+        """``2 * in_chans`` with ``learn_sigma`` (noise, then variance), else ``in_chans``."""
+        return 2 * self.in_chans if self.learn_sigma else self.in_chans
+
+    @property
+    def grid_size(self) -> int:
+        """Patches per side."""
+        return self.input_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)

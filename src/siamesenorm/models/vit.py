@@ -1,0 +1,214 @@
+"""Vision transformer in the DeiT style over any residual scheme.
+
+DeiT (Touvron et al. 2021, arXiv 2012.12877) as the SiameseNorm paper trains it (arXiv 2602.08064,
+``deit-model-siamesenorm.py``)::
+
+    h = cat(cls_token, patch_embed(images)) + pos_embed       # (B, 1 + N, dim), then dropout
+    state = scheme.enter(h)
+    for i, sublayer in enumerate(sublayers):                   # even i: attention, odd i: MLP
+        state = scheme.step(state, i, drop_path_b(sublayer))   # b = i // 2
+    logits = head(scheme.exit(state)[:, 0])                    # the class token
+
+The sublayers are bare: non-causal multi-head attention with biases and no RoPE, and a GELU MLP
+with biases. The scheme owns every norm (LayerNorm, eps 1e-6 by default). With ``scheme="pre"``
+this is DeiT; with ``scheme="siamese"`` (its defaults: post_pre form, input norm, depth scale,
+``normed_sum`` merge) it is the official SiameseNorm DeiT, whose head reads
+``LN(LN(X) + LN(Y))``. Stochastic depth drops each branch output (the update written into every
+stream) per sample, at a rate rising linearly from 0 in block 0 to ``drop_path`` in the last.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..nn.attention import Attention
+from ..nn.mlp import GELUMLP
+from .host import branch_weights, build_model_scheme, reset_sublayer_norms
+from .lm import _rng_devices
+from .vit_config import VIT_SIZES, ViTConfig
+
+__all__ = ["VIT_SIZES", "ViTConfig", "ViTOutput", "VisionTransformer", "drop_path"]
+
+
+class ViTOutput(NamedTuple):
+    """``logits``: ``(B, num_classes)``; ``loss``: mean cross-entropy or ``None``."""
+
+    logits: Tensor
+    loss: Tensor | None
+
+
+def drop_path(x: Tensor, rate: float, training: bool = True) -> Tensor:
+    """Stochastic depth: zero ``x`` for a random fraction ``rate`` of the samples (first axis) and
+    scale the kept ones by ``1 / (1 - rate)``; the identity outside training or at rate 0."""
+    if rate == 0.0 or not training:
+        return x
+    keep = 1.0 - rate
+    mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device, dtype=x.dtype)
+    return x * mask.bernoulli_(keep) / keep
+
+
+def _dropped(sublayer: nn.Module, rate: float, u: Tensor) -> Tensor:
+    return drop_path(sublayer(u), rate, True)
+
+
+def _trunc_normal(weight: Tensor, std: float) -> None:
+    """timm's ``trunc_normal_``: cut at +-2 (absolute), which at std 0.02 is practically N(0, std)."""
+    nn.init.trunc_normal_(weight, 0.0, std, -2.0, 2.0)
+
+
+class VisionTransformer(nn.Module):
+    """Image classifier built from a :class:`ViTConfig`.
+
+    Attributes:
+        patch_embed: ``Conv2d(in_chans, dim, patch_size, stride=patch_size)``.
+        cls_token: ``(1, 1, dim)``; pos_embed: learned ``(1, 1 + num_patches, dim)``.
+        scheme: the residual scheme (owns every norm, including the one before the head).
+        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
+        head: ``Linear(dim, num_classes)`` on the class token.
+        drop_path_rates: the stochastic-depth rate of each block.
+    """
+
+    def __init__(self, config: ViTConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = cfg = config
+        kw = {"device": device, "dtype": dtype}
+        # Fork the generator so that the default inits below leave the caller's state to
+        # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
+        with torch.random.fork_rng(**_rng_devices(device)):
+            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                             eps=cfg.norm_eps, options=cfg.scheme_options, **kw)
+            qkv_blocks = self.scheme.requires.qkv_norm_blocks
+            self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
+                                         stride=cfg.patch_size, **kw)
+            self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim, **kw))
+            self.pos_embed = nn.Parameter(torch.empty(1, cfg.seq_len, cfg.dim, **kw))
+            self.sublayers = nn.ModuleList()
+            for block in range(cfg.n_layers):
+                self.sublayers.append(Attention(
+                    cfg.dim, cfg.n_heads, qkv_norm=block in qkv_blocks, norm=cfg.norm,
+                    norm_eps=cfg.norm_eps, bias=True, dropout=cfg.dropout, layer_idx=block,
+                    causal=False, rope=False, max_seq_len=cfg.seq_len, **kw))
+                self.sublayers.append(GELUMLP(cfg.dim, cfg.hidden_dim, bias=True,
+                                              dropout=cfg.dropout, **kw))
+            self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw)
+        self.drop_path_rates = [cfg.drop_path * b / max(cfg.n_layers - 1, 1)
+                                for b in range(cfg.n_layers)]
+        self.reset_parameters()
+
+    # ---- initialisation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter, in a fixed order, from the torch generator (DeiT's init).
+
+        Class token, position embedding, every linear (head included): truncated normal with std
+        ``init_std`` (timm's cut at +-2); biases zero; norm weights one, biases zero. The patch
+        embedding keeps PyTorch's default Conv2d init, as the DeiT code does. If the scheme
+        requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
+        gain ``branch_gain`` on v, out and MLP weights; otherwise a ``branch_gain`` != 1
+        multiplies those weights.
+        """
+        cfg, req = self.config, self.scheme.requires
+        self.scheme.reset_parameters()
+        reset_sublayer_norms(self.sublayers)
+        self.patch_embed.reset_parameters()
+        _trunc_normal(self.pos_embed, cfg.init_std)
+        _trunc_normal(self.cls_token, cfg.init_std)
+        for weight, gained in branch_weights(self.sublayers):
+            if req.init == "xavier":
+                nn.init.xavier_normal_(weight, gain=req.branch_gain if gained else 1.0)
+            else:
+                _trunc_normal(weight, cfg.init_std)
+                if gained and req.branch_gain != 1.0:
+                    weight.mul_(req.branch_gain)
+        _trunc_normal(self.head.weight, cfg.init_std)
+        for module in [*self.sublayers.modules(), self.head]:
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _check_images(self, images: Tensor) -> None:
+        cfg = self.config
+        want = (cfg.in_chans, cfg.image_size, cfg.image_size)
+        if images.dim() != 4 or tuple(images.shape[1:]) != want:
+            raise ConfigError(f"images must have shape (batch, {', '.join(map(str, want))}), got "
+                              f"{tuple(images.shape)}; resize them or change ViTConfig")
+
+    def embed(self, images: Tensor) -> Tensor:
+        """Tokens ``(B, 1 + num_patches, dim)``: class token and patches, plus positions."""
+        self._check_images(images)
+        patches = self.patch_embed(images).flatten(2).transpose(1, 2)
+        cls = self.cls_token.expand(patches.shape[0], -1, -1)
+        h = torch.cat((cls, patches), dim=1) + self.pos_embed
+        return F.dropout(h, self.config.dropout, self.training)
+
+    def forward_tokens(self, images: Tensor) -> Tensor:
+        """``scheme.exit`` of the final state, every token: ``(B, 1 + num_patches, dim)``."""
+        state = self.scheme.enter(self.embed(images))
+        for i, sublayer in enumerate(self.sublayers):
+            rate = self.drop_path_rates[i // 2]
+            branch = partial(_dropped, sublayer, rate) if self.training and rate > 0 else sublayer
+            state = self.scheme.step(state, i, branch)
+        return self.scheme.exit(state)
+
+    def features(self, images: Tensor) -> Tensor:
+        """The pre-head vector ``(B, dim)``: the class token of ``scheme.exit(state)``."""
+        return self.forward_tokens(images)[:, 0]
+
+    def forward(self, images: Tensor, targets: Tensor | None = None) -> ViTOutput:
+        """Logits for ``images`` ``(B, in_chans, image_size, image_size)``; with ``targets``, the loss.
+
+        ``targets`` are class indices ``(B,)`` (int64) or class probabilities ``(B, num_classes)``
+        (float, from mixup/cutmix). See :meth:`loss`.
+        """
+        logits = self.head(self.features(images))
+        return ViTOutput(logits, None if targets is None else self.loss(logits, targets))
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy, computed in at least float32.
+
+        Integer targets: with ``label_smoothing`` in training mode, plain in eval mode. Soft
+        (float) targets: the cross-entropy against those probabilities, in both modes (mixup and
+        cutmix fold any smoothing into the targets themselves).
+        """
+        n, k = logits.shape
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if targets.dtype.is_floating_point:
+            if tuple(targets.shape) != (n, k):
+                raise ConfigError(f"soft targets must have shape ({n}, {k}), got "
+                                  f"{tuple(targets.shape)}")
+            return F.cross_entropy(logits, targets.to(logits.dtype))
+        if tuple(targets.shape) != (n,):
+            raise ConfigError(f"class-index targets must have shape ({n},), got {tuple(targets.shape)}")
+        smoothing = self.config.label_smoothing if self.training else 0.0
+        return F.cross_entropy(logits, targets, label_smoothing=smoothing)
+
+    # ---- accounting --------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Number of parameters (position embedding and class token included)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_image(self) -> float:
+        """Rough forward FLOPs for one image, counting a multiply-add as 2 FLOPs.
+
+        With ``T = 1 + num_patches`` tokens: the patch embedding ``2 N d C p^2``; per block the
+        four attention projections ``8 T d^2``, the MLP ``4 T d h`` and attention's scores and
+        weighted sum ``4 T^2 d``; the head ``2 d K``. Norms, softmax, GELU and the scheme's mixing
+        are left out. The DeiT paper's "FLOPs" are multiply-adds, half of this figure (DeiT-S:
+        4.6 G there, about 9.2 G here); training costs about three times the forward.
+        """
+        cfg = self.config
+        t, d, h = cfg.seq_len, cfg.dim, cfg.hidden_dim
+        embed = 2 * cfg.num_patches * d * cfg.in_chans * cfg.patch_size ** 2
+        block = 8 * t * d * d + 4 * t * d * h + 4 * t * t * d
+        return float(embed + cfg.n_layers * block + 2 * d * cfg.num_classes)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (f"image_size={cfg.image_size}, patch_size={cfg.patch_size}, scheme={cfg.scheme}, "
+                f"drop_path={cfg.drop_path}")
