@@ -26,6 +26,15 @@ Corpora (``load_corpus(spec, **options)``; an option the spec does not take is r
   modded-nanogpt shard, told apart by the header magic); a folder of ``.bin`` shards; or a glob.
   ``val`` names separate validation data of the same kind (e.g. ``train.bin`` + ``val.bin``).
 
+Images for the vision models (``load_images(spec, **options)``: ``digits``, an ImageFolder
+directory or an ``.npz`` file; see :mod:`siamesenorm.data.images`)::
+
+    images = load_images("digits")                               # ImageSet, N x C x H x W
+    train, val = split_images(images, val_fraction=0.1, seed=0)  # stratified, fixed
+    sampler = ImageBatchSampler.from_set(train, batch_size=64, seed=0, augment=ImageAugment())
+    x, y = sampler.next_batch()                                  # float32 in [-1, 1], int64 labels
+    fixed_val = image_validation_batches(val, batch_size=64)
+
 A :class:`Corpus` holds ``text`` or, for ``.bin`` files, ``tokens`` (no tokenizer then; the model's
 vocabulary must exceed ``meta["max_token"]``). Saved tokenizers come back with
 :func:`load_tokenizer`.
@@ -39,14 +48,20 @@ from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
 from .batches import BatchSampler, validation_batches
 from .corpora import load_corpus
 from .corpus import Corpus
+from .image_augment import ImageAugment
+from .image_batches import ImageBatchSampler, image_validation_batches
+from .image_split import split_images, stratified_split_indices
+from .images import ImageSet, load_images, to_model_range
 from .splits import split_tokens, train_val_tokens
 from .tokenfiles import read_token_file, write_shard
 from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus", "Tokenizer",
-           "build_tokenizer", "evaluate_arithmetic", "lm_answer_fn", "load_arithmetic", "load_corpus",
-           "load_tokenizer", "make_problems", "read_token_file", "split_tokens", "train_val_tokens",
-           "validation_batches", "write_shard"]
+__all__ = ["ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus", "ImageAugment",
+           "ImageBatchSampler", "ImageSet", "Tokenizer", "build_tokenizer", "evaluate_arithmetic",
+           "image_validation_batches", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_images",
+           "load_tokenizer", "make_problems", "read_token_file", "split_images", "split_tokens",
+           "stratified_split_indices", "to_model_range", "train_val_tokens", "validation_batches",
+           "write_shard"]
 
 TOKENIZER_KINDS = ("bytes", "bpe")
 

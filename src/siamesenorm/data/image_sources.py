@@ -1,0 +1,201 @@
+"""The loaders behind :func:`~siamesenorm.data.images.load_images`: digits, ImageFolder, ``.npz``.
+
+Each returns an :class:`ImageSet` in the package's pixel convention (uint8 0..255 or float32 0..1,
+``N x C x H x W``) or refuses its input with one :class:`ConfigError` line naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .images import ImageSet, image_fingerprint
+
+__all__ = ["IMAGE_SUFFIXES", "load_digits_set", "load_image_folder", "load_npz_images"]
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+                            ".pgm", ".pbm"})
+_VISION = 'pip install "siamesenorm[vision]"'
+
+
+def _import(module: str, what: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{what} needs {module.split('.')[0]}: {_VISION}") from None
+
+
+# ---- digits ------------------------------------------------------------------------------------
+
+def load_digits_set() -> ImageSet:
+    """scikit-learn's 1,797 grey 8x8 digits (values 0..16) as float32 ``value / 16``, 10 classes."""
+    datasets = _import("sklearn.datasets", "the digits image set")
+    bunch = datasets.load_digits()
+    images = (np.asarray(bunch.images, dtype=np.float32) / 16.0)[:, None]   # exact: k / 16
+    labels = np.asarray(bunch.target, dtype=np.int64)
+    meta = image_fingerprint("digits", images, labels, 10)
+    return ImageSet(np.ascontiguousarray(images), labels, 10, [str(d) for d in range(10)], meta)
+
+
+# ---- ImageFolder -------------------------------------------------------------------------------
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _class_files(folder: Path) -> list[Path]:
+    files = [p for p in folder.rglob("*")
+             if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not _hidden(p, folder)]
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarray:
+    """One file as ``(H, W)`` or ``(H, W, 3)`` uint8: centre square crop, then a bicubic resize."""
+    resample = getattr(image_module, "Resampling", image_module).BICUBIC
+    try:
+        with image_module.open(path) as img:
+            img = img.convert(mode)
+            w, h = img.size
+            side = min(w, h)
+            left, top = (w - side) // 2, (h - side) // 2
+            img = img.crop((left, top, left + side, top + side))
+            if side != size:
+                img = img.resize((size, size), resample)
+            return np.asarray(img, dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError) as error:
+        raise ConfigError(f"cannot read image {path}: {error}; remove or replace the file") from None
+
+
+def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> ImageSet:
+    """An ImageFolder tree ``spec/<class>/**/<image>``: uint8 ``(N, channels, size, size)``.
+
+    Classes are the non-hidden sub-folders in sorted name order; each class's image files (by
+    suffix, recursively, sorted by path) follow each other. Files with other suffixes are ignored.
+    """
+    if channels not in (1, 3):
+        raise ConfigError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+    if not isinstance(image_size, int) or image_size < 1:
+        raise ConfigError(f"image_size must be a positive integer, got {image_size!r}")
+    root = Path(spec).expanduser()
+    if not root.exists():
+        raise ConfigError(f"image set {root} does not exist; give digits, an ImageFolder directory or "
+                          "an .npz file")
+    if not root.is_dir():
+        raise ConfigError(f"image set {root} is a file but not .npz; give digits, an ImageFolder "
+                          "directory or an .npz file")
+    entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+    if not entries:
+        raise ConfigError(f"image folder {root} is empty; put one sub-folder of images per class in it")
+    classes = sorted((p for p in entries if p.is_dir()), key=lambda p: p.name)
+    if not classes:
+        raise ConfigError(f"image folder {root} has no class sub-folders; put each class's images in a "
+                          "sub-folder named after the class")
+    pil = _import("PIL.Image", "reading an image folder")
+    mode = "L" if channels == 1 else "RGB"
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    for index, folder in enumerate(classes):
+        files = _class_files(folder)
+        if not files:
+            raise ConfigError(f"class folder {folder} holds no image files "
+                              f"({', '.join(sorted(IMAGE_SUFFIXES))}); remove it or add images")
+        images += [_read_image(pil, f, mode, image_size) for f in files]
+        labels += [index] * len(files)
+    array = np.stack(images)
+    array = array[:, None] if channels == 1 else array.transpose(0, 3, 1, 2)
+    array = np.ascontiguousarray(array)
+    label_array = np.asarray(labels, dtype=np.int64)
+    meta = image_fingerprint("folder", array, label_array, len(classes))
+    meta.update(path=str(root), image_size=image_size, channels=channels)
+    return ImageSet(array, label_array, len(classes), [c.name for c in classes], meta)
+
+
+# ---- .npz --------------------------------------------------------------------------------------
+
+def _channel_layout(shape: tuple[int, ...], layout: str | None, name: str) -> str:
+    """``"nchw"`` or ``"nhwc"`` for a 4-D images array."""
+    if layout is not None:
+        if layout not in ("nchw", "nhwc"):
+            raise ConfigError(f"layout must be 'nchw' or 'nhwc', got {layout!r}")
+        return layout
+    first, last = shape[1] in (1, 3, 4), shape[3] in (1, 3, 4)
+    if first and not last:
+        return "nchw"
+    if last and not first:
+        return "nhwc"
+    if first and last and shape[2] != shape[3] and shape[1] == shape[2]:
+        return "nhwc"
+    if first and last and shape[1] != shape[2] and shape[2] == shape[3]:
+        return "nchw"
+    raise ConfigError(f"{name}: cannot tell the channel axis of images {shape}; pass layout='nchw' or "
+                      "'nhwc' (channels must be 1, 3 or 4)")
+
+
+def _pixels(images: np.ndarray, value_range: tuple[float, float] | None, name: str) -> np.ndarray:
+    """uint8 as is; float rescaled from ``value_range`` (default (0, 1)) to float32 [0, 1]."""
+    if images.dtype == np.uint8:
+        if value_range is not None:
+            raise ConfigError(f"{name}: value_range applies to float images; uint8 images are 0..255")
+        return images
+    if not np.issubdtype(images.dtype, np.floating):
+        raise ConfigError(f"{name}: images must be uint8 or float, got {images.dtype}; convert them")
+    if not np.isfinite(images).all():
+        raise ConfigError(f"{name}: images hold NaN or infinite values")
+    lo, hi = (0.0, 1.0) if value_range is None else (float(value_range[0]), float(value_range[1]))
+    if not hi > lo:
+        raise ConfigError(f"value_range must be (low, high) with high > low, got {value_range}")
+    if images.size and (images.min() < lo or images.max() > hi):
+        raise ConfigError(f"{name}: float pixels span {images.min():g}..{images.max():g}, outside "
+                          f"[{lo:g}, {hi:g}]; pass value_range=(low, high)")
+    return ((images.astype(np.float64) - lo) / (hi - lo)).astype(np.float32)
+
+
+def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None, layout: str | None = None,
+                    num_classes: int | None = None) -> ImageSet:
+    """Arrays ``images`` and ``labels`` (and optional ``class_names``) of an ``.npz`` file."""
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"image file {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in ("images", "labels") if k not in data.files]
+            if missing:
+                raise ConfigError(f"{path} lacks the array(s) {', '.join(missing)}; an image .npz holds "
+                                  f"'images' and 'labels' (it has {', '.join(data.files) or 'none'})")
+            images, labels = data["images"], data["labels"]
+            names = data["class_names"] if "class_names" in data.files else None
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
+        raise ConfigError(f"cannot read {path} as .npz: {error}") from None
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.ndim == 4:
+        if _channel_layout(images.shape, layout, str(path)) == "nhwc":
+            images = images.transpose(0, 3, 1, 2)
+    else:
+        raise ConfigError(f"{path}: images must be N,H,W or N,H,W,C or N,C,H,W, got rank {images.ndim} "
+                          f"{images.shape}")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise ConfigError(f"{path}: {len(images)} images but labels of shape {labels.shape}; give one "
+                          "label per image")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ConfigError(f"{path}: labels must be integers, got {labels.dtype}")
+    labels = labels.astype(np.int64)
+    if len(labels) == 0:
+        raise ConfigError(f"{path} holds no images")
+    if labels.min() < 0:
+        raise ConfigError(f"{path}: labels must be non-negative, got {labels.min()}")
+    pixels = np.ascontiguousarray(_pixels(images, value_range, str(path)))
+    k = int(labels.max()) + 1 if num_classes is None else int(num_classes)
+    if k <= labels.max():
+        raise ConfigError(f"num_classes={k} but {path} has label {labels.max()}")
+    class_names = [str(n) for n in names.tolist()] if names is not None else [str(i) for i in range(k)]
+    if len(class_names) != k:
+        raise ConfigError(f"{path}: {len(class_names)} class_names for {k} classes")
+    meta = image_fingerprint("npz", pixels, labels, k)
+    meta.update(path=str(path), value_range=None if value_range is None else list(value_range), layout=layout)
+    return ImageSet(pixels, labels, k, class_names, meta)

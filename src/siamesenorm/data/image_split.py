@@ -1,0 +1,52 @@
+"""A fixed, stratified train/validation split of an :class:`ImageSet`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+from .images import ImageSet
+
+__all__ = ["split_images", "stratified_split_indices"]
+
+
+def stratified_split_indices(labels: np.ndarray, val_fraction: float = 0.1,
+                             seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` index arrays (each sorted) that split every class in the same proportion.
+
+    Class ``c`` with ``n_c`` images gives ``round(n_c * val_fraction)`` of them (at most
+    ``n_c - 1``, so every class keeps a training image) to validation, chosen by a permutation of
+    its indices from ``numpy.random.default_rng([seed, c])``: the choice for one class depends only
+    on the seed, the class and its images, never on the other classes. Same inputs, same split.
+    """
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    labels = np.asarray(labels)
+    val_parts = []
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        n_val = min(int(round(len(members) * val_fraction)), len(members) - 1)
+        if n_val > 0:
+            rng = np.random.default_rng([int(seed), int(c)])
+            val_parts.append(rng.permutation(members)[:n_val])
+    val = np.sort(np.concatenate(val_parts)) if val_parts else np.zeros(0, dtype=np.int64)
+    if len(val) == 0:
+        raise ConfigError(f"val_fraction={val_fraction} leaves no validation image among {len(labels)}; "
+                          "raise val_fraction or use more images")
+    is_val = np.zeros(len(labels), dtype=bool)
+    is_val[val] = True
+    return np.flatnonzero(~is_val), val
+
+
+def split_images(images: ImageSet, val_fraction: float = 0.1, seed: int = 0) -> tuple[ImageSet, ImageSet]:
+    """``(train, val)`` image sets of a stratified split (see :func:`stratified_split_indices`).
+
+    Each part keeps the original order and gets its own fingerprint (so a cache keyed by the
+    training part, like the FD-proxy classifier's, sees a different key for a different split)
+    plus ``meta["split"]`` naming the part, the fraction, the seed and the parent's ``sha256``.
+    """
+    train_idx, val_idx = stratified_split_indices(images.labels, val_fraction, seed)
+    split = {"val_fraction": float(val_fraction), "seed": int(seed),
+             "parent_sha256": images.meta.get("sha256")}
+    return (images.subset(train_idx, split={"part": "train", **split}),
+            images.subset(val_idx, split={"part": "val", **split}))

@@ -1,0 +1,149 @@
+"""Image sets for the vision models: the :class:`ImageSet` record and ``load_images(spec, **options)``.
+
+Nothing here downloads. Sources (``spec``):
+
+* ``digits`` (no options): scikit-learn's embedded ``load_digits``, 1,797 grey 8x8 images of the
+  ten digits with values 0..16, stored as float32 ``value / 16`` in [0, 1].
+* a folder in ImageFolder layout (``image_size=32``, ``channels=3``): one sub-folder per class
+  (classes in sorted name order), every image file under it read with Pillow in sorted path order,
+  centre-cropped to a square and resized to ``image_size``, grey (``channels=1``) or RGB (3).
+* an ``.npz`` file (``value_range=None``, ``layout=None``, ``num_classes=None``) with arrays
+  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers),
+  optionally ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
+  says where they lie (they are then rescaled to [0, 1]); ``layout="nhwc"`` or ``"nchw"`` settles a
+  4-D array whose channel axis is ambiguous.
+
+Pixel convention everywhere: ``uint8`` images are 0..255 and float images are 0..1; models see
+:func:`to_model_range` of them, float32 in [-1, 1]. ``meta`` is the set's fingerprint: ``source``,
+``count``, ``shape`` (C, H, W), ``dtype``, ``sha256`` of the pixel bytes (C order),
+``labels_sha256``, ``num_classes`` and the options used; equal fingerprints, equal data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+__all__ = ["ImageSet", "check_image_options", "image_fingerprint", "load_images", "to_model_range"]
+
+
+@dataclass
+class ImageSet:
+    """Labelled images, ``N x C x H x W``.
+
+    Attributes:
+        images: uint8 (0..255) or float32 (0..1) array ``(N, C, H, W)``.
+        labels: int64 array ``(N,)`` with values in ``[0, num_classes)``.
+        num_classes: number of classes (a DiT's null class for guidance is this index).
+        class_names: one name per class.
+        meta: the fingerprint (see the module docstring); a split adds ``split``.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    class_names: list[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4:
+            raise ConfigError(f"images must be N x C x H x W, got shape {self.images.shape}")
+        if not (self.images.dtype == np.uint8 or np.issubdtype(self.images.dtype, np.floating)):
+            raise ConfigError(f"images must be uint8 or float, got {self.images.dtype}")
+        if self.labels.shape != (len(self.images),):
+            raise ConfigError(f"{len(self.images)} images but labels of shape {self.labels.shape}")
+        if len(self.class_names) != self.num_classes:
+            raise ConfigError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+        if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= self.num_classes):
+            raise ConfigError(f"labels must lie in [0, {self.num_classes}), got "
+                              f"{self.labels.min()}..{self.labels.max()}")
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one image."""
+        _, c, h, w = self.images.shape
+        return int(c), int(h), int(w)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hex digest of ``meta``'s identity fields: pixels, labels, shape, dtype, classes."""
+        keys = ("sha256", "labels_sha256", "shape", "dtype", "count", "num_classes")
+        return hashlib.sha256(repr([self.meta.get(k) for k in keys]).encode()).hexdigest()[:16]
+
+    def subset(self, indices: np.ndarray, **meta: Any) -> ImageSet:
+        """The images at ``indices`` (in that order), with a fresh fingerprint plus ``meta``."""
+        images = np.ascontiguousarray(self.images[indices])
+        labels = np.ascontiguousarray(self.labels[indices])
+        options = {k: v for k, v in self.meta.items() if k not in _IDENTITY}
+        fp = image_fingerprint(self.meta.get("source", "?"), images, labels, self.num_classes)
+        return ImageSet(images, labels, self.num_classes, list(self.class_names),
+                        {**options, **fp, **meta})
+
+
+_IDENTITY = ("count", "shape", "dtype", "sha256", "labels_sha256", "num_classes")
+
+
+def image_fingerprint(source: str, images: np.ndarray, labels: np.ndarray, num_classes: int) -> dict:
+    """``source``, ``count``, ``shape``, ``dtype``, ``sha256`` (pixels), ``labels_sha256``, classes."""
+    pixels = np.ascontiguousarray(images)
+    return {"source": source, "count": int(len(pixels)), "shape": [int(s) for s in pixels.shape[1:]],
+            "dtype": str(pixels.dtype), "sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),
+            "labels_sha256": hashlib.sha256(np.ascontiguousarray(labels, np.int64).tobytes()).hexdigest(),
+            "num_classes": int(num_classes)}
+
+
+def to_model_range(images: np.ndarray | Tensor) -> Tensor:
+    """Images (uint8 0..255 or float 0..1) as a float32 tensor in [-1, 1], where the models work."""
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    if images.dtype == torch.uint8:
+        return images.float() / 127.5 - 1.0
+    if not images.is_floating_point():
+        raise ConfigError(f"images must be uint8 or float, got {images.dtype}")
+    return images.float() * 2.0 - 1.0
+
+
+def _loader(spec: str) -> tuple[Callable[..., ImageSet], bool]:
+    """The loader of ``spec`` and whether it takes the spec (a path) as its first argument."""
+    from .image_sources import load_digits_set, load_image_folder, load_npz_images
+
+    if spec == "digits":
+        return load_digits_set, False
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".npz":
+        return load_npz_images, True
+    return load_image_folder, True
+
+
+def check_image_options(spec: str | Path, options: dict) -> tuple[Callable[..., ImageSet], bool]:
+    """Refuse an option the loader of ``spec`` does not take; returns the loader."""
+    spec = str(spec) if isinstance(spec, Path) else spec
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"image set must be a non-empty string, got {spec!r}")
+    loader, takes_spec = _loader(spec)
+    accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        kind = "digits" if spec == "digits" else ("npz" if spec.lower().endswith(".npz") else "folder")
+        raise ConfigError(f"image set {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                          f"{', '.join(accepted) or 'none'}")
+    return loader, takes_spec
+
+
+def load_images(spec: str | Path, **options: Any) -> ImageSet:
+    """Load the image set ``spec`` names (``digits``, a folder, an ``.npz`` file); see the module doc."""
+    loader, takes_spec = check_image_options(spec, options)
+    return loader(str(spec), **options) if takes_spec else loader(**options)

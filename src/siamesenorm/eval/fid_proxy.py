@@ -1,0 +1,232 @@
+"""FD-proxy: an offline sample-quality score, the Frechet distance in a small classifier's feature space.
+
+This is NOT Inception FID. FID (Heusel et al., arXiv 1706.08500) compares Inception-v3 pool
+features of 50,000 samples with those of ImageNet; that network is a download and meaningless at
+8x8. FD-proxy keeps FID's formula (:func:`frechet_distance`) but takes its features from a small
+CNN (:class:`ProxyNet`) trained once, deterministically, on the training split of the image set
+the generator learnt. Its values compare runs on the same image set with the same proxy settings
+and sample counts (the Frechet distance is biased upwards at small sample counts); they are not
+comparable with published FID numbers, and the names say so (``fd_proxy``).
+
+The trained proxy is cached on disk, keyed by the training set's fingerprint and the settings:
+``<cache>/fd_proxy/<key>.safetensors`` with ``<cache>`` the ``cache_dir`` argument, else the
+environment variable ``SIAMESENORM_CACHE``, else ``~/.cache/siamesenorm``; written to a temporary
+file and renamed, so a crash never leaves a broken cache entry (an unreadable one is retrained).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from ..data.image_split import stratified_split_indices
+from ..data.images import ImageSet, to_model_range
+from ..errors import ConfigError
+from .frechet import frechet_distance
+from .proxy_net import ProxyNet, ProxySettings
+
+__all__ = ["CACHE_ENV", "FORMAT", "ProxyClassifier", "cache_root", "get_proxy", "proxy_cache_key",
+           "sample_quality", "train_proxy"]
+
+CACHE_ENV = "SIAMESENORM_CACHE"
+FORMAT = 1
+_IDENTITY = ("sha256", "labels_sha256", "shape", "dtype", "count", "num_classes")
+
+
+@dataclass
+class ProxyClassifier:
+    """A trained FD-proxy classifier: the network, how it was trained, and how well it classifies.
+
+    ``val_accuracy`` is measured on the held-out part of its own training images; ``source`` is
+    ``"trained"`` or ``"cache"``. Inputs are float tensors ``(B, C, H, W)`` in [-1, 1] (the
+    models' range), or data in the loaders' convention (an :class:`ImageSet`, a numpy array, a
+    uint8 tensor), which is mapped to [-1, 1] first.
+    """
+
+    net: ProxyNet
+    settings: ProxySettings
+    val_accuracy: float
+    key: str
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.net.parameters()).device
+
+    def _batches(self, x: Tensor | ImageSet, batch_size: int):
+        if isinstance(x, ImageSet):
+            images = to_model_range(x.images)
+        elif isinstance(x, np.ndarray) or (isinstance(x, Tensor) and x.dtype == torch.uint8):
+            images = to_model_range(x)          # the data convention: uint8 0..255, float 0..1
+        else:
+            images = torch.as_tensor(x)         # float tensors: already in [-1, 1]
+        if images.ndim != 4 or images.shape[1:] != (self.net.in_chans, self.net.image_size,
+                                                    self.net.image_size):
+            raise ConfigError(f"the FD-proxy classifier takes ({self.net.in_chans}, {self.net.image_size}, "
+                              f"{self.net.image_size}) images, got {tuple(images.shape)}")
+        self.net.eval()
+        for part in images.split(batch_size):
+            yield part.to(self.device, torch.float32)
+
+    @torch.no_grad()
+    def features(self, x: Tensor | ImageSet, batch_size: int = 512) -> Tensor:
+        """Pooled features ``(B, feature_dim)``, float32 on the CPU."""
+        return torch.cat([self.net.features(b).float().cpu() for b in self._batches(x, batch_size)])
+
+    @torch.no_grad()
+    def predict(self, x: Tensor | ImageSet, batch_size: int = 512) -> Tensor:
+        """Predicted classes ``(B,)``, int64 on the CPU."""
+        return torch.cat([self.net(b).argmax(dim=1).cpu() for b in self._batches(x, batch_size)])
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$SIAMESENORM_CACHE``, else ``~/.cache/siamesenorm``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "siamesenorm"
+
+
+def proxy_cache_key(train: ImageSet, settings: ProxySettings) -> str:
+    """A hex digest of the training set's fingerprint and the settings (and this file's format)."""
+    if any(train.meta.get(k) is None for k in _IDENTITY):
+        raise ConfigError("the FD-proxy needs an ImageSet with a fingerprint (sha256, labels_sha256, ...); "
+                          "load it with load_images")
+    blob = json.dumps({"format": FORMAT, "data": {k: train.meta[k] for k in _IDENTITY},
+                       "settings": settings.to_dict()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def train_proxy(train: ImageSet, settings: ProxySettings | None = None, *,
+                device: str | torch.device = "cpu", key: str = "") -> ProxyClassifier:
+    """Train a :class:`ProxyNet` on ``train`` (deterministic: the seed fixes init and order).
+
+    The network is initialised on the CPU under a forked global RNG (which is left where it was),
+    so the same seed gives the same start on every device; batches come from a private generator.
+    """
+    settings = settings or ProxySettings()
+    c, h, w = train.shape
+    if h != w:
+        raise ConfigError(f"the FD-proxy classifier takes square images, got {h}x{w}")
+    fit_idx, val_idx = stratified_split_indices(train.labels, settings.val_fraction, settings.seed)
+    device = torch.device(device)
+    x = to_model_range(train.images).to(device)
+    y = torch.from_numpy(np.asarray(train.labels, dtype=np.int64)).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        net = ProxyNet(c, h, train.num_classes, settings.width)
+    net.to(device).train()
+    order = torch.Generator().manual_seed(settings.seed)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    per_epoch = math.ceil(len(fit_idx) / settings.batch_size)
+    total = settings.epochs * per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / total)))
+    fit = torch.from_numpy(fit_idx)
+    for _ in range(settings.epochs):
+        for batch in fit[torch.randperm(len(fit), generator=order)].split(settings.batch_size):
+            batch = batch.to(device)
+            loss = F.cross_entropy(net(x[batch]), y[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    proxy = ProxyClassifier(net.eval(), settings, 0.0, key, "trained")
+    val = torch.from_numpy(val_idx).to(device)
+    proxy.val_accuracy = float((proxy.predict(x[val]) == y[val].cpu()).double().mean())
+    return proxy
+
+
+def _save(proxy: ProxyClassifier, path: Path, train: ImageSet) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": str(FORMAT), "key": proxy.key, "settings": json.dumps(proxy.settings.to_dict()),
+            "val_accuracy": repr(proxy.val_accuracy), "in_chans": str(proxy.net.in_chans),
+            "image_size": str(proxy.net.image_size), "num_classes": str(proxy.net.num_classes),
+            "data": json.dumps({k: train.meta[k] for k in _IDENTITY}),
+            "note": "FD-proxy classifier (not Inception); see siamesenorm.eval.fid_proxy"}
+    state = {k: v.detach().cpu().contiguous() for k, v in proxy.net.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(path: Path, key: str, settings: ProxySettings, device: torch.device) -> ProxyClassifier:
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    if meta.get("key") != key or meta.get("format") != str(FORMAT):
+        raise ValueError(f"cache entry {path} belongs to another key or format")
+    net = ProxyNet(int(meta["in_chans"]), int(meta["image_size"]), int(meta["num_classes"]), settings.width)
+    net.load_state_dict(load_file(str(path)))
+    return ProxyClassifier(net.to(device).eval(), settings, float(meta["val_accuracy"]), key, "cache")
+
+
+def get_proxy(imageset_train: ImageSet, cache_dir: str | Path | None = None, *,
+              settings: ProxySettings | None = None, device: str | torch.device = "cpu") -> ProxyClassifier:
+    """The FD-proxy classifier of ``imageset_train``: loaded from the cache, or trained and cached.
+
+    Use the training split of the image set the generator was trained on (e.g. the ``train`` part
+    of :func:`~siamesenorm.data.split_images`); the key depends on its pixels, labels and the
+    ``settings``, never on ``device``.
+    """
+    settings = settings or ProxySettings()
+    key = proxy_cache_key(imageset_train, settings)
+    path = cache_root(cache_dir) / "fd_proxy" / f"{key}.safetensors"
+    if path.exists():
+        try:
+            return _load(path, key, settings, torch.device(device))
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+            print(f"warning: FD-proxy cache entry {path} is unreadable ({error}); retraining it",
+                  file=sys.stderr, flush=True)
+    proxy = train_proxy(imageset_train, settings, device=device, key=key)
+    try:
+        _save(proxy, path, imageset_train)
+    except OSError as error:
+        print(f"warning: cannot write the FD-proxy cache {path} ({error}); it will be retrained next "
+              f"time (set {CACHE_ENV} to a writable folder)", file=sys.stderr, flush=True)
+    return proxy
+
+
+def sample_quality(proxy: ProxyClassifier, real: Tensor | ImageSet, generated: Tensor,
+                   labels: Tensor | np.ndarray) -> dict[str, Any]:
+    """FD-proxy and class accuracy of class-conditional samples.
+
+    Args:
+        proxy: from :func:`get_proxy`.
+        real: reference images (an :class:`ImageSet`, e.g. the validation split, or a tensor in
+            [-1, 1]).
+        generated: samples ``(B, C, H, W)`` in [-1, 1].
+        labels: the class each sample was conditioned on ``(B,)``.
+
+    Returns ``fd_proxy`` (Frechet distance of the proxy's features, real vs generated; lower is
+    better; not FID), ``class_accuracy`` (share of samples the proxy assigns to their class),
+    ``proxy_val_accuracy`` (the proxy's own held-out accuracy: a ceiling on what class accuracy can
+    mean) and the two sample counts.
+    """
+    labels = torch.as_tensor(labels).long().cpu()
+    if labels.shape != (len(generated),):
+        raise ConfigError(f"{len(generated)} generated images but labels of shape {tuple(labels.shape)}")
+    generated_features = proxy.features(generated)
+    real_features = proxy.features(real)
+    accuracy = float((proxy.predict(generated) == labels).double().mean())
+    return {"fd_proxy": frechet_distance(real_features, generated_features), "class_accuracy": accuracy,
+            "proxy_val_accuracy": proxy.val_accuracy, "n_real": len(real_features),
+            "n_generated": len(generated_features)}
