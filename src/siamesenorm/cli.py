@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -96,6 +97,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from .analysis.run_analysis import ANALYSIS_FILE, analyze_run
+
+    out = args.out or args.run_dir
+    result = analyze_run(args.run_dir, args.data, batches=args.batches, device=args.device, out=out)
+    pruning, lens = result["pruning"], result["lens"]
+    agree = ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["agreement"].items())
+    print(f"{args.run_dir}: loss {result['loss']:.4f}; skipping one block adds "
+          f"{max(pruning['per_block']):+.4f} at most (effective depth {pruning['effective_depth']:.1f} "
+          f"of {result['n_layers']}); logit lens agrees: {agree}")
+    print(f"wrote {Path(out) / ANALYSIS_FILE} and plots in {Path(out) / 'analysis'}")
+    return 0
+
+
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
     """``[PRESET] key=value ...``: the first item without ``=`` is the preset."""
     if items and "=" not in items[0]:
@@ -152,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("analyze", help="the paper's diagnostics on a trained run: layer pruning, "
+                                       "logit lens per stream, angular distances, probes")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--data", default=None, help="a text file, folder or token file to analyse "
+                                                "(default: the run's validation split)")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches of the run's batch_size x seq_len (default: analysis.batches)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="where analysis.json and analysis/ go (default RUN_DIR)")
+    p.set_defaults(func=_cmd_analyze)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")

@@ -1,5 +1,23 @@
-"""Diagnostics from the SiameseNorm paper: probes of depth behaviour."""
+"""Diagnostics of the SiameseNorm paper (arXiv 2602.08064) for any model with a residual scheme.
 
-from .probes import block_grad_norms, stream_rms
+Probes cheap enough to leave on during training (:class:`TrainingProbes`, ``analysis.every``),
+and the analyses of a trained model (:func:`analyze_model`, ``siamesenorm analyze``): layer-pruning
+sensitivity, per-stream logit lens, angular distance between blocks. All of them observe the
+streams through :class:`StreamTap`; a model plugs in with a ``loss_fn`` and a ``head_fn``
+(:mod:`.adapters`). See docs/analysis.md.
+"""
 
-__all__ = ["block_grad_norms", "stream_rms"]
+from .adapters import lm_head, lm_loss
+from .angular import angular_distances
+from .lens import logit_lens, plain_norm
+from .probes import block_grad_norms, grad_norms, norm_gains, stream_rms, sublayer_rms
+from .pruning import effective_depth, mean_loss, pruning_sensitivity
+from .run_analysis import analyze_model, analyze_run, checkpoint_probes, write_analysis
+from .tap import StreamTap, sublayers_of_blocks
+from .training_probes import PROBES_FILE, TrainingProbes, read_probes
+
+__all__ = ["PROBES_FILE", "StreamTap", "TrainingProbes", "analyze_model", "analyze_run",
+           "angular_distances", "block_grad_norms", "checkpoint_probes", "effective_depth",
+           "grad_norms", "lm_head", "lm_loss", "logit_lens", "mean_loss", "norm_gains", "plain_norm",
+           "pruning_sensitivity", "read_probes", "stream_rms", "sublayer_rms", "sublayers_of_blocks",
+           "write_analysis"]

@@ -1,34 +1,121 @@
-"""Cheap probes of a model's depth behaviour: per-block stream RMS and per-block gradient norms.
+"""Cheap probes of a model's depth behaviour: stream RMS, gradient norms, learned norm gains.
 
-They work for any scheme through its ``streams()`` view of the state, so the same probe reads
-Pre-Norm's single stream, SiameseNorm's X and Y, or every stream of hyper-connections.
+They read any scheme through its ``streams()`` view of the state (Pre-Norm's single stream,
+SiameseNorm's X and Y, every stream of hyper-connections) and any model through its ``.scheme``
+and ``.sublayers`` (``sublayers_per_block`` consecutive sublayers per block), so the same probes
+serve the language model, the ViT and the DiT. The dilution the SiameseNorm paper shows (arXiv
+2602.08064, Fig. 2a) is :func:`sublayer_rms`; its gradient spikes (Fig. 5) are
+:func:`grad_norms`; its stream weights (Fig. 6) are :func:`norm_gains`.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["block_grad_norms", "stream_rms"]
+from ..nn.norms import LayerNorm, RMSNorm
+from .adapters import LossFn, lm_loss
+from .tap import StreamTap
+
+__all__ = ["block_grad_norms", "grad_norms", "norm_gains", "stream_rms", "sublayer_rms"]
+
+NORM_TYPES: tuple[type, ...] = (LayerNorm, RMSNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
-def stream_rms(model: nn.Module, tokens: torch.Tensor) -> dict[str, list[float]]:
-    """RMS of every stream of the scheme after each block (at the end of its MLP sublayer)."""
-    scheme, out = model.scheme, {}
-    state = scheme.enter(model.embed(tokens))
-    for i, sub in enumerate(model.sublayers):
-        state = scheme.step(state, i, sub)
-        if i % 2 == 1:
-            for name, s in scheme.streams(state).items():
-                out.setdefault(name, []).append(s.pow(2).mean().sqrt().item())
-    return out
+def _wide(t: Tensor) -> Tensor:
+    """``t`` detached, in float32 or wider (float64 stays float64)."""
+    return t.detach().to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _rms(t: Tensor) -> Tensor:
+    return _wide(t).pow(2).mean().sqrt()
+
+
+@torch.no_grad()
+def sublayer_rms(model: nn.Module, batch: Any, loss_fn: LossFn = lm_loss) -> dict[str, list[float]]:
+    """RMS over every element of each stream, after ``k`` sublayers for ``k = 0 .. n_sublayers``.
+
+    ``k = 0`` is the state ``scheme.enter`` made of the embedding. The value is the state as the
+    scheme carries it (SiameseNorm's X before its deferred Post-Norm, for instance). A token's
+    L2 norm is this RMS times ``sqrt(dim)``. One forward pass of ``loss_fn(model, batch)``.
+    """
+    with StreamTap(model) as tap:
+        loss_fn(model, batch)
+    values = {name: torch.stack([_rms(s[name]) for s in tap.states]) for name in tap.states[0]}
+    return {name: v.tolist() for name, v in values.items()}
+
+
+@torch.no_grad()
+def stream_rms(model: nn.Module, inputs: Tensor) -> dict[str, list[float]]:
+    """RMS of every stream after each block (at the end of its last sublayer) for ``model(inputs)``."""
+    with StreamTap(model) as tap:
+        model(inputs)
+    blocks = tap.block_states()[1:]
+    return {name: [_rms(s[name]).item() for s in blocks] for name in tap.states[0]}
+
+
+def _grad_norm(params, device: torch.device) -> Tensor:
+    grads = [_wide(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def grad_norms(model: nn.Module) -> dict[str, Any]:
+    """L2 norms of the gradients now held by the parameters (call after backward).
+
+    ``total``: every parameter (the norm the training loop clips); ``blocks``: the sublayer
+    weights of each block; ``scheme``: the parameters of the residual scheme (its norms and mixing
+    weights). A parameter without a gradient counts as zero.
+    """
+    per = getattr(model.scheme, "sublayers_per_block", 2)
+    device = next(model.parameters()).device
+    subs = list(model.sublayers)
+    blocks = [_grad_norm((p for sub in subs[b:b + per] for p in sub.parameters()), device)
+              for b in range(0, len(subs), per)]
+    values = torch.stack([_grad_norm(model.parameters(), device),
+                          _grad_norm(model.scheme.parameters(), device), *blocks]).tolist()
+    return {"total": values[0], "scheme": values[1], "blocks": values[2:]}
 
 
 def block_grad_norms(model: nn.Module) -> list[float]:
     """Gradient norm of the sublayer weights of each block."""
-    norms = []
-    for b in range(model.config.n_layers):
-        grads = [p.grad for sub in model.sublayers[2 * b:2 * b + 2] for p in sub.parameters()
-                 if p.grad is not None]
-        norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)).item())
-    return norms
+    return grad_norms(model)["blocks"]
+
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+@torch.no_grad()
+def norm_gains(model: nn.Module) -> dict[str, float | list[float]]:
+    """Mean ``|weight|`` of every affine norm of the scheme, grouped by name and index.
+
+    A norm in a list (``post_norm[3]``) goes to ``{"post_norm": [..., value at 3, ...]}``; a
+    single norm (``merge_norm_x``) to ``{"merge_norm_x": value}``. Vector parameters whose name
+    says ``gain`` (SiameseNorm's ``x_gain[b]``) are included the same way. Norms inside the
+    sublayers (QK-norm) belong to the sublayers and are not read. Non-affine norms have no gain.
+    """
+    scheme = getattr(model, "scheme", model)
+    found: dict[str, Tensor] = {}
+    for name, module in scheme.named_modules():
+        weight = getattr(module, "weight", None)
+        if name and isinstance(module, NORM_TYPES) and isinstance(weight, Tensor):
+            found[name] = _wide(weight).abs().mean()
+    for name, param in scheme.named_parameters():
+        if "gain" in name and param.dim() == 1:
+            found[name] = _wide(param).abs().mean()
+    values = dict(zip(found, torch.stack(list(found.values())).tolist())) if found else {}
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        match = _INDEXED.match(name)
+        if match is None:
+            out[name] = value
+            continue
+        group, index = match.group(1), int(match.group(2))
+        slots = out.setdefault(group, [])
+        slots.extend([None] * (index + 1 - len(slots)))
+        slots[index] = value
+    return out

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from ..analysis.report_section import diagnostics_section
+
 
 def _fmt(value, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -93,4 +95,5 @@ def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[floa
     lines += ["", f"![validation loss]({_plot_curves(out, rows)})", ""]
     if len(lrs) > 1:
         lines += [f"![final loss by scheme and learning rate]({_plot_grid(out, rows, schemes, lrs)})", ""]
+    lines += diagnostics_section(out, rows)
     (out / "report.md").write_text("\n".join(lines))

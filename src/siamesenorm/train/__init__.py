@@ -7,6 +7,7 @@ It knows nothing of where batches come from: anything with ``next_batch``, ``sta
 from .checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from .loop import BatchSource, TrainSettings, train
 from .optim import build_optimizer, decay_groups, lr_at
+from .probe_hook import StepProbe
 
-__all__ = ["BatchSource", "TrainSettings", "build_optimizer", "decay_groups", "has_checkpoint",
-           "load_checkpoint", "lr_at", "save_checkpoint", "train"]
+__all__ = ["BatchSource", "StepProbe", "TrainSettings", "build_optimizer", "decay_groups",
+           "has_checkpoint", "load_checkpoint", "lr_at", "save_checkpoint", "train"]

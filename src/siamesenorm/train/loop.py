@@ -10,6 +10,7 @@ state and the run's counters, and evaluation never moves a generator the trainin
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import sys
@@ -30,6 +31,7 @@ from .forward import ForwardBackward
 from .interrupt import DeferredInterrupt
 from .metrics import METRICS_FILE, MetricsLog, plain, write_json
 from .optim import build_optimizer, lr_at
+from .probe_hook import StepProbe
 from .progress import ProgressLine
 from .rng import preserved_rng, rng_state, set_rng_state
 from .state import RunState
@@ -112,9 +114,10 @@ class _Run:
     """One call of :func:`train`: the objects it drives and the state it carries."""
 
     def __init__(self, model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: Path,
-                 device: torch.device, extra_eval: Callable[[nn.Module], dict] | None) -> None:
+                 device: torch.device, extra_eval: Callable[[nn.Module], dict] | None,
+                 probe: StepProbe | None = None) -> None:
         self.model, self.source, self.s, self.run_dir = model, source, settings, run_dir
-        self.device, self.extra_eval = device, extra_eval
+        self.device, self.extra_eval, self.probe = device, extra_eval, probe
         self.ckpt_dir = run_dir / CHECKPOINT_DIR
         self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay, settings.betas,
                                          settings.adam_eps)
@@ -158,8 +161,10 @@ class _Run:
         return None
 
     # ---- one step ----------------------------------------------------------------------------
-    def compute(self) -> tuple[float, float, int]:
-        """Accumulate the gradient of one step; returns ``(loss, pre-clip grad norm, tokens)``."""
+    def compute(self, probe_step: int | None = None) -> tuple[float, float, int]:
+        """Accumulate the gradient of one step; returns ``(loss, pre-clip grad norm, tokens)``.
+
+        With ``probe_step``, the probe reads the accumulated gradients before they are clipped."""
         n, total, tokens = self.s.grad_accum, None, 0
         for _ in range(n):
             x, y = self.source.next_batch()
@@ -170,6 +175,9 @@ class _Run:
             loss = self.forward(x, y, n, self.autocast)
             total = loss if total is None else total + loss
             tokens += x.numel()
+        if probe_step is not None:
+            with preserved_rng():
+                self.probe.after_backward(self.model, probe_step)
         clip = self.s.grad_clip if self.s.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         loss_value, norm_value = torch.stack([total.float() / n, norm.float()]).tolist()
@@ -191,13 +199,20 @@ class _Run:
                 self.model.eval()
                 try:
                     with torch.no_grad():
-                        extra = plain(dict(self.extra_eval(self.model)))  # checkpointable
+                        extra = plain(dict(self.call_extra_eval()))  # checkpointable
                 finally:
                     self.model.train()
         if val is not None:
             row.update(val_loss=val, val_ppl=perplexity(val))
         self.state.record_val(val, extra)
         return {**row, **extra}
+
+    def call_extra_eval(self) -> dict:
+        """``extra_eval(model)``, or ``extra_eval(model, step=...)`` when it takes the step."""
+        assert self.extra_eval is not None
+        if "step" in inspect.signature(self.extra_eval).parameters:
+            return self.extra_eval(self.model, step=self.state.step)
+        return self.extra_eval(self.model)
 
     def save(self) -> None:
         run = self.state.to_dict()
@@ -217,8 +232,9 @@ class _Run:
             lr = lr_at(step, s.lr, s.warmup, s.steps, s.min_lr_ratio)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            probing = self.probe is not None and self.probe.wants(step)
             began = time.perf_counter()
-            loss, norm, tokens = self.compute()
+            loss, norm, tokens = self.compute(step if probing else None)
             diverged = self.diverges(step, loss, norm)
             if not diverged:
                 self.phase = "update"
@@ -226,6 +242,9 @@ class _Run:
             self.optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - began
             self.phase = "after"
+            if probing:
+                with preserved_rng():
+                    self.probe.after_update(self.model, step, diverged)
             row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
             if diverged:
                 self.diverged_at = step
@@ -270,14 +289,16 @@ class _Run:
 def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: str | Path, *,
           resume: bool = False, device: str | torch.device = "cpu",
           extra_eval: Callable[[nn.Module], dict] | None = None,
-          progress: bool | None = None) -> dict[str, Any]:
+          progress: bool | None = None, probe: StepProbe | None = None) -> dict[str, Any]:
     """Train ``model`` on batches from ``source`` into ``run_dir``; returns the summary.
 
     ``model(x, y)`` must return an object with a scalar ``.loss``; the model is moved to
     ``device`` and trained in float32, under bf16 autocast on CUDA. ``extra_eval(model)`` runs at
-    every evaluation (eval mode, no grad) and returns more numbers for the row (e.g. accuracy);
-    the last ones also go to the summary as ``final_<name>``. ``progress=None`` shows a progress
-    line only when stderr is a terminal.
+    every evaluation (eval mode, no grad; with a ``step`` keyword it also gets the step) and returns
+    more numbers for the row (e.g. accuracy); the last ones also go to the summary as
+    ``final_<name>``. ``progress=None`` shows a progress
+    line only when stderr is a terminal. ``probe`` (a :class:`~.probe_hook.StepProbe`) records
+    diagnostics on the steps it wants, without changing what the run computes.
 
     A fresh run refuses a ``run_dir`` that already holds ``metrics.jsonl`` or a checkpoint
     (ConfigError); ``resume=True`` continues from ``run_dir/checkpoints/last`` and truncates
@@ -292,9 +313,11 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     device = torch.device(device)
     model.to(device)
     model.train()
-    run = _Run(model, source, settings, run_dir, device, extra_eval)
+    run = _Run(model, source, settings, run_dir, device, extra_eval, probe)
     keep_until = run.start(resume)
     log = MetricsLog(run_dir, keep_until)
+    if probe is not None:
+        probe.start(run_dir, keep_until)
     bar = ProgressLine(settings.steps, progress)
     try:
         try:
@@ -314,3 +337,5 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     finally:
         bar.close()
         log.close()
+        if probe is not None:
+            probe.close()

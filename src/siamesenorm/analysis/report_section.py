@@ -1,0 +1,221 @@
+"""The diagnostics section of a comparison's ``report.md``: one plot per diagnostic, all runs on
+shared axes, each with one sentence computed from the numbers it shows.
+
+Sources per run directory: ``metrics.jsonl`` (the gradient norm of every logged step, before
+clipping), ``probes.jsonl`` (the stream RMS of the last probe) and ``analysis.json`` (the stream
+RMS and layer pruning of the final model; preferred over the probes when present).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .plots import pyplot, save
+from .training_probes import read_probes
+
+SPIKE_FACTOR = 5.0   # a gradient norm above this multiple of the run's median after warm-up is a spike
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _warmup(run_dir: Path) -> int:
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        return int(cfg.get("train", {}).get("warmup", 0))
+    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
+        return 0
+
+
+def collect(out: Path, rows: list[dict]) -> list[dict]:
+    """Per run: its name, scheme label, RMS profile, gradient curve, warm-up and pruning numbers."""
+    runs = []
+    for row in rows:
+        run_dir = out / row["run"]
+        analysis = _json(run_dir / "analysis.json")
+        probes = [p for p in read_probes(run_dir) if isinstance(p.get("rms"), dict)]
+        rms, per = None, 2
+        if isinstance(analysis, dict):
+            rms, per = analysis["probes"]["rms"], analysis.get("sublayers_per_block", 2)
+        elif probes:
+            rms = probes[-1]["rms"]
+        grads = [(r["step"], r["grad_norm"]) for r in _jsonl(run_dir / "metrics.jsonl")
+                 if isinstance(r.get("grad_norm"), (int, float))]
+        runs.append({"run": row["run"], "scheme": row.get("scheme"), "rms": rms, "per": per,
+                     "grads": grads, "warmup": _warmup(run_dir),
+                     "pruning": analysis.get("pruning") if isinstance(analysis, dict) else None,
+                     "analysis": analysis if isinstance(analysis, dict) else None})
+    return runs
+
+
+# ---- numbers ---------------------------------------------------------------------------------
+def rms_growth(rms: dict[str, list[float]], per: int) -> dict[str, float]:
+    """Per stream: RMS after the last block / RMS after the first block."""
+    return {s: v[-1] / v[per] for s, v in rms.items() if len(v) > per and v[per]}
+
+
+def grad_stats(grads: list[tuple[int, float]], warmup: int) -> dict[str, Any] | None:
+    """After warm-up: the peak gradient norm and its step, the median, and the spike count."""
+    after = [(s, g) for s, g in grads if s > warmup] or grads
+    if not after:
+        return None
+    step, peak = max(after, key=lambda sg: sg[1])
+    median = statistics.median(g for _, g in after)
+    spikes = sum(g > SPIKE_FACTOR * median for _, g in after)
+    return {"peak": peak, "peak_step": step, "median": median, "spikes": spikes}
+
+
+def rms_sentence(runs: list[dict]) -> str:
+    growth = [(r["run"], s, g) for r in runs if r["rms"] for s, g in rms_growth(r["rms"], r["per"]).items()]
+    if not growth:
+        return "No run has a stream RMS profile."
+    hi, lo = max(growth, key=lambda t: t[2]), min(growth, key=lambda t: t[2])
+    if len(growth) == 1:
+        return f"From the first block to the last, the hidden RMS of {hi[0]} ({hi[1]}) changes x{hi[2]:.3g}."
+    return (f"From the first block to the last, the hidden RMS grows most in {hi[0]} (stream {hi[1]}, "
+            f"x{hi[2]:.3g}) and least in {lo[0]} (stream {lo[1]}, x{lo[2]:.3g}).")
+
+
+def grad_sentence(runs: list[dict]) -> str:
+    stats = [(r["run"], grad_stats(r["grads"], r["warmup"])) for r in runs]
+    stats = [(name, st) for name, st in stats if st is not None]
+    if not stats:
+        return "No run logged a gradient norm."
+    hi = max(stats, key=lambda t: t[1]["peak"])
+    lo = min(stats, key=lambda t: t[1]["peak"])
+    spiky = [f"{name} ({st['spikes']})" for name, st in stats if st["spikes"]]
+    spikes = (f"{len(spiky)} of {len(stats)} runs have steps above {SPIKE_FACTOR:g}x their median: "
+              f"{', '.join(spiky)}" if spiky else f"no run has a step above {SPIKE_FACTOR:g}x its median")
+    return (f"After warm-up the largest gradient norm is {hi[1]['peak']:.3g} ({hi[0]}, step "
+            f"{hi[1]['peak_step']}) and the smallest peak {lo[1]['peak']:.3g} ({lo[0]}); {spikes}.")
+
+
+def pruning_sentence(runs: list[dict]) -> str:
+    cost = [(r["run"], r["pruning"]) for r in runs if r["pruning"] and r["pruning"]["per_block"]]
+    if not cost:
+        return "No run has a layer-pruning analysis."
+
+    def mean(p: dict) -> float:
+        return sum(p["per_block"]) / len(p["per_block"])
+
+    def detail(p: dict) -> str:
+        b = max(range(len(p["per_block"])), key=lambda i: p["per_block"][i])
+        return (f"{mean(p):+.3g} on average, most at block {b}: {p['per_block'][b]:+.3g}; "
+                f"effective depth {p['effective_depth']:.1f} of {len(p['per_block'])}")
+
+    hi, lo = max(cost, key=lambda t: mean(t[1])), min(cost, key=lambda t: mean(t[1]))
+    text = f"Skipping one block raises the validation loss most for {hi[0]} ({detail(hi[1])})"
+    if len(cost) == 1:
+        return text + "."
+    return text + f" and least for {lo[0]} ({detail(lo[1])})."
+
+
+# ---- plots -----------------------------------------------------------------------------------
+_STYLES = ("-", "--", ":", "-.")
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def _plot_rms(out: Path, runs: list[dict]) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(r for r in runs if r["rms"]):
+        for j, (stream, values) in enumerate(r["rms"].items()):
+            ax.plot([k / r["per"] for k in range(len(values))], values, _STYLES[j % 4],
+                    color=f"C{i % 10}", label=f"{r['run']} {stream}")
+    ax.set(xlabel="depth (blocks)", ylabel="hidden-state RMS", yscale="log",
+           title="Hidden-state RMS vs depth, per stream")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return save(fig, out / "diag_hidden_rms.png")
+
+
+def _plot_grads(out: Path, runs: list[dict]) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(runs):
+        if r["grads"]:
+            ax.plot(*zip(*r["grads"]), color=f"C{i % 10}", lw=1, label=r["run"])
+    ax.set(xlabel="step", ylabel="gradient norm (before clipping)", yscale="log",
+           title="Gradient norm during training")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return save(fig, out / "diag_grad_norm.png")
+
+
+def _plot_pruning(out: Path, runs: list[dict]) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(runs):
+        if r["pruning"]:
+            ax.plot(range(len(r["pruning"]["per_block"])), r["pruning"]["per_block"], marker="o", ms=3,
+                    color=f"C{i % 10}", label=r["run"])
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set(xlabel="block skipped", ylabel="validation loss increase", title="Layer pruning sensitivity")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return save(fig, out / "diag_pruning.png")
+
+
+def _table(runs: list[dict]) -> list[str]:
+    lines = ["| run | hidden RMS growth (last / first block) | peak grad norm after warm-up (spikes) | "
+             "pruning: mean loss increase (effective depth) | logit lens agreement | followed where "
+             "streams disagree | single-norm gains |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        growth = ", ".join(f"{s} x{g:.3g}" for s, g in rms_growth(r["rms"], r["per"]).items()) \
+            if r["rms"] else "-"
+        st = grad_stats(r["grads"], r["warmup"])
+        grad = f"{st['peak']:.3g} ({st['spikes']})" if st else "-"
+        p, a = r["pruning"], r["analysis"]
+        prune = f"{sum(p['per_block']) / len(p['per_block']):+.3g} ({p['effective_depth']:.1f})" \
+            if p and p["per_block"] else "-"
+        lens = a["lens"] if a else None
+        agree = ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["agreement"].items()) if lens else "-"
+        follows = ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["follows"].items() if v is not None) \
+            if lens else ""
+        gains = ", ".join(f"{k} {v:.3g}" for k, v in a["probes"]["gains"].items()
+                          if isinstance(v, (int, float))) if a else "-"
+        lines.append(f"| {r['run']} | {growth} | {grad} | {prune} | {agree} | {follows or '-'} | {gains} |")
+    return lines
+
+
+def diagnostics_section(out: Path, rows: list[dict]) -> list[str]:
+    """Markdown lines of the diagnostics section of ``out/report.md``; writes its plots into ``out``."""
+    runs = collect(Path(out), rows)
+    lines = ["## Diagnostics", ""]
+    if any(r["rms"] for r in runs):
+        lines += [rms_sentence(runs), "", f"![hidden RMS vs depth]({_plot_rms(out, runs)})", ""]
+    else:
+        lines += ["No stream RMS recorded: set `analysis.every=N` to record probes every N steps.", ""]
+    lines += [grad_sentence(runs), "", f"![gradient norm]({_plot_grads(out, runs)})", ""]
+    if any(r["pruning"] for r in runs):
+        lines += [pruning_sentence(runs), "", f"![layer pruning]({_plot_pruning(out, runs)})", ""]
+    else:
+        lines += ["No layer-pruning analysis: run `siamesenorm analyze RUN_DIR`, or train with "
+                  "`analysis.every=N` (and `analysis.at_end=true`).", ""]
+    if any(r["rms"] or r["analysis"] for r in runs):
+        lines += _table(runs) + [""]
+    return lines

@@ -1,0 +1,120 @@
+"""Probes a run can leave on: every ``N`` steps, one record in ``run_dir/probes.jsonl``.
+
+A record (one JSON object per line) holds::
+
+    step              the training step (a multiple of N)
+    grad_norm         total gradient norm of the step, before clipping (the loop's grad_norm)
+    grad_norm_blocks  per block: the norm of its sublayers' gradients, before clipping
+    grad_norm_scheme  the residual scheme's parameters (norms, mixing weights)
+    rms               {stream: [RMS after k sublayers, k = 0 .. 2 * n_layers]} on the probe batch
+    gains             mean |weight| of every norm of the scheme, by name and index (norm_gains)
+    diverged          true on a step the loop stopped at (no update was applied)
+
+Cost: the gradient norms read the step's own gradients (no extra pass); the RMS takes one no-grad,
+eval-mode forward pass over a small fixed batch; the gains read the norm weights. The records of
+a resumed run end at the checkpoint's step and continue as an uninterrupted run's would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..train.metrics import _rows_until, plain
+from .adapters import LossFn, lm_loss
+from .probes import grad_norms, norm_gains, sublayer_rms
+
+PROBES_FILE = "probes.jsonl"
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def read_probes(run_dir: str | Path) -> list[dict]:
+    """The records of ``run_dir/probes.jsonl`` (``[]`` when there is none; torn lines skipped)."""
+    path = Path(run_dir) / PROBES_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class TrainingProbes:
+    """A :class:`~siamesenorm.train.StepProbe` writing ``probes.jsonl`` every ``every`` steps.
+
+    Args:
+        every: probe at steps ``every, 2 * every, ...``.
+        batch: the fixed batch of the RMS probe (for the language model ``(x, y)``).
+        loss_fn: runs the model on ``batch`` (see :mod:`.adapters`).
+    """
+
+    def __init__(self, every: int, batch: Any, loss_fn: LossFn = lm_loss) -> None:
+        if not isinstance(every, int) or every <= 0:
+            raise ConfigError(f"analysis.every must be a positive number of steps, got {every!r}")
+        self.every, self.batch, self.loss_fn = every, batch, loss_fn
+        self.pending: dict[str, Any] | None = None
+        self.path: Path | None = None
+        self._file = None
+
+    def start(self, run_dir: Path, keep_until: int | None) -> None:
+        self.path = Path(run_dir) / PROBES_FILE
+        kept = _rows_until(self.path, keep_until) if keep_until is not None and self.path.exists() \
+            else []
+        tmp = self.path.with_name(f".{PROBES_FILE}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def wants(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def after_backward(self, model: nn.Module, step: int) -> None:
+        self.pending = {"step": step, **grad_norms(model)}
+
+    @torch.no_grad()
+    def record(self, model: nn.Module) -> dict[str, Any]:
+        """The forward-pass part of a record: stream RMS on the probe batch and the norm gains."""
+        was_training = model.training
+        model.eval()
+        try:
+            device = next(model.parameters()).device
+            rms = sublayer_rms(model, to_device(self.batch, device), self.loss_fn)
+        finally:
+            model.train(was_training)
+        return {"rms": rms, "gains": norm_gains(model)}
+
+    def after_update(self, model: nn.Module, step: int, diverged: bool) -> None:
+        grads = self.pending if self.pending is not None and self.pending["step"] == step else {}
+        self.pending = None
+        row: dict[str, Any] = {"step": step, "grad_norm": grads.get("total"),
+                               "grad_norm_blocks": grads.get("blocks"),
+                               "grad_norm_scheme": grads.get("scheme"), **self.record(model)}
+        if diverged:
+            row["diverged"] = True
+        if self._file is not None:
+            self._file.write(json.dumps(plain(row), allow_nan=False) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
