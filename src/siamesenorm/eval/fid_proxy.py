@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..data.image_split import stratified_split_indices
 from ..data.images import ImageSet, to_model_range
@@ -111,6 +111,19 @@ def proxy_cache_key(train: ImageSet, settings: ProxySettings) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def _fit(net: nn.Module, optimizer, schedule, x: Tensor, y: Tensor, fit: Tensor,
+         order: torch.Generator, settings: ProxySettings) -> None:
+    """``settings.epochs`` epochs of AdamW on the images ``x[fit]``, in the order ``order`` draws."""
+    for _ in range(settings.epochs):
+        for batch in fit[torch.randperm(len(fit), generator=order)].split(settings.batch_size):
+            batch = batch.to(x.device)
+            loss = F.cross_entropy(net(x[batch]), y[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+
+
 def train_proxy(train: ImageSet, settings: ProxySettings | None = None, *,
                 device: str | torch.device = "cpu", key: str = "") -> ProxyClassifier:
     """Train a :class:`ProxyNet` on ``train`` (deterministic: the seed fixes init and order).
@@ -137,14 +150,8 @@ def train_proxy(train: ImageSet, settings: ProxySettings | None = None, *,
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / total)))
     fit = torch.from_numpy(fit_idx)
-    for _ in range(settings.epochs):
-        for batch in fit[torch.randperm(len(fit), generator=order)].split(settings.batch_size):
-            batch = batch.to(device)
-            loss = F.cross_entropy(net(x[batch]), y[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
+    with torch.enable_grad():  # callers may sit inside no_grad (e.g. a training run's evaluation)
+        _fit(net, optimizer, schedule, x, y, fit, order, settings)
     proxy = ProxyClassifier(net.eval(), settings, 0.0, key, "trained")
     val = torch.from_numpy(val_idx).to(device)
     proxy.val_accuracy = float((proxy.predict(x[val]) == y[val].cpu()).double().mean())

@@ -45,8 +45,16 @@ def _one_line(summary: dict, peak: tuple) -> str:
     return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
 
 
-def text_table(rows: list[dict], labels: list[str], lrs: list[float]) -> str:
-    """Final validation loss per scheme (rows) and learning rate (columns), mean over seeds."""
+# Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations), and the one
+# the printed table shows for each task.
+EXTRA_COLUMNS = ("final_arith_acc", "final_val_acc", "final_fd_proxy", "final_sample_acc")
+HEADLINE = {"lm": ("final_val_loss", "final validation loss"),
+            "vit": ("final_val_acc", "final validation top-1 accuracy"),
+            "dit": ("final_fd_proxy", "final FD-proxy, lower is better (not Inception FID)")}
+
+
+def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str = "final_val_loss") -> str:
+    """``key`` (a row's figure) per scheme (rows) and learning rate (columns), mean over seeds."""
     cells = {}
     for r in rows:
         cells.setdefault((r["scheme"], r["lr"]), []).append(r)
@@ -59,7 +67,7 @@ def text_table(rows: list[dict], labels: list[str], lrs: list[float]) -> str:
             if any(r["diverged"] for r in group):
                 texts.append(f"div@{min(r['diverged_at'] for r in group if r['diverged'])}")
             else:
-                vals = [r["final_val_loss"] for r in group if r["final_val_loss"] is not None]
+                vals = [r[key] for r in group if r.get(key) is not None]
                 texts.append(f"{sum(vals) / len(vals):.4f}" if vals else "-")
         lines.append(f"{label:<{width}}  " + "  ".join(f"{t:>12}" for t in texts))
     return "\n".join(lines)
@@ -106,14 +114,17 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
                      **{k: summary.get(k) for k in COLUMNS[4:-2]},
-                     "max_grad_norm": peak[0], "max_grad_norm_step": peak[1]})
+                     "max_grad_norm": peak[0], "max_grad_norm_step": peak[1],
+                     **{k: summary[k] for k in EXTRA_COLUMNS if k in summary}})
+    extra = [k for k in EXTRA_COLUMNS if any(k in r for r in rows)]
     with open(out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + tuple(extra), restval="")
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     write_report(out, rows, spec["schemes"], spec["lrs"])
-    log("final validation loss (div@N: diverged at step N)")
-    log(text_table(rows, spec["schemes"], spec["lrs"]))
+    key, title = HEADLINE[base.task]
+    log(f"{title} (div@N: diverged at step N)")
+    log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")
     return rows

@@ -1,0 +1,90 @@
+"""What every task's run shares: the run directory's checks, the engine's settings, image data."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import dump_config, load_config
+from ..data.image_batches import ImageBatchSampler, image_validation_batches
+from ..data.image_split import split_images
+from ..data.images import ImageSet, load_images
+from ..errors import ConfigError
+from ..train import TrainSettings
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``; refused when absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device: unknown device {name!r}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu")
+    return device
+
+
+def open_run_dir(cfg: Any, run_dir: Path, resume: bool) -> Any:
+    """The configuration to train: ``cfg``, or with ``resume`` the run's own ``config.yaml``.
+
+    A fresh run refuses a folder that already holds one (nothing is written there).
+    """
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"cannot resume {run_dir}: it holds no config.yaml")
+        return load_config(str(run_dir / "config.yaml"))
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"{run_dir} already holds a run; resume it with --resume or choose another --out")
+    return cfg
+
+
+def write_config(cfg: Any, run_dir: Path, resume: bool) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+
+def train_settings(cfg: Any, eval_batches: list) -> TrainSettings:
+    """The engine's settings from a run configuration's ``train`` section."""
+    t = cfg.train
+    return TrainSettings(steps=t.steps, lr=t.lr, warmup=t.warmup, min_lr_ratio=t.min_lr_ratio,
+                         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
+                         grad_accum=t.grad_accum, eval_every=t.eval_every, eval_batches=eval_batches,
+                         checkpoint_every=t.checkpoint_every, divergence_factor=t.divergence_factor,
+                         compile=t.compile, seed=cfg.seed)
+
+
+@dataclasses.dataclass
+class ImageData:
+    """An image run's data: the split, the training sampler and the fixed validation batches."""
+
+    train: ImageSet
+    val: ImageSet
+    sampler: ImageBatchSampler
+    val_batches: list
+    image_size: int
+    in_chans: int
+    num_classes: int
+
+
+def load_image_data(cfg: Any) -> ImageData:
+    """Load ``data.dataset``, split it, and build the sampler (seeded by ``seed``) and val batches."""
+    d = cfg.data
+    full = load_images(d.dataset, **d.dataset_options)
+    chans, height, width = full.shape
+    if height != width:
+        raise ConfigError(f"{d.dataset}: images are {height}x{width}; the models take square images "
+                          "(resize them, e.g. a folder's image_size option)")
+    train, val = split_images(full, d.val_fraction, d.split_seed)
+    if len(val) == 0:
+        raise ConfigError(f"{d.dataset}: data.val_fraction={d.val_fraction} leaves no validation images")
+    sampler = ImageBatchSampler.from_set(train, d.batch_size, seed=cfg.seed, augment=d.augment)
+    # Every validation image when they fit in val_batches batches, else evenly spaced full batches.
+    few = len(val) <= d.val_batches * d.batch_size
+    batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)
+    return ImageData(train, val, sampler, batches, height, chans, full.num_classes)
