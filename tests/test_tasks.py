@@ -27,6 +27,7 @@ def test_a_tiny_vit_learns_the_digits_within_seconds(tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_val_acc"] > 0.5          # chance is 0.1
+    assert summary["tokens_seen"] == 150 * 64 * (1 + 16)  # class token + 4x4 patches, not pixels
     cfg = load_config(str(out / "config.yaml"))
     assert (cfg.task, cfg.model.image_size, cfg.model.in_chans, cfg.model.num_classes) == ("vit", 8, 1, 10)
 
@@ -118,3 +119,37 @@ def test_task_picks_the_configuration_class_wherever_it_is_set(tmp_path):
     assert load_config(str(preset)).model.dim == 32
     with pytest.raises(ConfigError, match="unknown key 'diffusion.timesteps'"):
         load_config(None, ["task=vit", "diffusion.timesteps=10"])
+
+
+def test_image_runs_record_probes_and_analyze_reads_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+    vit, dit = tmp_path / "vit", tmp_path / "dit"
+    assert run("train", "vit-digits", "train.steps=4", "train.eval_every=4", "model.n_layers=2",
+               "model.scheme=siamese", "analysis.every=2", "--out", str(vit)).returncode == 0
+    probes = [json.loads(x) for x in (vit / "probes.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in probes] == [2, 4] and set(probes[0]["rms"]) == {"x", "y"}
+    analysis = json.loads((vit / "analysis.json").read_text())
+    assert set(analysis["lens"]["agreement"]) == {"x", "y"} and len(analysis["pruning"]["per_block"]) == 2
+    assert run("train", "dit-digits", "train.steps=2", "train.eval_every=2", "model.n_layers=2",
+               "diffusion.eval_samples=10", "diffusion.sample_steps=2", "--out", str(dit)).returncode == 0
+    res = run("analyze", str(dit), "--out", str(tmp_path / "dit-analysis"))
+    assert res.returncode == 0, res.stderr
+    assert "no logit lens" in res.stdout
+    result = json.loads((tmp_path / "dit-analysis" / "analysis.json").read_text())
+    assert result["lens"] is None and len(result["pruning"]["per_block"]) == 2
+
+
+def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "exp"
+    res = run("compare", "dit-digits", "train.steps=2", "train.eval_every=2", "model.n_layers=2",
+              "diffusion.eval_samples=10", "diffusion.sample_steps=2", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "FD-proxy" in res.stdout
+    report = (out / "report.md").read_text()
+    assert "| FD-proxy | sample acc |" in report
+    for png in ("fd_proxy.png", "sample_acc.png"):
+        assert f"]({png})" in report and (out / png).stat().st_size > 1000
+    for scheme in ("pre", "siamese"):
+        grid = f"{scheme}-lr0.001-s0/samples/step_2.png"
+        assert f"]({grid})" in report and (out / grid).is_file()

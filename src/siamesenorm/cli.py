@@ -103,10 +103,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     out = args.out or args.run_dir
     result = analyze_run(args.run_dir, args.data, batches=args.batches, device=args.device, out=out)
     pruning, lens = result["pruning"], result["lens"]
-    agree = ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["agreement"].items())
+    lens_text = "no logit lens (the model has no logits)" if lens is None else "logit lens agrees: " + \
+        ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["agreement"].items())
     print(f"{args.run_dir}: loss {result['loss']:.4f}; skipping one block adds "
           f"{max(pruning['per_block']):+.4f} at most (effective depth {pruning['effective_depth']:.1f} "
-          f"of {result['n_layers']}); logit lens agrees: {agree}")
+          f"of {result['n_layers']}); {lens_text}")
     print(f"wrote {Path(out) / ANALYSIS_FILE} and plots in {Path(out) / 'analysis'}")
     return 0
 

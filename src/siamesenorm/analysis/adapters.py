@@ -38,3 +38,8 @@ def lm_head(model: nn.Module, hidden: Tensor) -> Tensor:
     """Language model: the unembedding (the tied embedding or ``lm_head``) applied to ``hidden``."""
     weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
     return F.linear(hidden, weight)
+
+
+def vit_head(model: nn.Module, hidden: Tensor) -> Tensor:
+    """Vision transformer: the classifier applied to the class token (position 0) of ``hidden``."""
+    return model.head(hidden[:, 0])

@@ -87,15 +87,16 @@ def plot_analysis(out: Path, result: dict[str, Any], probes: list[dict]) -> list
     names.append(save(fig, out / "pruning.png"))
 
     lens = result["lens"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for stream, values in lens["by_depth"].items():
-        ax.plot(range(len(values)), values, marker=".", label=f"{stream} (follows "
-                f"{_fmt(lens['follows'].get(stream))} where streams disagree)")
-    ax.set(xlabel="blocks", ylabel="agreement with the model's prediction", ylim=(0, 1.02),
-           title=f"Logit lens per stream (streams disagree on {_fmt(lens['disagree_fraction'])})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    names.append(save(fig, out / "logit_lens.png"))
+    if lens is not None:  # None for models without logits to read (a DiT)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for stream, values in lens["by_depth"].items():
+            ax.plot(range(len(values)), values, marker=".", label=f"{stream} (follows "
+                    f"{_fmt(lens['follows'].get(stream))} where streams disagree)")
+        ax.set(xlabel="blocks", ylabel="agreement with the model's prediction", ylim=(0, 1.02),
+               title=f"Logit lens per stream (streams disagree on {_fmt(lens['disagree_fraction'])})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        names.append(save(fig, out / "logit_lens.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for stream, values in result["angular"].items():

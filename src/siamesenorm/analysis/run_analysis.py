@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..train.metrics import write_json
-from .adapters import HeadFn, LossFn, lm_head, lm_loss
+from .adapters import HeadFn, LossFn, lm_head, lm_loss, vit_head
 from .angular import angular_distances
 from .lens import logit_lens
 from .probes import grad_norms, norm_gains, sublayer_rms
@@ -47,8 +47,10 @@ def checkpoint_probes(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn 
 
 
 def analyze_model(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
-                  head_fn: HeadFn = lm_head) -> dict[str, Any]:
+                  head_fn: HeadFn | None = lm_head) -> dict[str, Any]:
     """Pruning sensitivity, logit lens, angular distances and the probes of ``model`` on ``batches``.
+
+    ``head_fn=None`` (a model without logits to read, such as a DiT) leaves the lens out (``None``).
 
     Each part is described in docs/analysis.md and in its function: :func:`.pruning_sensitivity`,
     :func:`.logit_lens`, :func:`.angular_distances`, :func:`checkpoint_probes`.
@@ -65,7 +67,7 @@ def analyze_model(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm
         "batches": len(batches),
         "loss": pruning["base_loss"],
         "pruning": pruning,
-        "lens": logit_lens(model, batches, loss_fn, head_fn),
+        "lens": logit_lens(model, batches, loss_fn, head_fn) if head_fn is not None else None,
         "angular": angular_distances(model, batches, loss_fn),
         "probes": checkpoint_probes(model, batches, loss_fn),
     }
@@ -89,9 +91,18 @@ def write_analysis(out: str | Path, result: dict[str, Any], *, source: str,
     return out / ANALYSIS_FILE
 
 
+def _saved_task(run_dir: Path) -> str:
+    from ..config import load_config
+    from ..errors import ConfigError
+
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it holds no config.yaml")
+    return load_config(str(run_dir / "config.yaml")).task
+
+
 def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | None = None,
                 device: str = "cpu", out: str | Path | None = None) -> dict[str, Any]:
-    """Analyse the last checkpoint of the language-model run ``run_dir``.
+    """Analyse the last checkpoint of the run ``run_dir`` (a language model, ViT or DiT).
 
     ``data``: a text file, folder or token file to analyse instead of the run's validation split;
     ``batches``: how many batches of the run's ``batch_size x seq_len`` (default
@@ -109,14 +120,23 @@ def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
-    model, cfg = load_model(run_dir, device)
-    tokens = analysis_tokens(run_dir, cfg, data)
-    n = batches or cfg.analysis.batches
-    chosen = analysis_batches(tokens, cfg, n) if data is None else \
-        validation_batches(tokens, cfg.data.batch_size, cfg.data.seq_len, n)
+    task = _saved_task(run_dir)
+    head_fn: HeadFn | None = lm_head
+    if task == "lm":
+        model, cfg = load_model(run_dir, device)
+        tokens = analysis_tokens(run_dir, cfg, data)
+        n = batches or cfg.analysis.batches
+        chosen = analysis_batches(tokens, cfg, n) if data is None else \
+            validation_batches(tokens, cfg.data.batch_size, cfg.data.seq_len, n)
+    else:  # a ViT (its lens reads the class token) or a DiT (no logits: no lens)
+        from ..tasks.common import image_analysis_batches, load_image_run
+
+        model, cfg = load_image_run(run_dir, device)
+        chosen = image_analysis_batches(cfg, data, batches or cfg.analysis.batches)
+        head_fn = vit_head if task == "vit" else None
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[]):
-        result = analyze_model(model, [to_device(b, dev) for b in chosen])
+        result = analyze_model(model, [to_device(b, dev) for b in chosen], head_fn=head_fn)
     write_analysis(out if out is not None else run_dir, result,
                    source=str(data) if data is not None else "validation", run_dir=run_dir)
     return result

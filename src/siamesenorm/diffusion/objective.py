@@ -107,6 +107,11 @@ class DiffusionObjective(nn.Module):
             return int(self.model.num_parameters())
         return sum(p.numel() for p in self.model.parameters())
 
+    def tokens_in(self, x: Tensor) -> int:
+        """The wrapped model's token count for ``x`` (its ``tokens_in``), else ``x.numel()``."""
+        count = getattr(self.model, "tokens_in", None)
+        return count(x) if count is not None else x.numel()
+
     @property
     def scheme(self) -> nn.Module:
         """The wrapped model's residual scheme (for probes that look for ``model.scheme``)."""

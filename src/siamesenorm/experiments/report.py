@@ -15,37 +15,54 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _val_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    steps, losses = [], []
+def _curve(run_dir: Path, key: str = "val_loss") -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of ``key`` over the evaluation rows of a run's metrics.jsonl."""
+    steps, values = [], []
     path = run_dir / "metrics.jsonl"
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            if row.get("val_loss") is not None:
+            if row.get(key) is not None:
                 steps.append(row["step"])
-                losses.append(row["val_loss"])
-    return steps, losses
+                values.append(row[key])
+    return steps, values
 
 
-def _plot_curves(out: Path, rows: list[dict]) -> str:
+# Curves a report plots when its runs logged them: (metrics key, axis label, file).
+CURVES = (("val_loss", "validation loss", "val_loss.png"),
+          ("val_acc", "validation top-1 accuracy", "val_acc.png"),
+          ("arith_acc", "arithmetic exact-match accuracy", "arith_acc.png"),
+          ("fd_proxy", "FD-proxy (lower is better; not Inception FID)", "fd_proxy.png"),
+          ("sample_acc", "class accuracy of samples (proxy classifier)", "sample_acc.png"))
+
+
+def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: str) -> str | None:
+    """One line per run of ``key`` against step; ``None`` (no file) when no run logged it."""
+    curves = [(row["run"], *_curve(out / row["run"], key)) for row in rows]
+    if not any(steps for _, steps, _ in curves):
+        return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
-        steps, losses = _val_curve(out / row["run"])
+    for name, steps, values in curves:
         if steps:
-            ax.plot(steps, losses, marker="o", ms=3, label=row["run"])
+            ax.plot(steps, values, marker="o", ms=3, label=name)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Validation loss per run")
+    ax.set_ylabel(label)
+    ax.set_title(f"{label[0].upper()}{label[1:]} per run")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "val_loss.png", dpi=120)
+    fig.savefig(out / filename, dpi=120)
     plt.close(fig)
-    return "val_loss.png"
+    return filename
+
+
+def _last_sample_grid(run_dir: Path) -> Path | None:
+    grids = sorted((run_dir / "samples").glob("step_*.png"), key=lambda p: int(p.stem.split("_")[1]))
+    return grids[-1] if grids else None
 
 
 def _plot_grid(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]) -> str:
@@ -84,16 +101,36 @@ def _plot_grid(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]
     return "lr_grid.png"
 
 
+# Figures of some tasks, shown as extra table columns when any run has them.
+_EXTRA = (("final_val_acc", "val top-1"), ("final_arith_acc", "arith acc"),
+          ("final_fd_proxy", "FD-proxy"), ("final_sample_acc", "sample acc"))
+
+
 def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]) -> None:
-    lines = ["# Comparison", "", "| run | scheme | lr | seed | final val loss | best val loss | "
-             "diverged (step) | tokens/s | parameters |", "|---|---|---|---|---|---|---|---|---|"]
+    extra = [(k, title) for k, title in _EXTRA if any(r.get(k) is not None for r in rows)]
+    head = ["run", "scheme", "lr", "seed", "final val loss", "best val loss", *(t for _, t in extra),
+            "diverged (step)", "max grad norm (step)", "tokens/s", "parameters"]
+    lines = ["# Comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         div = f"yes ({r['diverged_at']})" if r["diverged"] else "no"
-        lines.append(f"| {r['run']} | {r['scheme']} | {r['lr']:g} | {r['seed']} | "
-                     f"{_fmt(r['final_val_loss'])} | {_fmt(r['best_val_loss'])} | {div} | "
-                     f"{_fmt(r['tokens_per_s'], 0)} | {r['num_parameters']:,} |")
-    lines += ["", f"![validation loss]({_plot_curves(out, rows)})", ""]
+        peak = "-" if r.get("max_grad_norm") is None else \
+            f"{r['max_grad_norm']:.3g} ({r['max_grad_norm_step']})"
+        cells = [r["run"], r["scheme"], f"{r['lr']:g}", str(r["seed"]), _fmt(r["final_val_loss"]),
+                 _fmt(r["best_val_loss"]), *(_fmt(r.get(k)) for k, _ in extra), div, peak,
+                 _fmt(r["tokens_per_s"], 0), f"{r['num_parameters']:,}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for key, label, filename in CURVES:
+        name = _plot_curves(out, rows, key, label, filename)
+        if name is not None:
+            lines += [f"![{label}]({name})", ""]
     if len(lrs) > 1:
         lines += [f"![final loss by scheme and learning rate]({_plot_grid(out, rows, schemes, lrs)})", ""]
+    grids = [(r["run"], _last_sample_grid(out / r["run"])) for r in rows]
+    if any(g for _, g in grids):
+        lines += ["## Samples", "", "The last evaluation's class-conditional samples of each run "
+                  "(one row per class).", ""]
+        lines += [f"**{name}** ({grid.stem.replace('_', ' ')})\n\n![{name} samples]"
+                  f"({grid.relative_to(out).as_posix()})\n" for name, grid in grids if grid]
     lines += diagnostics_section(out, rows)
     (out / "report.md").write_text("\n".join(lines))

@@ -289,6 +289,10 @@ class DiT(nn.Module):
         return torch.cat((torch.cat((guided, guided)), rest), dim=1)
 
     # ---- accounting --------------------------------------------------------------------------
+    def tokens_in(self, x: Tensor) -> int:
+        """Tokens (patches) the model processes for the images ``x``, for a run's tokens/s."""
+        return len(x) * self.config.num_patches
+
     def num_parameters(self) -> int:
         """Number of parameters (the fixed position embedding is a buffer, not counted)."""
         return sum(p.numel() for p in self.parameters())

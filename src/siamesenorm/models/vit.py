@@ -189,6 +189,11 @@ class VisionTransformer(nn.Module):
         return F.cross_entropy(logits, targets, label_smoothing=smoothing)
 
     # ---- accounting --------------------------------------------------------------------------
+    def tokens_in(self, images: Tensor) -> int:
+        """Tokens the model processes for ``images`` (class token and patches of each image), so
+        that a training run's tokens/s counts tokens rather than pixels."""
+        return len(images) * (1 + self.config.num_patches)
+
     def num_parameters(self) -> int:
         """Number of parameters (position embedding and class token included)."""
         return sum(p.numel() for p in self.parameters())

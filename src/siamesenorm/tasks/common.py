@@ -49,6 +49,29 @@ def write_config(cfg: Any, run_dir: Path, resume: bool) -> None:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
 
+def make_probe(cfg: Any, val_batches: list):
+    """The training probes of ``analysis.every`` (None when off), on the first validation batch."""
+    if cfg.analysis.every <= 0:
+        return None
+    from ..analysis.training_probes import TrainingProbes
+
+    x, y = val_batches[0]
+    n = cfg.analysis.batch_size
+    return TrainingProbes(cfg.analysis.every, (x[:n], y[:n]))
+
+
+def analyze_at_end(cfg: Any, model: torch.nn.Module, val_batches: list, run_dir: Path, summary: dict,
+                   device: torch.device, head_fn=None) -> None:
+    """With probes on and ``analysis.at_end``, analyse the finished model into ``run_dir``."""
+    if cfg.analysis.every <= 0 or not cfg.analysis.at_end or summary.get("diverged") \
+            or summary.get("interrupted"):
+        return
+    from ..analysis.run_analysis import analyze_model, write_analysis
+
+    batches = [tuple(t.to(device) for t in b) for b in val_batches[:cfg.analysis.batches]]
+    write_analysis(run_dir, analyze_model(model, batches, head_fn=head_fn), source="validation")
+
+
 def train_settings(cfg: Any, eval_batches: list) -> TrainSettings:
     """The engine's settings from a run configuration's ``train`` section."""
     t = cfg.train
@@ -88,3 +111,42 @@ def load_image_data(cfg: Any) -> ImageData:
     few = len(val) <= d.val_batches * d.batch_size
     batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)
     return ImageData(train, val, sampler, batches, height, chans, full.num_classes)
+
+
+def build_image_model(cfg: Any, device: torch.device | str | None = None) -> torch.nn.Module:
+    """The trained module of an image run: the ViT, or the DiT inside its diffusion objective."""
+    if cfg.task == "vit":
+        from ..models.vit import VisionTransformer
+
+        return VisionTransformer(cfg.model, device=device)
+    from ..diffusion import DiffusionObjective, create_diffusion
+    from ..models.dit import DiT
+
+    d = cfg.diffusion
+    return DiffusionObjective(DiT(cfg.model, device=device),
+                              create_diffusion(d.timesteps, d.schedule, d.beta_start, d.beta_end),
+                              eval_seed=cfg.seed)
+
+
+def load_image_run(run_dir: Path, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
+    """The module of the image run ``run_dir`` with its last checkpoint's weights (eval mode)."""
+    from ..train import load_checkpoint
+
+    cfg = load_config(str(run_dir / "config.yaml"))
+    model = build_image_model(cfg, resolve_device(device))
+    load_checkpoint(run_dir / "checkpoints" / "last", model, None)
+    return model.eval(), cfg
+
+
+def image_analysis_batches(cfg: Any, data: str | None, n: int) -> list:
+    """``n`` batches to analyse: the run's own first validation batches, or evenly spaced batches of
+    the image set ``data`` (a folder or ``.npz``, resized as the run's were)."""
+    if data is None:
+        return load_image_data(cfg).val_batches[:n]
+    images = load_images(data, **cfg.data.dataset_options)
+    if images.shape[1:] != (cfg.model.image_size if cfg.task == "vit" else cfg.model.input_size,) * 2:
+        raise ConfigError(f"{data}: images are {images.shape[1]}x{images.shape[2]}, the run's model takes "
+                          f"{cfg.data.dataset_options or 'its own size'}; give images of that size")
+    count = min(n, max(1, len(images) // cfg.data.batch_size))
+    return image_validation_batches(images, batch_size=min(cfg.data.batch_size, len(images)),
+                                    n_batches=count)

@@ -21,7 +21,16 @@ from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image
 from ..eval.fid_proxy import get_proxy, sample_quality
 from ..models.dit import DiT
 from ..train import train
-from .common import ImageData, load_image_data, open_run_dir, resolve_device, train_settings, write_config
+from .common import (
+    ImageData,
+    analyze_at_end,
+    load_image_data,
+    make_probe,
+    open_run_dir,
+    resolve_device,
+    train_settings,
+    write_config,
+)
 
 SAMPLES_DIR = "samples"
 
@@ -69,5 +78,9 @@ def run_dit(cfg, run_dir: str | Path, *, resume: bool = False, progress: bool | 
     objective = DiffusionObjective(DiT(model_cfg, device=device),
                                    create_diffusion(d.timesteps, d.schedule, d.beta_start, d.beta_end),
                                    eval_seed=cfg.seed)
-    return train(objective, data.sampler, train_settings(cfg, data.val_batches), run_dir, resume=resume,
-                 device=device, extra_eval=SampleEvaluation(cfg, data, run_dir, device), progress=progress)
+    probe = make_probe(cfg, data.val_batches)
+    summary = train(objective, data.sampler, train_settings(cfg, data.val_batches), run_dir,
+                    resume=resume, device=device, extra_eval=SampleEvaluation(cfg, data, run_dir, device),
+                    progress=progress, probe=probe)
+    analyze_at_end(cfg, objective, data.val_batches, run_dir, summary, device)  # no logits: no lens
+    return summary

@@ -13,9 +13,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..analysis.adapters import vit_head
 from ..models.vit import VisionTransformer
 from ..train import train
-from .common import load_image_data, open_run_dir, resolve_device, train_settings, write_config
+from .common import (
+    analyze_at_end,
+    load_image_data,
+    make_probe,
+    open_run_dir,
+    resolve_device,
+    train_settings,
+    write_config,
+)
 
 
 @torch.no_grad()
@@ -45,5 +54,8 @@ def run_vit(cfg, run_dir: str | Path, *, resume: bool = False, progress: bool | 
     def extra_eval(m: nn.Module) -> dict:
         return {"val_acc": top1_accuracy(m, data.val_batches, device)}
 
-    return train(model, data.sampler, train_settings(cfg, data.val_batches), run_dir, resume=resume,
-                 device=device, extra_eval=extra_eval, progress=progress)
+    probe = make_probe(cfg, data.val_batches)
+    summary = train(model, data.sampler, train_settings(cfg, data.val_batches), run_dir, resume=resume,
+                    device=device, extra_eval=extra_eval, progress=progress, probe=probe)
+    analyze_at_end(cfg, model, data.val_batches, run_dir, summary, device, head_fn=vit_head)
+    return summary

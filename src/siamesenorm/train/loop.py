@@ -174,7 +174,7 @@ class _Run:
             y = y.to(self.device, non_blocking=True)
             loss = self.forward(x, y, n, self.autocast)
             total = loss if total is None else total + loss
-            tokens += x.numel()
+            tokens += self.count_tokens(x)
         if probe_step is not None:
             with preserved_rng():
                 self.probe.after_backward(self.model, probe_step)
@@ -206,6 +206,12 @@ class _Run:
             row.update(val_loss=val, val_ppl=perplexity(val))
         self.state.record_val(val, extra)
         return {**row, **extra}
+
+    def count_tokens(self, x: Tensor) -> int:
+        """Tokens in the input ``x``: the model's ``tokens_in(x)`` when it has one (a ViT counts
+        patches, not pixels), else ``x.numel()`` (token ids)."""
+        count = getattr(self.model, "tokens_in", None)
+        return int(count(x)) if count is not None else x.numel()
 
     def call_extra_eval(self) -> dict:
         """``extra_eval(model)``, or ``extra_eval(model, step=...)`` when it takes the step."""
