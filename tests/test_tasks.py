@@ -11,6 +11,7 @@ import pytest
 
 from siamesenorm.config import load_config
 from siamesenorm.errors import ConfigError
+from siamesenorm.experiments.grid import run_name
 from test_cli import run
 
 pytest.importorskip("sklearn")
@@ -150,6 +151,7 @@ def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path
     assert "| FD-proxy | sample acc |" in report
     for png in ("fd_proxy.png", "sample_acc.png"):
         assert f"]({png})" in report and (out / png).stat().st_size > 1000
+    lr = load_config("dit-digits").train.lr
     for scheme in ("pre", "siamese"):
-        grid = f"{scheme}-lr0.001-s0/samples/step_2.png"
+        grid = f"{run_name(scheme, lr, 0)}/samples/step_2.png"
         assert f"]({grid})" in report and (out / grid).is_file()
