@@ -436,3 +436,35 @@ def test_vision_and_diffusion_models_plug_in_with_their_own_loss_and_head():
     batch_ = (images, t, y, torch.randn(4, 1, 8, 8, generator=g))
     assert pruning_sensitivity(dit, [batch_], dit_loss)["per_block"] == [0.0, 0.0]
     assert "pre_norm" not in norm_gains(dit)       # DiT's branch norms are non-affine: no gain to read
+
+
+def test_pruning_a_dit_compares_losses_under_the_same_noise():
+    """The real diffusion objective draws timesteps and noise in eval mode from a generator that
+    restarts only when eval mode is entered; every pruning pass must restart it, or the loss
+    differences measure the noise. With zero gates no block writes anything: every difference is 0."""
+    from siamesenorm.diffusion import DiffusionObjective
+    from siamesenorm.models.dit import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    dit = DiT(DiTConfig(input_size=8, patch_size=2, in_chans=1, num_classes=10, dim=16, n_layers=3,
+                        n_heads=2, scheme="pre", learn_sigma=False))
+    with torch.no_grad():          # a final layer that reads the stream, so the loss depends on it
+        for p in dit.final_layer.parameters():
+            p.normal_(0.0, 0.5)
+    objective = DiffusionObjective(dit, eval_seed=3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.rand(4, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (4,), generator=g))
+               for _ in range(2)]
+
+    def loss(model, b):
+        return model(*b).loss
+
+    result = pruning_sensitivity(objective, batches, loss)
+    assert result["per_block"] == [0.0, 0.0, 0.0]
+    assert result["depth_curve"] == [0.0, 0.0, 0.0, 0.0]
+    assert result["effective_depth"] == 0.0
+    assert objective.training           # the mode it had is restored
+    with torch.no_grad():               # and a block that writes something does count
+        for p in dit.modulation[1].parameters():
+            p.normal_(0.0, 0.5)
+    assert pruning_sensitivity(objective, batches, loss)["per_block"][1] != 0.0

@@ -24,12 +24,23 @@ __all__ = ["effective_depth", "mean_loss", "pruning_sensitivity"]
 @torch.no_grad()
 def mean_loss(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
               skip_blocks: Iterable[int] = ()) -> float:
-    """Mean of ``loss_fn`` over ``batches`` with the blocks ``skip_blocks`` skipped."""
+    """Mean of ``loss_fn`` over ``batches`` with the blocks ``skip_blocks`` skipped, in eval mode.
+
+    Each call enters eval mode afresh (the model's mode is restored afterwards), so a model whose
+    evaluation draws restart there (a DiT's :class:`~siamesenorm.diffusion.DiffusionObjective`
+    reseeds its timesteps and noise) sees the same draws in every call: losses of different
+    ``skip_blocks`` then differ by the skipped blocks only, not by the noise.
+    """
     skip = sublayers_of_blocks(model.scheme, skip_blocks)
     total = torch.zeros((), dtype=torch.float64)
-    with StreamTap(model, skip=skip, record=False):
-        for batch in batches:
-            total = total + loss_fn(model, batch).detach().double().cpu()
+    was_training = model.training
+    model.train(False)
+    try:
+        with StreamTap(model, skip=skip, record=False):
+            for batch in batches:
+                total = total + loss_fn(model, batch).detach().double().cpu()
+    finally:
+        model.train(was_training)
     return (total / len(batches)).item()
 
 
