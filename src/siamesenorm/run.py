@@ -25,21 +25,10 @@ from .data import (
     validation_batches,
 )
 from .data.tokenizers import load_tokenizer
+from .devices import resolve_device
 from .errors import ConfigError
 from .models import LanguageModel
 from .train import TrainSettings, train
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device: unknown device {name!r}; use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu")
-    return device
 
 
 def _corpus_options(cfg: RunConfig) -> dict:
@@ -140,7 +129,7 @@ def load_model(run_dir: str | Path, device: str = "cpu") -> tuple[LanguageModel,
     cfg = load_config(str(run_dir / "config.yaml"))
     if getattr(cfg, "task", "lm") != "lm":
         raise ConfigError(f"{run_dir} is a {cfg.task} run; this command reads language-model runs")
-    model = LanguageModel(cfg.model, device=resolve_device(device))
+    model = LanguageModel(cfg.model, device=resolve_device(device, "--device"))
     load_checkpoint(run_dir / "checkpoints" / "last", model, None)
     return model.eval(), cfg
 

@@ -12,21 +12,9 @@ from ..config import dump_config, load_config
 from ..data.image_batches import ImageBatchSampler, image_validation_batches
 from ..data.image_split import split_images
 from ..data.images import ImageSet, load_images
+from ..devices import resolve_device
 from ..errors import ConfigError
 from ..train import TrainSettings
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``; refused when absent."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device: unknown device {name!r}; use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu")
-    return device
 
 
 def open_run_dir(cfg: Any, run_dir: Path, resume: bool) -> Any:
@@ -133,7 +121,7 @@ def load_image_run(run_dir: Path, device: str = "cpu") -> tuple[torch.nn.Module,
     from ..train import load_checkpoint
 
     cfg = load_config(str(run_dir / "config.yaml"))
-    model = build_image_model(cfg, resolve_device(device))
+    model = build_image_model(cfg, resolve_device(device, "--device"))
     load_checkpoint(run_dir / "checkpoints" / "last", model, None)
     return model.eval(), cfg
 

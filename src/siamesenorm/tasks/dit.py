@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..devices import resolve_device
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
 from ..eval.fid_proxy import get_proxy, sample_quality
 from ..models.dit import DiT
@@ -27,7 +28,6 @@ from .common import (
     load_image_data,
     make_probe,
     open_run_dir,
-    resolve_device,
     train_settings,
     write_config,
 )

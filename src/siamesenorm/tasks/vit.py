@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..analysis.adapters import vit_head
+from ..devices import resolve_device
 from ..models.vit import VisionTransformer
 from ..train import train
 from .common import (
@@ -21,7 +22,6 @@ from .common import (
     load_image_data,
     make_probe,
     open_run_dir,
-    resolve_device,
     train_settings,
     write_config,
 )
