@@ -90,6 +90,11 @@ def test_analyze_user_errors_are_one_line_with_exit_status_2(trained, tmp_path, 
     short.write_text("too short")
     assert "fewer than batch_size" in _error(["analyze", str(trained), "--data", str(short), *out], capsys)
     assert "--batches must be positive" in _error(["analyze", str(trained), "--batches", "0", *out], capsys)
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert f"--out {afile} is a file" in _error(["analyze", str(trained), "--out", str(afile)], capsys)
+    assert "which is a file" in _error(["analyze", str(trained), "--out", str(afile / "sub")], capsys)
+    assert afile.read_text() == "keep me"
     assert not (tmp_path / "o").exists() and not (bare / "analysis.json").exists()
 
 
@@ -163,3 +168,24 @@ def test_table_presets_lay_out_the_papers_grids(suffix):
     assert len(depths) == 4 and {label.split("-")[0] for label in t2} == {"pre", "siamese"}
     params = [p for _, p in sizes.values()]
     assert max(params) / min(params) < 1.2                              # a fixed parameter budget
+
+
+def test_rms_growth_leaves_out_streams_without_finite_values():
+    rms = {"x": [1.0, 2.0, 3.0, 4.0, 8.0], "y": [1.0, 2.0, 3.0, 4.0, None], "z": [1.0, 1.0, 0.0, 1.0, 1.0]}
+    assert rms_growth(rms, 2) == {"x": 8.0 / 3.0}
+
+
+def test_report_plots_keep_one_colour_per_scheme_and_one_panel_per_learning_rate(tmp_path):
+    from siamesenorm.analysis.report_section import _Layout, _plot_grads
+
+    runs = [{"run": f"{s}-lr{lr}-s{seed}", "scheme": s, "lr": lr, "seed": seed, "rms": None, "per": 2,
+             "grads": [(1, 1.0), (2, 0.5)], "warmup": 0, "pruning": None, "analysis": None}
+            for lr in (2e-3, 1e-2) for s in ("pre", "post", "siamese") for seed in (0, 1)]
+    layout = _Layout(runs)
+    assert layout.lrs == [2e-3, 1e-2]
+    colours = {(r["scheme"], layout.color(r)) for r in runs}
+    assert len(colours) == 3 and len({c for _, c in colours}) == 3     # a scheme keeps its colour
+    assert {layout.style(r) for r in runs if r["scheme"] == "pre"} == {"-", "--"}   # seeds by style
+    fig, panels = layout.figure("t", "x", "y")
+    assert len(panels) == 2 and set(panels) == {2e-3, 1e-2}
+    assert (tmp_path / _plot_grads(tmp_path, runs)).stat().st_size > 1000

@@ -9,6 +9,7 @@ RMS and layer pruning of the final model; preferred over the probes when present
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,8 @@ def collect(out: Path, rows: list[dict]) -> list[dict]:
             rms = probes[-1]["rms"]
         grads = [(r["step"], r["grad_norm"]) for r in _jsonl(run_dir / "metrics.jsonl")
                  if isinstance(r.get("grad_norm"), (int, float))]
-        runs.append({"run": row["run"], "scheme": row.get("scheme"), "rms": rms, "per": per,
+        runs.append({"run": row["run"], "scheme": row.get("scheme"), "lr": row.get("lr"),
+                     "seed": row.get("seed"), "rms": rms, "per": per,
                      "grads": grads, "warmup": _warmup(run_dir),
                      "pruning": analysis.get("pruning") if isinstance(analysis, dict) else None,
                      "analysis": analysis if isinstance(analysis, dict) else None})
@@ -69,9 +71,15 @@ def collect(out: Path, rows: list[dict]) -> list[dict]:
 
 
 # ---- numbers ---------------------------------------------------------------------------------
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def rms_growth(rms: dict[str, list[float]], per: int) -> dict[str, float]:
-    """Per stream: RMS after the last block / RMS after the first block."""
-    return {s: v[-1] / v[per] for s, v in rms.items() if len(v) > per and v[per]}
+    """Per stream: RMS after the last block / RMS after the first block (streams whose two values
+    are not both finite, or whose first is 0, are left out: a diverged model's RMS may be null)."""
+    return {s: v[-1] / v[per] for s, v in rms.items()
+            if len(v) > per and _finite(v[per]) and _finite(v[-1]) and v[per]}
 
 
 def grad_stats(grads: list[tuple[int, float]], warmup: int) -> dict[str, Any] | None:
@@ -131,52 +139,85 @@ def pruning_sentence(runs: list[dict]) -> str:
 
 
 # ---- plots -----------------------------------------------------------------------------------
+# One panel per learning rate (shared axes), one colour per scheme, one line style per seed, so a
+# 24-run grid stays readable and the same scheme has the same colour in every plot.
 _STYLES = ("-", "--", ":", "-.")
 
 
-def _legend(ax) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+class _Layout:
+    """Panels, colours and line styles of the runs in the plots."""
+
+    def __init__(self, runs: list[dict]) -> None:
+        self.lrs = sorted({r["lr"] for r in runs}, key=lambda v: (v is None, v or 0.0))
+        self.schemes = list(dict.fromkeys(r["scheme"] for r in runs))
+        self.seeds = sorted({r["seed"] for r in runs}, key=lambda v: (v is None, v or 0))
+
+    def figure(self, title: str, xlabel: str, ylabel: str, **axes: Any):
+        plt = pyplot()
+        n = len(self.lrs)
+        fig, panels = plt.subplots(1, n, figsize=(max(7.0, 4.2 * n), 4.5), sharex=True, sharey=True,
+                                   squeeze=False)
+        for lr, ax in zip(self.lrs, panels[0]):
+            ax.set(xlabel=xlabel, **axes, title=title if n == 1 else f"{title}, lr {lr:g}")
+            ax.grid(alpha=0.3)
+        panels[0][0].set_ylabel(ylabel)
+        return fig, dict(zip(self.lrs, panels[0]))
+
+    def color(self, r: dict) -> str:
+        return f"C{self.schemes.index(r['scheme']) % 10}"
+
+    def style(self, r: dict) -> str:
+        return _STYLES[self.seeds.index(r["seed"]) % len(_STYLES)]
+
+    def label(self, r: dict) -> str:
+        return f"{r['scheme']} seed {r['seed']}" if len(self.seeds) > 1 else str(r["scheme"])
+
+
+def _legends(panels: dict) -> None:
+    for ax in panels.values():
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
 
 
 def _plot_rms(out: Path, runs: list[dict]) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(r for r in runs if r["rms"]):
-        for j, (stream, values) in enumerate(r["rms"].items()):
-            ax.plot([k / r["per"] for k in range(len(values))], values, _STYLES[j % 4],
-                    color=f"C{i % 10}", label=f"{r['run']} {stream}")
-    ax.set(xlabel="depth (blocks)", ylabel="hidden-state RMS", yscale="log",
-           title="Hidden-state RMS vs depth, per stream")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+    layout = _Layout(runs)
+    fig, panels = layout.figure("Hidden-state RMS vs depth", "depth (blocks)", "hidden-state RMS",
+                                yscale="log")
+    for r in runs:
+        if not r["rms"]:
+            continue
+        for j, (stream, values) in enumerate(r["rms"].items()):   # streams by line style here
+            points = [(k / r["per"], v) for k, v in enumerate(values) if _finite(v)]
+            if points:
+                panels[r["lr"]].plot(*zip(*points), _STYLES[j % len(_STYLES)], color=layout.color(r),
+                                     label=f"{layout.label(r)} {stream}")
+    _legends(panels)
     return save(fig, out / "diag_hidden_rms.png")
 
 
 def _plot_grads(out: Path, runs: list[dict]) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(runs):
+    layout = _Layout(runs)
+    fig, panels = layout.figure("Gradient norm during training", "step", "gradient norm (before clipping)",
+                                yscale="log")
+    for r in runs:
         if r["grads"]:
-            ax.plot(*zip(*r["grads"]), color=f"C{i % 10}", lw=1, label=r["run"])
-    ax.set(xlabel="step", ylabel="gradient norm (before clipping)", yscale="log",
-           title="Gradient norm during training")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+            panels[r["lr"]].plot(*zip(*r["grads"]), layout.style(r), color=layout.color(r), lw=1,
+                                 label=layout.label(r))
+    _legends(panels)
     return save(fig, out / "diag_grad_norm.png")
 
 
 def _plot_pruning(out: Path, runs: list[dict]) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(runs):
+    layout = _Layout(runs)
+    fig, panels = layout.figure("Layer pruning sensitivity", "block skipped", "validation loss increase")
+    for r in runs:
         if r["pruning"]:
-            ax.plot(range(len(r["pruning"]["per_block"])), r["pruning"]["per_block"], marker="o", ms=3,
-                    color=f"C{i % 10}", label=r["run"])
-    ax.axhline(0.0, color="gray", lw=0.8)
-    ax.set(xlabel="block skipped", ylabel="validation loss increase", title="Layer pruning sensitivity")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+            per_block = r["pruning"]["per_block"]
+            panels[r["lr"]].plot(range(len(per_block)), per_block, layout.style(r), marker="o", ms=3,
+                                 color=layout.color(r), label=layout.label(r))
+    for ax in panels.values():
+        ax.axhline(0.0, color="gray", lw=0.8)
+    _legends(panels)
     return save(fig, out / "diag_pruning.png")
 
 
