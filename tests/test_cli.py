@@ -96,6 +96,34 @@ def test_train_refuses_bad_input_up_front(tmp_path, args, fragment):
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (("data.corpus=arithmetic", "data.corpus_options.max_digits=abc"), "max_digits must be an integer"),
+    (("data.corpus=arithmetic", "data.corpus_options.n_train=x"), "n_train must be an integer"),
+    (("data.corpus=arithmetic", "data.corpus_options.operations=5"), "operations must be a string"),
+    (("data.corpus_options.max_bytes=x",), "corpus 'pystdlib': option max_bytes must be an integer"),
+    (("data.corpus={here}", "data.corpus_options.max_bytes=x"), "corpus 'path': option max_bytes"),
+])
+def test_train_refuses_corpus_options_of_the_wrong_type(tmp_path, args, fragment):
+    (tmp_path / "text.txt").write_text("some text\n" * 100)
+    out = tmp_path / "run"
+    res = run("train", "tiny", *(a.format(here=tmp_path / "text.txt") for a in args), "--out", str(out))
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+@pytest.mark.parametrize("inside", [False, True])
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, command, inside):
+    existing = tmp_path / "taken"
+    existing.write_text("keep me")
+    out = existing / "sub" if inside else existing
+    res = run(command, "tiny", "train.steps=2", "--out", str(out))
+    assert res.returncode == 2 and "a file, not a folder" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert existing.read_text() == "keep me"
+
+
 def test_train_refuses_a_folder_that_holds_another_run(tmp_path):
     out = tmp_path / "run"
     assert run("train", "tiny", "train.steps=2", "--out", str(out)).returncode == 0

@@ -24,6 +24,7 @@ from siamesenorm.data import (
     load_tokenizer,
     make_problems,
     read_token_file,
+    split_text,
     split_tokens,
     train_val_tokens,
     validation_batches,
@@ -69,6 +70,32 @@ def test_bpe_round_trips_saves_and_loads(tmp_path, monkeypatch):
     # encode_array encodes pieces of a long text in parallel; the cut points must not change ids.
     monkeypatch.setattr(tokenizers_module, "_PIECE_CHARS", 40)
     assert tok.encode_array(corpus.text[:20000]).tolist() == tok.encode(corpus.text[:20000])
+
+
+def test_bpe_learns_from_the_training_split_only():
+    pytest.importorskip("tokenizers")
+    # The last tenth of the text (the validation split) is the only place "zq" occurs.
+    text = "ab cd ef gh\n" * 900 + "zqzq zqzq\n" * 120
+    train, val = split_text(text, 0.1)
+    assert "zq" not in train and val.count("zq") == 480
+    tok = build_tokenizer("bpe", Corpus(name="t", text=text), vocab_size=300, val_fraction=0.1)
+    assert len(tok.encode("ab cd")) < 5                    # merges of the training text were learnt
+    assert len(tok.encode("zqzq")) == 4                     # none of the validation text's
+    x, y = train_val_tokens(Corpus(name="t", text=text), tok, 0.1)
+    assert tok.decode(x) == train and tok.decode(y) == val
+
+
+def test_text_split_cuts_at_a_character_boundary_and_matches_the_byte_split():
+    text = "é" * 15  # 30 bytes: the byte split (at byte 27) would cut inside a character
+    train, val = split_text(text, 0.1)
+    assert train + val == text and val == "éé"
+    ascii_text = "x" * 37 + "y" * 3
+    corpus = Corpus(name="t", text=ascii_text)
+    tokens = np.frombuffer(ascii_text.encode(), dtype=np.uint8)
+    for got, want in zip(train_val_tokens(corpus, ByteTokenizer(), 0.1), split_tokens(tokens, 0.1)):
+        assert np.array_equal(got, want)
+    with pytest.raises(ConfigError, match="cannot split"):
+        split_text("é", 0.5)
 
 
 def test_bpe_without_the_package_says_how_to_install(monkeypatch):

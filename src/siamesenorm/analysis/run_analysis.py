@@ -100,22 +100,6 @@ def _saved_task(run_dir: Path) -> str:
     return load_config(str(run_dir / "config.yaml")).task
 
 
-def check_writable_dir(path: str | Path, what: str = "--out") -> None:
-    """Refuse, before any work, an output folder that could not be written: ``path`` or its first
-    existing ancestor is a file, or that ancestor is not writable. Nothing is created."""
-    import os
-
-    from ..errors import ConfigError
-
-    path = Path(path)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"is inside {existing}, which is a file"
-        raise ConfigError(f"{what} {path} {where}; name a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {path}: {existing} is not writable; name a folder you can write to")
-
-
 def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | None = None,
                 device: str = "cpu", out: str | Path | None = None) -> dict[str, Any]:
     """Analyse the last checkpoint of the run ``run_dir`` (a language model, ViT or DiT).
@@ -129,14 +113,14 @@ def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | 
     """
     from ..data import validation_batches
     from ..errors import ConfigError
-    from ..run import analysis_batches, analysis_tokens, load_model
+    from ..run import analysis_batches, analysis_tokens, check_out_dir, load_model
 
     if batches is not None and batches <= 0:
         raise ConfigError(f"--batches must be positive, got {batches}")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
-    check_writable_dir(out if out is not None else run_dir)
+    check_out_dir(out if out is not None else run_dir)
     task = _saved_task(run_dir)
     head_fn: HeadFn | None = lm_head
     if task == "lm":

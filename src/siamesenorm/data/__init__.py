@@ -4,7 +4,7 @@ Nothing here downloads. A typical run::
 
     corpus = load_corpus("pystdlib", max_bytes=8_000_000)     # or "arithmetic", "hf:NAME", a path
     tokenizer = build_tokenizer("bytes", corpus)              # or ("bpe", corpus, vocab_size=1024)
-    train, val = train_val_tokens(corpus, tokenizer, val_fraction=0.1)
+    train, val = train_val_tokens(corpus, tokenizer, val_fraction=0.1)  # BPE: same val_fraction
     sampler = BatchSampler(train, batch_size=16, seq_len=128, seed=0)
     x, y = sampler.next_batch()                               # int64 (16, 128); y is x shifted by one
     fixed_val = validation_batches(val, 16, 128, n_batches=8)
@@ -52,24 +52,27 @@ from .image_augment import ImageAugment
 from .image_batches import ImageBatchSampler, image_validation_batches
 from .image_split import split_images, stratified_split_indices
 from .images import ImageSet, load_images, to_model_range
-from .splits import split_tokens, train_val_tokens
+from .splits import split_text, split_tokens, train_text, train_val_tokens
 from .tokenfiles import read_token_file, write_shard
 from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus", "ImageAugment",
            "ImageBatchSampler", "ImageSet", "Tokenizer", "build_tokenizer", "evaluate_arithmetic",
            "image_validation_batches", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_images",
-           "load_tokenizer", "make_problems", "read_token_file", "split_images", "split_tokens",
-           "stratified_split_indices", "to_model_range", "train_val_tokens", "validation_batches",
-           "write_shard"]
+           "load_tokenizer", "make_problems", "read_token_file", "split_images", "split_text",
+           "split_tokens", "stratified_split_indices", "to_model_range", "train_text", "train_val_tokens",
+           "validation_batches", "write_shard"]
 
 TOKENIZER_KINDS = ("bytes", "bpe")
 
 
-def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024) -> Tokenizer:
-    """A ``bytes`` tokenizer, or a ``bpe`` one trained on ``corpus.text`` up to ``vocab_size`` ids.
+def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024,
+                    val_fraction: float = 0.1) -> Tokenizer:
+    """A ``bytes`` tokenizer, or a ``bpe`` one trained up to ``vocab_size`` ids.
 
-    BPE is trained on the training text only (not the validation text).
+    BPE is trained on the training text only, never the validation text: ``corpus.text`` when the
+    corpus has its own validation text, else the part of it that :func:`train_val_tokens` with the
+    same ``val_fraction`` keeps for training (see :func:`~.splits.train_text`).
     """
     if kind not in TOKENIZER_KINDS:
         raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
@@ -77,4 +80,4 @@ def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024) -> Tokeni
         raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it takes no tokenizer")
     if kind == "bytes":
         return ByteTokenizer()
-    return BPETokenizer.train(corpus.text, vocab_size)
+    return BPETokenizer.train(train_text(corpus, val_fraction), vocab_size)

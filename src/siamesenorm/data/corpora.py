@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import glob
 import inspect
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 from .arithmetic import load_arithmetic
@@ -81,17 +84,58 @@ def _loader(spec: str) -> tuple[Callable[..., Corpus], bool]:
     return _load_path, True
 
 
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (as read from YAML) fits the loader's annotation ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is Iterable:
+        return isinstance(value, (str, list, tuple)) and all(_matches(v, args[0]) for v in value)
+    return True  # Any, or a type the loader checks itself
+
+
+def _describe(hint: Any) -> str:
+    """``hint`` in words, for an error message."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is Iterable:
+        inner = _describe(typing.get_args(hint)[0]).removeprefix("a ")
+        return f"a {inner} or a list of {inner}s"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             type(None): "null"}
+    return names.get(hint, str(hint))
+
+
+def _check_option_types(loader: Callable[..., Corpus], kind: str, options: dict) -> None:
+    """Refuse an option value whose type the loader's annotation does not allow."""
+    hints = typing.get_type_hints(loader)
+    for name, value in options.items():
+        if name in hints and not _matches(value, hints[name]):
+            raise ConfigError(f"corpus {kind!r}: option {name} must be {_describe(hints[name])}, got "
+                              f"{value!r}; fix data.corpus_options.{name}")
+
+
 def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus], bool]:
-    """Refuse an option the loader of ``spec`` does not take; returns the loader (see :func:`_loader`)."""
+    """Refuse an option the loader of ``spec`` does not take, or a value of the wrong type;
+    returns the loader (see :func:`_loader`)."""
     if not isinstance(spec, str) or not spec:
         raise ConfigError(f"corpus must be a non-empty string, got {spec!r}")
     loader, takes_spec = _loader(spec)
     accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))
+    kind = spec if not takes_spec else ("hf" if spec.startswith("hf:") else "path")
     if unknown:
-        kind = spec if not takes_spec else ("hf" if spec.startswith("hf:") else "path")
         raise ConfigError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
                           f"{', '.join(accepted) or 'none'}")
+    _check_option_types(loader, kind, options)
     return loader, takes_spec
 
 

@@ -1,4 +1,10 @@
-"""Train/validation token arrays: the source's own validation set, or the last fraction of the data."""
+"""Train/validation splits: the source's own validation set, or the last fraction of the data.
+
+A text corpus without its own validation text is split as text, before any tokenizer sees it
+(:func:`split_text`: the last ``val_fraction`` of its UTF-8 bytes, moved back to a character
+boundary), so a BPE tokenizer is trained on the training part only and each part is encoded on its
+own. With the byte tokenizer this is the same split as cutting the byte tokens.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from ..errors import ConfigError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
-__all__ = ["split_tokens", "train_val_tokens"]
+__all__ = ["split_text", "split_tokens", "train_text", "train_val_tokens"]
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -16,13 +22,39 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndar
 
     Deterministic and contiguous (views, no copy), so validation text never leaks into training.
     """
+    n = len(tokens)
+    n_val = _val_count(n, val_fraction, "token(s)")
+    return tokens[:n - n_val], tokens[n - n_val:]
+
+
+def _val_count(n: int, val_fraction: float, what: str) -> int:
+    """How many of ``n`` items the last ``val_fraction`` is: ``round(n * val_fraction)``, at least one,
+    leaving at least one for training."""
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n = len(tokens)
     if n < 2:
-        raise ConfigError(f"cannot split {n} token(s) into train and validation")
-    n_val = min(max(1, round(n * val_fraction)), n - 1)
-    return tokens[:n - n_val], tokens[n - n_val:]
+        raise ConfigError(f"cannot split {n} {what} into train and validation")
+    return min(max(1, round(n * val_fraction)), n - 1)
+
+
+def split_text(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
+    """``(train, val)`` text: the last ``val_fraction`` of the UTF-8 bytes is validation, the cut
+    moved back to the start of the character it falls in."""
+    data = text.encode("utf-8")
+    cut = len(data) - _val_count(len(data), val_fraction, "byte(s) of text")
+    while cut > 0 and data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    if cut == 0:
+        raise ConfigError(f"cannot split {len(text)} character(s) of text into train and validation")
+    return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
+
+
+def train_text(corpus: Corpus, val_fraction: float = 0.1) -> str:
+    """The training text of a text corpus: all of ``corpus.text`` when it has its own validation
+    text, else the part :func:`split_text` keeps for training (what a tokenizer may learn from)."""
+    if corpus.is_tokenized:
+        raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it has no text")
+    return corpus.text if corpus.val_text is not None else split_text(corpus.text, val_fraction)[0]
 
 
 def train_val_tokens(corpus: Corpus, tokenizer: Tokenizer | None = None,
@@ -31,18 +63,22 @@ def train_val_tokens(corpus: Corpus, tokenizer: Tokenizer | None = None,
 
     Text corpora are encoded with ``tokenizer``; token corpora need none. A corpus with its own
     validation data (arithmetic's held-out problems, a ``val=`` file) uses it and ignores
-    ``val_fraction``; otherwise the last ``val_fraction`` of the tokens is validation.
+    ``val_fraction``; otherwise the last ``val_fraction`` of the text (:func:`split_text`) or of
+    the tokens (:func:`split_tokens`) is validation.
     """
     if corpus.is_tokenized:
         train = corpus.tokens
         val = corpus.val_tokens
+        if val is None:
+            return split_tokens(train, val_fraction)
     else:
         if tokenizer is None:
             raise ConfigError(f"corpus {corpus.name} is text and needs a tokenizer")
-        train = tokenizer.encode_array(corpus.text)
-        val = tokenizer.encode_array(corpus.val_text) if corpus.val_text is not None else None
-    if val is None:
-        return split_tokens(train, val_fraction)
+        texts = (corpus.text, corpus.val_text) if corpus.val_text is not None else \
+            split_text(corpus.text, val_fraction)
+        train, val = (tokenizer.encode_array(t) for t in texts)
+        if len(train) == 0:
+            raise ConfigError(f"corpus {corpus.name}: its training text encodes to no tokens")
     if len(val) == 0:
         raise ConfigError(f"corpus {corpus.name}: its validation data is empty")
     return train, val

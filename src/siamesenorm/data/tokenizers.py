@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "import_tokenizers", "load_tokenizer"]
 
 DESCRIPTOR = "tokenizer_kind.json"
 _BPE_FILE = "bpe.json"
@@ -108,7 +108,8 @@ class ByteTokenizer(Tokenizer):
         return cls()
 
 
-def _import_tokenizers():
+def import_tokenizers():
+    """The ``tokenizers`` package, or a ConfigError that says how to install it."""
     try:
         return importlib.import_module("tokenizers")
     except ImportError:
@@ -151,7 +152,7 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def train(cls, text: str, vocab_size: int = 1024, min_frequency: int = 2) -> BPETokenizer:
         """Learn merges on ``text`` up to ``vocab_size`` ids (at least 256: the bytes)."""
-        tk = _import_tokenizers()
+        tk = import_tokenizers()
         if vocab_size < 256:
             raise ConfigError(f"BPE vocab_size must be at least 256 (the byte alphabet), got {vocab_size}")
         if not text:
@@ -187,7 +188,7 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def _load(cls, directory: Path, descriptor: dict) -> BPETokenizer:
-        tk = _import_tokenizers()
+        tk = import_tokenizers()
         path = directory / _BPE_FILE
         if not path.is_file():
             raise ConfigError(f"tokenizer in {directory} is BPE but {_BPE_FILE} is missing")

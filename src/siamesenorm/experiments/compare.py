@@ -3,19 +3,25 @@
 Every run of an experiment shares the base configuration; only the variant (a scheme with its options
 and overrides, see :mod:`.grid`), ``train.lr`` and ``seed`` vary, so all schemes of one seed see the
 same data in the same order and start from the same generator state. ``experiment.json`` records
-the grid; repeating the command skips the runs that finished, and a folder that holds another
-experiment's runs is refused.
+the grid; repeating the command skips the runs that finished, resumes those with a checkpoint and
+starts afresh those with neither (a run killed before its first checkpoint), and a folder that holds
+another experiment's runs is refused. Every run's data is checked before the folder is claimed, so
+a refused command writes nothing. ``summary.json`` carries each run's ``data`` (corpus name and
+fingerprint) from its own summary.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 from ..config import config_to_dict
 from ..errors import ConfigError
-from ..run import run_training
+from ..run import check_data, check_out_dir, run_training
+from ..train import has_checkpoint
+from ..train.loop import CHECKPOINT_DIR
 from .grid import build_grid
 from .report import write_report
 
@@ -88,6 +94,32 @@ def _claim(out: Path, spec: dict) -> None:
     marker.write_text(json.dumps(spec, indent=2))
 
 
+def _check_data(grid: list) -> None:
+    """Check the data of every cell before the folder is claimed (each distinct data setting once)."""
+    seen: list = []
+    for cell in grid:
+        cfg = cell.config
+        model = cfg.model
+        key = (cfg.task, cfg.data, getattr(model, "vocab_size", None), getattr(model, "max_seq_len", None))
+        if key not in seen:
+            seen.append(key)
+            check_data(cfg)
+
+
+def _start_run(run_dir: Path) -> bool:
+    """Whether the cell's run resumes (it has a checkpoint). A run directory with neither a finished
+    summary nor a checkpoint (a run killed before its first checkpoint) is emptied, to start afresh."""
+    if has_checkpoint(run_dir / CHECKPOINT_DIR):
+        return True
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    return False
+
+
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             schemes: list[str] | None = None, lrs: list[float] | None = None,
             seeds: list[int] | None = None, log=print) -> list[dict]:
@@ -98,6 +130,8 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     """
     base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
     out = Path(out)
+    check_out_dir(out)
+    _check_data(grid)
     _claim(out, {"base": config_to_dict(base), **spec})
     rows = []
     for i, cell in enumerate(grid, 1):
@@ -109,16 +143,17 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
-            summary = run_training(cfg, run_dir, resume=(run_dir / "config.yaml").exists())
+            summary = run_training(cfg, run_dir, resume=_start_run(run_dir))
             log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
                      **{k: summary.get(k) for k in COLUMNS[4:-2]},
                      "max_grad_norm": peak[0], "max_grad_norm_step": peak[1],
-                     **{k: summary[k] for k in EXTRA_COLUMNS if k in summary}})
+                     **{k: summary[k] for k in EXTRA_COLUMNS if k in summary},
+                     "data": summary.get("data")})
     extra = [k for k in EXTRA_COLUMNS if any(k in r for r in rows)]
     with open(out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + tuple(extra), restval="")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + tuple(extra), restval="", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))

@@ -115,9 +115,10 @@ class _Run:
 
     def __init__(self, model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: Path,
                  device: torch.device, extra_eval: Callable[[nn.Module], dict] | None,
-                 probe: StepProbe | None = None) -> None:
+                 probe: StepProbe | None = None, info: dict[str, Any] | None = None) -> None:
         self.model, self.source, self.s, self.run_dir = model, source, settings, run_dir
         self.device, self.extra_eval, self.probe = device, extra_eval, probe
+        self.info = dict(info or {})
         self.ckpt_dir = run_dir / CHECKPOINT_DIR
         self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay, settings.betas,
                                          settings.adam_eps)
@@ -275,8 +276,9 @@ class _Run:
 
     # ---- end ---------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        return build_summary(self.model, self.state, self.s.steps, diverged_at=self.diverged_at,
-                             interrupted=self.interrupted, wall_time_s=self.wall_time())
+        figures = build_summary(self.model, self.state, self.s.steps, diverged_at=self.diverged_at,
+                                interrupted=self.interrupted, wall_time_s=self.wall_time())
+        return {**figures, **self.info}
 
     def on_interrupt(self) -> None:
         """Checkpoint the last completed step, unless an optimizer update was cut in half."""
@@ -295,7 +297,8 @@ class _Run:
 def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: str | Path, *,
           resume: bool = False, device: str | torch.device = "cpu",
           extra_eval: Callable[[nn.Module], dict] | None = None,
-          progress: bool | None = None, probe: StepProbe | None = None) -> dict[str, Any]:
+          progress: bool | None = None, probe: StepProbe | None = None,
+          info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``model`` on batches from ``source`` into ``run_dir``; returns the summary.
 
     ``model(x, y)`` must return an object with a scalar ``.loss``; the model is moved to
@@ -304,7 +307,8 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     more numbers for the row (e.g. accuracy); the last ones also go to the summary as
     ``final_<name>``. ``progress=None`` shows a progress
     line only when stderr is a terminal. ``probe`` (a :class:`~.probe_hook.StepProbe`) records
-    diagnostics on the steps it wants, without changing what the run computes.
+    diagnostics on the steps it wants, without changing what the run computes. ``info`` (plain
+    JSON data, e.g. ``{"data": {"name": ..., "fingerprint": ...}}``) is added to the summary as is.
 
     A fresh run refuses a ``run_dir`` that already holds ``metrics.jsonl`` or a checkpoint
     (ConfigError); ``resume=True`` continues from ``run_dir/checkpoints/last`` and truncates
@@ -319,7 +323,7 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     device = torch.device(device)
     model.to(device)
     model.train()
-    run = _Run(model, source, settings, run_dir, device, extra_eval, probe)
+    run = _Run(model, source, settings, run_dir, device, extra_eval, probe, info)
     keep_until = run.start(resume)
     log = MetricsLog(run_dir, keep_until)
     if probe is not None:
