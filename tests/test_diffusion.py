@@ -103,7 +103,7 @@ def test_linear_schedule_and_respacing_keep_the_training_abar():
     d = create_diffusion()
     assert d.num_timesteps == T
     assert d.table("alphas_cumprod")[500].item() == pytest.approx(ref_abar(500), rel=1e-12)
-    assert create_diffusion(num_timesteps=50, beta_end=0.05).num_timesteps == 50
+    assert create_diffusion(num_timesteps=50, beta_end=0.01).num_timesteps == 50
     keep = space_timesteps(T, 10)
     assert len(keep) == 10 and keep[0] == 0 and keep[-1] == T - 1
     r = d.respace(10)
@@ -114,6 +114,28 @@ def test_linear_schedule_and_respacing_keep_the_training_abar():
         create_diffusion(schedule="quadratic")
     cos = create_diffusion(schedule="cosine").table("alphas_cumprod")
     assert cos[-1] < 1e-4 and torch.all(cos[1:] < cos[:-1])
+
+
+@pytest.mark.parametrize("steps", [1000, 250, 100, 4000])
+def test_linear_schedule_scales_its_ends_by_1000_over_t_like_adm(steps):
+    """ADM/DiT ``get_named_beta_schedule("linear", T)``: scale = 1000 / T, betas linspace from
+    scale * 1e-4 to scale * 0.02 (written here from the official code, not from ours)."""
+    scale = 1000 / steps
+    want = np.linspace(scale * 0.0001, scale * 0.02, steps, dtype=np.float64)
+    np.testing.assert_allclose(linear_betas(steps), want, rtol=1e-15, atol=0)
+    got = create_diffusion(num_timesteps=steps).table("betas").numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+    # Configured ends are the 1,000-step values, scaled the same way.
+    np.testing.assert_allclose(linear_betas(steps, 2e-4, 0.01),
+                               np.linspace(scale * 2e-4, scale * 0.01, steps), rtol=1e-15, atol=0)
+    # The scaling keeps the total noise of the process about the same: abar_T near 4e-5.
+    assert create_diffusion(num_timesteps=steps).table("alphas_cumprod")[-1] < 1e-4
+
+
+def test_linear_schedule_refuses_a_t_that_scales_beta_end_to_one():
+    with pytest.raises(ConfigError, match=r"over 20 steps scales beta_end 0.02 .* at least 21 timesteps"):
+        linear_betas(20)
+    assert linear_betas(21)[-1] == pytest.approx(0.02 * 1000 / 21, rel=1e-14)
 
 
 def test_q_sample_has_the_closed_form_mean_and_variance():

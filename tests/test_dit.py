@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import siamesenorm as sn
+from siamesenorm.diffusion import DiffusionObjective, create_diffusion, sample
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import DIT_SIZES, DiT, DiTConfig
 from vision_ref import attention, gelu_tanh, layernorm, linear, ln, mlp, patch_embed, randomize
@@ -237,9 +238,15 @@ def test_fresh_dit_outputs_exactly_zero_and_inits_like_dit():
                                                 model.final_layer.linear]
     assert all(not lin.weight.any() and not lin.bias.any() for lin in zeros)
     attn = model.sublayers[0]
-    bound = math.sqrt(6 / (64 + 64))  # Xavier-uniform
-    assert attn.q_proj.weight.abs().max() <= bound and attn.q_proj.weight.abs().max() > 0.9 * bound
-    assert not attn.q_proj.bias.any()
+    # q, k and v: Xavier-uniform of official DiT's fused (3d x d) qkv weight, sqrt(6 / (d + 3d)).
+    fused = math.sqrt(6 / (64 + 3 * 64))
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert fused * 0.97 < proj.weight.abs().max() <= fused
+        assert not proj.bias.any()
+    square = math.sqrt(6 / (64 + 64))  # the output projection: a plain d x d Xavier-uniform
+    assert square * 0.97 < attn.out_proj.weight.abs().max() <= square
+    up = model.sublayers[1].up_proj.weight          # the MLP: Xavier over its own shape
+    assert up.abs().max() <= math.sqrt(6 / sum(up.shape))
     table = model.y_embedder.table.weight
     assert table.shape == (6, 64)  # null label always present
     assert abs(model.t_embedder.mlp[0].weight.std().item() / 0.02 - 1) < 0.1
@@ -334,3 +341,46 @@ def test_digits_size():
     model = DiT(cfg)
     x = torch.randn(2, 1, 8, 8)
     assert model(x, torch.tensor([0, 999]), torch.tensor([3, 10])).shape == (2, 1, 8, 8)
+
+
+# ---- sampling a real DiT -------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[False, True], ids=["fixed-sigma", "learn-sigma"])
+def trained_dit(request) -> DiffusionObjective:
+    """A tiny DiT trained for 40 Adam steps on two flat classes (dark, bright), over a 100-step
+    linear process (the scaled schedule), with label dropout so that guidance has a null class."""
+    torch.manual_seed(0)
+    cfg = small(learn_sigma=request.param, class_dropout_prob=0.2, num_classes=2, in_chans=1, dim=32)
+    objective = DiffusionObjective(DiT(cfg), create_diffusion(num_timesteps=100))
+    optimizer = torch.optim.Adam(objective.parameters(), lr=3e-3)
+    x = torch.cat([torch.full((16, 1, 8, 8), -0.8), torch.full((16, 1, 8, 8), 0.8)])
+    y = torch.tensor([0] * 16 + [1] * 16)
+    losses = []
+    for _ in range(40):
+        loss = objective(x, y).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    return objective
+
+
+@pytest.mark.parametrize("method", ["ddpm", "ddim"])
+@pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
+def test_a_trained_dit_samples_images_of_the_right_shape_in_range(trained_dit, method, cfg_scale):
+    labels = torch.tensor([0, 1, 1, 0, 1])
+    assert trained_dit.training
+
+    def draw(scale: float = cfg_scale) -> torch.Tensor:
+        return sample(trained_dit, labels, method=method, steps=10, cfg_scale=scale,
+                      generator=torch.Generator().manual_seed(1))
+
+    out = draw()
+    assert out.shape == (5, 1, 8, 8) and out.dtype == torch.float32
+    assert torch.isfinite(out).all() and out.min() >= -1.0 and out.max() <= 1.0
+    assert (out.abs() < 1).float().mean() > 0.5      # mostly inside the range, not clipped noise
+    assert out.std() > 0.1                           # not a constant image
+    assert trained_dit.training                      # its mode is given back
+    assert torch.equal(draw(), out)                  # the generator fixes the samples
+    if cfg_scale != 1.0:
+        assert not torch.allclose(draw(1.0), out)    # guidance changes what is drawn

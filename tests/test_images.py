@@ -4,7 +4,10 @@ its augmentations, fixed validation batches."""
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +201,50 @@ def test_npz_refusals(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ConfigError, match="cannot read"):
         load_images(str(tmp_path / "junk.npz"))
+
+
+def test_npz_labels_must_number_the_classes(tmp_path):
+    images = np.zeros((4, 4, 4), np.uint8)
+    np.savez(tmp_path / "stray.npz", images=images, labels=np.array([0, 1, 2, 10**9]))
+    with pytest.raises(ConfigError, match=r"largest label 1000000000 makes 1000000001 classes, more than "
+                                          r"the 100000 supported"):
+        load_images(str(tmp_path / "stray.npz"))
+    np.savez(tmp_path / "sparse.npz", images=images, labels=np.array([0, 5, 5, 0]))
+    with pytest.raises(ConfigError, match=r"labels run up to 5 but only 2 of those 6 classes have an image; "
+                                          r"number the classes 0..1"):
+        load_images(str(tmp_path / "sparse.npz"))
+    # Stated on purpose, empty classes are kept; a huge stated count is still refused.
+    assert load_images(str(tmp_path / "sparse.npz"), num_classes=6).num_classes == 6
+    with pytest.raises(ConfigError, match="num_classes=200000 makes 200000 classes"):
+        load_images(str(tmp_path / "sparse.npz"), num_classes=200_000)
+    np.savez(tmp_path / "half.npz", images=images, labels=np.array([0, 1, 3, 3]))  # 3 of 4 used: fine
+    assert load_images(str(tmp_path / "half.npz")).num_classes == 4
+
+
+def test_unreadable_image_folders_are_config_errors_naming_the_path(tmp_path, monkeypatch):
+    """PermissionError (root in the test machine ignores chmod, so the OS call is made to fail)."""
+    make_folder(tmp_path / "set")
+    root = tmp_path / "set"
+    real_iterdir, real_scandir = Path.iterdir, os.scandir
+
+    def iterdir(self):
+        if self == root:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    with pytest.raises(ConfigError, match=rf"cannot read {re.escape(str(root))} .*Permission denied"):
+        load_images(str(root))
+    monkeypatch.setattr(Path, "iterdir", real_iterdir)
+
+    def scandir(path="."):
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)   # a class's sub-folder cannot be listed
+    with pytest.raises(ConfigError, match=r"cannot read .*cat.sub .*Permission denied"):
+        load_images(str(root))
 
 
 # ---- split -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from siamesenorm.config import load_config
 from siamesenorm.errors import ConfigError
@@ -88,6 +89,10 @@ def test_compare_of_vits_reports_accuracy(tmp_path):
     (("task=vit", "data.augment.translate=-1"), "must not be negative"),
     (("task=dit", "diffusion.sampler=euler"), "diffusion.sampler: unknown value 'euler'"),
     (("task=dit", "diffusion.sample_steps=2000"), "exceeds diffusion.timesteps"),
+    (("task=dit", "diffusion.timesteps=20", "diffusion.sample_steps=10"),
+     "scales beta_end 0.02 by 1000/20 to 1 >= 1; use at least 21 timesteps"),
+    (("task=vit", "data.augment.smoothing=0.1"), "only smooths mixup/cutmix targets"),
+    (("task=vit", "data.augment.mixup_alpha=0.8", "data.augment.smoothing=0.2"), "disagree"),
     (("task=vit", "data.dataset_options.size=3"), "has no option 'size'"),
     (("task=vit", "model.vocab_size=3"), "unknown key 'model.vocab_size'"),
 ])
@@ -96,21 +101,130 @@ def test_image_task_mistakes_are_one_line_exit_2(tmp_path, args, fragment):
     res = run("train", *args, "--out", str(out))
     assert res.returncode == 2 and fragment in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    assert not (out / "metrics.jsonl").exists()
+    assert not out.exists()
 
 
-def test_bad_image_files_are_refused_before_training(tmp_path):
-    bad = tmp_path / "bad.npz"
-    np.savez(bad, images=np.zeros((4, 8, 8), np.uint8), labels=np.zeros(3, np.int64))
-    res = run("train", "task=vit", f"data.dataset={bad}", "--out", str(tmp_path / "r1"))
+def _npz(path, images, labels):
+    np.savez(path, images=images, labels=np.asarray(labels, np.int64))
+    return path
+
+
+def _bad_sets(tmp_path):
+    """name -> (overrides, message fragment) for image sets a run must refuse."""
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (20, 8, 8), dtype=np.uint8)
+    two = [0, 1] * 10
+    flat = tmp_path / "flat"                    # images but no class sub-folders
+    flat.mkdir()
+    (flat / "a.png").write_bytes(b"not a png")
+    corrupt = tmp_path / "corrupt"              # a class folder holding a file that is not an image
+    for name in ("a", "b"):
+        (corrupt / name).mkdir(parents=True)
+    Image = pytest.importorskip("PIL.Image")
+    Image.new("L", (8, 8), 255).save(corrupt / "a" / "ok.png")
+    (corrupt / "b" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    single = tmp_path / "single"                # one class folder only
+    (single / "only").mkdir(parents=True)
+    for i in range(4):
+        Image.new("L", (8, 8), 60 * i).save(single / "only" / f"{i}.png")
+    return {
+        "mismatched labels": ((f"data.dataset={_npz(tmp_path / 'm.npz', grey[:4], [0, 1, 0])}",),
+                              "4 images but labels of shape (3,)"),
+        "flat folder": ((f"data.dataset={flat}",), "has no class sub-folders"),
+        "corrupt image": ((f"data.dataset={corrupt}", "data.dataset_options.image_size=8",
+                           "data.dataset_options.channels=1"),
+                          f"cannot read image {corrupt / 'b' / 'bad.png'}"),
+        "one class npz": ((f"data.dataset={_npz(tmp_path / 'one.npz', grey, [3] * 20)}",
+                           "data.dataset_options.num_classes=5"), "every image is of one class ('3')"),
+        "one class folder": ((f"data.dataset={single}", "data.dataset_options.image_size=8"),
+                             "every image is of one class ('only')"),
+        "stray label": ((f"data.dataset={_npz(tmp_path / 'stray.npz', grey, two[:-1] + [10**9])}",),
+                        "more than the 100000 supported"),
+        "sparse labels": ((f"data.dataset={_npz(tmp_path / 'sparse.npz', grey, [0, 7] * 10)}",),
+                          "only 2 of those 8 classes have an image"),
+    }
+
+
+@pytest.mark.parametrize("task", ["vit", "dit"])
+@pytest.mark.parametrize("case", ["mismatched labels", "flat folder", "corrupt image", "one class npz",
+                                  "one class folder", "stray label", "sparse labels"])
+def test_bad_image_sets_are_refused_before_anything_is_written(tmp_path, task, case):
+    args, fragment = _bad_sets(tmp_path)[case]
+    out = tmp_path / "run"
+    res = run("train", f"task={task}", *args, "--out", str(out))
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("channels", [4, 2])
+def test_dit_refuses_images_a_sample_grid_cannot_show(tmp_path, channels):
+    images = np.random.default_rng(0).integers(0, 256, (20, channels, 8, 8), dtype=np.uint8)
+    data = _npz(tmp_path / "c.npz", images, [0, 1] * 10)
+    out = tmp_path / "run"
+    res = run("train", "dit-digits", f"data.dataset={data}", "data.dataset_options.layout=nchw",
+              "--out", str(out))
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    folder = tmp_path / "flat"
-    folder.mkdir()
-    (folder / "a.png").write_bytes(b"not a png")
-    res = run("train", "task=vit", f"data.dataset={folder}", "--out", str(tmp_path / "r2"))
+    assert f"images have {channels} channels; task=dit draws its samples as a grey (1 channel) or RGB " \
+           "(3 channel) PNG grid" in res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("setting", ["data.augment.mixup_alpha=0.8", "data.augment.cutmix_alpha=1.0"])
+def test_dit_refuses_mixup_and_cutmix_up_front(tmp_path, setting):
+    out = tmp_path / "run"
+    res = run("train", "dit-digits", setting, "--out", str(out))
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    for name in ("r1", "r2"):
-        assert not (tmp_path / name / "metrics.jsonl").exists()
+    assert "make soft class targets, which a DiT cannot take" in res.stderr
+    assert not out.exists()
+
+
+def test_an_unreadable_image_folder_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """The CLI in process, with listing the folder failing as it does without read permission
+    (the tests may run as root, which chmod does not stop)."""
+    from pathlib import Path
+
+    from siamesenorm.cli import main
+
+    root = tmp_path / "images"
+    (root / "a").mkdir(parents=True)
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self == root:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    out = tmp_path / "run"
+    assert main(["train", "task=vit", f"data.dataset={root}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {root} while reading an image folder: Permission denied" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def _first_targets(preset, *overrides):
+    from siamesenorm.tasks.common import load_image_data
+
+    cfg = load_config(preset, ["data.dataset=digits", "data.dataset_options={}", "data.batch_size=32",
+                               "data.val_batches=1", *overrides])
+    x, y = load_image_data(cfg).sampler.next_batch()
+    assert y.shape == (32, 10) and y.dtype.is_floating_point   # mixed soft targets
+    torch.testing.assert_close(y.sum(1), torch.ones(32))
+    return y
+
+
+def test_label_smoothing_reaches_the_mixed_targets():
+    """Under mixup/cutmix every class keeps at least smoothing / K of each target (DeiT's
+    Mixup(label_smoothing=0.1)); without smoothing, classes absent from both images get 0."""
+    # The DeiT-T preset (its data swapped for digits): smoothing 0.1 over 10 classes.
+    assert _first_targets("deit-tiny").min() >= 0.1 / 10 - 1e-7
+    mix = ("data.augment.mixup_alpha=0.8", "data.augment.cutmix_alpha=1.0")
+    # model.label_smoothing alone (data.augment.smoothing left 0) is folded in, not dropped.
+    assert _first_targets("vit-digits", *mix, "model.label_smoothing=0.2").min() >= 0.2 / 10 - 1e-7
+    assert _first_targets("vit-digits", *mix, "data.augment.smoothing=0.1",
+                          "model.label_smoothing=0").min() >= 0.1 / 10 - 1e-7
+    assert _first_targets("vit-digits", *mix, "model.label_smoothing=0").min() == 0
 
 
 def test_task_picks_the_configuration_class_wherever_it_is_set(tmp_path):

@@ -25,6 +25,7 @@ import yaml
 from .data.corpora import check_corpus_options
 from .data.image_augment import ImageAugment
 from .data.images import check_image_options
+from .diffusion.schedule import linear_betas
 from .errors import ConfigError
 from .models.dit_config import DiTConfig
 from .models.lm_config import LMConfig
@@ -161,8 +162,10 @@ class ImageDataConfig:
 class DiffusionConfig:
     """The DiT diffusion process and how a ``task: dit`` run scores its samples.
 
-    ``timesteps`` of a ``schedule`` (linear, from ``beta_start`` to ``beta_end``, as DiT; or
-    cosine). At every evaluation the run samples with ``sampler`` (ddim or ddpm) over
+    ``timesteps`` of a ``schedule`` (linear, as DiT; or cosine). ``beta_start`` and ``beta_end``
+    are the linear schedule's endpoints at 1,000 steps; for other ``timesteps`` both are scaled by
+    ``1000 / timesteps`` (ADM's and DiT's rule), and a ``timesteps`` that scales ``beta_end`` to 1
+    or more is refused. At every evaluation the run samples with ``sampler`` (ddim or ddpm) over
     ``sample_steps`` respaced steps with classifier-free guidance ``cfg_scale``, writes a grid of
     ``grid_per_class`` samples per class to ``samples/step_N.png``, and scores ``eval_samples``
     class-conditional samples with the FD-proxy (a Frechet distance in the feature space of a small
@@ -194,6 +197,11 @@ class DiffusionConfig:
         if not 0 < self.beta_start < self.beta_end < 1:
             raise ConfigError("diffusion needs 0 < beta_start < beta_end < 1, got "
                               f"{self.beta_start} and {self.beta_end}")
+        if self.schedule == "linear":
+            try:
+                linear_betas(self.timesteps, self.beta_start, self.beta_end)
+            except ConfigError as error:
+                raise ConfigError(f"diffusion: {error}") from None
         if self.eta < 0 or self.cfg_scale < 0:
             raise ConfigError(f"diffusion.eta and diffusion.cfg_scale must not be negative, got "
                               f"{self.eta} and {self.cfg_scale}")
@@ -218,6 +226,18 @@ class ViTRunConfig:
     seed: int = 0
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
+    def __post_init__(self) -> None:
+        # Under mixup/cutmix the targets are smoothed by data.augment.smoothing, else by
+        # model.label_smoothing (tasks.common.training_augment); two different values contradict.
+        a, smoothing = self.data.augment, self.model.label_smoothing
+        if a.smoothing > 0 and not a.mixes:
+            raise ConfigError(f"data.augment.smoothing={a.smoothing} only smooths mixup/cutmix targets, and "
+                              "both are off; set model.label_smoothing instead")
+        if a.smoothing > 0 and smoothing > 0 and a.smoothing != smoothing:
+            raise ConfigError(f"data.augment.smoothing={a.smoothing} and model.label_smoothing={smoothing} "
+                              "disagree; under mixup/cutmix one smoothing applies: set one of them (or both "
+                              "to the same value)")
+
 
 @dataclass
 class DiTRunConfig:
@@ -233,6 +253,13 @@ class DiTRunConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(divergence_factor=20.0))
     seed: int = 0
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+
+    def __post_init__(self) -> None:
+        a = self.data.augment
+        if a.mixes or a.smoothing > 0:
+            raise ConfigError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "
+                              "which a DiT cannot take (it is conditioned on one label per image); set them "
+                              "to 0 for task=dit")
 
 
 # The configuration class of each task (the ``task`` key of a preset or an override picks it).

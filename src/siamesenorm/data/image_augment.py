@@ -37,8 +37,11 @@ class ImageAugment:
             on, batches come with soft targets ``(B, num_classes)``; with both on, each batch uses
             one of them, cutmix with probability ``switch_prob``. ``mix_prob`` is the probability
             that a batch is mixed at all. Images are mixed with the batch reversed, as in timm.
-        smoothing: label smoothing folded into the soft targets (DeiT uses 0.1 there); 0 here
-            because the models smooth integer targets themselves.
+        smoothing: label smoothing folded into the soft targets before mixing (DeiT uses 0.1,
+            its ``Mixup(label_smoothing=...)``); only mixed batches use it. A ViT run with mixup or
+            cutmix on and this at 0 folds in ``model.label_smoothing`` instead
+            (:func:`siamesenorm.tasks.common.training_augment`): the model cannot smooth soft
+            targets itself, so one of the two must carry the smoothing.
     """
 
     translate: int = 1

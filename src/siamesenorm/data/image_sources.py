@@ -7,20 +7,23 @@ Each returns an :class:`ImageSet` in the package's pixel convention (uint8 0..25
 from __future__ import annotations
 
 import importlib
+import os
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from ..errors import ConfigError
 from .images import ImageSet, image_fingerprint
 
-__all__ = ["IMAGE_SUFFIXES", "load_digits_set", "load_image_folder", "load_npz_images"]
+__all__ = ["IMAGE_SUFFIXES", "MAX_CLASSES", "load_digits_set", "load_image_folder", "load_npz_images"]
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                             ".pgm", ".pbm"})
 _VISION = 'pip install "siamesenorm[vision]"'
+# The most classes an image set may have (ImageNet-21k has 21,841): a label beyond this is a mistake.
+MAX_CLASSES = 100_000
 
 
 def _import(module: str, what: str):
@@ -48,10 +51,46 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
+def _unreadable(path: Path, error: OSError) -> ConfigError:
+    reason = error.strerror or type(error).__name__
+    return ConfigError(f"cannot read {path} while reading an image folder: {reason}; make the folder "
+                       "and everything under it readable")
+
+
+def _folder_entries(root: Path) -> list[Path]:
+    """The non-hidden entries of ``root``; an OS error (no permission, ...) is a ConfigError."""
+    try:
+        return [p for p in root.iterdir() if not p.name.startswith(".")]
+    except OSError as error:
+        raise _unreadable(root, error) from None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError as error:
+        raise _unreadable(path, error) from None
+
+
+def _raise_unreadable(error: OSError) -> NoReturn:
+    raise _unreadable(Path(error.filename or "?"), error)
+
+
 def _class_files(folder: Path) -> list[Path]:
-    files = [p for p in folder.rglob("*")
-             if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not _hidden(p, folder)]
+    """The image files under ``folder`` (recursively, by suffix, sorted by path; symlinked folders
+    are not entered). A folder that cannot be listed is a ConfigError, never skipped silently."""
+    files = []
+    for top, _, names in os.walk(folder, onerror=_raise_unreadable):
+        files += [Path(top) / n for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES]
+    files = [p for p in files if not _hidden(p, folder) and _is_file(p)]
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError as error:
+        raise _unreadable(path, error) from None
 
 
 def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarray:
@@ -82,16 +121,20 @@ def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> 
     if not isinstance(image_size, int) or image_size < 1:
         raise ConfigError(f"image_size must be a positive integer, got {image_size!r}")
     root = Path(spec).expanduser()
-    if not root.exists():
+    try:
+        exists, is_dir = root.exists(), root.is_dir()
+    except OSError as error:
+        raise _unreadable(root, error) from None
+    if not exists:
         raise ConfigError(f"image set {root} does not exist; give digits, an ImageFolder directory or "
                           "an .npz file")
-    if not root.is_dir():
+    if not is_dir:
         raise ConfigError(f"image set {root} is a file but not .npz; give digits, an ImageFolder "
                           "directory or an .npz file")
-    entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+    entries = _folder_entries(root)
     if not entries:
         raise ConfigError(f"image folder {root} is empty; put one sub-folder of images per class in it")
-    classes = sorted((p for p in entries if p.is_dir()), key=lambda p: p.name)
+    classes = sorted((p for p in entries if _is_dir(p)), key=lambda p: p.name)
     if not classes:
         raise ConfigError(f"image folder {root} has no class sub-folders; put each class's images in a "
                           "sub-folder named after the class")
@@ -155,6 +198,21 @@ def _pixels(images: np.ndarray, value_range: tuple[float, float] | None, name: s
     return ((images.astype(np.float64) - lo) / (hi - lo)).astype(np.float32)
 
 
+def _check_class_count(labels: np.ndarray, k: int, path: Path, *, inferred: bool) -> None:
+    """Refuse ``k`` classes beyond :data:`MAX_CLASSES` (each is a row of the model's head or label
+    table), and inferred labels ``0..max`` that leave most classes without an image (a stray
+    label such as 10**9, or labels that are ids rather than class numbers)."""
+    if k > MAX_CLASSES:
+        source = f"its largest label {int(labels.max())}" if inferred else f"num_classes={k}"
+        raise ConfigError(f"{path}: {source} makes {k} classes, more than the {MAX_CLASSES} supported; "
+                          "number the classes 0..K-1")
+    used = len(np.unique(labels))
+    if inferred and 2 * used < k:
+        raise ConfigError(f"{path}: labels run up to {int(labels.max())} but only {used} of those {k} "
+                          f"classes have an image; number the classes 0..{used - 1} (or pass "
+                          f"num_classes={k} if the empty classes are meant)")
+
+
 def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None, layout: str | None = None,
                     num_classes: int | None = None) -> ImageSet:
     """Arrays ``images`` and ``labels`` (and optional ``class_names``) of an ``.npz`` file."""
@@ -193,6 +251,7 @@ def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None
     k = int(labels.max()) + 1 if num_classes is None else int(num_classes)
     if k <= labels.max():
         raise ConfigError(f"num_classes={k} but {path} has label {labels.max()}")
+    _check_class_count(labels, k, path, inferred=num_classes is None)
     class_names = [str(n) for n in names.tolist()] if names is not None else [str(i) for i in range(k)]
     if len(class_names) != k:
         raise ConfigError(f"{path}: {len(class_names)} class_names for {k} classes")

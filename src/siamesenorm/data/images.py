@@ -8,8 +8,10 @@ Nothing here downloads. Sources (``spec``):
   (classes in sorted name order), every image file under it read with Pillow in sorted path order,
   centre-cropped to a square and resized to ``image_size``, grey (``channels=1``) or RGB (3).
 * an ``.npz`` file (``value_range=None``, ``layout=None``, ``num_classes=None``) with arrays
-  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers),
-  optionally ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
+  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers
+  ``0..K-1``; ``K`` is ``num_classes``, else the largest label plus one, and labels that leave most
+  of those ``K`` classes without an image, or ``K`` over 100,000, are refused), optionally
+  ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
   says where they lie (they are then rescaled to [0, 1]); ``layout="nhwc"`` or ``"nchw"`` settles a
   4-D array whose channel axis is ambiguous.
 

@@ -95,7 +95,8 @@ class GaussianDiffusion:
     @classmethod
     def linear(cls, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
                **kwargs) -> GaussianDiffusion:
-        """DiT's process: linear betas ``beta_start..beta_end`` over ``num_timesteps`` steps."""
+        """DiT's process: linear betas over ``num_timesteps`` steps from ``beta_start..beta_end``,
+        the 1,000-step endpoints, scaled by ``1000 / num_timesteps`` (see :func:`linear_betas`)."""
         return cls(make_betas("linear", num_timesteps, beta_start, beta_end), **kwargs)
 
     def respace(self, steps: int | Sequence[int]) -> GaussianDiffusion:
@@ -204,6 +205,10 @@ class GaussianDiffusion:
 
 def create_diffusion(num_timesteps: int = 1000, schedule: str = "linear", beta_start: float = 1e-4,
                      beta_end: float = 0.02, fixed_variance: str = "small") -> GaussianDiffusion:
-    """A :class:`GaussianDiffusion` from plain settings (DiT's defaults: linear, 1e-4..0.02, 1000)."""
+    """A :class:`GaussianDiffusion` from plain settings (DiT's defaults: linear, 1e-4..0.02, 1000).
+
+    A linear schedule's ``beta_start``/``beta_end`` are its 1,000-step endpoints, scaled by
+    ``1000 / num_timesteps`` for other step counts (ADM's and DiT's rule; :func:`linear_betas`).
+    """
     return GaussianDiffusion(make_betas(schedule, num_timesteps, beta_start, beta_end),
                              fixed_variance=fixed_variance)

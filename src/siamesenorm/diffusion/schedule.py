@@ -1,8 +1,11 @@
 """Noise schedules and timestep respacing for Gaussian diffusion.
 
 DiT (arXiv 2212.09748) trains with DDPM's linear schedule, betas from 1e-4 to 0.02 over 1,000
-steps (Ho et al., arXiv 2006.11239); improved DDPM (arXiv 2102.09672) adds the cosine schedule and
-sampling on a respaced subset of the training timesteps. Schedules are float64 numpy arrays: the
+steps (Ho et al., arXiv 2006.11239); for another number of steps ``T`` it uses ADM's
+``get_named_beta_schedule("linear", T)``, which scales both ends by ``1000 / T`` so that the
+process destroys about as much signal in ``T`` steps as DDPM's does in 1,000. Improved DDPM
+(arXiv 2102.09672) adds the cosine schedule and sampling on a respaced subset of the training
+timesteps. Schedules are float64 numpy arrays: the
 products over 1,000 steps need the precision.
 """
 
@@ -14,17 +17,31 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["SCHEDULES", "cosine_betas", "linear_betas", "make_betas", "space_timesteps"]
+# The step count at which a linear schedule's ``beta_start``/``beta_end`` hold unscaled (ADM, DiT).
+LINEAR_REFERENCE_STEPS = 1000
+
+__all__ = ["LINEAR_REFERENCE_STEPS", "SCHEDULES", "cosine_betas", "linear_betas", "make_betas",
+           "space_timesteps"]
 
 
 def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> np.ndarray:
-    """``num_timesteps`` betas evenly spaced from ``beta_start`` to ``beta_end`` (DDPM / DiT).
+    """``num_timesteps`` betas evenly spaced from ``beta_start * s`` to ``beta_end * s``, ``s = 1000 / T``.
 
-    The endpoints are the 1,000-step values; other step counts keep them (DiT's configuration).
+    ``beta_start`` and ``beta_end`` are the 1,000-step endpoints (DDPM's 1e-4 and 0.02); for
+    ``T = num_timesteps`` steps both are scaled by ``1000 / T``, as ADM's and DiT's
+    ``get_named_beta_schedule("linear", T)`` does, so ``T = 1000`` gives them unchanged. A ``T`` so
+    small that the scaled ``beta_end`` reaches 1 is refused.
     """
     if not 0 < beta_start <= beta_end < 1:
         raise ConfigError(f"need 0 < beta_start <= beta_end < 1, got {beta_start} and {beta_end}")
-    return np.linspace(beta_start, beta_end, num_timesteps, dtype=np.float64)
+    scale = LINEAR_REFERENCE_STEPS / num_timesteps
+    start, end = beta_start * scale, beta_end * scale
+    if end >= 1:
+        least = math.floor(LINEAR_REFERENCE_STEPS * beta_end) + 1
+        raise ConfigError(f"a linear schedule over {num_timesteps} steps scales beta_end {beta_end:g} by "
+                          f"1000/{num_timesteps} to {end:g} >= 1; use at least {least} timesteps or a "
+                          "smaller beta_end")
+    return np.linspace(start, end, num_timesteps, dtype=np.float64)
 
 
 def cosine_betas(num_timesteps: int = 1000, s: float = 0.008, max_beta: float = 0.999) -> np.ndarray:
@@ -43,7 +60,8 @@ SCHEDULES = ("linear", "cosine")
 
 def make_betas(schedule: str = "linear", num_timesteps: int = 1000, beta_start: float = 1e-4,
                beta_end: float = 0.02) -> np.ndarray:
-    """The betas of a named schedule (``linear`` uses ``beta_start``/``beta_end``)."""
+    """The betas of a named schedule (``linear`` uses ``beta_start``/``beta_end``, the 1,000-step
+    endpoints, scaled by ``1000 / num_timesteps``: see :func:`linear_betas`)."""
     if not isinstance(num_timesteps, int) or num_timesteps < 1:
         raise ConfigError(f"num_timesteps must be a positive integer, got {num_timesteps!r}")
     if schedule == "linear":

@@ -22,6 +22,7 @@ modulation, the X update is divided by ``sqrt(2 (b + 1))``, and the final layer 
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -141,6 +142,24 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(h), shift, scale))
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+@torch.no_grad()
+def xavier_fused_qkv_(attn: Attention) -> None:
+    """Xavier-uniform on ``attn``'s q, k and v weights as if they were one fused ``qkv`` matrix
+    (official DiT uses timm's ``qkv = nn.Linear(d, 3d)``, so ``bound = sqrt(6 / (d + 3d))``), with
+    zero biases. The output projection is an ordinary linear (``d x d`` Xavier-uniform)."""
+    projections = [getattr(attn, name) for name in _QKV]
+    fan_in = projections[0].in_features
+    fan_out = sum(p.out_features for p in projections)
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    for proj in projections:
+        nn.init.uniform_(proj.weight, -bound, bound)
+        if proj.bias is not None:
+            nn.init.zeros_(proj.bias)
+
+
 class DiT(nn.Module):
     """Class-conditional diffusion transformer built from a :class:`DiTConfig`.
 
@@ -195,7 +214,9 @@ class DiT(nn.Module):
     def reset_parameters(self) -> None:
         """Re-initialise every parameter and buffer, in a fixed order (DiT's init).
 
-        Every linear Xavier-uniform with zero bias; the patch embedding Xavier-uniform as a linear
+        Every linear Xavier-uniform with zero bias, the attention's q, k and v as the one fused
+        ``qkv`` matrix of the official code (bound ``sqrt(6 / (d + 3d))``, not each ``d x d``
+        matrix's ``sqrt(6 / 2d)``: :func:`xavier_fused_qkv_`); the patch embedding Xavier-uniform as a linear
         over its flattened kernel, zero bias; the label table and the timestep MLP weights
         N(0, 0.02); every adaLN modulation and the final linear zero (adaLN-Zero: a fresh model
         outputs exactly 0); norm weights one; the position embedding recomputed. DiT's init is
@@ -205,8 +226,11 @@ class DiT(nn.Module):
         cfg, gain = self.config, self.scheme.requires.branch_gain
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
+        fused = {id(getattr(m, n)) for m in self.sublayers if isinstance(m, Attention) for n in _QKV}
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and not name.startswith("scheme"):
+            if isinstance(module, Attention):
+                xavier_fused_qkv_(module)
+            elif isinstance(module, nn.Linear) and not name.startswith("scheme") and id(module) not in fused:
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
         if gain != 1.0:

@@ -173,8 +173,9 @@ class VisionTransformer(nn.Module):
         """Mean cross-entropy, computed in at least float32.
 
         Integer targets: with ``label_smoothing`` in training mode, plain in eval mode. Soft
-        (float) targets: the cross-entropy against those probabilities, in both modes (mixup and
-        cutmix fold any smoothing into the targets themselves).
+        (float) targets: the cross-entropy against those probabilities, in both modes; the
+        ``label_smoothing`` here is not applied to them (a ``task: vit`` run folds it into its
+        mixup/cutmix targets instead: :func:`siamesenorm.tasks.common.training_augment`).
         """
         n, k = logits.shape
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -6,9 +6,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import dump_config, load_config
+from ..data.image_augment import ImageAugment
 from ..data.image_batches import ImageBatchSampler, image_validation_batches
 from ..data.image_split import split_images
 from ..data.images import ImageSet, load_images
@@ -83,18 +85,55 @@ class ImageData:
     num_classes: int
 
 
-def load_image_data(cfg: Any) -> ImageData:
-    """Load ``data.dataset``, split it, and build the sampler (seeded by ``seed``) and val batches."""
+def check_training_images(cfg: Any, images: ImageSet) -> None:
+    """Refuse an image set that a run of ``cfg.task`` cannot train on, before anything is written.
+
+    Both tasks need square images and at least two classes with images (a ViT classifies them; a
+    DiT's FD-proxy classifier scores its samples by them). A DiT also needs 1 (grey) or 3 (RGB)
+    channels: its evaluations write the samples as a PNG grid, and showing some channels of a 2-
+    or 4-channel image (RGBA, latents) would misrepresent what the model draws.
+    """
     d = cfg.data
-    full = load_images(d.dataset, **d.dataset_options)
-    chans, height, width = full.shape
+    chans, height, width = images.shape
     if height != width:
         raise ConfigError(f"{d.dataset}: images are {height}x{width}; the models take square images "
                           "(resize them, e.g. a folder's image_size option)")
+    present = np.unique(images.labels)
+    if len(present) < 2:
+        name = images.class_names[int(present[0])] if len(present) else "none"
+        raise ConfigError(f"{d.dataset}: every image is of one class ({name!r}); task={cfg.task} needs "
+                          "images of at least 2 classes (add another class)")
+    if cfg.task == "dit" and chans not in (1, 3):
+        raise ConfigError(f"{d.dataset}: images have {chans} channels; task=dit draws its samples as a "
+                          "grey (1 channel) or RGB (3 channel) PNG grid, so give 1- or 3-channel images "
+                          "(e.g. drop an alpha channel)")
+
+
+def training_augment(cfg: Any) -> ImageAugment:
+    """``data.augment`` with a ViT's label smoothing folded into the mixup/cutmix targets.
+
+    Under mixup or cutmix the model gets soft targets and cannot smooth them itself, so, as DeiT's
+    ``Mixup(label_smoothing=...)`` does, the targets are smoothed before mixing: by
+    ``data.augment.smoothing`` when it is set, else by ``model.label_smoothing`` (the config refuses
+    two different non-zero values).
+    """
+    augment = cfg.data.augment
+    if cfg.task != "vit" or not augment.mixes or augment.smoothing > 0:
+        return augment
+    return dataclasses.replace(augment, smoothing=cfg.model.label_smoothing)
+
+
+def load_image_data(cfg: Any) -> ImageData:
+    """Load ``data.dataset``, check it (:func:`check_training_images`), split it, and build the
+    sampler (seeded by ``seed``, with :func:`training_augment`) and the validation batches."""
+    d = cfg.data
+    full = load_images(d.dataset, **d.dataset_options)
+    check_training_images(cfg, full)
+    chans, height, _ = full.shape
     train, val = split_images(full, d.val_fraction, d.split_seed)
     if len(val) == 0:
         raise ConfigError(f"{d.dataset}: data.val_fraction={d.val_fraction} leaves no validation images")
-    sampler = ImageBatchSampler.from_set(train, d.batch_size, seed=cfg.seed, augment=d.augment)
+    sampler = ImageBatchSampler.from_set(train, d.batch_size, seed=cfg.seed, augment=training_augment(cfg))
     # Every validation image when they fit in val_batches batches, else evenly spaced full batches.
     few = len(val) <= d.val_batches * d.batch_size
     batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)

@@ -7,6 +7,10 @@ class-conditional samples with the FD-proxy: ``fd_proxy`` is the Frechet distanc
 validation images and the samples in the feature space of a small classifier trained on the
 training split (cached; it is not Inception FID and its values are not comparable to FID), and
 ``sample_acc`` the share of samples that classifier assigns to the class they were asked for.
+
+The image set must have at least two classes with images and 1 (grey) or 3 (RGB) channels, and
+``data.augment`` must not mix images (no soft targets); all are refused before the run directory
+is written (:func:`~siamesenorm.tasks.common.check_training_images`, the config's checks).
 """
 
 from __future__ import annotations

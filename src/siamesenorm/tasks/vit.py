@@ -1,6 +1,7 @@
 """``task: vit``: a DeiT-style vision transformer learns to classify an image set.
 
-Training batches carry the augmentations of ``data.augment`` (soft targets under mixup/cutmix);
+Training batches carry the augmentations of ``data.augment`` (soft targets under mixup/cutmix,
+smoothed by ``data.augment.smoothing`` or, when that is 0, by ``model.label_smoothing``);
 every evaluation reports the validation cross-entropy (``val_loss``) and top-1 accuracy
 (``val_acc``) on the fixed validation batches.
 """
