@@ -29,7 +29,8 @@ class ViTConfig:
     ``int(dim * mlp_ratio)``. ``drop_path`` is the stochastic-depth rate of the last block (block
     ``b`` of ``L`` drops with ``drop_path * b / (L - 1)``); ``dropout`` acts after the position
     embedding, on the attention weights and on the attention and MLP outputs. ``label_smoothing``
-    applies to integer targets in training mode. ``init_std`` is the truncated-normal std of every
+    applies to integer targets in training mode and, folded into the mixed targets, under
+    mixup/cutmix (unless ``data.augment.smoothing`` is set), as DeiT does. ``init_std`` is the truncated-normal std of every
     linear, the class token and the position embedding.
     """
 
