@@ -157,6 +157,16 @@ def test_bad_image_sets_are_refused_before_anything_is_written(tmp_path, task, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("task", ["vit", "dit"])
+def test_compare_refuses_bad_image_data_before_claiming_its_folder(tmp_path, task):
+    args, fragment = _bad_sets(tmp_path)["sparse labels"]
+    out = tmp_path / "exp"
+    res = run("compare", f"{task}-digits", *args, "--out", str(out))
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not out.exists()           # no experiment.json: a corrected command may use the folder
+
+
 @pytest.mark.parametrize("channels", [4, 2])
 def test_dit_refuses_images_a_sample_grid_cannot_show(tmp_path, channels):
     images = np.random.default_rng(0).integers(0, 256, (20, channels, 8, 8), dtype=np.uint8)

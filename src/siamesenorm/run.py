@@ -156,8 +156,12 @@ def check_data(cfg: RunConfig) -> None:
     """Refuse what is wrong with ``cfg``'s data before anything is written (``compare`` checks every
     run with it before it claims its folder): the corpus and its options, the split, the batches
     and the vocabulary. A BPE tokenizer is not trained here: its package and vocabulary bound are
-    checked, and the text split; image tasks are checked when their run starts."""
+    checked, and the text split. An image task's data set is loaded and checked as its run will
+    load it (:func:`~siamesenorm.tasks.common.load_image_data`)."""
     if getattr(cfg, "task", "lm") != "lm":
+        from .tasks.common import load_image_data
+
+        load_image_data(cfg)
         return
     corpus = _load_lm_corpus(cfg)
     if corpus.is_tokenized or cfg.data.tokenizer == "bytes":

@@ -30,8 +30,8 @@ class ViTConfig:
     ``b`` of ``L`` drops with ``drop_path * b / (L - 1)``); ``dropout`` acts after the position
     embedding, on the attention weights and on the attention and MLP outputs. ``label_smoothing``
     applies to integer targets in training mode and, folded into the mixed targets, under
-    mixup/cutmix (unless ``data.augment.smoothing`` is set), as DeiT does. ``init_std`` is the truncated-normal std of every
-    linear, the class token and the position embedding.
+    mixup/cutmix (unless ``data.augment.smoothing`` is set), as DeiT does. ``init_std`` is the
+    truncated-normal std of every linear, the class token and the position embedding.
     """
 
     image_size: int = 224
