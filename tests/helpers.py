@@ -1,9 +1,16 @@
-"""Shared test helpers: deterministic random branches and a plain loop over a scheme."""
+"""Shared test helpers: deterministic random branches, a plain loop over a scheme, and a
+``pytest.raises`` for errors that are not a user's configuration."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
 from torch import Tensor
+
+from siamesenorm.errors import ConfigError
 
 
 def make_branches(n: int, dim: int, *, seed: int = 0, dtype=torch.float64) -> list:
@@ -30,3 +37,12 @@ def randomize_(module: torch.nn.Module, *, seed: int = 1, scale: float = 0.3) ->
     with torch.no_grad():
         for p in module.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@contextmanager
+def raises_value_error(match: str) -> Iterator[pytest.ExceptionInfo]:
+    """``pytest.raises(ValueError, match=...)`` that also fails on a ConfigError, which is kept
+    for a user's configuration (tensor shapes and values given to a model are not)."""
+    with pytest.raises(ValueError, match=match) as info:
+        yield info
+    assert not isinstance(info.value, ConfigError), info.value

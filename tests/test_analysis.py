@@ -28,10 +28,11 @@ from siamesenorm.analysis import (
     read_probes,
     sublayer_rms,
 )
-from siamesenorm.config import AnalysisConfig, load_config
+from siamesenorm.config import AnalysisConfig
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.schemes.base import ResidualScheme
+from siamesenorm.tasks import load_config
 from siamesenorm.train import train
 from test_train import RandomWindows, make_model, rows, settings
 

@@ -11,10 +11,11 @@ import pytest
 from siamesenorm.analysis import mean_loss, read_probes
 from siamesenorm.analysis.report_section import rms_growth
 from siamesenorm.cli import main
-from siamesenorm.config import load_config
 from siamesenorm.data import validation_batches
 from siamesenorm.experiments import compare
-from siamesenorm.run import analysis_tokens, load_model, run_training
+from siamesenorm.run import run_training
+from siamesenorm.tasks import load_config, load_trained
+from siamesenorm.tasks.lm import analysis_tokens
 from test_cli import run
 
 PLOTS = ("hidden_rms.png", "grad_norm.png", "gains.png", "pruning.png", "logit_lens.png", "angular.png")
@@ -54,7 +55,7 @@ def test_analyze_command_end_to_end(trained, tmp_path):
     # It analysed the run's own validation batches: the same loss the run logged at its last step.
     summary = json.loads((trained / "summary.json").read_text())
     assert result["loss"] == pytest.approx(summary["final_val_loss"], abs=1e-5)
-    model, cfg = load_model(trained)
+    model, cfg = load_trained(trained)
     batches = validation_batches(analysis_tokens(trained, cfg), 4, 32, cfg.analysis.batches)
     assert result["pruning"]["base_loss"] == pytest.approx(mean_loss(model, batches), abs=1e-6)
 

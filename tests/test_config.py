@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from siamesenorm.config import PRESET_DIR, dump_config, load_config, parse_override
+from siamesenorm.config import PRESET_DIR, dump_config, parse_override
 from siamesenorm.errors import ConfigError
+from siamesenorm.tasks import load_config
 
 
 def test_overrides_reach_every_section_with_their_types():
@@ -84,12 +85,12 @@ def test_parse_override_reads_yaml_values():
 def test_corpus_options_are_checked_up_front_and_reach_the_loader():
     cfg = load_config("arithmetic", ["data.corpus_options.max_digits=2", "data.corpus_options.n_train=50"])
     assert cfg.data.corpus_options["max_digits"] == 2 and cfg.data.corpus_options["operations"] == "+-*"
-    from siamesenorm.run import _corpus_options
+    from siamesenorm.tasks.lm import corpus_options
 
-    assert _corpus_options(cfg)["max_digits"] == 2
+    assert corpus_options(cfg)["max_digits"] == 2
     with pytest.raises(ConfigError, match="corpus 'arithmetic' has no option 'digits'; its options: "):
         load_config("arithmetic", ["data.corpus_options.digits=2"])
     with pytest.raises(ConfigError, match="corpus 'pystdlib' has no option"):
         load_config(None, ["data.corpus_options.n_train=2"])
     # pystdlib's max_bytes comes from data.max_bytes unless the options name it.
-    assert _corpus_options(load_config(None, ["data.max_bytes=1000"])) == {"max_bytes": 1000}
+    assert corpus_options(load_config(None, ["data.max_bytes=1000"])) == {"max_bytes": 1000}

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import raises_value_error, randomize_
 from siamesenorm.diffusion import (
     DiffusionObjective,
     create_diffusion,
@@ -23,12 +24,15 @@ from siamesenorm.diffusion import (
     discretized_gaussian_log_likelihood,
     guided_output,
     linear_betas,
+    null_label_of,
     sample,
     save_image_grid,
     space_timesteps,
     training_losses,
 )
 from siamesenorm.errors import ConfigError
+from siamesenorm.models import DiT, DiTConfig
+from siamesenorm.models.host import SchemeHost
 
 T = 1000
 
@@ -70,29 +74,27 @@ class Oracle(nn.Module):
 
 
 class CfgStandIn(nn.Module):
-    """A DiT stand-in: output depends on x, t and y; the null class is ``num_classes``;
-    ``forward_with_cfg`` follows DiT's contract (doubled batch, eps channels guided)."""
-
-    num_classes = 4
+    """A denoiser that is not a DiT: output depends on x, t and y (labels 0..4, 4 the null class),
+    with ``2 * channels`` output channels (noise, then variance)."""
 
     def __init__(self, channels: int = 2) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.embed = nn.Parameter(torch.randn(self.num_classes + 1, 2 * channels, generator=g,
-                                              dtype=torch.float64))
+        self.embed = nn.Parameter(torch.randn(5, 2 * channels, generator=g, dtype=torch.float64))
         self.channels = channels
 
     def forward(self, x, t, y):
         out = torch.cat([x, x.flip(1)], dim=1) * (1 + t.view(-1, 1, 1, 1) / 1000)
         return torch.tanh(out + self.embed[y][:, :, None, None])
 
-    def forward_with_cfg(self, x, t, y, cfg_scale):
-        half = x[: len(x) // 2]
-        out = self.forward(torch.cat([half, half]), t, y)
-        eps, rest = out[:, :self.channels], out[:, self.channels:]
-        cond, uncond = eps.chunk(2)
-        guided = uncond + cfg_scale * (cond - uncond)
-        return torch.cat([torch.cat([guided, guided]), rest], dim=1)
+
+def tiny_dit() -> DiT:
+    """A small DiT on 1 x 4 x 4 images of 3 classes (learned variance), initialised from torch's
+    generator, then moved off its adaLN-Zero start so that its output depends on x, t and y."""
+    dit = DiT(DiTConfig(input_size=4, patch_size=2, in_chans=1, num_classes=3, dim=8, n_layers=1,
+                        n_heads=2, frequency_dim=16))
+    randomize_(dit)
+    return dit
 
 
 # ---- schedule and forward process --------------------------------------------------------------
@@ -195,7 +197,7 @@ def test_reverse_step_variance_fixed_small_large_and_learned_range():
     unclipped = d.p_mean_variance(eps, x, t, clip_denoised=False)
     assert torch.allclose(unclipped.pred_xstart, x0, atol=1e-10)
     assert torch.allclose(unclipped.mean, ref_posterior(x0, x, 40)[0], atol=1e-10)
-    with pytest.raises(ConfigError, match="returned 3 channels"):
+    with raises_value_error("returned 3 channels"):
         d.p_mean_variance(torch.zeros(2, 3, 2, 2), x, t)
 
 
@@ -344,22 +346,37 @@ def test_guidance_with_scale_one_is_the_conditional_model_and_otherwise_extrapol
     uncond = model(x, t, torch.full_like(y, 4))
     want = torch.cat([uncond[:, :2] + 4.0 * (cond[:, :2] - uncond[:, :2]), cond[:, 2:]], dim=1)
     assert torch.allclose(guided_output(model, x, t, y, 4.0, null_label=4), want, atol=1e-12)
-
-    class NoCfg(nn.Module):   # the same model without forward_with_cfg: combined the same way
-        def forward(self, *args):
-            return model(*args)
-
-    assert torch.allclose(guided_output(NoCfg(), x, t, y, 4.0, null_label=4), want, atol=1e-12)
     d = create_diffusion().respace(5)
     plain = sample(model.float(), y, d, steps=None, generator=torch.Generator().manual_seed(0),
                    shape=(2, 2, 2))
     assert torch.equal(plain, sample(model, y, d, steps=None, cfg_scale=1.0,
                                      generator=torch.Generator().manual_seed(0), shape=(2, 2, 2)))
     guided = sample(model, y, d, steps=None, cfg_scale=4.0, generator=torch.Generator().manual_seed(0),
-                    shape=(2, 2, 2))
+                    shape=(2, 2, 2), null_label=4)
     assert not torch.allclose(plain, guided)
-    with pytest.raises(ConfigError, match="null_label"):
-        sample(NoCfg(), y, d, cfg_scale=2.0, shape=(2, 2, 2))
+    with pytest.raises(ConfigError, match="null_label"):   # only a DiT knows its null class
+        sample(model, y, d, cfg_scale=2.0, shape=(2, 2, 2))
+
+
+def test_a_dit_guides_through_its_forward_with_cfg_and_names_its_null_class_and_shape():
+    dit = tiny_dit().eval()
+    g = torch.Generator().manual_seed(0)
+    x, t, y = torch.randn(3, 1, 4, 4, generator=g), torch.tensor([10, 500, 999]), torch.tensor([0, 2, 1])
+    assert null_label_of(dit) == 3 and null_label_of(dit, 7) == 7
+    with torch.no_grad():
+        cond, uncond = dit(x, t, y), dit(x, t, torch.full_like(y, 3))
+        calls = []
+
+        def spy(*args):
+            calls.append(args)
+            return DiT.forward_with_cfg(dit, *args)
+
+        dit.forward_with_cfg = spy
+        got = guided_output(dit, x, t, y, 4.0, null_label=3)
+    assert len(calls) == 1
+    want = torch.cat([uncond[:, :1] + 4.0 * (cond[:, :1] - uncond[:, :1]), cond[:, 1:]], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sample(dit, y, steps=2).shape == (3, 1, 4, 4)   # the image shape from the DiT's config
 
 
 def test_sample_refuses_what_it_cannot_do():
@@ -372,27 +389,8 @@ def test_sample_refuses_what_it_cannot_do():
 
 # ---- the training-loop wrapper -----------------------------------------------------------------
 
-class TinyDiT(nn.Module):
-    """A stand-in DiT with parameters: a 1x1 conv conditioned on t and y, learned variance."""
-
-    num_classes = 3
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 2, 1)
-        self.t_embed = nn.Linear(1, 2)
-        self.y_embed = nn.Embedding(4, 2)
-
-    def forward(self, x, t, y):
-        cond = self.t_embed(t.float()[:, None] / 1000) + self.y_embed(y)
-        return self.conv(x) + cond[:, :, None, None]
-
-    def reset_parameters(self):
-        self.conv.reset_parameters()
-
-
 def test_objective_eval_loss_is_deterministic_and_leaves_the_global_rng_alone():
-    objective = DiffusionObjective(TinyDiT())
+    objective = DiffusionObjective(tiny_dit())
     x, y = torch.rand(8, 1, 4, 4) * 2 - 1, torch.arange(8) % 3
     objective.eval()
     torch.manual_seed(123)
@@ -416,13 +414,16 @@ def test_objective_eval_loss_is_deterministic_and_leaves_the_global_rng_alone():
 
 
 def test_objective_wraps_the_model_state_and_counts():
-    dit = TinyDiT()
+    dit = tiny_dit()
     objective = DiffusionObjective(dit, create_diffusion(num_timesteps=100))
+    assert isinstance(objective, SchemeHost) and isinstance(dit, SchemeHost)
+    assert objective.scheme is dit.scheme and objective.sublayers is dit.sublayers
     assert list(objective.state_dict()) == [f"model.{k}" for k in dit.state_dict()]
     assert objective.num_parameters() == sum(p.numel() for p in dit.parameters())
+    assert objective.tokens_in(torch.zeros(5, 1, 4, 4)) == 5 * 4
+    assert objective.flops_per_token() is None
     assert objective.diffusion.num_timesteps == 100
-    out = sample(objective, torch.tensor([0, 2]), steps=4, shape=(1, 4, 4),
-                 generator=torch.Generator().manual_seed(0))
+    out = sample(objective, torch.tensor([0, 2]), steps=4, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 1, 4, 4) and objective.training and dit.training   # mode given back
 
 
@@ -480,7 +481,7 @@ def test_a_resumed_diffusion_run_repeats_the_uninterrupted_one(tmp_path):
 
     def run(directory, seed, fail_at=None, resume=False):
         torch.manual_seed(seed)
-        objective = DiffusionObjective(TinyDiT(), create_diffusion(num_timesteps=50))
+        objective = DiffusionObjective(tiny_dit(), create_diffusion(num_timesteps=50))
         sampler = ImageBatchSampler(images, labels, 8, seed=seed, augment=ImageAugment(hflip=True))
         settings = TrainSettings(steps=6, lr=1e-2, checkpoint_every=3, eval_every=3, eval_batches=val)
         train(objective, FailingSource(sampler, fail_at), settings, directory, resume=resume)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import siamesenorm as sn
+from helpers import raises_value_error
 from siamesenorm.diffusion import DiffusionObjective, create_diffusion, sample
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import DIT_SIZES, DiT, DiTConfig
@@ -215,15 +216,15 @@ def test_bad_configs_are_refused_in_one_line(overrides, fragment):
 def test_bad_inputs_are_refused():
     model = DiT(small())
     x, t, y = inputs(2, dtype=torch.float32)
-    with pytest.raises(ConfigError, match=r"x must have shape \(batch, 3, 8, 8\)"):
+    with raises_value_error(r"x must have shape \(batch, 3, 8, 8\)"):
         model(x[:, :1], t, y)
-    with pytest.raises(ConfigError, match=r"t and y must have shape \(2,\)"):
+    with raises_value_error(r"t and y must have shape \(2,\)"):
         model(x, t[:1], y)
-    with pytest.raises(ConfigError, match=r"labels must lie in 0..5"):
+    with raises_value_error(r"labels must lie in 0..5"):
         model(x, t, torch.tensor([0, 6]))
-    with pytest.raises(ConfigError, match="integer class labels"):
+    with raises_value_error("integer class labels"):
         model(x, t, y.float())
-    with pytest.raises(ConfigError, match="even batch"):
+    with raises_value_error("even batch"):
         model.forward_with_cfg(x[:1], t[:1], y[:1], 4.0)
     with pytest.raises(ConfigError, match="unknown size 'DiT-XXL/2'"):
         DiTConfig.from_size("DiT-XXL/2")

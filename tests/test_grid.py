@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from siamesenorm.config import load_config
 from siamesenorm.errors import ConfigError
 from siamesenorm.experiments.grid import build_grid, read_section
+from siamesenorm.tasks import load_config
 
 
 def _preset(tmp_path, compare: dict, **sections) -> str:

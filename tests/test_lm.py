@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import raises_value_error
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.nn.attention import Attention
@@ -162,7 +163,7 @@ def test_rope_matches_reference(pos: int) -> None:
     expected = ref_rope(x, torch.arange(pos, pos + 5), 100.0)
     torch.testing.assert_close(rope(x, pos), expected, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(rope(x, pos + 1), expected)
-    with pytest.raises(ConfigError, match="max_seq_len"):
+    with raises_value_error("max_seq_len"):
         rope(x, 12)
 
 
@@ -215,12 +216,18 @@ def test_generation_length_limits() -> None:
     cfg = tiny(max_seq_len=16)
     model = LanguageModel(cfg)
     prompt = torch.randint(0, cfg.vocab_size, (1, 10))
-    with pytest.raises(ConfigError, match="max_seq_len"):
+    with raises_value_error("max_seq_len"):
         model.generate(prompt, 7, greedy=True)
     assert model.generate(prompt, 6, greedy=True).shape == (1, 16)
     assert model.generate(prompt, 12, greedy=True, use_cache=False).shape == (1, 22)
-    with pytest.raises(ConfigError, match="max_seq_len"):
+    with raises_value_error("max_seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
+    with raises_value_error(r"shape \(batch, seq\)"):
+        model(torch.zeros(17, dtype=torch.long))
+    with raises_value_error("KV cache write"):
+        model(prompt, cache=model.new_cache(1), pos=3)   # the cache holds no positions yet
+    with pytest.raises(ConfigError, match="temperature >= 0"):   # a user's generation setting
+        model.generate(prompt, 2, temperature=-1.0)
 
 
 def test_sampling_is_reproducible_and_top1_is_greedy() -> None:

@@ -47,8 +47,8 @@ def _readme_commands() -> list[list[str]]:
 def test_readme_commands_parse_and_their_configs_load(argv):
     """The README's commands are accepted as written: arguments, presets, overrides and grids."""
     from siamesenorm.cli import DEFAULT_COMPARE_PRESET, _split_preset, build_parser
-    from siamesenorm.config import load_config
     from siamesenorm.experiments import build_grid
+    from siamesenorm.tasks import load_config
 
     args = build_parser().parse_args(argv)
     if args.command == "train" and not args.resume:

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import yaml
 
-import siamesenorm.run as run_module
-from siamesenorm.config import load_config
+import siamesenorm.tasks.lm as lm_task
 from siamesenorm.data import BatchSampler, BPETokenizer, load_corpus
 from siamesenorm.errors import ConfigError
-from siamesenorm.run import generate_text, load_run, run_training
+from siamesenorm.run import generate_text, run_training
+from siamesenorm.tasks import load_config
+from siamesenorm.tasks.lm import run_tokenizer
 
 TINY = ["train.steps=2", "train.eval_every=2", "train.warmup=0", "data.max_bytes=40000"]
 
@@ -44,7 +45,7 @@ class CrashingSampler(BatchSampler):
 
 def crash_at(monkeypatch, batch: int) -> None:
     monkeypatch.setattr(CrashingSampler, "crash_at", batch)
-    monkeypatch.setattr(run_module, "BatchSampler", CrashingSampler)
+    monkeypatch.setattr(lm_task, "BatchSampler", CrashingSampler)
 
 
 # ---- what the run records -------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_bpe_run_saves_its_tokenizer_and_resume_and_generate_reload_it(tmp_path,
     assert saved_config(out)["model"]["vocab_size"] == descriptor["vocab_size"]
     saved = (out / "tokenizer" / "bpe.json").read_text()
 
-    monkeypatch.setattr(run_module, "BatchSampler", BatchSampler)
+    monkeypatch.setattr(lm_task, "BatchSampler", BatchSampler)
 
     def no_training(*args, **kwargs):
         raise AssertionError("resume must reload the saved tokenizer, not train a new one")
@@ -124,7 +125,7 @@ def test_bpe_run_saves_its_tokenizer_and_resume_and_generate_reload_it(tmp_path,
     assert summary["steps"] == 4 and [r["step"] for r in rows(out)] == [1, 2, 3, 4]
     assert (out / "tokenizer" / "bpe.json").read_text() == saved
 
-    _, tokenizer = load_run(out)
+    tokenizer = run_tokenizer(out)
     assert isinstance(tokenizer, BPETokenizer) and tokenizer.vocab_size == descriptor["vocab_size"]
     text = generate_text(out, "def main(", max_new_tokens=5, greedy=True)
     assert text.startswith("def main(") and len(text) > len("def main(")
@@ -140,7 +141,7 @@ def test_run_training_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path,
     with pytest.raises(RuntimeError):
         run_training(load_config("tiny", overrides), tmp_path / "b", progress=False)
     assert [r["step"] for r in rows(tmp_path / "b")] == [1, 2, 3, 4]
-    monkeypatch.setattr(run_module, "BatchSampler", BatchSampler)
+    monkeypatch.setattr(lm_task, "BatchSampler", BatchSampler)
     run_training(None, tmp_path / "b", resume=True, progress=False)
     a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(1, 7))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from siamesenorm.config import load_config
 from siamesenorm.run import run_training
+from siamesenorm.tasks import load_config
 
 GOLDEN = Path(__file__).parent / "data" / "seeded_losses.json"
 _LM = ["tiny", "train.steps=6", "train.eval_every=3", "train.checkpoint_every=6", "train.warmup=1",

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from siamesenorm.config import load_config
 from siamesenorm.errors import ConfigError
 from siamesenorm.experiments.grid import run_name
+from siamesenorm.tasks import load_config
 from test_cli import run
 
 pytest.importorskip("sklearn")
@@ -214,11 +214,11 @@ def test_an_unreadable_image_folder_is_one_line_exit_2(tmp_path, monkeypatch, ca
 
 
 def _first_targets(preset, *overrides):
-    from siamesenorm.tasks.common import load_image_data
+    from siamesenorm.tasks.vit import load_vit_data
 
     cfg = load_config(preset, ["data.dataset=digits", "data.dataset_options={}", "data.batch_size=32",
                                "data.val_batches=1", *overrides])
-    x, y = load_image_data(cfg).sampler.next_batch()
+    x, y = load_vit_data(cfg).sampler.next_batch()
     assert y.shape == (32, 10) and y.dtype.is_floating_point   # mixed soft targets
     torch.testing.assert_close(y.sum(1), torch.ones(32))
     return y
@@ -262,6 +262,15 @@ def test_image_runs_record_probes_and_analyze_reads_them(tmp_path, monkeypatch):
     assert "no logit lens" in res.stdout
     result = json.loads((tmp_path / "dit-analysis" / "analysis.json").read_text())
     assert result["lens"] is None and len(result["pruning"]["per_block"]) == 2
+    # Data the model cannot take is refused in one line, before any analysis: other channels, or
+    # classes beyond the model's.
+    rng = np.random.default_rng(0)
+    rgb = _npz(tmp_path / "rgb.npz", rng.integers(0, 256, (20, 3, 8, 8), dtype=np.uint8), [0, 1] * 10)
+    many = _npz(tmp_path / "many.npz", rng.integers(0, 256, (24, 8, 8), dtype=np.uint8), list(range(12)) * 2)
+    for data, fragment in ((rgb, "3 channels, the run's model takes 1"), (many, "knows 10 classes")):
+        res = run("analyze", str(dit), "--data", str(data), "--out", str(tmp_path / "refused"))
+        assert res.returncode == 2 and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "refused").exists()
 
 
 def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path, monkeypatch):

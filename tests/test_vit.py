@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import siamesenorm as sn
+from helpers import raises_value_error
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import VIT_SIZES, VisionTransformer, ViTConfig, ViTOutput
 from siamesenorm.models.vit import drop_path
@@ -156,11 +157,11 @@ def test_bad_schemes_sizes_and_inputs_are_refused():
     with pytest.raises(ConfigError, match="unknown size 'DeiT-XL'"):
         ViTConfig.from_size("DeiT-XL")
     model = VisionTransformer(small())
-    with pytest.raises(ConfigError, match=r"images must have shape \(batch, 3, 8, 8\)"):
+    with raises_value_error(r"images must have shape \(batch, 3, 8, 8\)"):
         model(torch.zeros(2, 3, 16, 16))
-    with pytest.raises(ConfigError, match=r"class-index targets must have shape \(2,\)"):
+    with raises_value_error(r"class-index targets must have shape \(2,\)"):
         model(torch.zeros(2, 3, 8, 8), torch.zeros(2, 1, dtype=torch.long))
-    with pytest.raises(ConfigError, match=r"soft targets must have shape \(2, 5\)"):
+    with raises_value_error(r"soft targets must have shape \(2, 5\)"):
         model(torch.zeros(2, 3, 8, 8), torch.zeros(2, 4))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from .errors import ConfigError
 
@@ -52,8 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .run import run_training
+    from .run import load_config, run_training
 
     preset, overrides = _split_preset(args.args)
     if args.resume and (preset or overrides):
@@ -98,7 +96,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from .analysis.run_analysis import ANALYSIS_FILE, analyze_run
+    from .run import analyze_run
+    from .rundir import RunDir
 
     out = args.out or args.run_dir
     result = analyze_run(args.run_dir, args.data, batches=args.batches, device=args.device, out=out)
@@ -108,7 +107,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     print(f"{args.run_dir}: loss {result['loss']:.4f}; skipping one block adds "
           f"{max(pruning['per_block']):+.4f} at most (effective depth {pruning['effective_depth']:.1f} "
           f"of {result['n_layers']}); {lens_text}")
-    print(f"wrote {Path(out) / ANALYSIS_FILE} and plots in {Path(out) / 'analysis'}")
+    print(f"wrote {RunDir(out).analysis} and plots in {RunDir(out).plots}")
     return 0
 
 

@@ -1,12 +1,15 @@
 """Run configuration: a YAML preset plus ``key=value`` overrides with dotted keys.
 
-A configuration is a tree of dataclasses: ``RunConfig`` (``task: lm``) with ``model``, ``data``,
-``train`` and ``analysis`` sections; ``ViTRunConfig`` (``task: vit``) and ``DiTRunConfig``
-(``task: dit``, with a ``diffusion`` section) for images. :func:`load_config` starts from the
-defaults, applies the preset, then each override
-(``model.n_layers=24 train.lr=2e-3 model.scheme_options.depth_scale=false``), and checks every
-value against its field's type before any work starts. An unknown key, a wrong type or a bad
-value is a :class:`~siamesenorm.errors.ConfigError` that names the key.
+A run's configuration is a tree of dataclasses. Each task (:mod:`siamesenorm.tasks`) declares its
+own top class (``task``, ``model``, ``data``, ``train``, ``seed``, ``analysis`` and what else it
+needs); the sections every task shares, ``train`` (:class:`TrainConfig`) and ``analysis``
+(:class:`AnalysisConfig`), live here with the machinery that fills any such tree:
+:func:`build_config` starts from the class's defaults, applies the preset, then each override
+(``model.n_layers=24 train.lr=2e-3 model.scheme_options.depth_scale=false``), and checks every value
+against its field's type, then every section's own checks, then the scheme's name and options,
+before any work starts. An unknown key, a wrong type or a bad value is a
+:class:`~siamesenorm.errors.ConfigError` that names the key. Which class a preset fills is the
+task registry's business (:func:`siamesenorm.tasks.load_config` reads the ``task`` key).
 """
 
 from __future__ import annotations
@@ -16,48 +19,17 @@ import difflib
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .data.corpora import check_corpus_options
-from .data.image_augment import ImageAugment
-from .data.images import check_image_options
-from .diffusion.schedule import linear_betas
 from .errors import ConfigError
-from .models.dit_config import DiTConfig
-from .models.lm_config import LMConfig
-from .models.vit_config import ViTConfig
 from .schemes import build_scheme, get_scheme_class, scheme_options
 
 PRESET_DIR = Path(__file__).parent / "configs"
-
-
-@dataclass
-class DataConfig:
-    """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path."""
-
-    corpus: str = "pystdlib"
-    corpus_options: dict[str, Any] = field(default_factory=dict)  # keyword options of its loader
-    tokenizer: str = "bytes"           # "bytes" or "bpe"
-    vocab_size: int = 1024             # BPE only
-    max_bytes: int = 8_000_000         # pystdlib only
-    val_fraction: float = 0.1
-    batch_size: int = 16
-    seq_len: int = 128
-    val_batches: int = 8
-    eval_problems: int = 200           # arithmetic only: held-out problems answered at each evaluation
-
-    def __post_init__(self) -> None:
-        if self.tokenizer not in ("bytes", "bpe"):
-            raise ConfigError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
-        for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches", "eval_problems"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass
@@ -115,156 +87,6 @@ class AnalysisConfig:
         for name in ("batch_size", "batches"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"analysis.{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass
-class RunConfig:
-    """One language-model run (``task: lm``): the model, its data, its training, and the seed of
-    everything random."""
-
-    task: str = "lm"
-    model: LMConfig = field(default_factory=LMConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-
-
-@dataclass
-class ImageDataConfig:
-    """Images for ``task: vit`` and ``task: dit``: ``dataset`` is ``digits`` (scikit-learn's 8x8
-    handwritten digits, embedded), a folder of class sub-folders, or an ``.npz`` file of ``images``
-    and ``labels``; ``dataset_options`` go to its loader (a folder's ``image_size``, ``channels``).
-    The split is stratified and fixed by ``split_seed``. ``augment`` applies to training batches
-    only. The model's image size, channels and classes are set from the data when the run starts.
-    """
-
-    dataset: str = "digits"
-    dataset_options: dict[str, Any] = field(default_factory=dict)
-    val_fraction: float = 0.2
-    split_seed: int = 0
-    batch_size: int = 64
-    val_batches: int = 16             # at most this many validation batches of batch_size images
-    # Off by default: at 8x8 with 2x2 patches a one-pixel shift is half a patch, and it cut a
-    # 200-step ViT's digit accuracy from 83% to 27% in our measurement. Presets for larger images
-    # turn DeiT's augmentations on.
-    augment: ImageAugment = field(default_factory=lambda: ImageAugment(translate=0, erase_prob=0.0))
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "val_batches"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-
-
-@dataclass
-class DiffusionConfig:
-    """The DiT diffusion process and how a ``task: dit`` run scores its samples.
-
-    ``timesteps`` of a ``schedule`` (linear, as DiT; or cosine). ``beta_start`` and ``beta_end``
-    are the linear schedule's endpoints at 1,000 steps; for other ``timesteps`` both are scaled by
-    ``1000 / timesteps`` (ADM's and DiT's rule), and a ``timesteps`` that scales ``beta_end`` to 1
-    or more is refused. At every evaluation the run samples with ``sampler`` (ddim or ddpm) over
-    ``sample_steps`` respaced steps with classifier-free guidance ``cfg_scale``, writes a grid of
-    ``grid_per_class`` samples per class to ``samples/step_N.png``, and scores ``eval_samples``
-    class-conditional samples with the FD-proxy (a Frechet distance in the feature space of a small
-    classifier trained on the same data: not Inception FID) and the classifier's accuracy on them.
-    """
-
-    timesteps: int = 1000
-    schedule: str = "linear"
-    beta_start: float = 1e-4
-    beta_end: float = 0.02
-    sampler: str = "ddim"
-    sample_steps: int = 50
-    eta: float = 0.0
-    cfg_scale: float = 1.5
-    eval_samples: int = 500
-    grid_per_class: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("timesteps", "sample_steps", "eval_samples", "grid_per_class"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"diffusion.{name} must be positive, got {getattr(self, name)}")
-        if self.schedule not in ("linear", "cosine"):
-            raise ConfigError(f"diffusion.schedule: unknown value {self.schedule!r}; choose linear or cosine")
-        if self.sampler not in ("ddim", "ddpm"):
-            raise ConfigError(f"diffusion.sampler: unknown value {self.sampler!r}; choose ddim or ddpm")
-        if self.sample_steps > self.timesteps:
-            raise ConfigError(f"diffusion.sample_steps ({self.sample_steps}) exceeds diffusion.timesteps "
-                              f"({self.timesteps})")
-        if not 0 < self.beta_start < self.beta_end < 1:
-            raise ConfigError("diffusion needs 0 < beta_start < beta_end < 1, got "
-                              f"{self.beta_start} and {self.beta_end}")
-        if self.schedule == "linear":
-            try:
-                linear_betas(self.timesteps, self.beta_start, self.beta_end)
-            except ConfigError as error:
-                raise ConfigError(f"diffusion: {error}") from None
-        if self.eta < 0 or self.cfg_scale < 0:
-            raise ConfigError(f"diffusion.eta and diffusion.cfg_scale must not be negative, got "
-                              f"{self.eta} and {self.cfg_scale}")
-
-
-def _digits_vit() -> ViTConfig:
-    return ViTConfig.from_size("digits")
-
-
-def _digits_dit() -> DiTConfig:
-    return DiTConfig.from_size("digits", learn_sigma=False)
-
-
-@dataclass
-class ViTRunConfig:
-    """One image-classification run (``task: vit``): a DeiT-style ViT on an image set."""
-
-    task: str = "vit"
-    model: ViTConfig = field(default_factory=_digits_vit)
-    data: ImageDataConfig = field(default_factory=ImageDataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-
-    def __post_init__(self) -> None:
-        # Under mixup/cutmix the targets are smoothed by data.augment.smoothing, else by
-        # model.label_smoothing (tasks.common.training_augment); two different values contradict.
-        a, smoothing = self.data.augment, self.model.label_smoothing
-        if a.smoothing > 0 and not a.mixes:
-            raise ConfigError(f"data.augment.smoothing={a.smoothing} only smooths mixup/cutmix targets, and "
-                              "both are off; set model.label_smoothing instead")
-        if a.smoothing > 0 and smoothing > 0 and a.smoothing != smoothing:
-            raise ConfigError(f"data.augment.smoothing={a.smoothing} and model.label_smoothing={smoothing} "
-                              "disagree; under mixup/cutmix one smoothing applies: set one of them (or both "
-                              "to the same value)")
-
-
-@dataclass
-class DiTRunConfig:
-    """One class-conditional diffusion run (``task: dit``): a DiT on an image set."""
-
-    task: str = "dit"
-    model: DiTConfig = field(default_factory=_digits_dit)
-    data: ImageDataConfig = field(default_factory=ImageDataConfig)
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    # The diffusion loss of one batch swings with its random timesteps (a batch of small t's costs
-    # many times one of large t's), so "3x the best loss so far" stopped healthy runs; non-finite
-    # losses still stop a run at once.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(divergence_factor=20.0))
-    seed: int = 0
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-
-    def __post_init__(self) -> None:
-        a = self.data.augment
-        if a.mixes or a.smoothing > 0:
-            raise ConfigError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "
-                              "which a DiT cannot take (it is conditioned on one label per image); set them "
-                              "to 0 for task=dit")
-
-
-# The configuration class of each task (the ``task`` key of a preset or an override picks it).
-TASKS: dict[str, type] = {"lm": RunConfig, "vit": ViTRunConfig, "dit": DiTRunConfig}
-AnyRunConfig = RunConfig | ViTRunConfig | DiTRunConfig
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -376,12 +198,20 @@ def read_preset(preset: str) -> dict:
     return data
 
 
-def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+def _is_mapping(tp: Any) -> bool:
+    return tp is dict or get_origin(tp) is dict
+
+
+def _flatten(data: dict, cls: type | None, prefix: str = "") -> list[tuple[str, Any]]:
+    """``{"model": {"dim": 8}}`` -> ``[("model.dim", 8)]``, following the sections of ``cls``; a field
+    typed as a mapping (``model.scheme_options``) keeps its value whole. Keys ``cls`` does not know
+    are flattened too, so the error names the whole key."""
+    hints = get_type_hints(cls) if cls is not None else {}
     out = []
     for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and not key.endswith(("scheme_options", "corpus_options", "dataset_options")):
-            out += _flatten(v, key + ".")
+        key, tp = f"{prefix}{k}", hints.get(str(k))
+        if isinstance(v, dict) and not _is_mapping(tp):
+            out += _flatten(v, tp if dataclasses.is_dataclass(tp) else None, key + ".")
         else:
             out.append((key, v))
     return out
@@ -391,38 +221,41 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
 NON_RUN_SECTIONS = ("compare",)
 
 
-def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = ()) -> AnyRunConfig:
+def check_scheme(model: Any) -> None:
+    """The scheme of a model section (``scheme``, ``scheme_options``, ``dim``, ``n_layers``,
+    ``norm``, ``norm_eps``): a known name, known options, and values its constructor accepts
+    (built on the meta device: no memory, no compute)."""
+    get_scheme_class(model.scheme)
+    known = scheme_options(model.scheme)
+    unknown = sorted(set(model.scheme_options) - set(known))
+    if unknown:
+        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {model.scheme!r} has no option "
+                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
+    build_scheme(model.scheme, model.dim, model.n_layers, norm=model.norm, eps=model.norm_eps,
+                 device="meta", **model.scheme_options)
+
+
+def build_config(classes: Mapping[str, type], preset: str | None = None,
+                 overrides: list[str] | tuple[str, ...] = (),
+                 extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = (),
+                 default: str = "lm") -> Any:
     """Defaults, then the preset, then the overrides, then ``extra`` (already parsed ``(key, value)``
     pairs, e.g. a compare variant's settings); every value checked, the scheme's options too.
 
-    The ``task`` key (``lm``, the default; ``vit``; ``dit``) picks the configuration class, so it
-    is read first, wherever it is set.
+    ``classes`` maps each task's name to its configuration class; the ``task`` key (``default``
+    when unset) picks one, so it is read first, wherever it is set.
     """
     data = read_preset(preset) if preset else {}
-    items = _flatten({k: v for k, v in data.items() if k not in NON_RUN_SECTIONS})
-    items += [parse_override(o) for o in overrides]
-    items += list(extra)
-    task = next((v for k, v in reversed(items) if k == "task"), "lm")
-    if task not in TASKS:
-        raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(TASKS)}")
-    cfg = TASKS[task]()
-    for key, value in items:
+    data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
+    later = [parse_override(o) for o in overrides] + list(extra)
+    task = next((v for k, v in reversed(later) if k == "task"), data.get("task", default))
+    if task not in classes:
+        raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
+    cfg = classes[task]()
+    for key, value in _flatten(data, type(cfg)) + later:
         _set(cfg, key.split("."), value, key)
     cfg = _revalidate(cfg)
-    if task == "lm":
-        check_corpus_options(cfg.data.corpus, cfg.data.corpus_options)
-    else:
-        check_image_options(cfg.data.dataset, cfg.data.dataset_options)
-    get_scheme_class(cfg.model.scheme)
-    known = scheme_options(cfg.model.scheme)
-    unknown = sorted(set(cfg.model.scheme_options) - set(known))
-    if unknown:
-        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {cfg.model.scheme!r} has no option "
-                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
-    # Build the scheme on the meta device (no memory, no compute) so its option values are checked now.
-    build_scheme(cfg.model.scheme, cfg.model.dim, cfg.model.n_layers, norm=cfg.model.norm,
-                 eps=cfg.model.norm_eps, device="meta", **cfg.model.scheme_options)
+    check_scheme(cfg.model)
     return cfg
 
 
@@ -436,5 +269,5 @@ def config_to_dict(cfg: Any) -> dict:
     return out
 
 
-def dump_config(cfg: AnyRunConfig) -> str:
+def dump_config(cfg: Any) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

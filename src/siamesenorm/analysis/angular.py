@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from ..models.host import SchemeHost
 from .adapters import LossFn, lm_loss
 from .tap import StreamTap
 
@@ -33,7 +34,7 @@ def _angle(a: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def angular_distances(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
+def angular_distances(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                       ) -> dict[str, list[float]]:
     """Mean angular distance ``arccos(cos(h_b, h_{b+1})) / pi`` between each stream's states at
     consecutive block boundaries (``h_0``: the entry state, ``h_b``: after block ``b``), over every

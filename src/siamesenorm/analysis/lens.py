@@ -31,19 +31,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..models.host import SchemeHost
+from ..schemes.base import ResidualScheme
 from .adapters import HeadFn, LossFn, lm_head, lm_loss
 from .tap import StreamTap
 
 __all__ = ["logit_lens", "plain_norm"]
 
 
-def plain_norm(scheme: nn.Module, x: Tensor) -> Tensor:
+def plain_norm(scheme: ResidualScheme, x: Tensor) -> Tensor:
     """``x`` normalised over its last dimension by the parameter-free norm of the scheme's kind."""
-    eps = float(getattr(scheme, "eps", 1e-5))
     x = x.to(torch.promote_types(x.dtype, torch.float32))
-    if getattr(scheme, "norm_kind", "rmsnorm") == "layernorm":
-        return F.layer_norm(x, x.shape[-1:], eps=eps)
-    return F.rms_norm(x, x.shape[-1:], eps=eps)
+    if scheme.norm_kind == "layernorm":
+        return F.layer_norm(x, x.shape[-1:], eps=scheme.eps)
+    return F.rms_norm(x, x.shape[-1:], eps=scheme.eps)
 
 
 def _prediction(model: nn.Module, head_fn: HeadFn, hidden: Tensor, like: Tensor) -> Tensor:
@@ -51,7 +52,7 @@ def _prediction(model: nn.Module, head_fn: HeadFn, hidden: Tensor, like: Tensor)
 
 
 @torch.no_grad()
-def logit_lens(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
+def logit_lens(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                head_fn: HeadFn = lm_head) -> dict[str, Any]:
     """The per-stream logit lens over ``batches`` (see the module docstring); eval mode."""
     was_training = model.training

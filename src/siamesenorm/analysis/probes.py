@@ -2,7 +2,7 @@
 
 They read any scheme through its ``streams()`` view of the state (Pre-Norm's single stream,
 SiameseNorm's X and Y, every stream of hyper-connections) and any model through its ``.scheme``
-and ``.sublayers`` (``sublayers_per_block`` consecutive sublayers per block), so the same probes
+and ``.sublayers`` (a :class:`~siamesenorm.models.host.SchemeHost`), so the same probes
 serve the language model, the ViT and the DiT. The dilution the SiameseNorm paper shows (arXiv
 2602.08064, Fig. 2a) is :func:`sublayer_rms`; its gradient spikes (Fig. 5) are
 :func:`grad_norms`; its stream weights (Fig. 6) are :func:`norm_gains`.
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..models.host import SchemeHost
 from ..nn.norms import LayerNorm, RMSNorm
+from ..schemes.base import SUBLAYERS_PER_BLOCK
 from .adapters import LossFn, lm_loss
 from .tap import StreamTap
 
@@ -35,7 +37,7 @@ def _rms(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def sublayer_rms(model: nn.Module, batch: Any, loss_fn: LossFn = lm_loss) -> dict[str, list[float]]:
+def sublayer_rms(model: SchemeHost, batch: Any, loss_fn: LossFn = lm_loss) -> dict[str, list[float]]:
     """RMS over every element of each stream, after ``k`` sublayers for ``k = 0 .. n_sublayers``.
 
     ``k = 0`` is the state ``scheme.enter`` made of the embedding. The value is the state as the
@@ -49,7 +51,7 @@ def sublayer_rms(model: nn.Module, batch: Any, loss_fn: LossFn = lm_loss) -> dic
 
 
 @torch.no_grad()
-def stream_rms(model: nn.Module, inputs: Tensor) -> dict[str, list[float]]:
+def stream_rms(model: SchemeHost, inputs: Tensor) -> dict[str, list[float]]:
     """RMS of every stream after each block (at the end of its last sublayer) for ``model(inputs)``."""
     with StreamTap(model) as tap:
         model(inputs)
@@ -64,14 +66,14 @@ def _grad_norm(params, device: torch.device) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
-def grad_norms(model: nn.Module) -> dict[str, Any]:
+def grad_norms(model: SchemeHost) -> dict[str, Any]:
     """L2 norms of the gradients now held by the parameters (call after backward).
 
     ``total``: every parameter (the norm the training loop clips); ``blocks``: the sublayer
     weights of each block; ``scheme``: the parameters of the residual scheme (its norms and mixing
     weights). A parameter without a gradient counts as zero.
     """
-    per = getattr(model.scheme, "sublayers_per_block", 2)
+    per = SUBLAYERS_PER_BLOCK
     device = next(model.parameters()).device
     subs = list(model.sublayers)
     blocks = [_grad_norm((p for sub in subs[b:b + per] for p in sub.parameters()), device)
@@ -81,7 +83,7 @@ def grad_norms(model: nn.Module) -> dict[str, Any]:
     return {"total": values[0], "scheme": values[1], "blocks": values[2:]}
 
 
-def block_grad_norms(model: nn.Module) -> list[float]:
+def block_grad_norms(model: SchemeHost) -> list[float]:
     """Gradient norm of the sublayer weights of each block."""
     return grad_norms(model)["blocks"]
 
@@ -90,7 +92,7 @@ _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 
 @torch.no_grad()
-def norm_gains(model: nn.Module) -> dict[str, float | list[float]]:
+def norm_gains(model: SchemeHost) -> dict[str, float | list[float]]:
     """Mean ``|weight|`` of every affine norm of the scheme, grouped by name and index.
 
     A norm in a list (``post_norm[3]``) goes to ``{"post_norm": [..., value at 3, ...]}``; a
@@ -98,7 +100,7 @@ def norm_gains(model: nn.Module) -> dict[str, float | list[float]]:
     says ``gain`` (SiameseNorm's ``x_gain[b]``) are included the same way. Norms inside the
     sublayers (QK-norm) belong to the sublayers and are not read. Non-affine norms have no gain.
     """
-    scheme = getattr(model, "scheme", model)
+    scheme = model.scheme
     found: dict[str, Tensor] = {}
     for name, module in scheme.named_modules():
         weight = getattr(module, "weight", None)

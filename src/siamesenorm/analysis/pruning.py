@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
+from ..models.host import SchemeHost
 from .adapters import LossFn, lm_loss
 from .tap import StreamTap, sublayers_of_blocks
 
@@ -22,7 +22,7 @@ __all__ = ["effective_depth", "mean_loss", "pruning_sensitivity"]
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
+def mean_loss(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
               skip_blocks: Iterable[int] = ()) -> float:
     """Mean of ``loss_fn`` over ``batches`` with the blocks ``skip_blocks`` skipped, in eval mode.
 
@@ -31,7 +31,7 @@ def mean_loss(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_los
     reseeds its timesteps and noise) sees the same draws in every call: losses of different
     ``skip_blocks`` then differ by the skipped blocks only, not by the noise.
     """
-    skip = sublayers_of_blocks(model.scheme, skip_blocks)
+    skip = sublayers_of_blocks(skip_blocks)
     total = torch.zeros((), dtype=torch.float64)
     was_training = model.training
     model.train(False)
@@ -55,7 +55,7 @@ def effective_depth(deltas: Sequence[float]) -> float:
     return sum(pos) ** 2 / square if square > 0 else 0.0
 
 
-def pruning_sensitivity(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
+def pruning_sensitivity(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                         ) -> dict[str, Any]:
     """Loss increase when each block is skipped, and when only the first ``k`` blocks run.
 
@@ -67,7 +67,7 @@ def pruning_sensitivity(model: nn.Module, batches: Sequence[Any], loss_fn: LossF
     """
     if not batches:
         raise ValueError("pruning_sensitivity needs at least one batch")
-    n = len(model.sublayers) // getattr(model.scheme, "sublayers_per_block", 2)
+    n = model.scheme.n_layers
     was_training = model.training
     model.eval()
     try:

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
+from ..rundir import RunDir, read_jsonl
 from .plots import pyplot, save
-from .training_probes import read_probes
 
 SPIKE_FACTOR = 5.0   # a gradient norm above this multiple of the run's median after warm-up is a spike
 
@@ -29,20 +29,9 @@ def _json(path: Path) -> Any:
         return None
 
 
-def _jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _warmup(run_dir: Path) -> int:
+def _warmup(run_dir: RunDir) -> int:
     try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        cfg = yaml.safe_load(run_dir.config.read_text()) or {}
         return int(cfg.get("train", {}).get("warmup", 0))
     except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
         return 0
@@ -52,15 +41,15 @@ def collect(out: Path, rows: list[dict]) -> list[dict]:
     """Per run: its name, scheme label, RMS profile, gradient curve, warm-up and pruning numbers."""
     runs = []
     for row in rows:
-        run_dir = out / row["run"]
-        analysis = _json(run_dir / "analysis.json")
-        probes = [p for p in read_probes(run_dir) if isinstance(p.get("rms"), dict)]
+        run_dir = RunDir(out / row["run"])
+        analysis = _json(run_dir.analysis)
+        probes = [p for p in read_jsonl(run_dir.probes) if isinstance(p.get("rms"), dict)]
         rms, per = None, 2
         if isinstance(analysis, dict):
             rms, per = analysis["probes"]["rms"], analysis.get("sublayers_per_block", 2)
         elif probes:
             rms = probes[-1]["rms"]
-        grads = [(r["step"], r["grad_norm"]) for r in _jsonl(run_dir / "metrics.jsonl")
+        grads = [(r["step"], r["grad_norm"]) for r in read_jsonl(run_dir.metrics)
                  if isinstance(r.get("grad_norm"), (int, float))]
         runs.append({"run": row["run"], "scheme": row.get("scheme"), "lr": row.get("lr"),
                      "seed": row.get("seed"), "rms": rms, "per": per,

@@ -20,22 +20,24 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
+
+from ..models.host import SchemeHost
+from ..schemes.base import SUBLAYERS_PER_BLOCK
 
 _METHODS = ("enter", "step", "exit")
 
 
-def sublayers_of_blocks(scheme: nn.Module, blocks: Iterable[int]) -> set[int]:
-    """The sublayer indices of ``blocks`` (``sublayers_per_block`` consecutive sublayers each)."""
-    per = getattr(scheme, "sublayers_per_block", 2)
-    return {b * per + j for b in blocks for j in range(per)}
+def sublayers_of_blocks(blocks: Iterable[int]) -> set[int]:
+    """The sublayer indices of ``blocks`` (``SUBLAYERS_PER_BLOCK`` consecutive sublayers each)."""
+    return {b * SUBLAYERS_PER_BLOCK + j for b in blocks for j in range(SUBLAYERS_PER_BLOCK)}
 
 
 class StreamTap:
     """Context manager: record ``scheme.streams(state)`` after entry and after every step.
 
     Args:
-        model: a model with a ``.scheme`` (or the scheme itself).
+        model: the model whose ``scheme`` to observe.
         skip: sublayer indices whose step returns the state unchanged.
         record: keep the (detached) stream tensors; ``False`` only skips, storing nothing.
 
@@ -45,8 +47,8 @@ class StreamTap:
     leaving the block, even after an error; taps may nest.
     """
 
-    def __init__(self, model: nn.Module, *, skip: Iterable[int] = (), record: bool = True) -> None:
-        self.scheme = getattr(model, "scheme", model)
+    def __init__(self, model: SchemeHost, *, skip: Iterable[int] = (), record: bool = True) -> None:
+        self.scheme = model.scheme
         self.skip = frozenset(int(i) for i in skip)
         self.record = record
         self.states: list[dict[str, Tensor]] = []
@@ -95,5 +97,4 @@ class StreamTap:
 
     def block_states(self) -> list[dict[str, Tensor]]:
         """The streams at block boundaries: entry, then after each block's last sublayer."""
-        per = getattr(self.scheme, "sublayers_per_block", 2)
-        return self.states[::per]
+        return self.states[::SUBLAYERS_PER_BLOCK]

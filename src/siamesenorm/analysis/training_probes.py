@@ -18,7 +18,6 @@ a resumed run end at the checkpoint's step and continue as an uninterrupted run'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..train.metrics import _rows_until, plain
+from ..rundir import RunDir, open_jsonl, plain, read_jsonl
 from .adapters import LossFn, lm_loss
 from .probes import grad_norms, norm_gains, sublayer_rms
-
-PROBES_FILE = "probes.jsonl"
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -45,17 +42,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def read_probes(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/probes.jsonl`` (``[]`` when there is none; torn lines skipped)."""
-    path = Path(run_dir) / PROBES_FILE
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """The records of ``run_dir/probes.jsonl``, read by :func:`~siamesenorm.rundir.read_jsonl`
+    (``[]`` when there is none; a last line a killed run cut short is skipped; a damaged line
+    elsewhere is a ConfigError)."""
+    return read_jsonl(RunDir(run_dir).probes)
 
 
 class TrainingProbes:
@@ -76,13 +66,8 @@ class TrainingProbes:
         self._file = None
 
     def start(self, run_dir: Path, keep_until: int | None) -> None:
-        self.path = Path(run_dir) / PROBES_FILE
-        kept = _rows_until(self.path, keep_until) if keep_until is not None and self.path.exists() \
-            else []
-        tmp = self.path.with_name(f".{PROBES_FILE}.tmp-{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self.path = RunDir(run_dir).probes
+        self._file = open_jsonl(self.path, keep_until)
 
     def wants(self, step: int) -> bool:
         return step % self.every == 0

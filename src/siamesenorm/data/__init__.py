@@ -46,12 +46,12 @@ from ..errors import ConfigError
 from .arithmetic import ArithmeticProblem, load_arithmetic, make_problems
 from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
 from .batches import BatchSampler, validation_batches
-from .corpora import load_corpus
+from .corpora import check_corpus_options, load_corpus
 from .corpus import Corpus
 from .image_augment import ImageAugment
 from .image_batches import ImageBatchSampler, image_validation_batches
 from .image_split import split_images, stratified_split_indices
-from .images import ImageSet, load_images, to_model_range
+from .images import ImageSet, check_image_options, load_images, to_model_range
 from .splits import split_text, split_tokens, train_text, train_val_tokens
 from .tokenfiles import read_token_file, write_shard
 from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer

@@ -174,8 +174,8 @@ class GaussianDiffusion:
             return output, None
         if output.shape[1] == 2 * channels:
             return output[:, :channels], output[:, channels:]
-        raise ConfigError(f"the model returned {output.shape[1]} channels for {channels}-channel images; "
-                          f"a DiT must return {channels} (fixed variance) or {2 * channels} (learn_sigma)")
+        raise ValueError(f"the model returned {output.shape[1]} channels for {channels}-channel images; "
+                         f"a DiT must return {channels} (fixed variance) or {2 * channels} (learn_sigma)")
 
     def p_mean_variance(self, output: Tensor, x_t: Tensor, t: Tensor, *,
                         clip_denoised: bool = True) -> PMeanVariance:

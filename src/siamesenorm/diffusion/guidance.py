@@ -3,9 +3,9 @@
 The batch is doubled: the first half carries the class labels, the second half the null class
 (index ``num_classes``, the label a DiT learns through class dropout). The guided noise is
 ``eps_uncond + s (eps_cond - eps_uncond)`` on the ``eps`` channels; the variance channels of a
-``learn_sigma`` model keep the conditional half's values. DiT's ``forward_with_cfg(x, t, y, s)``
-does the combination for such a doubled batch and returns it duplicated; a model without one is
-combined here the same way.
+``learn_sigma`` model keep the conditional half's values. A DiT's ``forward_with_cfg(x, t, y, s)``
+does the combination for such a doubled batch and returns it duplicated; any other denoiser
+``model(x, t, y)`` (a stand-in, an oracle in a test) is combined here the same way.
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from ..models.dit import DiT
 
 __all__ = ["guided_output", "null_label_of"]
 
 
 def null_label_of(model: nn.Module, null_label: int | None = None) -> int:
-    """The null class of ``model``: ``null_label`` if given, else its ``num_classes`` (attribute or
-    ``config.num_classes``)."""
+    """The null class of ``model``: ``null_label`` if given, else a DiT's ``config.num_classes``."""
     if null_label is not None:
         return int(null_label)
-    for owner in (model, getattr(model, "config", None)):
-        count = getattr(owner, "num_classes", None)
-        if isinstance(count, int):
-            return count
-    raise ConfigError("classifier-free guidance needs the null class: the model has no num_classes; "
+    if isinstance(model, DiT):
+        return model.config.num_classes
+    raise ConfigError("classifier-free guidance needs the null class: the model is not a DiT; "
                       "pass null_label=NUM_CLASSES")
 
 
@@ -41,9 +39,8 @@ def guided_output(model: nn.Module, x: Tensor, t: Tensor, y: Tensor, cfg_scale: 
     b, channels = len(x), x.shape[1]
     xx, tt = torch.cat([x, x]), torch.cat([t, t])
     yy = torch.cat([y, torch.full_like(y, null_label)])
-    if hasattr(model, "forward_with_cfg"):
-        out = model.forward_with_cfg(xx, tt, yy, cfg_scale)
-        return out[:b]
+    if isinstance(model, DiT):
+        return model.forward_with_cfg(xx, tt, yy, cfg_scale)[:b]
     out = model(xx, tt, yy)
     cond, uncond = out[:b, :channels], out[b:, :channels]
     return torch.cat([uncond + cfg_scale * (cond - uncond), out[:b, channels:]], dim=1)

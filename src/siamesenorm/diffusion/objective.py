@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..models.dit import DiT
+from ..models.host import SchemeHost
+from ..schemes.base import ResidualScheme
 from .gaussian import GaussianDiffusion
 from .likelihood import LOG2, discretized_gaussian_log_likelihood, mean_flat, normal_kl
 
@@ -68,8 +71,9 @@ def training_losses(model: nn.Module, diffusion: GaussianDiffusion, x_start: Ten
     return {"loss": mse + vb, "mse": mse, "vb": vb}
 
 
-class DiffusionObjective(nn.Module):
-    """A DiT and its diffusion process as one module with ``forward(x, y) -> .loss``.
+class DiffusionObjective(nn.Module, SchemeHost):
+    """A DiT and its diffusion process as one module with ``forward(x, y) -> .loss``; it hosts the
+    DiT's scheme (``scheme`` and ``sublayers`` are the DiT's), so the probes read it as a DiT.
 
     In training mode ``t`` (uniform over the process's steps) and the noise come from torch's
     global generator of ``x``'s device, which the training loop checkpoints. In eval mode they come
@@ -83,7 +87,7 @@ class DiffusionObjective(nn.Module):
         eval_seed: the seed of the evaluation draws.
     """
 
-    def __init__(self, model: nn.Module, diffusion: GaussianDiffusion | None = None, *,
+    def __init__(self, model: DiT, diffusion: GaussianDiffusion | None = None, *,
                  eval_seed: int = 0) -> None:
         super().__init__()
         self.model = model
@@ -102,24 +106,25 @@ class DiffusionObjective(nn.Module):
         self.model.reset_parameters()
 
     def num_parameters(self) -> int:
-        """The wrapped model's parameter count (its own ``num_parameters`` when it has one)."""
-        if hasattr(self.model, "num_parameters"):
-            return int(self.model.num_parameters())
-        return sum(p.numel() for p in self.model.parameters())
+        """The DiT's parameter count."""
+        return self.model.num_parameters()
 
     def tokens_in(self, x: Tensor) -> int:
-        """The wrapped model's token count for ``x`` (its ``tokens_in``), else ``x.numel()``."""
-        count = getattr(self.model, "tokens_in", None)
-        return count(x) if count is not None else x.numel()
+        """The DiT's token count (patches) for the images ``x``."""
+        return self.model.tokens_in(x)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float | None:
+        """The DiT's estimate (none)."""
+        return self.model.flops_per_token(seq_len)
 
     @property
-    def scheme(self) -> nn.Module:
-        """The wrapped model's residual scheme (for probes that look for ``model.scheme``)."""
+    def scheme(self) -> ResidualScheme:
+        """The DiT's residual scheme."""
         return self.model.scheme
 
     @property
     def sublayers(self) -> nn.ModuleList:
-        """The wrapped model's sublayers (for probes that look for ``model.sublayers``)."""
+        """The DiT's sublayers."""
         return self.model.sublayers
 
     def draw(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from ..models.dit import DiT
 from .gaussian import GaussianDiffusion
 from .guidance import guided_output, null_label_of
 from .objective import DiffusionObjective
@@ -101,12 +102,10 @@ def ddim_sample(model: nn.Module, diffusion: GaussianDiffusion, shape: tuple[int
 
 def _image_shape(model: nn.Module, count: int, shape: tuple[int, int, int] | None) -> tuple[int, ...]:
     if shape is None:
-        config = getattr(model, "config", None)
-        channels, size = getattr(config, "in_chans", None), getattr(config, "input_size", None)
-        if not (isinstance(channels, int) and isinstance(size, int)):
-            raise ConfigError("cannot tell the image shape from the model (no config.in_chans and "
-                              "config.input_size); pass shape=(C, H, W)")
-        shape = (channels, size, size)
+        if not isinstance(model, DiT):
+            raise ConfigError("cannot tell the image shape from the model (it is not a DiT); "
+                              "pass shape=(C, H, W)")
+        shape = (model.config.in_chans, model.config.input_size, model.config.input_size)
     if len(shape) != 3:
         raise ConfigError(f"shape must be (C, H, W), got {shape}")
     return (count, *(int(s) for s in shape))
@@ -118,13 +117,14 @@ def sample(model: nn.Module, labels: Tensor, diffusion: GaussianDiffusion | None
            null_label: int | None = None, clip_denoised: bool = True, noise: Tensor | None = None) -> Tensor:
     """Class-conditional samples, one per label: ``(len(labels), C, H, W)`` in [-1, 1].
 
-    ``model`` is a DiT (or a :class:`~siamesenorm.diffusion.DiffusionObjective`, whose model and
-    process are used); it runs in eval mode, without gradients, and gets its mode back after.
-    ``diffusion`` is the training process (default: the objective's, else DiT's linear one);
-    ``steps`` respaces it (``None``: every training step). ``method`` is ``ddim`` (``eta``) or
-    ``ddpm``. ``cfg_scale != 1`` turns on classifier-free guidance with the null class
-    ``null_label`` (default: the model's ``num_classes``). ``shape`` is ``(C, H, W)`` (default: the
-    model config's ``in_chans`` and ``input_size``). ``noise`` fixes ``x_T``.
+    ``model`` is a DiT (or a :class:`~siamesenorm.diffusion.DiffusionObjective`, whose DiT and
+    process are used), or any denoiser ``model(x, t, y)`` when ``shape`` (and, with guidance,
+    ``null_label``) are given; it runs in eval mode, without gradients, and gets its mode back
+    after. ``diffusion`` is the training process (default: the objective's, else DiT's linear
+    one); ``steps`` respaces it (``None``: every training step). ``method`` is ``ddim`` (``eta``)
+    or ``ddpm``. ``cfg_scale != 1`` turns on classifier-free guidance with the null class
+    ``null_label`` (default: the DiT's ``num_classes``). ``shape`` is ``(C, H, W)`` (default: the
+    DiT config's ``in_chans`` and ``input_size``). ``noise`` fixes ``x_T``.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown sampling method {method!r}; choose {' or '.join(METHODS)}")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ..config import config_to_dict
 from ..errors import ConfigError
-from ..run import check_data, check_out_dir, run_training
+from ..rundir import RunDir, check_out_dir, read_jsonl
+from ..tasks import TASKS, check_data, get_task, run_task
 from ..train import has_checkpoint
-from ..train.loop import CHECKPOINT_DIR
 from .grid import build_grid
 from .report import write_report
 
@@ -32,14 +32,11 @@ COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "di
 def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
     """The largest logged gradient norm (before clipping) after step ``after``, and its step."""
     best: tuple[float | None, int | None] = (None, None)
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            g = row.get("grad_norm")
-            if row.get("step", 0) > after and isinstance(g, (int, float)) and \
-                    (best[0] is None or g > best[0]):
-                best = (float(g), int(row["step"]))
+    for row in read_jsonl(RunDir(run_dir).metrics):
+        g = row.get("grad_norm")
+        if row.get("step", 0) > after and isinstance(g, (int, float)) and \
+                (best[0] is None or g > best[0]):
+            best = (float(g), int(row["step"]))
     return best
 
 
@@ -51,12 +48,9 @@ def _one_line(summary: dict, peak: tuple) -> str:
     return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
 
 
-# Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations), and the one
-# the printed table shows for each task.
-EXTRA_COLUMNS = ("final_arith_acc", "final_val_acc", "final_fd_proxy", "final_sample_acc")
-HEADLINE = {"lm": ("final_val_loss", "final validation loss"),
-            "vit": ("final_val_acc", "final validation top-1 accuracy"),
-            "dit": ("final_fd_proxy", "final FD-proxy, lower is better (not Inception FID)")}
+# Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations): every
+# task's ``columns``, in the registry's order.
+EXTRA_COLUMNS = tuple(dict.fromkeys(c for task in TASKS.values() for c in task.columns))
 
 
 def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str = "final_val_loss") -> str:
@@ -96,20 +90,19 @@ def _claim(out: Path, spec: dict) -> None:
 
 def _check_data(grid: list) -> None:
     """Check the data of every cell before the folder is claimed (each distinct data setting once)."""
-    seen: list = []
+    seen: set = set()
     for cell in grid:
         cfg = cell.config
-        model = cfg.model
-        key = (cfg.task, cfg.data, getattr(model, "vocab_size", None), getattr(model, "max_seq_len", None))
+        key = (cfg.task, get_task(cfg.task).data_signature(cfg))
         if key not in seen:
-            seen.append(key)
+            seen.add(key)
             check_data(cfg)
 
 
 def _start_run(run_dir: Path) -> bool:
     """Whether the cell's run resumes (it has a checkpoint). A run directory with neither a finished
     summary nor a checkpoint (a run killed before its first checkpoint) is emptied, to start afresh."""
-    if has_checkpoint(run_dir / CHECKPOINT_DIR):
+    if has_checkpoint(RunDir(run_dir).last_checkpoint):
         return True
     if run_dir.is_dir():
         for child in run_dir.iterdir():
@@ -137,13 +130,13 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     for i, cell in enumerate(grid, 1):
         name, cfg = cell.name, cell.config
         run_dir = out / name
-        summary_path = run_dir / "summary.json"
+        summary_path = RunDir(run_dir).summary
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if summary is not None and not summary.get("interrupted"):
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
-            summary = run_training(cfg, run_dir, resume=_start_run(run_dir))
+            summary = run_task(cfg, run_dir, resume=_start_run(run_dir))
             log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
@@ -158,7 +151,7 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
         writer.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
     write_report(out, rows, spec["schemes"], spec["lrs"])
-    key, title = HEADLINE[base.task]
+    key, title = get_task(base.task).headline
     log(f"{title} (div@N: diverged at step N)")
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")

@@ -23,9 +23,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RunConfig, load_config, read_preset
+from ..config import read_preset
 from ..errors import ConfigError
 from ..schemes import list_schemes
+from ..tasks import load_config
 
 DEFAULT_SCHEMES = ("pre", "post", "siamese")
 _SECTION_KEYS = ("schemes", "lrs", "seeds", "variants")
@@ -56,7 +57,7 @@ class Cell:
     variant: Variant
     lr: float
     seed: int
-    config: RunConfig
+    config: Any                          # the task's run configuration
 
 
 def run_name(label: str, lr: float, seed: int) -> str:
@@ -136,7 +137,7 @@ def resolve_variants(names: list[str], variants: dict[str, Variant]) -> list[Var
 
 def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
                lrs: list[float] | None = None, seeds: list[int] | None = None,
-               ) -> tuple[RunConfig, dict, list[Cell]]:
+               ) -> tuple[Any, dict, list[Cell]]:
     """The base configuration, the grid's spec (for experiment.json) and every cell, all checked."""
     section = read_section(preset)
     base = load_config(preset, overrides)
@@ -144,9 +145,7 @@ def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] |
                                 section.get("variants", {}))
     lrs = lrs or section.get("lrs") or [base.train.lr]
     seeds = seeds or section.get("seeds") or [base.seed]
-    if any(not lr > 0 for lr in lrs):
-        raise ConfigError(f"learning rates must be positive, got {lrs}")
-    configs = {}
+    configs = {}  # each cell's train.lr is checked as its config is built (TrainConfig)
     for v in variants:  # each variant's settings are checked before any run starts
         keep = v.options is None and v.scheme == base.model.scheme
         options = [] if keep or v.options is not None else [("model.scheme_options", {})]

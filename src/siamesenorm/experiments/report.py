@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ..analysis.report_section import diagnostics_section
+from ..rundir import RunDir, read_jsonl
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -18,13 +18,10 @@ def _fmt(value, digits: int = 4) -> str:
 def _curve(run_dir: Path, key: str = "val_loss") -> tuple[list[int], list[float]]:
     """``(steps, values)`` of ``key`` over the evaluation rows of a run's metrics.jsonl."""
     steps, values = [], []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get(key) is not None:
-                steps.append(row["step"])
-                values.append(row[key])
+    for row in read_jsonl(RunDir(run_dir).metrics):
+        if row.get(key) is not None:
+            steps.append(row["step"])
+            values.append(row[key])
     return steps, values
 
 
@@ -61,7 +58,7 @@ def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: st
 
 
 def _last_sample_grid(run_dir: Path) -> Path | None:
-    grids = sorted((run_dir / "samples").glob("step_*.png"), key=lambda p: int(p.stem.split("_")[1]))
+    grids = RunDir(run_dir).sample_grids()
     return grids[-1] if grids else None
 
 

@@ -28,13 +28,19 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
 from ..nn.attention import Attention
 from ..nn.mlp import GELUMLP
 from ..nn.norms import build_norm
 from .dit_config import DIT_SIZES, DiTConfig
-from .host import branch_weights, build_model_scheme, reset_sublayer_norms
-from .lm import _rng_devices
+from .host import (
+    BranchLinear,
+    SchemeHost,
+    build_model_scheme,
+    build_sublayers,
+    init_branch_weights,
+    reset_sublayer_norms,
+    rng_devices,
+)
 
 __all__ = ["DIT_SIZES", "DiT", "DiTConfig", "modulate", "sincos_pos_embed_2d", "timestep_features"]
 
@@ -145,22 +151,16 @@ class FinalLayer(nn.Module):
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-@torch.no_grad()
-def xavier_fused_qkv_(attn: Attention) -> None:
-    """Xavier-uniform on ``attn``'s q, k and v weights as if they were one fused ``qkv`` matrix
-    (official DiT uses timm's ``qkv = nn.Linear(d, 3d)``, so ``bound = sqrt(6 / (d + 3d))``), with
-    zero biases. The output projection is an ordinary linear (``d x d`` Xavier-uniform)."""
+def fused_qkv_bound(attn: Attention) -> float:
+    """Xavier-uniform's bound for ``attn``'s q, k and v weights as if they were one fused ``qkv``
+    matrix (official DiT uses timm's ``qkv = nn.Linear(d, 3d)``): ``sqrt(6 / (d + 3d))``, not each
+    ``d x d`` matrix's ``sqrt(6 / 2d)``."""
     projections = [getattr(attn, name) for name in _QKV]
-    fan_in = projections[0].in_features
     fan_out = sum(p.out_features for p in projections)
-    bound = math.sqrt(6.0 / (fan_in + fan_out))
-    for proj in projections:
-        nn.init.uniform_(proj.weight, -bound, bound)
-        if proj.bias is not None:
-            nn.init.zeros_(proj.bias)
+    return math.sqrt(6.0 / (projections[0].in_features + fan_out))
 
 
-class DiT(nn.Module):
+class DiT(nn.Module, SchemeHost):
     """Class-conditional diffusion transformer built from a :class:`DiTConfig`.
 
     Attributes:
@@ -180,27 +180,26 @@ class DiT(nn.Module):
         kw = {"device": device, "dtype": dtype}
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
-        with torch.random.fork_rng(**_rng_devices(device)):
+        with torch.random.fork_rng(**rng_devices(device)):
             self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
                                              eps=cfg.norm_eps, options=cfg.scheme_options,
                                              branch_affine=False, final_norm=False, **kw)
-            qkv_blocks = self.scheme.requires.qkv_norm_blocks
             self.x_embedder = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
                                         stride=cfg.patch_size, **kw)
             self.register_buffer("pos_embed", torch.empty(1, cfg.num_patches, cfg.dim, **kw),
                                  persistent=False)
             self.t_embedder = TimestepEmbedder(cfg.dim, cfg.frequency_dim, cfg.max_period, **kw)
             self.y_embedder = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob, **kw)
-            self.sublayers = nn.ModuleList()
-            self.modulation = nn.ModuleList()
-            for block in range(cfg.n_layers):
-                self.sublayers.append(Attention(
-                    cfg.dim, cfg.n_heads, qkv_norm=block in qkv_blocks, norm=cfg.norm,
-                    norm_eps=cfg.norm_eps, bias=True, layer_idx=block, causal=False, rope=False,
-                    max_seq_len=cfg.num_patches, **kw))
-                self.sublayers.append(GELUMLP(cfg.dim, cfg.hidden_dim, bias=True,
-                                              approximate="tanh", **kw))
-                self.modulation.append(nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw)))
+            self.sublayers = build_sublayers(
+                self.scheme,
+                lambda block, qkv_norm: Attention(
+                    cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
+                    bias=True, layer_idx=block, causal=False, rope=False,
+                    max_seq_len=cfg.num_patches, **kw),
+                lambda: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
+            self.modulation = nn.ModuleList(
+                nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw))
+                for _ in range(cfg.n_layers))
             self.final_layer = FinalLayer(cfg.dim, cfg.patch_size, cfg.out_channels,
                                           norm=cfg.norm, eps=cfg.norm_eps, **kw)
         self.reset_parameters()
@@ -210,33 +209,39 @@ class DiT(nn.Module):
         return self.config.out_channels
 
     # ---- initialisation ----------------------------------------------------------------------
+    def _init_branch_weight(self, branch: BranchLinear) -> None:
+        """Xavier-uniform, with q, k and v bounded as one fused matrix (:func:`fused_qkv_bound`)."""
+        if branch.name in _QKV:
+            bound = fused_qkv_bound(self.sublayers[branch.sublayer])
+            nn.init.uniform_(branch.linear.weight, -bound, bound)
+        else:
+            nn.init.xavier_uniform_(branch.linear.weight)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-initialise every parameter and buffer, in a fixed order (DiT's init).
 
         Every linear Xavier-uniform with zero bias, the attention's q, k and v as the one fused
-        ``qkv`` matrix of the official code (bound ``sqrt(6 / (d + 3d))``, not each ``d x d``
-        matrix's ``sqrt(6 / 2d)``: :func:`xavier_fused_qkv_`); the patch embedding Xavier-uniform as a linear
-        over its flattened kernel, zero bias; the label table and the timestep MLP weights
-        N(0, 0.02); every adaLN modulation and the final linear zero (adaLN-Zero: a fresh model
-        outputs exactly 0); norm weights one; the position embedding recomputed. DiT's init is
-        Xavier already, so a scheme requiring ``init="xavier"`` (DeepNorm) only adds its
-        ``branch_gain`` on the v, out and MLP weights (as does any ``branch_gain`` != 1).
+        ``qkv`` matrix of the official code (:func:`fused_qkv_bound`); the patch embedding
+        Xavier-uniform as a linear over its flattened kernel, zero bias; the label table and the
+        timestep MLP weights N(0, 0.02); every adaLN modulation and the final linear zero
+        (adaLN-Zero: a fresh model outputs exactly 0); norm weights one; the position embedding
+        recomputed. DiT's init is Xavier already, so a scheme requiring ``init="xavier"``
+        (DeepNorm) only adds its ``branch_gain`` on the v, out and MLP weights, as does any
+        ``branch_gain`` != 1 (:func:`~.host.init_branch_weights`).
         """
-        cfg, gain = self.config, self.scheme.requires.branch_gain
+        cfg = self.config
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
-        fused = {id(getattr(m, n)) for m in self.sublayers if isinstance(m, Attention) for n in _QKV}
+        # Every linear in the official code's order (its ``apply(_basic_init)``), so the draws come
+        # in that order too; the timestep MLP and the adaLN layers are redrawn or zeroed below.
         for name, module in self.named_modules():
-            if isinstance(module, Attention):
-                xavier_fused_qkv_(module)
-            elif isinstance(module, nn.Linear) and not name.startswith("scheme") and id(module) not in fused:
+            if module is self.sublayers:
+                init_branch_weights(self.sublayers, self.scheme.requires, self._init_branch_weight,
+                                    native_xavier=True)
+            elif isinstance(module, nn.Linear) and not name.startswith(("scheme.", "sublayers.")):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-        if gain != 1.0:
-            for weight, gained in branch_weights(self.sublayers):
-                if gained:
-                    weight.mul_(gain)
         self.pos_embed.copy_(sincos_pos_embed_2d(cfg.dim, cfg.grid_size).unsqueeze(0))
         nn.init.xavier_uniform_(self.x_embedder.weight.view(cfg.dim, -1))
         nn.init.zeros_(self.x_embedder.bias)
@@ -252,18 +257,18 @@ class DiT(nn.Module):
         cfg = self.config
         want = (cfg.in_chans, cfg.input_size, cfg.input_size)
         if x.dim() != 4 or tuple(x.shape[1:]) != want:
-            raise ConfigError(f"x must have shape (batch, {', '.join(map(str, want))}), got "
+            raise ValueError(f"x must have shape (batch, {', '.join(map(str, want))}), got "
                               f"{tuple(x.shape)}; resize it or change DiTConfig")
         b = x.shape[0]
         if tuple(t.shape) != (b,) or tuple(y.shape) != (b,):
-            raise ConfigError(f"t and y must have shape ({b},), got {tuple(t.shape)} and "
+            raise ValueError(f"t and y must have shape ({b},), got {tuple(t.shape)} and "
                               f"{tuple(y.shape)}")
         if y.dtype.is_floating_point or y.dtype == torch.bool:
-            raise ConfigError(f"y must hold integer class labels, got dtype {y.dtype}")
+            raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
         # A value check reads the labels back (a sync, a graph break): skipped under torch.compile.
         if b and not torch.compiler.is_compiling() and \
                 (int(y.min()) < 0 or int(y.max()) > cfg.num_classes):
-            raise ConfigError(f"labels must lie in 0..{cfg.num_classes} ({cfg.num_classes} is the "
+            raise ValueError(f"labels must lie in 0..{cfg.num_classes} ({cfg.num_classes} is the "
                               f"null label), got {int(y.min())}..{int(y.max())}")
 
     def unpatchify(self, tokens: Tensor) -> Tensor:
@@ -303,7 +308,7 @@ class DiT(nn.Module):
         are returned as predicted. Labels are never dropped at random here.
         """
         if x.shape[0] % 2:
-            raise ConfigError(f"forward_with_cfg needs an even batch (conditional half, then "
+            raise ValueError(f"forward_with_cfg needs an even batch (conditional half, then "
                               f"unconditional half), got {x.shape[0]}")
         half = x[: x.shape[0] // 2]
         out = self._forward(torch.cat((half, half)), t, y, drop_labels=False)
@@ -320,6 +325,10 @@ class DiT(nn.Module):
     def num_parameters(self) -> int:
         """Number of parameters (the fixed position embedding is a buffer, not counted)."""
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int | None = None) -> None:
+        """``None``: no FLOPs estimate for a DiT."""
+        return None
 
     def extra_repr(self) -> str:
         cfg = self.config

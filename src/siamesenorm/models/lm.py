@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +25,16 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from ..nn.attention import Attention, KVCache
 from ..nn.mlp import build_mlp
+from .host import (
+    BranchLinear,
+    SchemeHost,
+    build_model_scheme,
+    build_sublayers,
+    init_branch_weights,
+    reset_sublayer_norms,
+    rng_devices,
+)
 from .lm_config import LMConfig
-
-if TYPE_CHECKING:
-    from ..schemes.base import ResidualScheme
 
 __all__ = ["LMConfig", "LMOutput", "LanguageModel"]
 
@@ -40,23 +46,6 @@ class LMOutput(NamedTuple):
     loss: Tensor | None
 
 
-def _build_scheme(config: LMConfig, device, dtype) -> ResidualScheme:
-    # Importing through the package registers every built-in scheme.
-    from ..schemes.base import build_scheme
-
-    return build_scheme(config.scheme, config.dim, config.n_layers, norm=config.norm,
-                        eps=config.norm_eps, device=device, dtype=dtype, **config.scheme_options)
-
-
-def _rng_devices(device) -> dict:
-    """Arguments of :func:`torch.random.fork_rng` that cover the generator ``device`` draws from."""
-    dev = torch.device(device) if device is not None else torch.get_default_device()
-    if dev.type in ("cpu", "meta"):
-        return {"devices": []}
-    index = dev.index if dev.index is not None else 0
-    return {"devices": [index], "device_type": dev.type}
-
-
 def _normal(weight: Tensor, std: float, truncated: bool) -> None:
     if truncated:
         nn.init.trunc_normal_(weight, 0.0, std, -3.0 * std, 3.0 * std)
@@ -64,7 +53,7 @@ def _normal(weight: Tensor, std: float, truncated: bool) -> None:
         nn.init.normal_(weight, 0.0, std)
 
 
-class LanguageModel(nn.Module):
+class LanguageModel(nn.Module, SchemeHost):
     """Causal language model built from an :class:`LMConfig`.
 
     Attributes:
@@ -76,54 +65,41 @@ class LanguageModel(nn.Module):
 
     def __init__(self, config: LMConfig, device=None, dtype=None) -> None:
         super().__init__()
-        self.config = config
+        self.config = cfg = config
         kw = {"device": device, "dtype": dtype}
-        # The submodules' own default inits draw random numbers; fork the generator so that the
-        # model's reset_parameters() draws from the caller's state, exactly as a meta-device build
-        # followed by reset_parameters() does.
-        with torch.random.fork_rng(**_rng_devices(device)):
-            self.scheme = _build_scheme(config, device, dtype)
-            if self.scheme.sublayers_per_block != 2:
-                raise ConfigError(f"scheme {config.scheme!r} expects "
-                                  f"{self.scheme.sublayers_per_block} sublayers per block; the "
-                                  "language model has 2 (attention, MLP)")
-            qkv_blocks = self.scheme.requires.qkv_norm_blocks
-            self.embed = nn.Embedding(config.vocab_size, config.dim, **kw)
-            self.sublayers = nn.ModuleList()
-            for block in range(config.n_layers):
-                self.sublayers.append(Attention(
-                    config.dim, config.n_heads, config.kv_heads, max_seq_len=config.max_seq_len,
-                    rope_theta=config.rope_theta, qk_norm=config.qk_norm,
-                    qkv_norm=block in qkv_blocks, norm=config.norm, norm_eps=config.norm_eps,
-                    bias=config.bias, dropout=config.dropout, layer_idx=block, **kw))
-                self.sublayers.append(build_mlp(config.mlp, config.dim, config.hidden_dim,
-                                                bias=config.bias, dropout=config.dropout, **kw))
+        # Fork the generator so that the default inits below leave the caller's state to
+        # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
+        with torch.random.fork_rng(**rng_devices(device)):
+            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                             eps=cfg.norm_eps, options=cfg.scheme_options, **kw)
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
+            self.sublayers = build_sublayers(
+                self.scheme,
+                lambda block, qkv_norm: Attention(
+                    cfg.dim, cfg.n_heads, cfg.kv_heads, max_seq_len=cfg.max_seq_len,
+                    rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, qkv_norm=qkv_norm,
+                    norm=cfg.norm, norm_eps=cfg.norm_eps, bias=cfg.bias, dropout=cfg.dropout,
+                    layer_idx=block, **kw),
+                lambda: build_mlp(cfg.mlp, cfg.dim, cfg.hidden_dim, bias=cfg.bias,
+                                  dropout=cfg.dropout, **kw))
             self.lm_head: nn.Linear | None = None
-            if not config.tie_embeddings:
-                self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, **kw)
+            if not cfg.tie_embeddings:
+                self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
         self.reset_parameters()
 
     # ---- initialisation ----------------------------------------------------------------------
-    def _branch_weights(self) -> list[tuple[Tensor, float, bool]]:
-        """Every sublayer weight as ``(weight, std under config.init, takes branch_gain)``."""
-        cfg, out = self.config, []
+    def _init_branch_weight(self, branch: BranchLinear) -> None:
+        """``config.init``'s draw for one sublayer weight (see :meth:`reset_parameters`)."""
+        cfg = self.config
         mitchell = cfg.init == "mitchell"
-        in_std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
-        for i, sub in enumerate(self.sublayers):
-            depth = i // 2 + 1
-            if isinstance(sub, Attention):
-                out_std = 1.0 / math.sqrt(2 * cfg.dim * depth) if mitchell else \
-                    cfg.init_std / math.sqrt(2 * cfg.n_layers)
-                out += [(sub.q_proj.weight, in_std, False), (sub.k_proj.weight, in_std, False),
-                        (sub.v_proj.weight, in_std, True), (sub.out_proj.weight, out_std, True)]
-            else:
-                out_std = 1.0 / math.sqrt(2 * sub.hidden * depth) if mitchell else \
-                    cfg.init_std / math.sqrt(2 * cfg.n_layers)
-                for name, proj in sub.named_children():
-                    if isinstance(proj, nn.Linear):
-                        std = out_std if name == "down_proj" else in_std
-                        out.append((proj.weight, std, True))
-        return out
+        if branch.name not in ("out_proj", "down_proj"):
+            std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
+        elif mitchell:
+            fan = cfg.dim if branch.name == "out_proj" else cfg.hidden_dim
+            std = 1.0 / math.sqrt(2 * fan * (self.scheme.block_of(branch.sublayer) + 1))
+        else:
+            std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        _normal(branch.linear.weight, std, mitchell)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -135,30 +111,18 @@ class LanguageModel(nn.Module):
         (from 0) std 1/sqrt(2 * dim * (l + 1)); ``down_proj`` std 1/sqrt(2 * mlp_hidden * (l + 1)).
         Biases are zero; norm weights one. If the scheme requires ``init="xavier"`` (DeepNorm),
         every sublayer weight is Xavier-normal instead, with gain ``branch_gain`` on v_proj,
-        out_proj and the MLP; otherwise a ``branch_gain`` != 1 multiplies those same weights.
+        out_proj and the MLP; otherwise a ``branch_gain`` != 1 multiplies those same weights
+        (:func:`~.host.init_branch_weights`).
         """
-        cfg, req = self.config, self.scheme.requires
+        cfg = self.config
         mitchell = cfg.init == "mitchell"
         head_std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
         self.scheme.reset_parameters()
-        for sub in self.sublayers:  # per-head norms and RoPE tables
-            for module in sub.modules():
-                if module is not sub and not isinstance(module, nn.Linear) \
-                        and hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+        reset_sublayer_norms(self.sublayers)
         _normal(self.embed.weight, head_std, mitchell)
-        for weight, std, gained in self._branch_weights():
-            if req.init == "xavier":
-                nn.init.xavier_normal_(weight, gain=req.branch_gain if gained else 1.0)
-            else:
-                _normal(weight, std, mitchell)
-                if gained and req.branch_gain != 1.0:
-                    weight.mul_(req.branch_gain)
+        init_branch_weights(self.sublayers, self.scheme.requires, self._init_branch_weight)
         if self.lm_head is not None:
             _normal(self.lm_head.weight, head_std, mitchell)
-        for module in self.sublayers.modules():
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
 
     # ---- forward -----------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
@@ -179,11 +143,10 @@ class LanguageModel(nn.Module):
         ``targets`` (``(B, T)``, ``-100`` ignored) adds the mean cross-entropy as ``loss``.
         """
         if input_ids.dim() != 2:
-            raise ConfigError(
-                f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
         if pos + t > self.config.max_seq_len:
-            raise ConfigError(f"{pos + t} positions exceed max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"{pos + t} positions exceed max_seq_len={self.config.max_seq_len}")
         h = F.dropout(self.embed(input_ids), self.config.dropout, self.training)
         state = self.scheme.enter(h)
         for i, sublayer in enumerate(self.sublayers):
@@ -203,6 +166,10 @@ class LanguageModel(nn.Module):
         return LMOutput(logits, loss)
 
     # ---- accounting --------------------------------------------------------------------------
+    def tokens_in(self, input_ids: Tensor) -> int:
+        """Tokens in the batch ``input_ids``: every id."""
+        return input_ids.numel()
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Number of parameters; ``non_embedding`` leaves out the token embedding (not the head)."""
         total = sum(p.numel() for p in self.parameters())
@@ -250,15 +217,15 @@ class LanguageModel(nn.Module):
         the training mode.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ConfigError(f"input_ids must have shape (batch, seq>0), got "
-                              f"{tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must have shape (batch, seq>0), got {tuple(input_ids.shape)}")
+        # Settings a user gives (``siamesenorm generate --temperature/--top-k``): a ConfigError.
         if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k <= 0):
             raise ConfigError("generate needs max_new_tokens >= 0, temperature >= 0 and top_k > 0; "
                               f"got {max_new_tokens}, {temperature}, {top_k}")
         total = input_ids.shape[1] + max_new_tokens
         if use_cache and total > self.config.max_seq_len:
-            raise ConfigError(f"prompt + max_new_tokens = {total} exceeds max_seq_len="
-                              f"{self.config.max_seq_len}; use use_cache=False to slide the window")
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len="
+                             f"{self.config.max_seq_len}; use use_cache=False to slide the window")
         was_training = self.training
         self.eval()
         try:

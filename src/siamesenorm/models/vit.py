@@ -26,11 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
 from ..nn.attention import Attention
 from ..nn.mlp import GELUMLP
-from .host import branch_weights, build_model_scheme, reset_sublayer_norms
-from .lm import _rng_devices
+from .host import (
+    SchemeHost,
+    build_model_scheme,
+    build_sublayers,
+    init_branch_weights,
+    reset_sublayer_norms,
+    rng_devices,
+)
 from .vit_config import VIT_SIZES, ViTConfig
 
 __all__ = ["VIT_SIZES", "ViTConfig", "ViTOutput", "VisionTransformer", "drop_path"]
@@ -62,7 +67,7 @@ def _trunc_normal(weight: Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, 0.0, std, -2.0, 2.0)
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(nn.Module, SchemeHost):
     """Image classifier built from a :class:`ViTConfig`.
 
     Attributes:
@@ -80,22 +85,20 @@ class VisionTransformer(nn.Module):
         kw = {"device": device, "dtype": dtype}
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
-        with torch.random.fork_rng(**_rng_devices(device)):
+        with torch.random.fork_rng(**rng_devices(device)):
             self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
                                              eps=cfg.norm_eps, options=cfg.scheme_options, **kw)
-            qkv_blocks = self.scheme.requires.qkv_norm_blocks
             self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
                                          stride=cfg.patch_size, **kw)
             self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim, **kw))
             self.pos_embed = nn.Parameter(torch.empty(1, cfg.seq_len, cfg.dim, **kw))
-            self.sublayers = nn.ModuleList()
-            for block in range(cfg.n_layers):
-                self.sublayers.append(Attention(
-                    cfg.dim, cfg.n_heads, qkv_norm=block in qkv_blocks, norm=cfg.norm,
-                    norm_eps=cfg.norm_eps, bias=True, dropout=cfg.dropout, layer_idx=block,
-                    causal=False, rope=False, max_seq_len=cfg.seq_len, **kw))
-                self.sublayers.append(GELUMLP(cfg.dim, cfg.hidden_dim, bias=True,
-                                              dropout=cfg.dropout, **kw))
+            self.sublayers = build_sublayers(
+                self.scheme,
+                lambda block, qkv_norm: Attention(
+                    cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
+                    bias=True, dropout=cfg.dropout, layer_idx=block, causal=False, rope=False,
+                    max_seq_len=cfg.seq_len, **kw),
+                lambda: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, dropout=cfg.dropout, **kw))
             self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw)
         self.drop_path_rates = [cfg.drop_path * b / max(cfg.n_layers - 1, 1)
                                 for b in range(cfg.n_layers)]
@@ -111,32 +114,25 @@ class VisionTransformer(nn.Module):
         embedding keeps PyTorch's default Conv2d init, as the DeiT code does. If the scheme
         requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
         gain ``branch_gain`` on v, out and MLP weights; otherwise a ``branch_gain`` != 1
-        multiplies those weights.
+        multiplies those weights (:func:`~.host.init_branch_weights`).
         """
-        cfg, req = self.config, self.scheme.requires
+        std = self.config.init_std
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
         self.patch_embed.reset_parameters()
-        _trunc_normal(self.pos_embed, cfg.init_std)
-        _trunc_normal(self.cls_token, cfg.init_std)
-        for weight, gained in branch_weights(self.sublayers):
-            if req.init == "xavier":
-                nn.init.xavier_normal_(weight, gain=req.branch_gain if gained else 1.0)
-            else:
-                _trunc_normal(weight, cfg.init_std)
-                if gained and req.branch_gain != 1.0:
-                    weight.mul_(req.branch_gain)
-        _trunc_normal(self.head.weight, cfg.init_std)
-        for module in [*self.sublayers.modules(), self.head]:
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+        _trunc_normal(self.pos_embed, std)
+        _trunc_normal(self.cls_token, std)
+        init_branch_weights(self.sublayers, self.scheme.requires,
+                            lambda branch: _trunc_normal(branch.linear.weight, std))
+        _trunc_normal(self.head.weight, std)
+        nn.init.zeros_(self.head.bias)
 
     # ---- forward -----------------------------------------------------------------------------
     def _check_images(self, images: Tensor) -> None:
         cfg = self.config
         want = (cfg.in_chans, cfg.image_size, cfg.image_size)
         if images.dim() != 4 or tuple(images.shape[1:]) != want:
-            raise ConfigError(f"images must have shape (batch, {', '.join(map(str, want))}), got "
+            raise ValueError(f"images must have shape (batch, {', '.join(map(str, want))}), got "
                               f"{tuple(images.shape)}; resize them or change ViTConfig")
 
     def embed(self, images: Tensor) -> Tensor:
@@ -175,17 +171,16 @@ class VisionTransformer(nn.Module):
         Integer targets: with ``label_smoothing`` in training mode, plain in eval mode. Soft
         (float) targets: the cross-entropy against those probabilities, in both modes; the
         ``label_smoothing`` here is not applied to them (a ``task: vit`` run folds it into its
-        mixup/cutmix targets instead: :func:`siamesenorm.tasks.common.training_augment`).
+        mixup/cutmix targets instead: :func:`siamesenorm.tasks.vit.training_augment`).
         """
         n, k = logits.shape
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if targets.dtype.is_floating_point:
             if tuple(targets.shape) != (n, k):
-                raise ConfigError(f"soft targets must have shape ({n}, {k}), got "
-                                  f"{tuple(targets.shape)}")
+                raise ValueError(f"soft targets must have shape ({n}, {k}), got {tuple(targets.shape)}")
             return F.cross_entropy(logits, targets.to(logits.dtype))
         if tuple(targets.shape) != (n,):
-            raise ConfigError(f"class-index targets must have shape ({n},), got {tuple(targets.shape)}")
+            raise ValueError(f"class-index targets must have shape ({n},), got {tuple(targets.shape)}")
         smoothing = self.config.label_smoothing if self.training else 0.0
         return F.cross_entropy(logits, targets, label_smoothing=smoothing)
 
@@ -198,6 +193,10 @@ class VisionTransformer(nn.Module):
     def num_parameters(self) -> int:
         """Number of parameters (position embedding and class token included)."""
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int | None = None) -> None:
+        """``None``: a ViT's cost is estimated per image (:meth:`flops_per_image`), not per token."""
+        return None
 
     def flops_per_image(self) -> float:
         """Rough forward FLOPs for one image, counting a multiply-add as 2 FLOPs.

@@ -45,8 +45,8 @@ class KVCache:
         """Write ``k``, ``v`` (``(B, H_kv, T, D)``) at ``pos``; return all keys/values up to it."""
         end = pos + k.shape[-2]
         if pos < 0 or pos > self.length or end > self.max_len:
-            raise ConfigError(f"KV cache write at positions {pos}..{end - 1} is invalid: the cache "
-                              f"holds {self.length} of at most {self.max_len} positions")
+            raise ValueError(f"KV cache write at positions {pos}..{end - 1} is invalid: the cache "
+                             f"holds {self.length} of at most {self.max_len} positions")
         self.k[layer][:, :, pos:end] = k
         self.v[layer][:, :, pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -65,8 +65,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x`` (``(..., T, head_dim)``) as if its first row sat at position ``pos``."""
         t = x.shape[-2]
         if pos < 0 or pos + t > self.max_seq_len:
-            raise ConfigError(f"positions {pos}..{pos + t - 1} exceed max_seq_len="
-                              f"{self.max_seq_len}; raise max_seq_len or shorten the input")
+            raise ValueError(f"positions {pos}..{pos + t - 1} exceed max_seq_len="
+                             f"{self.max_seq_len}; raise max_seq_len or shorten the input")
         cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
         work = torch.promote_types(x.dtype, cos.dtype)
         x1, x2 = x.to(work).chunk(2, dim=-1)

@@ -10,6 +10,7 @@ from . import pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, p
 from . import hyper, mhc
 # isort: on
 from .base import (
+                   SUBLAYERS_PER_BLOCK,
                    ResidualScheme,
                    SchemeRequirements,
                    build_scheme,
@@ -21,5 +22,5 @@ from .base import (
 
 del pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, peri_ln, lns, hyper, mhc
 
-__all__ = ["ResidualScheme", "SchemeRequirements", "build_scheme", "get_scheme_class", "list_schemes",
-           "register_scheme", "scheme_options"]
+__all__ = ["SUBLAYERS_PER_BLOCK", "ResidualScheme", "SchemeRequirements", "build_scheme",
+           "get_scheme_class", "list_schemes", "register_scheme", "scheme_options"]

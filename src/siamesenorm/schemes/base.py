@@ -31,6 +31,9 @@ from ..nn.norms import NORM_KINDS, build_norm
 State = Tensor | tuple
 Branch = Callable[[Tensor], Tensor]
 
+# Every block has two sublayers, attention then MLP: sublayer ``i`` belongs to block ``i // 2``.
+SUBLAYERS_PER_BLOCK = 2
+
 
 @dataclass(frozen=True)
 class SchemeRequirements:
@@ -63,12 +66,20 @@ class ResidualScheme(nn.Module, ABC):
             heads that normalise themselves (DiT's final layer). Each scheme's docstring says what
             its ``exit`` returns then.
         device, dtype: factory kwargs for the parameters.
+
+    Attributes:
+        dim, n_layers, eps: as given; norm_kind: the ``norm`` given.
+        requires: what the scheme asks of its host model (:class:`SchemeRequirements`).
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one-line equation, shown by ``siamesenorm schemes``
     paper: ClassVar[str] = ""  # citation, e.g. "SiameseNorm, arXiv 2602.08064"
-    sublayers_per_block: ClassVar[int] = 2
+    dim: int
+    n_layers: int
+    norm_kind: str
+    eps: float
+    requires: SchemeRequirements
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
                  branch_affine: bool = True, final_norm: bool = True, device=None,
@@ -93,17 +104,17 @@ class ResidualScheme(nn.Module, ABC):
     # ----------------------------------------------------------------------------------------
     @property
     def n_sublayers(self) -> int:
-        return self.n_layers * self.sublayers_per_block
+        return self.n_layers * SUBLAYERS_PER_BLOCK
 
     @staticmethod
     def block_of(i: int) -> int:
         """Block index of sublayer ``i``."""
-        return i // 2
+        return i // SUBLAYERS_PER_BLOCK
 
     @staticmethod
     def is_attention(i: int) -> bool:
         """Sublayer ``i`` is attention (even) or MLP (odd)."""
-        return i % 2 == 0
+        return i % SUBLAYERS_PER_BLOCK == 0
 
     def make_norm(self, affine: bool = True) -> nn.Module:
         return build_norm(self.norm_kind, self.dim, self.eps, affine=affine, **self._factory)

@@ -1,7 +1,16 @@
-"""How each task turns a configuration into a training run: ``vit`` (image classification) and
-``dit`` (class-conditional diffusion); the language model's run lives in :mod:`siamesenorm.run`."""
+"""Tasks: the kinds of run (``lm``, ``vit``, ``dit``), peers behind one interface.
 
-from .dit import run_dit
-from .vit import run_vit
+Each task is one module that builds a :class:`Task` (:mod:`.spec`): its run configuration, how to
+load and check its data, build its model, evaluate it and read it back. The registry
+(:mod:`.registry`) finds a task by the ``task`` key of a configuration; :mod:`.runner` trains a run
+of any task, and :mod:`.finished` loads, analyses and generates from a finished one. Commands
+reach the tasks only through these.
+"""
 
-__all__ = ["run_dit", "run_vit"]
+from .finished import analyze_run, generate_text, load_trained
+from .registry import TASKS, get_task, load_config, saved_config
+from .runner import check_data, run_task
+from .spec import RunData, Task
+
+__all__ = ["TASKS", "RunData", "Task", "analyze_run", "check_data", "generate_text",
+           "get_task", "load_config", "load_trained", "run_task", "saved_config"]

@@ -10,39 +10,141 @@ training split (cached; it is not Inception FID and its values are not comparabl
 
 The image set must have at least two classes with images and 1 (grey) or 3 (RGB) channels, and
 ``data.augment`` must not mix images (no soft targets); all are refused before the run directory
-is written (:func:`~siamesenorm.tasks.common.check_training_images`, the config's checks).
+is written (:func:`check_dit_images`, the config's checks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..devices import resolve_device
+from ..config import AnalysisConfig, TrainConfig
+from ..data import ImageSet, check_image_options
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
+from ..diffusion.schedule import linear_betas
+from ..errors import ConfigError
 from ..eval.fid_proxy import get_proxy, sample_quality
-from ..models.dit import DiT
-from ..train import train
-from .common import (
-    ImageData,
-    analyze_at_end,
-    load_image_data,
-    make_probe,
-    open_run_dir,
-    train_settings,
-    write_config,
-)
+from ..models.dit import DiT, DiTConfig
+from ..rundir import RunDir
+from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
+from .spec import Task
 
-SAMPLES_DIR = "samples"
+
+@dataclass
+class DiffusionConfig:
+    """The DiT diffusion process and how a ``task: dit`` run scores its samples.
+
+    ``timesteps`` of a ``schedule`` (linear, as DiT; or cosine). ``beta_start`` and ``beta_end``
+    are the linear schedule's endpoints at 1,000 steps; for other ``timesteps`` both are scaled by
+    ``1000 / timesteps`` (ADM's and DiT's rule), and a ``timesteps`` that scales ``beta_end`` to 1
+    or more is refused. At every evaluation the run samples with ``sampler`` (ddim or ddpm) over
+    ``sample_steps`` respaced steps with classifier-free guidance ``cfg_scale``, writes a grid of
+    ``grid_per_class`` samples per class to ``samples/step_N.png``, and scores ``eval_samples``
+    class-conditional samples with the FD-proxy (a Frechet distance in the feature space of a small
+    classifier trained on the same data: not Inception FID) and the classifier's accuracy on them.
+    """
+
+    timesteps: int = 1000
+    schedule: str = "linear"
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    sampler: str = "ddim"
+    sample_steps: int = 50
+    eta: float = 0.0
+    cfg_scale: float = 1.5
+    eval_samples: int = 500
+    grid_per_class: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("timesteps", "sample_steps", "eval_samples", "grid_per_class"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"diffusion.{name} must be positive, got {getattr(self, name)}")
+        if self.schedule not in ("linear", "cosine"):
+            raise ConfigError(f"diffusion.schedule: unknown value {self.schedule!r}; choose linear or cosine")
+        if self.sampler not in ("ddim", "ddpm"):
+            raise ConfigError(f"diffusion.sampler: unknown value {self.sampler!r}; choose ddim or ddpm")
+        if self.sample_steps > self.timesteps:
+            raise ConfigError(f"diffusion.sample_steps ({self.sample_steps}) exceeds diffusion.timesteps "
+                              f"({self.timesteps})")
+        if not 0 < self.beta_start < self.beta_end < 1:
+            raise ConfigError("diffusion needs 0 < beta_start < beta_end < 1, got "
+                              f"{self.beta_start} and {self.beta_end}")
+        if self.schedule == "linear":
+            try:
+                linear_betas(self.timesteps, self.beta_start, self.beta_end)
+            except ConfigError as error:
+                raise ConfigError(f"diffusion: {error}") from None
+        if self.eta < 0 or self.cfg_scale < 0:
+            raise ConfigError(f"diffusion.eta and diffusion.cfg_scale must not be negative, got "
+                              f"{self.eta} and {self.cfg_scale}")
+
+
+def _digits_dit() -> DiTConfig:
+    return DiTConfig.from_size("digits", learn_sigma=False)
+
+
+@dataclass
+class DiTRunConfig:
+    """One class-conditional diffusion run (``task: dit``): a DiT on an image set."""
+
+    task: str = "dit"
+    model: DiTConfig = field(default_factory=_digits_dit)
+    data: ImageDataConfig = field(default_factory=ImageDataConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    # The diffusion loss of one batch swings with its random timesteps (a batch of small t's costs
+    # many times one of large t's), so "3x the best loss so far" stopped healthy runs; non-finite
+    # losses still stop a run at once.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(divergence_factor=20.0))
+    seed: int = 0
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+
+    def __post_init__(self) -> None:
+        a = self.data.augment
+        if a.mixes or a.smoothing > 0:
+            raise ConfigError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "
+                              "which a DiT cannot take (it is conditioned on one label per image); set them "
+                              "to 0 for task=dit")
+        check_image_options(self.data.dataset, self.data.dataset_options)
+
+
+def check_dit_images(cfg: DiTRunConfig, images: ImageSet) -> None:
+    """A DiT needs 1 (grey) or 3 (RGB) channels: its evaluations write the samples as a PNG grid,
+    and showing some channels of a 2- or 4-channel image (RGBA, latents) would misrepresent what
+    the model draws."""
+    chans = images.shape[0]
+    if chans not in (1, 3):
+        raise ConfigError(f"{cfg.data.dataset}: images have {chans} channels; task=dit draws its samples as "
+                          "a grey (1 channel) or RGB (3 channel) PNG grid, so give 1- or 3-channel images "
+                          "(e.g. drop an alpha channel)")
+
+
+def load_dit_data(cfg: DiTRunConfig, run_dir: Path | None = None, resume: bool = False) -> ImageData:
+    """The image set of ``cfg``, checked (:func:`check_dit_images` too) and split."""
+    return load_image_data(cfg, check=check_dit_images)
+
+
+def _fit_config(cfg: DiTRunConfig, data: ImageData) -> DiTRunConfig:
+    model = dataclasses.replace(cfg.model, input_size=data.image_size, in_chans=data.in_chans,
+                                num_classes=data.num_classes)
+    return dataclasses.replace(cfg, model=model)
+
+
+def build_objective(cfg: DiTRunConfig, device=None) -> DiffusionObjective:
+    """The trained module of a DiT run: the DiT inside its diffusion objective."""
+    d = cfg.diffusion
+    return DiffusionObjective(DiT(cfg.model, device=device),
+                              create_diffusion(d.timesteps, d.schedule, d.beta_start, d.beta_end),
+                              eval_seed=cfg.seed)
 
 
 class SampleEvaluation:
     """The sample grid and the FD-proxy scores of one evaluation (the proxy is loaded once)."""
 
-    def __init__(self, cfg, data: ImageData, run_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: DiTRunConfig, data: ImageData, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.data, self.run_dir, self.device = cfg, data, run_dir, device
         self.proxy = None
 
@@ -56,7 +158,7 @@ class SampleEvaluation:
         d, k = self.cfg.diffusion, self.data.num_classes
         grid_labels = torch.arange(k).repeat_interleave(d.grid_per_class)
         grid = self.draw(model, grid_labels, self.cfg.seed)
-        save_image_grid(grid.cpu(), self.run_dir / SAMPLES_DIR / f"step_{step}.png",
+        save_image_grid(grid.cpu(), RunDir(self.run_dir).sample_grid(step),
                         nrow=d.grid_per_class, upscale=max(1, 64 // self.data.image_size))
         if self.proxy is None:
             self.proxy = get_proxy(self.data.train, device=self.device)
@@ -67,24 +169,20 @@ class SampleEvaluation:
                 "proxy_acc": q["proxy_val_accuracy"]}
 
 
-def run_dit(cfg, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None) -> dict:
-    """Train the DiT of ``cfg`` (a :class:`~siamesenorm.config.DiTRunConfig`) into ``run_dir``."""
-    run_dir = Path(run_dir)
-    cfg = open_run_dir(cfg, run_dir, resume)
-    device = resolve_device(cfg.train.device)
-    data = load_image_data(cfg)
-    model_cfg = dataclasses.replace(cfg.model, input_size=data.image_size, in_chans=data.in_chans,
-                                    num_classes=data.num_classes)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-    write_config(cfg, run_dir, resume)
-    d = cfg.diffusion
-    torch.manual_seed(cfg.seed)
-    objective = DiffusionObjective(DiT(model_cfg, device=device),
-                                   create_diffusion(d.timesteps, d.schedule, d.beta_start, d.beta_end),
-                                   eval_seed=cfg.seed)
-    probe = make_probe(cfg, data.val_batches)
-    summary = train(objective, data.sampler, train_settings(cfg, data.val_batches), run_dir,
-                    resume=resume, device=device, extra_eval=SampleEvaluation(cfg, data, run_dir, device),
-                    progress=progress, probe=probe)
-    analyze_at_end(cfg, objective, data.val_batches, run_dir, summary, device)  # no logits: no lens
-    return summary
+def _analysis_batches(cfg: DiTRunConfig, run_dir: Path, data: str | None, n: int) -> list:
+    return image_analysis_batches(cfg, run_dir, data, n, size=cfg.model.input_size, load=load_dit_data)
+
+
+TASK = Task(
+    name="dit",
+    config_class=DiTRunConfig,
+    load_data=load_dit_data,
+    fit_config=_fit_config,
+    build_model=build_objective,
+    check_data=load_dit_data,
+    analysis_batches=_analysis_batches,
+    headline=("final_fd_proxy", "final FD-proxy, lower is better (not Inception FID)"),
+    extra_eval=SampleEvaluation,
+    head_fn=None,  # a DiT has no logits: no lens
+    columns=("final_fd_proxy", "final_sample_acc"),
+)

@@ -9,23 +9,77 @@ every evaluation reports the validation cross-entropy (``val_loss``) and top-1 a
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..analysis.adapters import vit_head
-from ..devices import resolve_device
-from ..models.vit import VisionTransformer
-from ..train import train
-from .common import (
-    analyze_at_end,
-    load_image_data,
-    make_probe,
-    open_run_dir,
-    train_settings,
-    write_config,
-)
+from ..config import AnalysisConfig, TrainConfig
+from ..data import ImageAugment, check_image_options
+from ..errors import ConfigError
+from ..models.vit import VisionTransformer, ViTConfig
+from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
+from .spec import Task
+
+
+def _digits_vit() -> ViTConfig:
+    return ViTConfig.from_size("digits")
+
+
+@dataclass
+class ViTRunConfig:
+    """One image-classification run (``task: vit``): a DeiT-style ViT on an image set."""
+
+    task: str = "vit"
+    model: ViTConfig = field(default_factory=_digits_vit)
+    data: ImageDataConfig = field(default_factory=ImageDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+
+    def __post_init__(self) -> None:
+        # Under mixup/cutmix the targets are smoothed by data.augment.smoothing, else by
+        # model.label_smoothing (training_augment); two different values contradict.
+        a, smoothing = self.data.augment, self.model.label_smoothing
+        if a.smoothing > 0 and not a.mixes:
+            raise ConfigError(f"data.augment.smoothing={a.smoothing} only smooths mixup/cutmix targets, and "
+                              "both are off; set model.label_smoothing instead")
+        if a.smoothing > 0 and smoothing > 0 and a.smoothing != smoothing:
+            raise ConfigError(f"data.augment.smoothing={a.smoothing} and model.label_smoothing={smoothing} "
+                              "disagree; under mixup/cutmix one smoothing applies: set one of them (or both "
+                              "to the same value)")
+        check_image_options(self.data.dataset, self.data.dataset_options)
+
+
+def training_augment(cfg: ViTRunConfig) -> ImageAugment:
+    """``data.augment`` with the label smoothing folded into the mixup/cutmix targets.
+
+    Under mixup or cutmix the model gets soft targets and cannot smooth them itself, so, as DeiT's
+    ``Mixup(label_smoothing=...)`` does, the targets are smoothed before mixing: by
+    ``data.augment.smoothing`` when it is set, else by ``model.label_smoothing`` (the config refuses
+    two different non-zero values).
+    """
+    augment = cfg.data.augment
+    if not augment.mixes or augment.smoothing > 0:
+        return augment
+    return dataclasses.replace(augment, smoothing=cfg.model.label_smoothing)
+
+
+def load_vit_data(cfg: ViTRunConfig, run_dir: Path | None = None, resume: bool = False) -> ImageData:
+    """The image set of ``cfg``, checked and split, with :func:`training_augment` on its batches."""
+    return load_image_data(cfg, augment=training_augment(cfg))
+
+
+def _fit_config(cfg: ViTRunConfig, data: ImageData) -> ViTRunConfig:
+    model = dataclasses.replace(cfg.model, image_size=data.image_size, in_chans=data.in_chans,
+                                num_classes=data.num_classes)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _build_model(cfg: ViTRunConfig, device=None) -> nn.Module:
+    return VisionTransformer(cfg.model, device=device)
 
 
 @torch.no_grad()
@@ -39,24 +93,27 @@ def top1_accuracy(model: nn.Module, batches: list, device: torch.device) -> floa
     return correct / max(total, 1)
 
 
-def run_vit(cfg, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None) -> dict:
-    """Train the ViT of ``cfg`` (a :class:`~siamesenorm.config.ViTRunConfig`) into ``run_dir``."""
-    run_dir = Path(run_dir)
-    cfg = open_run_dir(cfg, run_dir, resume)
-    device = resolve_device(cfg.train.device)
-    data = load_image_data(cfg)
-    model_cfg = dataclasses.replace(cfg.model, image_size=data.image_size, in_chans=data.in_chans,
-                                    num_classes=data.num_classes)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-    write_config(cfg, run_dir, resume)
-    torch.manual_seed(cfg.seed)
-    model = VisionTransformer(model_cfg, device=device)
-
+def _accuracy_eval(cfg: ViTRunConfig, data: ImageData, run_dir: Path, device: torch.device):
     def extra_eval(m: nn.Module) -> dict:
         return {"val_acc": top1_accuracy(m, data.val_batches, device)}
 
-    probe = make_probe(cfg, data.val_batches)
-    summary = train(model, data.sampler, train_settings(cfg, data.val_batches), run_dir, resume=resume,
-                    device=device, extra_eval=extra_eval, progress=progress, probe=probe)
-    analyze_at_end(cfg, model, data.val_batches, run_dir, summary, device, head_fn=vit_head)
-    return summary
+    return extra_eval
+
+
+def _analysis_batches(cfg: ViTRunConfig, run_dir: Path, data: str | None, n: int) -> list:
+    return image_analysis_batches(cfg, run_dir, data, n, size=cfg.model.image_size, load=load_vit_data)
+
+
+TASK = Task(
+    name="vit",
+    config_class=ViTRunConfig,
+    load_data=load_vit_data,
+    fit_config=_fit_config,
+    build_model=_build_model,
+    check_data=load_vit_data,
+    analysis_batches=_analysis_batches,
+    headline=("final_val_acc", "final validation top-1 accuracy"),
+    extra_eval=_accuracy_eval,
+    head_fn=vit_head,  # the lens reads the class token
+    columns=("final_val_acc",),
+)

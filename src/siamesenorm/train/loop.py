@@ -25,20 +25,19 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from ..models.host import SchemeHost
+from ..rundir import RunDir, plain, write_json
+from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluate import validation_loss
 from .forward import ForwardBackward
 from .interrupt import DeferredInterrupt
-from .metrics import METRICS_FILE, MetricsLog, plain, write_json
+from .metrics import MetricsLog
 from .optim import build_optimizer, lr_at
 from .probe_hook import StepProbe
 from .progress import ProgressLine
 from .rng import preserved_rng, rng_state, set_rng_state
 from .state import RunState
 from .summary import build_summary, perplexity
-
-CHECKPOINT_DIR = Path("checkpoints") / "last"
-SUMMARY_FILE = "summary.json"
 
 
 @runtime_checkable
@@ -119,7 +118,7 @@ class _Run:
         self.model, self.source, self.s, self.run_dir = model, source, settings, run_dir
         self.device, self.extra_eval, self.probe = device, extra_eval, probe
         self.info = dict(info or {})
-        self.ckpt_dir = run_dir / CHECKPOINT_DIR
+        self.ckpt_dir = RunDir(run_dir).last_checkpoint
         self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay, settings.betas,
                                          settings.adam_eps)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -153,9 +152,7 @@ class _Run:
                 raise ConfigError(f"checkpoint {self.ckpt_dir} lacks the training state "
                                   f"{error}; it was not written by siamesenorm.train") from None
             return self.state.step
-        if has_checkpoint(self.ckpt_dir) or (self.run_dir / METRICS_FILE).exists():
-            raise ConfigError(f"{self.run_dir} already holds a run; resume it or choose a new run "
-                              "directory")
+        RunDir(self.run_dir).refuse_existing_run()
         if self.s.seed is not None:
             torch.manual_seed(self.s.seed)
             random.seed(self.s.seed)
@@ -209,10 +206,9 @@ class _Run:
         return {**row, **extra}
 
     def count_tokens(self, x: Tensor) -> int:
-        """Tokens in the input ``x``: the model's ``tokens_in(x)`` when it has one (a ViT counts
+        """Tokens in the input ``x``: a scheme host's ``tokens_in(x)`` (a ViT counts
         patches, not pixels), else ``x.numel()`` (token ids)."""
-        count = getattr(self.model, "tokens_in", None)
-        return int(count(x)) if count is not None else x.numel()
+        return int(self.model.tokens_in(x)) if isinstance(self.model, SchemeHost) else x.numel()
 
     def call_extra_eval(self) -> dict:
         """``extra_eval(model)``, or ``extra_eval(model, step=...)`` when it takes the step."""
@@ -310,15 +306,17 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     diagnostics on the steps it wants, without changing what the run computes. ``info`` (plain
     JSON data, e.g. ``{"data": {"name": ..., "fingerprint": ...}}``) is added to the summary as is.
 
-    A fresh run refuses a ``run_dir`` that already holds ``metrics.jsonl`` or a checkpoint
-    (ConfigError); ``resume=True`` continues from ``run_dir/checkpoints/last`` and truncates
-    ``metrics.jsonl`` to the checkpoint's step. A divergence ends the run normally (the summary
+    A fresh run refuses a ``run_dir`` that already holds ``metrics.jsonl`` or ``checkpoints/``
+    (ConfigError, :meth:`~siamesenorm.rundir.RunDir.refuse_existing_run`); ``resume=True``
+    continues from ``run_dir/checkpoints/last`` and truncates ``metrics.jsonl`` to the
+    checkpoint's step. A divergence ends the run normally (the summary
     says ``diverged``; the checkpoint on disk stays the last good one). Ctrl-C finishes the step in
     flight (a second Ctrl-C stops at once), saves a checkpoint of the last completed step, writes
     ``summary.json`` with ``"interrupted": true`` and then re-raises :class:`KeyboardInterrupt`.
     Any other exception propagates without a summary; the last checkpoint stays usable.
     """
     run_dir = Path(run_dir)
+    summary_path = RunDir(run_dir).summary
     run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
     model.to(device)
@@ -338,11 +336,11 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
         except KeyboardInterrupt:
             bar.close()
             run.on_interrupt()
-            write_json(run_dir / SUMMARY_FILE, run.summary())
+            write_json(summary_path, run.summary())
             raise
         bar.close()
         summary = run.summary()
-        write_json(run_dir / SUMMARY_FILE, summary)
+        write_json(summary_path, summary)
         return summary
     finally:
         bar.close()

@@ -4,48 +4,10 @@
 from __future__ import annotations
 
 import json
-import math
-import os
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-
-
-def plain(value: Any) -> Any:
-    """``value`` as strict JSON: a non-finite float becomes ``None`` (``null``), containers recurse,
-    and a number-like object (a 0-D tensor, a numpy scalar) becomes its Python number."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, (str, bool, int)) or value is None:
-        return value
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    return value
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented strict JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(plain(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _rows_until(path: Path, step: int) -> list[str]:
-    """The well-formed lines of ``path`` whose ``step`` is at most ``step``."""
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a crash
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line)
-    return kept
+from ..rundir import RunDir, open_jsonl, plain
 
 
 def _tensorboard(log_dir: Path, purge_step: int | None):
@@ -60,19 +22,16 @@ class MetricsLog:
     """Appends rows to ``run_dir/metrics.jsonl``, flushed row by row.
 
     ``keep_until=None`` starts an empty log; an integer keeps the existing rows up to that step and
-    drops the later ones (a resumed run repeats them), so the log never holds a step twice. Numeric
+    drops the later ones (a resumed run repeats them), so the log never holds a step twice (a line
+    a killed run left cut short is dropped; see :func:`~siamesenorm.rundir.read_jsonl`). Numeric
     values other than ``step`` also go to TensorBoard under ``run_dir/tb`` when it can be imported.
     """
 
     def __init__(self, run_dir: Path, keep_until: int | None = None, tensorboard: bool = True) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
-        kept = _rows_until(self.path, keep_until) if keep_until is not None and self.path.exists() \
-            else []
-        tmp = self.path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = _tensorboard(Path(run_dir) / "tb", None if keep_until is None else keep_until + 1) \
+        layout = RunDir(run_dir)
+        self.path = layout.metrics
+        self._file = open_jsonl(self.path, keep_until)
+        self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
             if tensorboard else None
 
     def write(self, row: dict[str, Any]) -> None:

@@ -7,19 +7,24 @@ import math
 import torch
 from torch import nn
 
+from ..models.host import SchemeHost
+
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Split the trainable parameters of ``model`` into ``(decayed, not_decayed)``.
 
     Decayed: every parameter with two or more dimensions (linear weights, the token embedding,
     which is also the output projection when tied). Not decayed: biases, norm gains and every
-    other 0-D/1-D parameter, and *every* parameter that lives inside ``model.scheme`` whatever its
-    shape. A scheme owns only norm gains and connection weights (hyper-connections' ``static_alpha``,
-    mHC's ``phi_*``); decaying them would pull the residual topology toward zero, not regularise it.
-    Parameters shared by several modules (tied weights) appear once.
+    other 0-D/1-D parameter, and *every* parameter that lives inside the scheme of a
+    :class:`~siamesenorm.models.host.SchemeHost`, whatever its shape. A scheme owns only norm gains
+    and connection weights (hyper-connections' ``static_alpha``, mHC's ``phi_*``); decaying them
+    would pull the residual topology toward zero, not regularise it. Parameters shared by several
+    modules (tied weights) appear once.
     """
-    scheme = getattr(model, "scheme", None)
-    in_scheme = {id(p) for p in scheme.parameters()} if isinstance(scheme, nn.Module) else set()
+    # Any module trains (the loop's contract is only ``model(x, y).loss``); a host's scheme is kept
+    # out of the decay.
+    scheme = model.scheme if isinstance(model, SchemeHost) else None
+    in_scheme = {id(p) for p in scheme.parameters()} if scheme is not None else set()
     decayed, plain = [], []
     for p in model.parameters():  # parameters() yields a shared parameter once
         if not p.requires_grad:

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from ..models.host import SchemeHost
 from .state import RunState
 
 
@@ -24,11 +25,12 @@ def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, dive
     is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
     model's, at the training sequence length. ``extra_eval``'s last numbers follow as ``final_<name>``.
     """
-    count = model.num_parameters() if hasattr(model, "num_parameters") \
-        else sum(p.numel() for p in model.parameters())
-    flops = None
-    if hasattr(model, "flops_per_token"):
-        flops = model.flops_per_token(state.seq_len) if state.seq_len else model.flops_per_token()
+    # Any module trains (the loop's contract is only ``model(x, y).loss``); a scheme host gives its
+    # own counts, other modules every parameter and no FLOPs.
+    if isinstance(model, SchemeHost):
+        count, flops = model.num_parameters(), model.flops_per_token(state.seq_len or None)
+    else:
+        count, flops = sum(p.numel() for p in model.parameters()), None
     out = {
         "steps": state.step, "steps_planned": steps_planned,
         "diverged": diverged_at is not None, "diverged_at": diverged_at,

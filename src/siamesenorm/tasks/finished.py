@@ -1,0 +1,77 @@
+"""What the commands do with a finished run of any task: load it, analyse it, continue a prompt.
+
+Each reads the run's ``config.yaml``, finds its task in the registry, and builds the task's model
+with the weights of the last checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..analysis import analyze_model, write_analysis
+from ..analysis.training_probes import to_device
+from ..devices import resolve_device
+from ..errors import ConfigError
+from ..rundir import RunDir, check_out_dir
+from ..train import load_checkpoint
+from .registry import get_task, saved_config
+
+
+def load_trained(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
+    """The trained module of ``run_dir`` (the weights of its last checkpoint, eval mode) and its
+    configuration; ``device`` as ``--device`` takes it."""
+    run_dir = Path(run_dir)
+    cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
+    model = get_task(cfg.task).build_model(cfg, resolve_device(device, "--device"))
+    load_checkpoint(RunDir(run_dir).last_checkpoint, model, None)
+    return model.eval(), cfg
+
+
+def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | None = None,
+                device: str = "cpu", out: str | Path | None = None) -> dict[str, Any]:
+    """``siamesenorm analyze``: every diagnostic on the last checkpoint of the run ``run_dir``.
+
+    ``data``: a data set to analyse instead of the run's validation split (for a language model a
+    text file, folder or token file; for an image run a folder or ``.npz``); ``batches``: how many
+    batches of the run's batch size (default ``analysis.batches`` of its config): the first of the
+    run's own evaluation batches, or batches spread evenly over ``data``; ``out``: where
+    ``analysis.json`` and its plots go (default ``run_dir``). Errors a user can cause (no run, no
+    checkpoint, unreadable or too little data) raise :class:`~siamesenorm.errors.ConfigError`.
+    """
+    if batches is not None and batches <= 0:
+        raise ConfigError(f"--batches must be positive, got {batches}")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} does not exist")
+    check_out_dir(out if out is not None else run_dir)
+    model, cfg = load_trained(run_dir, device)
+    task = get_task(cfg.task)
+    chosen = task.analysis_batches(cfg, run_dir, data, batches or cfg.analysis.batches)
+    dev = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[]):
+        result = analyze_model(model, [to_device(b, dev) for b in chosen], loss_fn=task.loss_fn,
+                               head_fn=task.head_fn)
+    write_analysis(out if out is not None else run_dir, result,
+                   source=str(data) if data is not None else "validation", run_dir=run_dir)
+    return result
+
+
+def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *,
+                  temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
+                  seed: int = 0, device: str = "cpu") -> str:
+    """Continue ``prompt`` with the model of ``run_dir`` (a task that generates: the language
+    model); returns the prompt and its continuation."""
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
+    run_dir = Path(run_dir)
+    cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
+    task = get_task(cfg.task)
+    if task.generate is None:
+        raise ConfigError(f"{run_dir} is a {cfg.task} run; this command reads language-model runs")
+    model, _ = load_trained(run_dir, device)
+    return task.generate(run_dir, model, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                         greedy=greedy, seed=seed)

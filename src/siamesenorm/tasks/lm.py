@@ -1,0 +1,313 @@
+"""``task: lm``: a decoder-only language model learns a text corpus or token files.
+
+The run directory also holds ``tokenizer/`` (a text corpus's tokenizer, so the run can be reloaded)
+and ``summary.json`` records the corpus's name and fingerprint under ``data``. With
+``data.corpus=arithmetic`` every evaluation also answers held-out problems (``arith_acc``).
+
+The model's vocabulary is the tokenizer's, or for token files the largest id of the training and
+validation files plus one; a ``model.vocab_size`` set to another value than its default stands when
+it is at least that large, and is refused when smaller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..analysis.adapters import lm_head
+from ..config import AnalysisConfig, TrainConfig
+from ..data import (
+    BatchSampler,
+    ByteTokenizer,
+    Corpus,
+    Tokenizer,
+    build_tokenizer,
+    check_corpus_options,
+    evaluate_arithmetic,
+    lm_answer_fn,
+    load_corpus,
+    load_tokenizer,
+    train_text,
+    train_val_tokens,
+    validation_batches,
+)
+from ..data.tokenizers import import_tokenizers
+from ..errors import ConfigError
+from ..models import LanguageModel, LMConfig
+from ..rundir import RunDir
+from .spec import Task
+
+
+# ---- configuration ------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path."""
+
+    corpus: str = "pystdlib"
+    corpus_options: dict[str, Any] = field(default_factory=dict)  # keyword options of its loader
+    tokenizer: str = "bytes"           # "bytes" or "bpe"
+    vocab_size: int = 1024             # BPE only
+    max_bytes: int = 8_000_000         # pystdlib only
+    val_fraction: float = 0.1
+    batch_size: int = 16
+    seq_len: int = 128
+    val_batches: int = 8
+    eval_problems: int = 200           # arithmetic only: held-out problems answered at each evaluation
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("bytes", "bpe"):
+            raise ConfigError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
+        for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches", "eval_problems"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass
+class LMRunConfig:
+    """One language-model run (``task: lm``): the model, its data, its training, and the seed of
+    everything random. The corpus's options are checked against its loader."""
+
+    task: str = "lm"
+    model: LMConfig = field(default_factory=LMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+
+    def __post_init__(self) -> None:
+        check_corpus_options(self.data.corpus, self.data.corpus_options)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+_DEFAULT_VOCAB = next(f.default for f in dataclasses.fields(LMConfig) if f.name == "vocab_size")
+
+
+@dataclass
+class LMData:
+    """What a language-model run trains on: the corpus, its tokenizer (``None`` for token files),
+    the train/validation tokens, the training sampler, the fixed validation batches, and the
+    model's vocabulary size."""
+
+    corpus: Corpus
+    tokenizer: Tokenizer | None
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    sampler: BatchSampler
+    val_batches: list
+    vocab_size: int
+
+
+def corpus_options(cfg: LMRunConfig) -> dict:
+    """``data.corpus_options``, plus ``data.max_bytes`` for pystdlib (which the options may override)."""
+    base = {"max_bytes": cfg.data.max_bytes} if cfg.data.corpus == "pystdlib" else {}
+    return {**base, **cfg.data.corpus_options}
+
+
+def data_info(corpus: Corpus) -> dict:
+    """The corpus's description for ``summary.json``: its name and, when it has one, its fingerprint
+    (files, bytes, sha256 and, for pystdlib, the Python version), so that results from different
+    data can be told apart."""
+    info: dict = {"name": corpus.name}
+    if corpus.meta.get("fingerprint") is not None:
+        info["fingerprint"] = corpus.meta["fingerprint"]
+    return info
+
+
+def _model_vocab(cfg: LMRunConfig, needed: int, why: str) -> int:
+    """The model's vocabulary: ``needed`` ids, or ``model.vocab_size`` when it was set (differs from
+    the default) and is at least ``needed``; a smaller explicit value is refused."""
+    given = cfg.model.vocab_size
+    if given == _DEFAULT_VOCAB:
+        return needed
+    if given < needed:
+        raise ConfigError(f"model.vocab_size={given} is too small: {why} needs {needed} ids; raise "
+                          f"model.vocab_size to at least {needed} or leave it unset")
+    return given
+
+
+def _load_corpus(cfg: LMRunConfig) -> Corpus:
+    """``cfg``'s corpus, after the checks that need no data (and, with BPE and an explicit
+    ``model.vocab_size``, refusing one below ``data.vocab_size``: the tokenizer may use them all)."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
+                          f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
+    corpus = load_corpus(cfg.data.corpus, **corpus_options(cfg))
+    if not corpus.is_tokenized and cfg.data.tokenizer == "bpe":
+        _model_vocab(cfg, cfg.data.vocab_size, f"the BPE tokenizer (data.vocab_size={cfg.data.vocab_size})")
+    return corpus
+
+
+def _token_data(cfg: LMRunConfig, corpus: Corpus, tokenizer: Tokenizer | None) -> LMData:
+    """Split and batch ``corpus`` (encoded with ``tokenizer``); the vocabulary covers both splits."""
+    d = cfg.data
+    train_tokens, val_tokens = train_val_tokens(corpus, tokenizer, d.val_fraction)
+    if tokenizer is not None:
+        vocab = _model_vocab(cfg, tokenizer.vocab_size, f"the {tokenizer.kind} tokenizer")
+    else:
+        needed = int(max(train_tokens.max(), val_tokens.max())) + 1
+        vocab = _model_vocab(cfg, needed, f"{corpus.name} (largest token id {needed - 1}, over training "
+                                          "and validation)")
+    sampler = BatchSampler(train_tokens, d.batch_size, d.seq_len, seed=cfg.seed)
+    val = validation_batches(val_tokens, d.batch_size, d.seq_len, d.val_batches)
+    return LMData(corpus, tokenizer, train_tokens, val_tokens, sampler, val, vocab)
+
+
+def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = False) -> LMData:
+    """Everything ``cfg`` trains on, checked; writes nothing. A text corpus gets its tokenizer: the
+    run's saved one when resuming, else a new one (BPE trained on the training split only)."""
+    corpus = _load_corpus(cfg)
+    tokenizer = None
+    if not corpus.is_tokenized:
+        tok_dir = RunDir(run_dir).tokenizer if run_dir is not None else None
+        tokenizer = load_tokenizer(tok_dir) if resume and tok_dir is not None and tok_dir.is_dir() else \
+            build_tokenizer(cfg.data.tokenizer, corpus, cfg.data.vocab_size, cfg.data.val_fraction)
+    return _token_data(cfg, corpus, tokenizer)
+
+
+def check_lm_data(cfg: LMRunConfig) -> None:
+    """The corpus and its options, the split, the batches and the vocabulary. A BPE tokenizer is
+    not trained here: its package and vocabulary bound are checked, and the text split."""
+    corpus = _load_corpus(cfg)
+    if corpus.is_tokenized or cfg.data.tokenizer == "bytes":
+        _token_data(cfg, corpus, None if corpus.is_tokenized else ByteTokenizer())
+        return
+    import_tokenizers()
+    train_text(corpus, cfg.data.val_fraction)
+
+
+def _data_signature(cfg: LMRunConfig) -> tuple:
+    """Cells with equal data settings, vocabulary and context share one data check."""
+    return repr(cfg.data), cfg.model.vocab_size, cfg.model.max_seq_len
+
+
+# ---- a run --------------------------------------------------------------------------------------
+def _fit_config(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.vocab_size))
+
+
+def _build_model(cfg: LMRunConfig, device=None) -> nn.Module:
+    return LanguageModel(cfg.model, device=device)
+
+
+def _save_tokenizer(run_dir: Path, data: LMData) -> None:
+    if data.tokenizer is not None:
+        data.tokenizer.save(RunDir(run_dir).tokenizer)
+
+
+def _arithmetic_eval(cfg: LMRunConfig, data: LMData, run_dir: Path, device: torch.device):
+    """For arithmetic: ``model -> {"arith_acc": ...}`` on ``data.eval_problems`` held-out problems."""
+    if not data.corpus.heldout:
+        return None
+    problems = data.corpus.heldout[:cfg.data.eval_problems]
+    tokenizer = data.tokenizer
+    longest = max(len(tokenizer.encode(p.answer)) for p in problems) + 1
+
+    def extra_eval(m: nn.Module) -> dict:
+        score = evaluate_arithmetic(lm_answer_fn(m, tokenizer, longest), problems)
+        return {"arith_acc": score["accuracy"]}
+
+    return extra_eval
+
+
+def _summary_info(data: LMData) -> dict:
+    return {"data": data_info(data.corpus)}
+
+
+# ---- analysis -----------------------------------------------------------------------------------
+def analysis_batches(tokens, cfg: LMRunConfig, n: int) -> list:
+    """``n`` validation batches of ``tokens`` for an analysis: the first ``n`` of the run's own
+    evaluation batches (``data.val_batches`` of them, spread evenly over ``tokens``) when it has
+    that many, else ``n`` batches spread evenly."""
+    return validation_batches(tokens, cfg.data.batch_size, cfg.data.seq_len, max(n, cfg.data.val_batches))[:n]
+
+
+def _end_batches(cfg: LMRunConfig, data: LMData, n: int) -> list:
+    return analysis_batches(data.val_tokens, cfg, n)
+
+
+def analysis_tokens(run_dir: str | Path, cfg: LMRunConfig, data: str | None = None):
+    """Token array for ``siamesenorm analyze``: the run's validation split, or all of ``data``
+    (a text file, folder or token file, read as the run's corpus was) encoded with its tokenizer."""
+    run_dir = Path(run_dir)
+    tok_dir = RunDir(run_dir).tokenizer
+    tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
+    if data is None:
+        corpus = load_corpus(cfg.data.corpus, **corpus_options(cfg))
+        if not corpus.is_tokenized and tokenizer is None:
+            raise ConfigError(f"{run_dir} has no tokenizer/ to encode its corpus; give --data a token file")
+        return train_val_tokens(corpus, tokenizer, cfg.data.val_fraction)[1]
+    corpus = load_corpus(data)
+    if corpus.is_tokenized:
+        parts = [corpus.tokens] + ([corpus.val_tokens] if corpus.val_tokens is not None else [])
+    else:
+        if tokenizer is None:
+            raise ConfigError(f"{run_dir} was trained on token files and has no tokenizer for the text "
+                              f"in {data}; give a token file")
+        texts = [corpus.text] + ([corpus.val_text] if corpus.val_text is not None else [])
+        parts = [tokenizer.encode_array(t) for t in texts]
+    tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    if len(tokens) and int(tokens.max()) >= cfg.model.vocab_size:
+        raise ConfigError(f"{data} holds token id {int(tokens.max())}, beyond the model's vocabulary "
+                          f"of {cfg.model.vocab_size}; give data tokenized for this run")
+    return tokens
+
+
+def _analyze_batches(cfg: LMRunConfig, run_dir: Path, data: str | None, n: int) -> list:
+    tokens = analysis_tokens(run_dir, cfg, data)
+    if data is None:
+        return analysis_batches(tokens, cfg, n)
+    return validation_batches(tokens, cfg.data.batch_size, cfg.data.seq_len, n)
+
+
+# ---- generation ---------------------------------------------------------------------------------
+def run_tokenizer(run_dir: str | Path) -> Tokenizer:
+    """The tokenizer a text run saved (a run on token files has none: a one-line error)."""
+    tok_dir = RunDir(run_dir).tokenizer
+    if not tok_dir.is_dir():
+        raise ConfigError(f"{run_dir} was trained on token files and has no tokenizer to turn text "
+                          "into tokens")
+    return load_tokenizer(tok_dir)
+
+
+def generate_text(run_dir: Path, model: LanguageModel, prompt: str, max_new_tokens: int = 200, *,
+                  temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
+                  seed: int = 0) -> str:
+    """Continue ``prompt`` with ``model``, the trained model of ``run_dir``; returns the prompt and
+    its continuation (through the run's tokenizer)."""
+    tokenizer = run_tokenizer(run_dir)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ConfigError("the prompt is empty; give at least one character")
+    x = torch.tensor([ids], device=model.embed.weight.device)
+    fits = len(ids) + max_new_tokens <= model.config.max_seq_len
+    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, greedy=greedy,
+                         use_cache=fits, generator=torch.Generator(x.device).manual_seed(seed))
+    return tokenizer.decode(out[0].tolist())
+
+
+TASK = Task(
+    name="lm",
+    config_class=LMRunConfig,
+    load_data=load_lm_data,
+    fit_config=_fit_config,
+    build_model=_build_model,
+    check_data=check_lm_data,
+    analysis_batches=_analyze_batches,
+    headline=("final_val_loss", "final validation loss"),
+    save_assets=_save_tokenizer,
+    extra_eval=_arithmetic_eval,
+    summary_info=_summary_info,
+    end_batches=_end_batches,
+    data_signature=_data_signature,
+    head_fn=lm_head,
+    columns=("final_arith_acc",),
+    generate=generate_text,
+)

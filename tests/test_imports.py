@@ -1,0 +1,126 @@
+"""The package's import graph has no circles, and its layers point down.
+
+Every ``import`` in ``src/siamesenorm`` counts, wherever it stands: at the top of a module, inside
+a function, or under ``if TYPE_CHECKING:``. ``from pkg import name`` is an edge to the module
+``pkg.name`` when there is one, else to ``pkg`` (its ``__init__``); importing a module is not an
+edge to its parent packages.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "src" / "siamesenorm"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("siamesenorm", *path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                origin = _absolute(name, path.name == "__init__.py", node)
+                targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin
+                           for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a closed path of module names, or ``None``."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_finder_sees_a_cycle_and_its_absence():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_reads_every_kind_of_import():
+    graph = import_graph()
+    assert "siamesenorm.errors" in graph["siamesenorm.config"]            # from .errors import X
+    assert "siamesenorm.tasks.lm" in graph["siamesenorm.tasks.registry"]  # from . import lm
+    assert "siamesenorm.data.arithmetic" in graph["siamesenorm.data.corpus"]   # under TYPE_CHECKING
+    assert "siamesenorm.run" in graph["siamesenorm.cli"]                  # inside a function
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The layers, lowest first: a module may import its own layer and the ones below, never above.
+LAYERS = [
+    {"errors", "devices", "rundir"},
+    {"nn", "schemes", "data", "config"},
+    {"models", "diffusion", "eval"},
+    {"train", "analysis"},
+    {"tasks"},
+    {"run", "experiments", "demo"},
+    {"cli", "__main__"},
+]
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    return -1
+
+
+def test_every_package_sits_in_a_layer_and_imports_only_downwards():
+    graph = import_graph()
+    unplaced = sorted({m.split(".")[1] for m in graph if "." in m and _layer(m) < 0})
+    assert not unplaced, f"add these to LAYERS: {unplaced}"
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() if "." in m for t in ts
+                    if "." in t and _layer(t) > _layer(m))
+    assert not upward, upward
