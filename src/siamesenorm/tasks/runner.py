@@ -31,16 +31,6 @@ def make_probe(cfg: Any, val_batches: list) -> TrainingProbes | None:
     return TrainingProbes(cfg.analysis.every, (x[:n], y[:n]))
 
 
-def train_settings(cfg: Any, eval_batches: list) -> TrainSettings:
-    """The engine's settings from a run configuration's ``train`` section."""
-    t = cfg.train
-    return TrainSettings(steps=t.steps, lr=t.lr, warmup=t.warmup, min_lr_ratio=t.min_lr_ratio,
-                         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip,
-                         grad_accum=t.grad_accum, eval_every=t.eval_every, eval_batches=eval_batches,
-                         checkpoint_every=t.checkpoint_every, divergence_factor=t.divergence_factor,
-                         compile=t.compile, seed=cfg.seed)
-
-
 def check_data(cfg: Any) -> None:
     """Refuse what is wrong with ``cfg``'s data before anything is written (the task's
     ``check_data``: loaded and checked as its run would, without training a tokenizer)."""
@@ -72,9 +62,10 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     torch.manual_seed(cfg.seed)
     model = task.build_model(cfg, device)
     probe = make_probe(cfg, data.val_batches)
-    summary = train(model, data.sampler, train_settings(cfg, data.val_batches), run_dir, resume=resume,
-                    device=device, extra_eval=task.extra_eval(cfg, data, run_dir, device),
-                    progress=progress, probe=probe, info=task.summary_info(data))
+    settings = TrainSettings.from_config(cfg.train, data.val_batches, cfg.seed)
+    summary = train(model, data.sampler, settings, run_dir, resume=resume, device=device,
+                    extra_eval=task.extra_eval(cfg, data, run_dir, device), progress=progress, probe=probe,
+                    info=task.summary_info(data))
     if probe is not None and cfg.analysis.at_end and not summary.get("diverged") \
             and not summary.get("interrupted"):
         batches = [tuple(t.to(device) for t in b) for b in task.end_batches(cfg, data, cfg.analysis.batches)]

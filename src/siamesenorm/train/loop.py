@@ -67,6 +67,9 @@ class TrainSettings:
     ``divergence_min_step`` (default: ``warmup``), whose loss exceeds ``divergence_factor`` times
     the lowest training loss so far. ``seed`` (None: leave the generators alone) seeds Python's and
     torch's global generators at the start of a fresh run; the model is built by the caller.
+
+    The values are not checked again here: a run's configuration checks them where it is loaded
+    (:class:`siamesenorm.config.TrainConfig`), and :meth:`from_config` copies them over.
     """
 
     steps: int
@@ -87,16 +90,13 @@ class TrainSettings:
     compile: bool = False
     seed: int | None = 0
 
-    def __post_init__(self) -> None:
-        for name in ("steps", "grad_accum", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must not be negative, got {getattr(self, name)}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or not self.divergence_factor > 1:
-            raise ConfigError("train needs lr > 0, min_lr_ratio in [0, 1] and divergence_factor > 1; "
-                              f"got {self.lr}, {self.min_lr_ratio}, {self.divergence_factor}")
+    @classmethod
+    def from_config(cls, train: Any, eval_batches: list, seed: int | None) -> TrainSettings:
+        """The settings of a run configuration's ``train`` section (a checked
+        :class:`~siamesenorm.config.TrainConfig`), with its validation batches and seed."""
+        names = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "betas", "grad_clip",
+                 "grad_accum", "eval_every", "checkpoint_every", "divergence_factor", "compile")
+        return cls(**{n: getattr(train, n) for n in names}, eval_batches=eval_batches, seed=seed)
 
     @property
     def divergence_start(self) -> int:
