@@ -30,9 +30,9 @@ from siamesenorm.data import (
     validation_batches,
     write_shard,
 )
-from siamesenorm.data import pystdlib as pystdlib_module
-from siamesenorm.data.pystdlib import EXCLUDED_DIRS, stdlib_files
-from siamesenorm.data.tokenfiles import SHARD_MAGIC
+from siamesenorm.data.text import pystdlib as pystdlib_module
+from siamesenorm.data.text.pystdlib import EXCLUDED_DIRS, stdlib_files
+from siamesenorm.data.text.tokenfiles import SHARD_MAGIC
 from siamesenorm.errors import ConfigError
 
 MIXED_TEXT = "def f(x):\n    return x + 1  # naïve café, 日本語, emoji 🙂\n\tλ = 'π'\n"
@@ -54,7 +54,7 @@ def test_byte_tokenizer_round_trips_any_text_and_replaces_bad_bytes(tmp_path):
 
 def test_bpe_round_trips_saves_and_loads(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
-    from siamesenorm.data import tokenizers as tokenizers_module
+    from siamesenorm.data.text import tokenizers as tokenizers_module
 
     corpus = load_corpus("pystdlib", max_bytes=150_000)
     tok = build_tokenizer("bpe", corpus, vocab_size=400)

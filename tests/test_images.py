@@ -23,8 +23,8 @@ from siamesenorm.data import (
     stratified_split_indices,
     to_model_range,
 )
-from siamesenorm.data.image_augment import random_erase, translate
-from siamesenorm.data.images import image_fingerprint
+from siamesenorm.data.images.augment import random_erase, translate
+from siamesenorm.data.images.imageset import image_fingerprint
 from siamesenorm.errors import ConfigError
 
 Image = pytest.importorskip("PIL.Image")

@@ -1,4 +1,5 @@
-"""Data for training small language models side by side: corpora, tokenizers, splits, batches.
+"""Data, in two halves that share nothing: text for the language models (:mod:`.text`: corpora,
+tokenizers, splits, batches) and image sets for the vision models (:mod:`.images`).
 
 Nothing here downloads. A typical run::
 
@@ -26,8 +27,8 @@ Corpora (``load_corpus(spec, **options)``; an option the spec does not take is r
   modded-nanogpt shard, told apart by the header magic); a folder of ``.bin`` shards; or a glob.
   ``val`` names separate validation data of the same kind (e.g. ``train.bin`` + ``val.bin``).
 
-Images for the vision models (``load_images(spec, **options)``: ``digits``, an ImageFolder
-directory or an ``.npz`` file; see :mod:`siamesenorm.data.images`)::
+Images for the vision models (:mod:`.images`; ``load_images(spec, **options)``: ``digits``, an
+ImageFolder directory or an ``.npz`` file; see :mod:`siamesenorm.data.images.sources`)::
 
     images = load_images("digits")                               # ImageSet, N x C x H x W
     train, val = split_images(images, val_fraction=0.1, seed=0)  # stratified, fixed
@@ -40,44 +41,47 @@ vocabulary must exceed ``meta["max_token"]``). Saved tokenizers come back with
 :func:`load_tokenizer`.
 """
 
-from __future__ import annotations
+from .images import (
+    ImageAugment,
+    ImageBatchSampler,
+    ImageSet,
+    check_image_options,
+    image_validation_batches,
+    load_images,
+    split_images,
+    stratified_split_indices,
+    to_model_range,
+)
+from .text import (
+    TOKENIZER_KINDS,
+    ArithmeticProblem,
+    BatchSampler,
+    BPETokenizer,
+    ByteTokenizer,
+    Corpus,
+    Tokenizer,
+    build_tokenizer,
+    check_corpus_options,
+    evaluate_arithmetic,
+    import_tokenizers,
+    lm_answer_fn,
+    load_arithmetic,
+    load_corpus,
+    load_tokenizer,
+    make_problems,
+    read_token_file,
+    split_text,
+    split_tokens,
+    train_text,
+    train_val_tokens,
+    validation_batches,
+    write_shard,
+)
 
-from ..errors import ConfigError
-from .arithmetic import ArithmeticProblem, load_arithmetic, make_problems
-from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
-from .batches import BatchSampler, validation_batches
-from .corpora import check_corpus_options, load_corpus
-from .corpus import Corpus
-from .image_augment import ImageAugment
-from .image_batches import ImageBatchSampler, image_validation_batches
-from .image_split import split_images, stratified_split_indices
-from .images import ImageSet, check_image_options, load_images, to_model_range
-from .splits import split_text, split_tokens, train_text, train_val_tokens
-from .tokenfiles import read_token_file, write_shard
-from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
-
-__all__ = ["ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus", "ImageAugment",
-           "ImageBatchSampler", "ImageSet", "Tokenizer", "build_tokenizer", "evaluate_arithmetic",
-           "image_validation_batches", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_images",
+__all__ = ["TOKENIZER_KINDS", "ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus",
+           "ImageAugment", "ImageBatchSampler", "ImageSet", "Tokenizer", "build_tokenizer",
+           "check_corpus_options", "check_image_options", "evaluate_arithmetic", "image_validation_batches",
+           "import_tokenizers", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_images",
            "load_tokenizer", "make_problems", "read_token_file", "split_images", "split_text",
            "split_tokens", "stratified_split_indices", "to_model_range", "train_text", "train_val_tokens",
            "validation_batches", "write_shard"]
-
-TOKENIZER_KINDS = ("bytes", "bpe")
-
-
-def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024,
-                    val_fraction: float = 0.1) -> Tokenizer:
-    """A ``bytes`` tokenizer, or a ``bpe`` one trained up to ``vocab_size`` ids.
-
-    BPE is trained on the training text only, never the validation text: ``corpus.text`` when the
-    corpus has its own validation text, else the part of it that :func:`train_val_tokens` with the
-    same ``val_fraction`` keeps for training (see :func:`~.splits.train_text`).
-    """
-    if kind not in TOKENIZER_KINDS:
-        raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
-    if corpus.is_tokenized:
-        raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it takes no tokenizer")
-    if kind == "bytes":
-        return ByteTokenizer()
-    return BPETokenizer.train(train_text(corpus, val_fraction), vocab_size)

@@ -33,8 +33,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..data.image_split import stratified_split_indices
-from ..data.images import ImageSet, to_model_range
+from ..data.images.imageset import ImageSet, to_model_range
+from ..data.images.split import stratified_split_indices
 from ..errors import ConfigError
 from .frechet import frechet_distance
 from .proxy_net import ProxyNet, ProxySettings

@@ -30,6 +30,7 @@ from ..data import (
     build_tokenizer,
     check_corpus_options,
     evaluate_arithmetic,
+    import_tokenizers,
     lm_answer_fn,
     load_corpus,
     load_tokenizer,
@@ -37,7 +38,6 @@ from ..data import (
     train_val_tokens,
     validation_batches,
 )
-from ..data.tokenizers import import_tokenizers
 from ..errors import ConfigError
 from ..models import LanguageModel, LMConfig
 from ..rundir import RunDir

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
-from .image_augment import ImageAugment
-from .images import ImageSet, to_model_range
+from ...errors import ConfigError
+from .augment import ImageAugment
+from .imageset import ImageSet, to_model_range
 
 __all__ = ["ImageBatchSampler", "image_validation_batches"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
-from .images import ImageSet
+from ...errors import ConfigError
+from .imageset import ImageSet
 
 __all__ = ["split_images", "stratified_split_indices"]
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .arithmetic import ArithmeticProblem
+from ...errors import ConfigError
 
 __all__ = ["Corpus"]
 
@@ -36,7 +33,7 @@ class Corpus:
     meta: dict[str, Any] = field(default_factory=dict)
     val_text: str | None = None
     val_tokens: np.ndarray | None = None
-    heldout: list[ArithmeticProblem] = field(default_factory=list)
+    heldout: list[Any] = field(default_factory=list)   # held-out problems (arithmetic: ArithmeticProblem)
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.tokens is None):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .corpus import Corpus
 
 __all__ = ["SHARD_MAGIC", "SHARD_VERSION", "load_token_files", "read_token_file", "write_shard"]

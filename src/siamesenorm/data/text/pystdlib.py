@@ -14,7 +14,7 @@ import platform
 import sysconfig
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .corpus import Corpus
 from .textfiles import join_text_files, text_fingerprint
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["ImageAugment", "cutmix_box", "one_hot_targets"]
 
@@ -40,7 +40,7 @@ class ImageAugment:
         smoothing: label smoothing folded into the soft targets before mixing (DeiT uses 0.1,
             its ``Mixup(label_smoothing=...)``); only mixed batches use it. A ViT run with mixup or
             cutmix on and this at 0 folds in ``model.label_smoothing`` instead
-            (:func:`siamesenorm.tasks.common.training_augment`): the model cannot smooth soft
+            (:func:`siamesenorm.tasks.vit.training_augment`): the model cannot smooth soft
             targets itself, so one of the two must carry the smoothing.
     """
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .arithmetic import load_arithmetic
 from .corpus import Corpus
 from .hf import load_hf

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "import_tokenizers", "load_tokenizer"]
 

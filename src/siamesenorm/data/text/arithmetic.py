@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .corpus import Corpus
 
 __all__ = ["OPERATIONS", "ArithmeticProblem", "load_arithmetic", "make_problems"]

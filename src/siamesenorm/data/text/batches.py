@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["BatchSampler", "validation_batches"]
 

@@ -1,42 +1,25 @@
-"""Image sets for the vision models: the :class:`ImageSet` record and ``load_images(spec, **options)``.
-
-Nothing here downloads. Sources (``spec``):
-
-* ``digits`` (no options): scikit-learn's embedded ``load_digits``, 1,797 grey 8x8 images of the
-  ten digits with values 0..16, stored as float32 ``value / 16`` in [0, 1].
-* a folder in ImageFolder layout (``image_size=32``, ``channels=3``): one sub-folder per class
-  (classes in sorted name order), every image file under it read with Pillow in sorted path order,
-  centre-cropped to a square and resized to ``image_size``, grey (``channels=1``) or RGB (3).
-* an ``.npz`` file (``value_range=None``, ``layout=None``, ``num_classes=None``) with arrays
-  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers
-  ``0..K-1``; ``K`` is ``num_classes``, else the largest label plus one, and labels that leave most
-  of those ``K`` classes without an image, or ``K`` over 100,000, are refused), optionally
-  ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
-  says where they lie (they are then rescaled to [0, 1]); ``layout="nhwc"`` or ``"nchw"`` settles a
-  4-D array whose channel axis is ambiguous.
+"""The :class:`ImageSet` record every image loader returns, its fingerprint, and the pixel convention.
 
 Pixel convention everywhere: ``uint8`` images are 0..255 and float images are 0..1; models see
 :func:`to_model_range` of them, float32 in [-1, 1]. ``meta`` is the set's fingerprint: ``source``,
 ``count``, ``shape`` (C, H, W), ``dtype``, ``sha256`` of the pixel bytes (C order),
-``labels_sha256``, ``num_classes`` and the options used; equal fingerprints, equal data.
+``labels_sha256``, ``num_classes`` and the options used; equal fingerprints, equal data. The
+loaders are in :mod:`.sources`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
-__all__ = ["ImageSet", "check_image_options", "image_fingerprint", "load_images", "to_model_range"]
+__all__ = ["ImageSet", "image_fingerprint", "to_model_range"]
 
 
 @dataclass
@@ -116,36 +99,3 @@ def to_model_range(images: np.ndarray | Tensor) -> Tensor:
     if not images.is_floating_point():
         raise ConfigError(f"images must be uint8 or float, got {images.dtype}")
     return images.float() * 2.0 - 1.0
-
-
-def _loader(spec: str) -> tuple[Callable[..., ImageSet], bool]:
-    """The loader of ``spec`` and whether it takes the spec (a path) as its first argument."""
-    from .image_sources import load_digits_set, load_image_folder, load_npz_images
-
-    if spec == "digits":
-        return load_digits_set, False
-    path = Path(spec).expanduser()
-    if path.suffix.lower() == ".npz":
-        return load_npz_images, True
-    return load_image_folder, True
-
-
-def check_image_options(spec: str | Path, options: dict) -> tuple[Callable[..., ImageSet], bool]:
-    """Refuse an option the loader of ``spec`` does not take; returns the loader."""
-    spec = str(spec) if isinstance(spec, Path) else spec
-    if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"image set must be a non-empty string, got {spec!r}")
-    loader, takes_spec = _loader(spec)
-    accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        kind = "digits" if spec == "digits" else ("npz" if spec.lower().endswith(".npz") else "folder")
-        raise ConfigError(f"image set {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                          f"{', '.join(accepted) or 'none'}")
-    return loader, takes_spec
-
-
-def load_images(spec: str | Path, **options: Any) -> ImageSet:
-    """Load the image set ``spec`` names (``digits``, a folder, an ``.npz`` file); see the module doc."""
-    loader, takes_spec = check_image_options(spec, options)
-    return loader(str(spec), **options) if takes_spec else loader(**options)

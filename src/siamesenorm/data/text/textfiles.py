@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .corpus import Corpus
 
 __all__ = ["SEPARATOR", "JoinedText", "folder_files", "join_text_files", "load_text_files",

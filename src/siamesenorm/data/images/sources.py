@@ -1,23 +1,42 @@
-"""The loaders behind :func:`~siamesenorm.data.images.load_images`: digits, ImageFolder, ``.npz``.
+"""Loading image sets: ``load_images(spec, **options)`` and its loaders (digits, ImageFolder, ``.npz``).
 
-Each returns an :class:`ImageSet` in the package's pixel convention (uint8 0..255 or float32 0..1,
-``N x C x H x W``) or refuses its input with one :class:`ConfigError` line naming what is wrong.
+Nothing here downloads. Sources (``spec``):
+
+* ``digits`` (no options): scikit-learn's embedded ``load_digits``, 1,797 grey 8x8 images of the
+  ten digits with values 0..16, stored as float32 ``value / 16`` in [0, 1].
+* a folder in ImageFolder layout (``image_size=32``, ``channels=3``): one sub-folder per class
+  (classes in sorted name order), every image file under it read with Pillow in sorted path order,
+  centre-cropped to a square and resized to ``image_size``, grey (``channels=1``) or RGB (3).
+* an ``.npz`` file (``value_range=None``, ``layout=None``, ``num_classes=None``) with arrays
+  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers
+  ``0..K-1``; ``K`` is ``num_classes``, else the largest label plus one, and labels that leave most
+  of those ``K`` classes without an image, or ``K`` over 100,000, are refused), optionally
+  ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
+  says where they lie (they are then rescaled to [0, 1]); ``layout="nhwc"`` or ``"nchw"`` settles a
+  4-D array whose channel axis is ambiguous.
+
+Each loader returns an :class:`~.imageset.ImageSet` in the package's pixel convention (uint8 0..255
+or float32 0..1, ``N x C x H x W``) or refuses its input with one :class:`ConfigError` line naming
+what is wrong.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import ConfigError
-from .images import ImageSet, image_fingerprint
+from ...errors import ConfigError
+from .imageset import ImageSet, image_fingerprint
 
-__all__ = ["IMAGE_SUFFIXES", "MAX_CLASSES", "load_digits_set", "load_image_folder", "load_npz_images"]
+__all__ = ["IMAGE_SUFFIXES", "MAX_CLASSES", "check_image_options", "load_digits_set", "load_image_folder",
+           "load_images", "load_npz_images"]
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                             ".pgm", ".pbm"})
@@ -258,3 +277,34 @@ def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None
     meta = image_fingerprint("npz", pixels, labels, k)
     meta.update(path=str(path), value_range=None if value_range is None else list(value_range), layout=layout)
     return ImageSet(pixels, labels, k, class_names, meta)
+
+
+def _loader(spec: str) -> tuple[Callable[..., ImageSet], bool]:
+    """The loader of ``spec`` and whether it takes the spec (a path) as its first argument."""
+    if spec == "digits":
+        return load_digits_set, False
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".npz":
+        return load_npz_images, True
+    return load_image_folder, True
+
+
+def check_image_options(spec: str | Path, options: dict) -> tuple[Callable[..., ImageSet], bool]:
+    """Refuse an option the loader of ``spec`` does not take; returns the loader."""
+    spec = str(spec) if isinstance(spec, Path) else spec
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"image set must be a non-empty string, got {spec!r}")
+    loader, takes_spec = _loader(spec)
+    accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        kind = "digits" if spec == "digits" else ("npz" if spec.lower().endswith(".npz") else "folder")
+        raise ConfigError(f"image set {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                          f"{', '.join(accepted) or 'none'}")
+    return loader, takes_spec
+
+
+def load_images(spec: str | Path, **options: Any) -> ImageSet:
+    """Load the image set ``spec`` names (``digits``, a folder, an ``.npz`` file); see the module doc."""
+    loader, takes_spec = check_image_options(spec, options)
+    return loader(str(spec), **options) if takes_spec else loader(**options)
