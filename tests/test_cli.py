@@ -150,6 +150,10 @@ def test_generate_refuses_what_is_not_a_usable_run(tmp_path):
     assert res.returncode == 2 and "not a run directory" in res.stderr
     out = tmp_path / "run"
     assert run("train", "tiny", "train.steps=2", "--out", str(out)).returncode == 0
+    for flag, value, fragment in (("--temperature", "-1", "--temperature must not be negative"),
+                                  ("--top-k", "0", "--top-k must be positive")):
+        res = run("generate", str(out), "--prompt", "x", flag, value)
+        assert res.returncode == 2 and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1
     (out / "checkpoints" / "last" / "model.safetensors").write_bytes(b"garbage")
     res = run("generate", str(out), "--prompt", "x")
     assert res.returncode == 2 and "model.safetensors" in res.stderr

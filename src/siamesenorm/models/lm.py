@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
 from ..nn.attention import Attention, KVCache
 from ..nn.mlp import build_mlp
 from .host import (
@@ -218,9 +217,8 @@ class LanguageModel(nn.Module, SchemeHost):
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape (batch, seq>0), got {tuple(input_ids.shape)}")
-        # Settings a user gives (``siamesenorm generate --temperature/--top-k``): a ConfigError.
         if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k <= 0):
-            raise ConfigError("generate needs max_new_tokens >= 0, temperature >= 0 and top_k > 0; "
+            raise ValueError("generate needs max_new_tokens >= 0, temperature >= 0 and top_k > 0; "
                               f"got {max_new_tokens}, {temperature}, {top_k}")
         total = input_ids.shape[1] + max_new_tokens
         if use_cache and total > self.config.max_seq_len:

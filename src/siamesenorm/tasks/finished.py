@@ -67,6 +67,10 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *
     model); returns the prompt and its continuation."""
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ConfigError(f"--temperature must not be negative, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ConfigError(f"--top-k must be positive, got {top_k}")
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     task = get_task(cfg.task)
