@@ -120,6 +120,7 @@ LAYERS = [
     {"models"},
     {"diffusion", "eval"},
     {"analysis"},               # a library below the tasks and the engine
+    {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
     {"train"},
     {"tasks"},
     {"run", "experiments", "demo"},

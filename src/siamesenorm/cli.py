@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset name or YAML file, then dotted overrides (model.n_layers=12)")
     p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train across N processes on this machine (torchrun's launcher; default 1)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("compare", help="train several schemes (x learning rates x seeds) side by "
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated learning rates (default: compare.lrs, else train.lr)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds, else seed)")
     p.add_argument("--out", default="experiments/compare", help="experiment directory")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train each run across N processes on this machine (default 1)")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")

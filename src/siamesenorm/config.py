@@ -32,9 +32,23 @@ from .schemes import build_scheme, get_scheme_class, scheme_options
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
+PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
+PRECISIONS = ("auto", "fp32", "bf16")
+CHECKPOINTING_MODES = ("none", "sublayer", "selective")
+
+
 @dataclass
 class TrainConfig:
-    """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation."""
+    """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation.
+
+    ``grad_accum`` micro-batches of ``data.batch_size`` per process and step: the global batch is
+    world size x batch size x grad_accum. ``parallel`` chooses the engine across processes:
+    ``auto`` (FSDP2 when the world size is above 1), ``none`` (one process only), ``ddp`` or
+    ``fsdp``. ``precision``: ``auto`` (bf16 autocast on CUDA, float32 elsewhere), ``fp32`` or
+    ``bf16``. ``activation_checkpointing``: ``none``, ``sublayer`` (recompute each attention/MLP
+    step of the residual scheme in backward) or ``selective`` (keep the matrix products, recompute
+    the norms and element-wise work).
+    """
 
     steps: int = 200
     lr: float = 1e-3
@@ -49,8 +63,16 @@ class TrainConfig:
     divergence_factor: float = 3.0
     compile: bool = False
     device: str = "auto"
+    parallel: str = "auto"
+    precision: str = "auto"
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),
+                              ("activation_checkpointing", CHECKPOINTING_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, name)!r}")
         for name in ("steps", "grad_accum", "eval_every", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
