@@ -16,10 +16,15 @@ import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
-from ..devices import resolve_device
+from ..errors import ConfigError
+from ..parallel import World, init_world, on_main
 from ..rundir import RunDir, check_out_dir
 from ..train import TrainSettings, train
 from .registry import get_task, saved_config
+
+# Tasks whose runs may span processes: their evaluations run on every rank and write nothing, or
+# write through rank 0 only. The image tasks' sample grids and FD-proxy cache are not there yet.
+PARALLEL_TASKS = ("lm",)
 
 
 def make_probe(cfg: Any, val_batches: list) -> TrainingProbes | None:
@@ -43,24 +48,45 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
 
     Every check (the run directory, the data, the sizes the data decides) happens before anything
     is written. A fresh run refuses a folder that already holds one.
+
+    Under a launcher (``torchrun``, ``--nproc``) every process calls it: they join one process
+    group, rank 0 checks the folder and the data and writes the config and the assets, the others
+    then load the data as a resumed run does (the saved tokenizer), and all train one model
+    together (:func:`siamesenorm.train.train`). A refusal on rank 0 is raised on every rank.
     """
     run_dir = Path(run_dir)
     check_out_dir(run_dir)
     if resume:
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
-    else:
-        RunDir(run_dir).refuse_existing_run()
+    world, device = init_world(cfg.train.device)
     task = get_task(cfg.task)
-    device = resolve_device(cfg.train.device)
-    data = task.load_data(cfg, run_dir, resume)
-    cfg = task.fit_config(cfg, data)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        RunDir(run_dir).config.write_text(dump_config(cfg))
-        task.save_assets(run_dir, data)
+    if world.distributed:
+        _check_distributed(cfg, world)
+
+    def prepare():
+        if not resume:
+            RunDir(run_dir).refuse_existing_run()
+        data = task.load_data(cfg, run_dir, resume)
+        fitted = task.fit_config(cfg, data)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            RunDir(run_dir).config.write_text(dump_config(fitted))
+            task.save_assets(run_dir, data)
+        return data, fitted
+
+    prepared = on_main(world, prepare)
+    if world.main:
+        data, cfg = prepared
+    else:       # rank 0 has saved the assets: load the data as a resumed run does
+        data = task.load_data(cfg, run_dir, True)
+        cfg = task.fit_config(cfg, data)
 
     torch.manual_seed(cfg.seed)
     model = task.build_model(cfg, device)
+    if cfg.train.activation_checkpointing != "none":
+        from ..models.checkpointing import set_activation_checkpointing
+
+        set_activation_checkpointing(model, cfg.train.activation_checkpointing)
     probe = make_probe(cfg, data.val_batches)
     settings = TrainSettings.from_config(cfg.train, data.val_batches, cfg.seed)
     summary = train(model, data.sampler, settings, run_dir, resume=resume, device=device,
@@ -72,3 +98,13 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
         result = analyze_model(model, batches, loss_fn=task.loss_fn, head_fn=task.head_fn)
         write_analysis(run_dir, result, source="validation")
     return summary
+
+
+def _check_distributed(cfg: Any, world: World) -> None:
+    """What a run across processes cannot do yet, refused before anything is written."""
+    if cfg.task not in PARALLEL_TASKS:
+        raise ConfigError(f"task {cfg.task} trains in one process; runs across processes support "
+                          f"task {', '.join(PARALLEL_TASKS)} (launched with {world.size} processes)")
+    if cfg.analysis.every > 0:
+        raise ConfigError("the training probes (analysis.every) run in one process only; set "
+                          "analysis.every=0 and run `siamesenorm analyze` on the finished run")

@@ -15,6 +15,11 @@ leaves either ``<name>`` complete (old or new) or, in the instant between the tw
 ``<name>`` but a complete ``.<name>.old-*``, which :func:`load_checkpoint`, :func:`has_checkpoint`
 and the next :func:`save_checkpoint` move back into place. Hidden ``.tmp-`` directories are never
 read; the next save deletes them. One writer per checkpoint directory at a time.
+
+A run across several processes writes the sharded layout instead (:mod:`.sharded`): ``dcp/``, a
+``torch.distributed.checkpoint`` directory of the model and optimizer state, and ``state.pt``
+(format 2, without the optimizer). Both layouts use the same swap; :func:`load_checkpoint` reads
+either into a single-process model, and :func:`~.sharded.load_sharded` either into a spread one.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from ..errors import ConfigError
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
-FORMAT = 1
+DCP_DIR = "dcp"
+FORMAT = 1              # model.safetensors + state.pt with the optimizer
+SHARDED_FORMAT = 2      # dcp/ (model and optimizer) + state.pt without it
 _PLAIN = (str, int, float, bool, type(None), Tensor)
 
 
@@ -120,9 +127,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     path = Path(path)
     _check_plain(extra, "extra")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _recover(path, clean=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = new_temporary(path)
     try:
         _write_model(tmp / MODEL_FILE, model)
         _write_state(tmp / STATE_FILE, optimizer, extra)
@@ -130,6 +135,19 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    install(tmp, path)
+
+
+def new_temporary(path: Path) -> Path:
+    """A fresh hidden directory beside ``path`` to write its next version into (after moving back
+    a version that a cut-short swap left hidden, and deleting older leftovers)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path, clean=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+
+
+def install(tmp: Path, path: Path) -> None:
+    """Swap the complete directory ``tmp`` in at ``path`` (see the module docstring)."""
     old = None
     if path.exists():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
@@ -143,24 +161,36 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 # ---- reading -------------------------------------------------------------------------------------
 def has_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds a checkpoint (after finishing a swap that a crash cut short)."""
+    return layout(path) is not None
+
+
+def layout(path: str | os.PathLike) -> str | None:
+    """``"single"`` (model.safetensors), ``"sharded"`` (dcp/) or None: which checkpoint ``path``
+    holds, after finishing a swap that a crash cut short."""
     path = Path(path)
     _recover(path, clean=False)
-    return (path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()
+    if not (path / STATE_FILE).is_file():
+        return None
+    if (path / MODEL_FILE).is_file():
+        return "single"
+    if (path / DCP_DIR / ".metadata").is_file():
+        return "sharded"
+    return None
 
 
-def _problem(error: BaseException) -> str:
+def problem(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def _read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
+def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
     """The full state_dict for ``model`` from ``file``, checked against the model's own."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as error:
-        raise ConfigError(f"cannot read checkpoint {file}: {_problem(error)}") from None
+        raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
     unique, aliases = _split_aliases(model.state_dict())
     missing = sorted(set(unique) - set(tensors))
     unexpected = sorted(set(tensors) - set(unique))
@@ -175,15 +205,16 @@ def _read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
     return tensors
 
 
-def _read_state(file: Path) -> dict:
+def read_state(file: Path, format: int = FORMAT) -> dict:
+    """The training state file of a checkpoint of ``format`` (1 holds the optimizer, 2 does not)."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise ConfigError(f"cannot read checkpoint {file}: {_problem(error)}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT \
-            or not isinstance(state.get("extra"), dict) or "optimizer" not in state:
+        raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
+    if not isinstance(state, dict) or state.get("format") != format \
+            or not isinstance(state.get("extra"), dict) or (format == FORMAT and "optimizer" not in state):
         raise ConfigError(f"cannot read checkpoint {file}: not a siamesenorm training state "
-                          f"(format {FORMAT})")
+                          f"(format {format})")
     return state
 
 
@@ -196,15 +227,21 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     path and the problem on one line, leaving ``model`` and ``optimizer`` as they were.
     """
     path = Path(path)
-    if not has_checkpoint(path):
-        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there)")
-    tensors = _read_model(path / MODEL_FILE, model)
-    state = _read_state(path / STATE_FILE)
+    kind = layout(path)
+    if kind is None:
+        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
+                          f"or {DCP_DIR}/ and {STATE_FILE})")
+    if kind == "sharded":
+        from .sharded import load_sharded_into_one
+
+        return load_sharded_into_one(path, model, optimizer)
+    tensors = read_model(path / MODEL_FILE, model)
+    state = read_state(path / STATE_FILE)
     if optimizer is not None:
         try:
             optimizer.load_state_dict(state["optimizer"])
         except Exception as error:
             raise ConfigError(f"checkpoint {path / STATE_FILE} does not fit this optimizer: "
-                              f"{_problem(error)}") from None
+                              f"{problem(error)}") from None
     model.load_state_dict(tensors, strict=True)
     return state["extra"]

@@ -16,7 +16,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -26,6 +25,19 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from ..models.host import SchemeHost
+from ..parallel import (
+    SINGLE,
+    Parallel,
+    RankSource,
+    World,
+    all_max,
+    all_mean,
+    autocast_for,
+    barrier,
+    current_world,
+    parallel_mode,
+    parallelize,
+)
 from ..rundir import RunDir, plain, write_json
 from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluate import validation_loss
@@ -36,6 +48,7 @@ from .optim import build_optimizer, lr_at
 from .probe_hook import StepProbe
 from .progress import ProgressLine
 from .rng import preserved_rng, rng_state, set_rng_state
+from .sharded import gather_objects, load_sharded, save_sharded
 from .state import RunState
 from .summary import build_summary, perplexity
 
@@ -89,13 +102,16 @@ class TrainSettings:
     divergence_min_step: int | None = None
     compile: bool = False
     seed: int | None = 0
+    parallel: str = "auto"          # across processes: auto (FSDP2 above one), none, ddp, fsdp
+    precision: str = "auto"         # auto (bf16 autocast on CUDA), fp32, bf16
 
     @classmethod
     def from_config(cls, train: Any, eval_batches: list, seed: int | None) -> TrainSettings:
         """The settings of a run configuration's ``train`` section (a checked
         :class:`~siamesenorm.config.TrainConfig`), with its validation batches and seed."""
         names = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "betas", "grad_clip",
-                 "grad_accum", "eval_every", "checkpoint_every", "divergence_factor", "compile")
+                 "grad_accum", "eval_every", "checkpoint_every", "divergence_factor", "compile",
+                 "parallel", "precision")
         return cls(**{n: getattr(train, n) for n in names}, eval_batches=eval_batches, seed=seed)
 
     @property
@@ -109,20 +125,38 @@ class TrainSettings:
         return step == self.steps or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0)
 
 
+def _clip_gradients(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """Scale the gradients to a total 2-norm of at most ``max_norm``; returns the norm before.
+
+    :func:`torch.nn.utils.clip_grad_norm_`'s two halves, with the norm of sharded (FSDP2)
+    gradients made whole in between so that every rank clips by the same number."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):    # a DTensor: the norm of this rank's shards, to reduce
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 class _Run:
     """One call of :func:`train`: the objects it drives and the state it carries."""
 
-    def __init__(self, model: nn.Module, source: BatchSource, settings: TrainSettings, run_dir: Path,
+    def __init__(self, par: Parallel, source: BatchSource, settings: TrainSettings, run_dir: Path,
                  device: torch.device, extra_eval: Callable[[nn.Module], dict] | None,
-                 probe: StepProbe | None = None, info: dict[str, Any] | None = None) -> None:
-        self.model, self.source, self.s, self.run_dir = model, source, settings, run_dir
+                 probe: StepProbe | None = None, info: dict[str, Any] | None = None,
+                 world: World = SINGLE) -> None:
+        self.par, self.model, self.s, self.run_dir = par, par.model, settings, run_dir
+        self.world = world
+        self.source = RankSource(source, world.rank, world.size) if world.distributed else source
         self.device, self.extra_eval, self.probe = device, extra_eval, probe
         self.info = dict(info or {})
         self.ckpt_dir = RunDir(run_dir).last_checkpoint
-        self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay, settings.betas,
+        self.optimizer = build_optimizer(self.model, settings.lr, settings.weight_decay, settings.betas,
                                          settings.adam_eps)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.forward = ForwardBackward(model, settings.compile)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.forward = ForwardBackward(par.module, settings.compile)
+        self.autocast = autocast_for(par.mode, settings.precision, device)
+        self.accum = settings.grad_accum      # micro-batches per rank and step
         self.state = RunState()
         self.diverged_at: int | None = None
         self.interrupted = False
@@ -131,54 +165,86 @@ class _Run:
         self.started = time.perf_counter()
         self.interval = [0, 0.0]    # tokens and seconds since the last logged row
 
-    def autocast(self) -> AbstractContextManager:
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return nullcontext()
-
     def wall_time(self) -> float:
         return self.state.wall_time_s + time.perf_counter() - self.started
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, resume: bool) -> int | None:
         """Load the checkpoint or seed a fresh run; returns the step the metric log keeps."""
+        world = self.world
         if resume:
-            extra = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+            if world.distributed:
+                extra = load_sharded(self.ckpt_dir, self.par, self.optimizer, world)
+            else:
+                extra = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
             try:
                 self.state = RunState.from_dict(extra["run"])
                 self.source.load_state_dict(extra["source"])
-                set_rng_state(extra["rng"])
+                self.restore_rng(extra["rng"], extra.get("rng_ranks"))
             except KeyError as error:
                 raise ConfigError(f"checkpoint {self.ckpt_dir} lacks the training state "
                                   f"{error}; it was not written by siamesenorm.train") from None
+            self.accum = self.split_batch(self.state.micro_batches or self.s.grad_accum)
             return self.state.step
-        RunDir(self.run_dir).refuse_existing_run()
+        if world.main:
+            RunDir(self.run_dir).refuse_existing_run()
+        barrier(world)      # no rank looks at the folder after rank 0 starts writing into it
+        self.state.micro_batches = world.size * self.s.grad_accum
         if self.s.seed is not None:
-            torch.manual_seed(self.s.seed)
-            random.seed(self.s.seed)
+            # every rank draws its own dropout and noise; rank 0 draws what a single process would
+            seed = self.s.seed + 1_000_003 * world.rank
+            torch.manual_seed(seed)
+            random.seed(seed)
         return None
+
+    def split_batch(self, micro_batches: int) -> int:
+        """Micro-batches per rank that keep a resumed run's global batch of ``micro_batches``."""
+        if micro_batches % self.world.size:
+            raise ConfigError(f"the checkpoint's global batch is {micro_batches} micro-batches, which "
+                              f"{self.world.size} processes cannot split evenly; resume with a "
+                              "number of processes that divides it")
+        return micro_batches // self.world.size
+
+    def restore_rng(self, rng: dict, per_rank: list | None) -> None:
+        """Every rank's generators as saved; at another world size rank 0 takes the saved rank 0's
+        and the others start from a seed of the step (exact resumption needs the same ranks only
+        where the forward pass itself draws random numbers: dropout, diffusion noise)."""
+        world = self.world
+        if per_rank is not None and len(per_rank) == world.size:
+            set_rng_state(per_rank[world.rank])
+        elif world.main or per_rank is None:
+            set_rng_state(rng)
+        else:
+            seed = (self.s.seed or 0) + 1_000_003 * world.rank + 7919 * self.state.step
+            torch.manual_seed(seed)
+            random.seed(seed)
 
     # ---- one step ----------------------------------------------------------------------------
     def compute(self, probe_step: int | None = None) -> tuple[float, float, int]:
         """Accumulate the gradient of one step; returns ``(loss, pre-clip grad norm, tokens)``.
 
         With ``probe_step``, the probe reads the accumulated gradients before they are clipped."""
-        n, total, tokens = self.s.grad_accum, None, 0
-        for _ in range(n):
+        n, total, tokens = self.accum, None, 0
+        for i in range(n):
             x, y = self.source.next_batch()
             if self.state.seq_len is None:
                 self.state.seq_len = int(x.shape[-1])
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            loss = self.forward(x, y, n, self.autocast)
+            with self.par.sync_gradients(i == n - 1):
+                loss = self.forward(x, y, n, self.autocast)
             total = loss if total is None else total + loss
             tokens += self.count_tokens(x)
         if probe_step is not None:
             with preserved_rng():
                 self.probe.after_backward(self.model, probe_step)
         clip = self.s.grad_clip if self.s.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        loss_value, norm_value = torch.stack([total.float() / n, norm.float()]).tolist()
+        norm = _clip_gradients(self.params, clip)
+        pair = all_mean(self.world, torch.stack([total.float() / n, norm.float()]))
+        loss_value, norm_value = pair.tolist()
+        if self.world.distributed:
+            norm_value = float(norm.float())     # the same on every rank: of the reduced gradient
+            tokens *= self.world.size
         return loss_value, norm_value, tokens
 
     def diverges(self, step: int, loss: float, norm: float) -> bool:
@@ -190,8 +256,8 @@ class _Run:
         """Validation loss and ``extra_eval``, without moving any generator training draws from."""
         row: dict[str, Any] = {}
         with preserved_rng():
-            val = validation_loss(self.model, self.s.eval_batches, self.device, self.autocast) \
-                if self.s.eval_batches else None
+            val = validation_loss(self.par.module, self.s.eval_batches, self.device, self.autocast,
+                                  self.world) if self.s.eval_batches else None
             extra: dict[str, Any] = {}
             if self.extra_eval is not None:
                 self.model.eval()
@@ -220,14 +286,18 @@ class _Run:
     def save(self) -> None:
         run = self.state.to_dict()
         run.update(wall_time_s=self.wall_time(), checkpoint_step=self.state.step)
-        save_checkpoint(self.ckpt_dir, self.model, self.optimizer,
-                        {"run": run, "source": self.source.state_dict(), "rng": rng_state()})
+        extra = {"run": run, "source": self.source.state_dict(), "rng": rng_state()}
+        if self.world.distributed:
+            extra["rng_ranks"] = gather_objects(self.world, extra["rng"])
+            save_sharded(self.ckpt_dir, self.par, self.optimizer, extra, self.world)
+        else:
+            save_checkpoint(self.ckpt_dir, self.model, self.optimizer, extra)
         self.state.checkpoint_step = self.state.step
 
     def loop(self, log: MetricsLog, bar: ProgressLine, ctrl_c: DeferredInterrupt) -> None:
         s, state = self.s, self.state
         while state.step < s.steps:
-            if ctrl_c.requested:
+            if all_max(self.world, ctrl_c.requested, self.device):   # every rank stops together
                 raise KeyboardInterrupt
             self.snapshot = (self.source.state_dict(), rng_state())
             self.phase = "compute"
@@ -279,6 +349,10 @@ class _Run:
     def on_interrupt(self) -> None:
         """Checkpoint the last completed step, unless an optimizer update was cut in half."""
         self.interrupted = True
+        if self.world.distributed and self.phase != "idle":
+            print(f"warning: rank {self.world.rank} interrupted inside a step; the checkpoint on disk "
+                  f"is from step {self.state.checkpoint_step}", file=sys.stderr, flush=True)
+            return
         if self.phase == "update":
             print("warning: interrupted inside an optimizer update; the checkpoint on disk is from "
                   f"step {self.state.checkpoint_step}", file=sys.stderr, flush=True)
@@ -317,16 +391,23 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
     """
     run_dir = Path(run_dir)
     summary_path = RunDir(run_dir).summary
-    run_dir.mkdir(parents=True, exist_ok=True)
+    world = current_world()
+    mode = parallel_mode(settings.parallel, world)
+    if world.distributed and probe is not None:
+        raise ConfigError("the training probes (analysis.every) run in one process only; set "
+                          "analysis.every=0 and run `siamesenorm analyze` on the finished run")
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
     model.to(device)
     model.train()
-    run = _Run(model, source, settings, run_dir, device, extra_eval, probe, info)
+    par = parallelize(model, mode, world, device, settings.precision)
+    run = _Run(par, source, settings, run_dir, device, extra_eval, probe, info, world)
     keep_until = run.start(resume)
-    log = MetricsLog(run_dir, keep_until)
+    log = MetricsLog(run_dir, keep_until) if world.main else _NoLog()
     if probe is not None:
         probe.start(run_dir, keep_until)
-    bar = ProgressLine(settings.steps, progress)
+    bar = ProgressLine(settings.steps, progress if world.main else False)
     try:
         try:
             with DeferredInterrupt() as ctrl_c:
@@ -336,14 +417,26 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
         except KeyboardInterrupt:
             bar.close()
             run.on_interrupt()
-            write_json(summary_path, run.summary())
+            if world.main:
+                write_json(summary_path, run.summary())
             raise
         bar.close()
         summary = run.summary()
-        write_json(summary_path, summary)
+        if world.main:
+            write_json(summary_path, summary)
         return summary
     finally:
         bar.close()
         log.close()
         if probe is not None:
             probe.close()
+
+
+class _NoLog:
+    """The metric log of a rank other than 0: the run's files are rank 0's to write."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -24,6 +24,7 @@ class RunState:
     wall_time_s: float = 0.0              # of the sessions before this one
     seq_len: int | None = None            # of the training batches, for flops_per_token
     checkpoint_step: int | None = None    # step of the checkpoint on disk
+    micro_batches: int | None = None      # per step over all ranks (world size x grad_accum)
 
     def record_val(self, val_loss: float | None, extra: dict[str, Any]) -> None:
         self.last_extra = dict(extra)

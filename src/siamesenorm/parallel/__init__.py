@@ -1,0 +1,22 @@
+"""Training across processes with PyTorch's own engines: the world of a run (``torchrun``'s
+environment, the process group), DDP and FSDP2, every rank's share of one seeded batch order, and
+the launcher behind ``--nproc``."""
+
+from .env import (
+    SINGLE,
+    World,
+    all_max,
+    all_mean,
+    barrier,
+    broadcast_object,
+    current_world,
+    init_world,
+    launched_world_size,
+    on_main,
+)
+from .source import RankSource
+from .wrap import Parallel, autocast_for, parallel_mode, parallelize
+
+__all__ = ["SINGLE", "Parallel", "RankSource", "World", "all_max", "all_mean", "autocast_for",
+           "barrier", "broadcast_object", "current_world", "init_world", "launched_world_size",
+           "on_main", "parallel_mode", "parallelize"]

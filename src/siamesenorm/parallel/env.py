@@ -1,0 +1,160 @@
+"""The processes of one run: who we are (rank, world size) and the process group between them.
+
+A run is distributed when it is started by ``torchrun`` (or any launcher that sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) with a world size above 1.
+:func:`init_world` then joins the default process group (``nccl`` on CUDA, ``gloo`` on CPU) and
+gives each process its device (``cuda:LOCAL_RANK`` on CUDA). Everything else in the library asks
+:func:`current_world`; a single process is the world of size 1 and never touches
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..devices import resolve_device
+from ..errors import ConfigError
+
+__all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
+           "init_world", "launched_world_size", "on_main"]
+
+T = TypeVar("T")
+
+# How long a collective may wait for a peer before raising (seconds); a rank that died is noticed
+# by the launcher first (torchrun stops the others within seconds), this is the last resort.
+TIMEOUT_ENV = "SIAMESENORM_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class World:
+    """``rank`` of ``size`` processes; ``local_rank`` on this node."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the run's files (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+SINGLE = World()
+"""The world of one process."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launched_world_size() -> int:
+    """The world size a launcher asked for (``WORLD_SIZE``; 1 when not launched by one)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def current_world() -> World:
+    """This process's place: from the default process group when one is up, else the world of 1."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
+    return World()
+
+
+def init_world(device_name: str) -> tuple[World, torch.device]:
+    """Join the launcher's process group (when its world size is above 1) and pick the device.
+
+    ``device_name`` is ``train.device`` (``auto``, ``cpu``, ``cuda``): under a launcher, CUDA means
+    ``cuda:LOCAL_RANK``. A single process returns ``World()`` and :func:`resolve_device`'s device.
+    """
+    size = launched_world_size()
+    device = resolve_device(device_name)
+    if size <= 1:
+        return World(), device
+    rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA "
+                              "devices; start at most one process per GPU")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=_env_int(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    return World(rank, size, local), device
+
+
+def on_main(world: World, fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` on rank 0 only; the others wait for it. A :class:`ConfigError` there is raised
+    on every rank with the same line, and any other failure on rank 0 stops the others with a
+    one-line error, so no rank is left waiting in a collective for a peer that is gone."""
+    if not world.distributed:
+        return fn()
+    result, failure = None, None
+    if world.main:
+        try:
+            result = fn()
+        except ConfigError as error:
+            failure = ("config", str(error))
+            broadcast_object(world, failure)
+            raise
+        except BaseException as error:
+            broadcast_object(world, ("crash", f"{type(error).__name__}: {error}"))
+            raise
+    failure = broadcast_object(world, failure)
+    if failure is not None and not world.main:
+        kind, text = failure
+        if kind == "config":
+            raise ConfigError(text)
+        raise RuntimeError(f"rank 0 failed: {text}")
+    return result
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def broadcast_object(world: World, obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj if world.main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_mean(world: World, values: torch.Tensor) -> torch.Tensor:
+    """The element-wise mean of ``values`` (a float tensor) over the ranks."""
+    if not world.distributed:
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values / world.size
+
+
+def all_max(world: World, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (every rank gets the same answer)."""
+    if not world.distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)

@@ -1,0 +1,92 @@
+"""Spread one model over the ranks with PyTorch's engines: DDP or FSDP2 (``fully_shard``).
+
+:func:`parallel_mode` turns ``train.parallel`` into the engine for this world size and
+:func:`parallelize` applies it. Under FSDP2 every attention and MLP sublayer of a scheme host is
+its own shard group and the root (embedding, head, the scheme's norms and connection weights)
+another, so parameters, gradients and the optimizer state are split 1/N over the ranks and one
+sublayer is gathered at a time. Parameter names do not change (``fully_shard`` keeps them; DDP's
+``module.`` prefix is removed by ``torch.distributed.checkpoint.state_dict``), so checkpoints of
+any engine load into any other.
+
+Precision: ``bf16`` under FSDP2 on CUDA is FSDP2's mixed-precision policy (bf16 parameters in
+compute, float32 gradient reduction, float32 master weights); everywhere else it is autocast
+(:func:`autocast_for`). ``auto`` is bf16 autocast on CUDA and float32 elsewhere, as a single
+process has always trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..models.host import SchemeHost
+from .env import World
+
+__all__ = ["Parallel", "autocast_for", "parallel_mode", "parallelize"]
+
+
+def parallel_mode(setting: str, world: World) -> str:
+    """The engine (``none``, ``ddp`` or ``fsdp``) that ``train.parallel=setting`` means here."""
+    if not world.distributed:
+        return "none"
+    if setting == "none":
+        raise ConfigError(f"train.parallel=none trains in one process, but {world.size} were "
+                          "launched; use auto, ddp or fsdp, or launch one process")
+    return "fsdp" if setting == "auto" else setting
+
+
+def _uses_mp_policy(mode: str, precision: str, device: torch.device) -> bool:
+    return mode == "fsdp" and device.type == "cuda" and precision in ("auto", "bf16")
+
+
+def autocast_for(mode: str, precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """The context each forward runs in: bf16 autocast, or nothing (float32, or FSDP2's policy)."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if not bf16 or _uses_mp_policy(mode, precision, device):
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+class Parallel:
+    """A model spread over the ranks: ``module`` is what the loop calls (DDP's wrapper, or the
+    sharded model itself), ``model`` the model with its attributes (scheme, sublayers, ...)."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, mode: str) -> None:
+        self.model, self.module, self.mode = model, module, mode
+
+    def sync_gradients(self, sync: bool) -> AbstractContextManager:
+        """Around one micro-batch's backward: reduce gradients over the ranks only when ``sync``
+        (the last micro-batch of a step), so accumulation costs one reduction per step."""
+        if self.mode == "ddp" and not sync:
+            return self.module.no_sync()
+        if self.mode == "fsdp":
+            self.module.set_requires_gradient_sync(sync)
+        return nullcontext()
+
+
+def parallelize(model: nn.Module, mode: str, world: World, device: torch.device,
+                precision: str) -> Parallel:
+    """Apply ``mode`` (from :func:`parallel_mode`) to ``model``, which is already on ``device``
+    and initialised identically on every rank (the same seed)."""
+    if mode == "none":
+        return Parallel(model, model, mode)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return Parallel(model, DistributedDataParallel(model, device_ids=ids), mode)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if _uses_mp_policy(mode, precision, device):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    groups = list(model.sublayers) if isinstance(model, SchemeHost) else []
+    for i, sublayer in enumerate(groups):
+        # the last group is gathered for backward first anyway: do not free it after forward
+        fully_shard(sublayer, mp_policy=policy, reshard_after_forward=i < len(groups) - 1)
+    fully_shard(model, mp_policy=policy)
+    return Parallel(model, model, mode)
