@@ -6,12 +6,14 @@ Every error a user can cause ends with one line on stderr and exit status 2, wit
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, RankFailed
 
 DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
+ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"  # set by --nproc's launcher in the processes it starts
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -57,7 +59,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and (preset or overrides):
         raise ConfigError("--resume takes the run's own config.yaml; give no preset or overrides")
     cfg = None if args.resume else load_config(preset, overrides)
-    summary = run_training(cfg, args.out, resume=args.resume)
+    if args.nproc is not None and args.nproc > 1:
+        from .tasks import launch_task
+
+        summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume)
+    else:
+        summary = run_training(cfg, args.out, resume=args.resume)
+    if os.environ.get("RANK", "0") != "0" or os.environ.get(ERROR_DIR_ENV):
+        return 0        # one line per run: rank 0's, or the launcher's when --nproc started it
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
         f"{summary['steps']} steps"
     val = summary.get("final_val_loss")
@@ -71,7 +80,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     preset, overrides = _split_preset(args.args)
     compare(preset or DEFAULT_COMPARE_PRESET, overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
-            seeds=_csv(args.seeds, int, "--seeds"))
+            seeds=_csv(args.seeds, int, "--seeds"), nproc=args.nproc)
     return 0
 
 
@@ -92,6 +101,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, greedy=args.greedy, seed=args.seed, device=args.device))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .tasks.finished import export_run
+
+    info = export_run(args.run_dir, args.out)
+    print(f"{args.out}: {info['tensors']} tensors, {info['parameters']:,} parameters, step {info['step']}")
     return 0
 
 
@@ -183,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where analysis.json and analysis/ go (default RUN_DIR)")
     p.set_defaults(func=_cmd_analyze)
 
+    p = sub.add_parser("export", help="write a run's trained weights (its last checkpoint, "
+                                      "single-process or sharded) as one .safetensors file")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors")
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")
     p.add_argument("--schemes", default="pre,post,siamese", help="comma-separated scheme names")
@@ -204,11 +227,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as err:
-        print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
+        if not _reported_to_launcher(err, user_error=True):
+            print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RankFailed as err:
+        print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        if _reported_to_launcher(err, user_error=False):
+            return 1
+        raise
+
+
+def _reported_to_launcher(err: BaseException, user_error: bool) -> bool:
+    """Whether this process runs under ``--nproc``, whose launcher prints the first failure of all
+    its processes as one line (then this one prints nothing)."""
+    from .parallel.launch import report_failure
+
+    return bool(os.environ.get(ERROR_DIR_ENV)) and report_failure(err, user_error)
 
 
 if __name__ == "__main__":

@@ -5,3 +5,8 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A bad configuration value: an unknown scheme, an option it does not have, a bad dimension."""
+
+
+class RankFailed(RuntimeError):
+    """One process of a run launched with ``--nproc`` crashed (not a user error). The command line
+    prints its one line (which rank, the exception, where its traceback is) and exits with 1."""

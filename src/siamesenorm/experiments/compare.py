@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir, read_jsonl
-from ..tasks import TASKS, check_data, get_task, run_task
+from ..tasks import TASKS, check_data, get_task, launch_task, run_task
 from ..train import has_checkpoint
 from .grid import build_grid
 from .report import write_report
@@ -115,11 +115,13 @@ def _start_run(run_dir: Path) -> bool:
 
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             schemes: list[str] | None = None, lrs: list[float] | None = None,
-            seeds: list[int] | None = None, log=print) -> list[dict]:
+            seeds: list[int] | None = None, nproc: int | None = None, log=print) -> list[dict]:
     """Train the grid into ``out`` (skipping finished runs) and write the table and the report.
 
     ``schemes``, ``lrs`` and ``seeds`` default to the preset's ``compare`` section, then to
     pre/post/siamese, ``train.lr`` and ``seed`` (see :mod:`siamesenorm.experiments.grid`).
+    ``nproc`` above 1 trains each run across that many processes of this machine, one run after
+    the other (:func:`~siamesenorm.tasks.launch_task`).
     """
     base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
     out = Path(out)
@@ -136,7 +138,9 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
-            summary = run_task(cfg, run_dir, resume=_start_run(run_dir))
+            resume = _start_run(run_dir)
+            summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume) if nproc and nproc > 1 \
+                else run_task(cfg, run_dir, resume=resume)
             log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,

@@ -12,6 +12,7 @@ from .env import (
     current_world,
     init_world,
     launched_world_size,
+    leave_world,
     on_main,
 )
 from .source import RankSource
@@ -19,4 +20,4 @@ from .wrap import Parallel, autocast_for, parallel_mode, parallelize
 
 __all__ = ["SINGLE", "Parallel", "RankSource", "World", "all_max", "all_mean", "autocast_for",
            "barrier", "broadcast_object", "current_world", "init_world", "launched_world_size",
-           "on_main", "parallel_mode", "parallelize"]
+           "leave_world", "on_main", "parallel_mode", "parallelize"]

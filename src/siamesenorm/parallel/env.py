@@ -23,7 +23,7 @@ from ..devices import resolve_device
 from ..errors import ConfigError
 
 __all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
-           "init_world", "launched_world_size", "on_main"]
+           "init_world", "launched_world_size", "leave_world", "on_main"]
 
 T = TypeVar("T")
 
@@ -100,6 +100,13 @@ def init_world(device_name: str) -> tuple[World, torch.device]:
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return World(rank, size, local), device
+
+
+def leave_world(world: World) -> None:
+    """Close the process group :func:`init_world` joined (a process that exits with it open gets
+    its transport threads killed mid-flight)."""
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def on_main(world: World, fn: Callable[[], T]) -> T | None:

@@ -6,6 +6,7 @@ with the weights of the last checkpoint.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,13 @@ from torch import nn
 
 from ..analysis import analyze_model, write_analysis
 from ..analysis.training_probes import to_device
+from ..config import dump_config
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir
 from ..train import load_checkpoint
+from ..train.checkpoint import checkpoint_extra, unique_tensors
+from ..train.state import RunState
 from .registry import get_task, saved_config
 
 
@@ -29,6 +33,33 @@ def load_trained(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, A
     model = get_task(cfg.task).build_model(cfg, resolve_device(device, "--device"))
     load_checkpoint(RunDir(run_dir).last_checkpoint, model, None)
     return model.eval(), cfg
+
+
+def export_run(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
+    """``siamesenorm export``: the weights of ``run_dir``'s last checkpoint (single-process or
+    sharded) as one safetensors file at ``out``; returns ``{"tensors": n, "parameters": n}``.
+
+    A tensor shared by several names (tied weights) is stored once, under its first name, as the
+    checkpoints do; the file's metadata holds the run's ``config.yaml`` (``siamesenorm_config``)
+    and the step. An existing ``out`` is refused; the file appears whole or not at all."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"--out {out}: the export is a .safetensors file; name it so")
+    if out.exists():
+        raise ConfigError(f"--out {out} already exists; remove it or choose another name")
+    check_out_dir(out.parent)
+    model, cfg = load_trained(run_dir, "cpu")
+    tensors = {k: v.detach().contiguous() for k, v in unique_tensors(model.state_dict()).items()}
+    step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "siamesenorm_config": dump_config(cfg),
+                                            "step": str(step)})
+    os.replace(tmp, out)
+    return {"tensors": len(tensors), "parameters": sum(p.numel() for p in model.parameters()),
+            "step": step}
 
 
 def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | None = None,

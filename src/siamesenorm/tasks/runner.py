@@ -9,6 +9,8 @@ tasks comes from their :class:`~.spec.Task`.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ import torch
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..errors import ConfigError
-from ..parallel import World, init_world, on_main
+from ..parallel import World, init_world, leave_world, on_main
+from ..parallel.launch import launch
 from ..rundir import RunDir, check_out_dir
 from ..train import TrainSettings, train
 from .registry import get_task, saved_config
@@ -59,6 +62,14 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     if resume:
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
     world, device = init_world(cfg.train.device)
+    try:
+        return _run(cfg, run_dir, resume, progress, world, device)
+    finally:
+        leave_world(world)
+
+
+def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: World,
+         device: torch.device) -> dict:
     task = get_task(cfg.task)
     if world.distributed:
         _check_distributed(cfg, world)
@@ -97,6 +108,34 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
         batches = [tuple(t.to(device) for t in b) for b in task.end_batches(cfg, data, cfg.analysis.batches)]
         result = analyze_model(model, batches, loss_fn=task.loss_fn, head_fn=task.head_fn)
         write_analysis(run_dir, result, source="validation")
+    return summary
+
+
+def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False) -> dict:
+    """:func:`run_task` across ``nproc`` processes of this machine, started by torchrun's launcher
+    (:func:`siamesenorm.parallel.launch`); returns rank 0's summary. What can be checked here is
+    checked before a process starts; a failure in any process is one line (ConfigError or
+    RankFailed) after all have stopped."""
+    run_dir = Path(run_dir)
+    check_out_dir(run_dir)
+    if resume:
+        cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
+    else:
+        RunDir(run_dir).refuse_existing_run()
+    if nproc > 1:
+        _check_distributed(cfg, World(0, nproc))
+    with tempfile.TemporaryDirectory(prefix="siamesenorm-launch-") as tmp:
+        args = ["-m", "siamesenorm", "train", "--out", str(run_dir)]
+        if resume:
+            args.append("--resume")
+        else:
+            preset = Path(tmp) / "config.yaml"
+            preset.write_text(dump_config(cfg))
+            args.append(str(preset))
+        launch(nproc, args, what=f"run {run_dir}")
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    if summary.get("interrupted"):
+        raise KeyboardInterrupt
     return summary
 
 

@@ -62,6 +62,11 @@ def _split_aliases(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[st
     return unique, aliases
 
 
+def unique_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` without the entries that share storage with an earlier one (tied weights)."""
+    return _split_aliases(state)[0]
+
+
 # ---- writing -------------------------------------------------------------------------------------
 def _check_plain(obj, where: str) -> None:
     if isinstance(obj, dict):
@@ -216,6 +221,15 @@ def read_state(file: Path, format: int = FORMAT) -> dict:
         raise ConfigError(f"cannot read checkpoint {file}: not a siamesenorm training state "
                           f"(format {format})")
     return state
+
+
+def checkpoint_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` (step, counters, states) of the checkpoint at ``path``, of either layout."""
+    path = Path(path)
+    kind = layout(path)
+    if kind is None:
+        raise ConfigError(f"no checkpoint at {path}")
+    return read_state(path / STATE_FILE, FORMAT if kind == "single" else SHARDED_FORMAT)["extra"]
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,

@@ -17,6 +17,7 @@ and :func:`load_sharded` also reads a single-process checkpoint into a spread mo
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,7 +79,9 @@ def save_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimiz
 
 def _load_dcp(path: Path, state: dict) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        with warnings.catch_warnings():     # a single process reading a sharded checkpoint is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
     except Exception as error:
         raise ConfigError(f"cannot read checkpoint {path / DCP_DIR}: {problem(error)}") from None
 

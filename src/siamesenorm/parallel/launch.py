@@ -1,0 +1,128 @@
+"""``--nproc N``: start N processes on this machine with torchrun's own launcher (the elastic agent
+of :mod:`torch.distributed.run`, standalone rendezvous), so a user never writes the torchrun line.
+
+The agent watches the processes: when one fails it stops the others (within seconds, never a hang)
+and none is restarted. What the user sees of a failure is one line. Each process reports its error
+into a folder the launcher gives it (:data:`ERROR_DIR_ENV`, see :func:`report_failure`) instead of
+printing it, and the launcher raises the first of them: a user's error (a rank's exit status 2) as
+:class:`~siamesenorm.errors.ConfigError` with the rank's own line, anything else as
+:class:`~siamesenorm.errors.RankFailed`, naming the rank, the exception, and the file that keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from ..errors import ConfigError, RankFailed
+
+__all__ = ["ERROR_DIR_ENV", "launch", "report_failure"]
+
+ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"   # cli.ERROR_DIR_ENV: the command line reads it too
+
+
+def report_failure(error: BaseException, user_error: bool) -> bool:
+    """Under :func:`launch`, record this process's failure for the launcher and return True (the
+    caller then prints nothing); elsewhere return False. ``user_error``: a ConfigError's line."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return False
+    rank = os.environ.get("RANK", "0")
+    line = str(error) if user_error else f"{type(error).__name__}: {error}".strip()
+    first = (line.splitlines() or [type(error).__name__])[0]
+    detail = Path(folder) / f"rank{rank}.traceback"
+    if not user_error:
+        detail.write_text("".join(traceback.format_exception(error)))
+    record = Path(folder) / f"rank{rank}.error"
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(f"{time.time():.6f}\t{'user' if user_error else 'crash'}\t{first}\n")
+    os.replace(tmp, record)
+    return True
+
+
+def _first_report(folder: Path) -> tuple[int, str, str] | None:
+    """``(rank, kind, line)`` of the earliest failure a process recorded, if any."""
+    found = []
+    for file in folder.glob("rank*.error"):
+        try:
+            stamp, kind, line = file.read_text().rstrip("\n").split("\t", 2)
+            found.append((float(stamp), int(file.stem[4:]), kind, line))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return None
+    _, rank, kind, line = min(found)
+    return rank, kind, line
+
+
+def _quiet_agent() -> None:
+    """The agent logs every start and, on a failure, a report per process: the failure's one line
+    is ours to print."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                 "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
+    """Run ``python ARGS...`` in ``nproc`` processes of one world on this machine; returns when all
+    succeeded, raises :class:`ConfigError` or :class:`RankFailed` (one line) when one failed."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
+        raise ConfigError("--nproc starts its own processes; it cannot run under torchrun "
+                          f"(WORLD_SIZE={os.environ['WORLD_SIZE']}): leave out --nproc")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_agent()
+    folder = Path(tempfile.mkdtemp(prefix="siamesenorm-ranks-"))
+    saved = {k: os.environ.get(k) for k in (ERROR_DIR_ENV, "OMP_NUM_THREADS")}
+    os.environ[ERROR_DIR_ENV] = str(folder)
+    if saved["OMP_NUM_THREADS"] is None:   # the processes share the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"siamesenorm-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn")
+    failed: ChildFailedError | None = None
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as error:
+        failed = error
+    except SignalException:         # Ctrl-C: the processes got it too and saved their checkpoint
+        raise KeyboardInterrupt from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if failed is None:
+        _remove(folder)
+        return
+    report = _first_report(folder)
+    if report is None:
+        rank, failure = min(failed.failures.items())
+        _remove(folder)
+        raise RankFailed(f"rank {rank} of the {what} exited with status {failure.exitcode} "
+                         "and reported nothing")
+    rank, kind, line = report
+    if kind == "user":
+        _remove(folder)
+        raise ConfigError(line)
+    raise RankFailed(f"rank {rank} of the {what} failed: {line} "
+                     f"(traceback: {folder / f'rank{rank}.traceback'})")
+
+
+def _remove(folder: Path) -> None:
+    for file in folder.iterdir():
+        file.unlink(missing_ok=True)
+    folder.rmdir()
