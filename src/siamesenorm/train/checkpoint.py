@@ -28,12 +28,20 @@ import os
 import shutil
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ..errors import ConfigError
 
@@ -246,9 +254,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
                           f"or {DCP_DIR}/ and {STATE_FILE})")
     if kind == "sharded":
-        from .sharded import load_sharded_into_one
-
-        return load_sharded_into_one(path, model, optimizer)
+        extra = read_state(path / STATE_FILE, SHARDED_FORMAT)["extra"]
+        load_dcp_into(path, model, optimizer)
+        return extra
     tensors = read_model(path / MODEL_FILE, model)
     state = read_state(path / STATE_FILE)
     if optimizer is not None:
@@ -259,3 +267,29 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                               f"{problem(error)}") from None
     model.load_state_dict(tensors, strict=True)
     return state["extra"]
+
+
+def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Read ``path/dcp`` into ``module`` (plain, DDP-wrapped or sharded by FSDP2) and ``optimizer``.
+
+    ``torch.distributed.checkpoint`` reshards as it reads, so the world size of the reader need not
+    be that of the writer; a single process without a process group reads it too.
+    """
+    if optimizer is None:
+        state = {"model": get_model_state_dict(module)}
+        _read_dcp(path, state)
+        set_model_state_dict(module, state["model"])
+        return
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    _read_dcp(path, state)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _read_dcp(path: Path, state: dict) -> None:
+    try:
+        with warnings.catch_warnings():     # a single process reading a sharded checkpoint is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    except Exception as error:
+        raise ConfigError(f"cannot read checkpoint {path / DCP_DIR}: {problem(error)}") from None

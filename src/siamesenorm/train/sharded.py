@@ -10,14 +10,13 @@ Every rank writes into one hidden temporary directory that rank 0 names; once al
 rank 0 swaps it in exactly as a single-process save does, so a save killed part-way leaves the
 previous checkpoint in place. The names are the model's own (FSDP2 keeps them; DDP's ``module.``
 is removed), so a checkpoint resumes at any world size: ``torch.distributed.checkpoint`` reshards
-what was saved by N ranks into M, a single process reads it with :func:`load_sharded_into_one`,
+what was saved by N ranks into M, a single process reads it with :func:`~.checkpoint.load_checkpoint`,
 and :func:`load_sharded` also reads a single-process checkpoint into a spread model.
 """
 
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -43,13 +41,13 @@ from .checkpoint import (
     _fsync,
     install,
     layout,
+    load_dcp_into,
     new_temporary,
-    problem,
     read_model,
     read_state,
 )
 
-__all__ = ["load_sharded", "load_sharded_into_one", "save_sharded"]
+__all__ = ["gather_objects", "load_sharded", "save_sharded"]
 
 
 def save_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimizer, extra: dict,
@@ -77,15 +75,6 @@ def save_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimiz
     barrier(world)
 
 
-def _load_dcp(path: Path, state: dict) -> None:
-    try:
-        with warnings.catch_warnings():     # a single process reading a sharded checkpoint is meant
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-    except Exception as error:
-        raise ConfigError(f"cannot read checkpoint {path / DCP_DIR}: {problem(error)}") from None
-
-
 def load_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimizer | None,
                  world: World) -> dict:
     """Load the checkpoint at ``path`` (either layout, saved at any world size) into the spread
@@ -98,27 +87,8 @@ def load_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimiz
     if kind == "single":
         return _load_single_into_spread(path, par, optimizer)
     extra = read_state(path / STATE_FILE, SHARDED_FORMAT)["extra"]
-    _load_dcp_into(path, par, optimizer)
+    load_dcp_into(path, par.module, optimizer)
     return extra
-
-
-def load_sharded_into_one(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """A sharded checkpoint into the model of a single process (no process group needed)."""
-    extra = read_state(path / STATE_FILE, SHARDED_FORMAT)["extra"]
-    _load_dcp_into(path, Parallel(model, model, "none"), optimizer)
-    return extra
-
-
-def _load_dcp_into(path: Path, par: Parallel, optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is None:
-        state = {"model": get_model_state_dict(par.module)}
-        _load_dcp(path, state)
-        set_model_state_dict(par.module, state["model"])
-        return
-    model_sd, optim_sd = get_state_dict(par.module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    _load_dcp(path, state)
-    set_state_dict(par.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _names(model: nn.Module) -> dict[int, str]:
