@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -108,18 +109,39 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     if failed is None:
         _remove(folder)
         return
+    silent = _died_silently(failed, folder)
     report = _first_report(folder)
-    if report is None:
-        rank, failure = min(failed.failures.items())
+    if silent is not None or report is None:
+        rank, code = silent if silent is not None else \
+            min((r, f.exitcode) for r, f in failed.failures.items())
         _remove(folder)
-        raise RankFailed(f"rank {rank} of the {what} exited with status {failure.exitcode} "
-                         "and reported nothing")
+        raise RankFailed(f"rank {rank} of the {what} {_death(code)} and reported nothing "
+                         "(killed from outside, out of memory, or a crash below Python)")
     rank, kind, line = report
     if kind == "user":
         _remove(folder)
         raise ConfigError(line)
     raise RankFailed(f"rank {rank} of the {what} failed: {line} "
                      f"(traceback: {folder / f'rank{rank}.traceback'})")
+
+
+def _died_silently(failed, folder: Path) -> tuple[int, int] | None:
+    """``(rank, exit code)`` of the lowest rank that died without reporting and not by the agent's
+    SIGTERM (which stops the others once one failed). Such a death (a SIGKILL, the kernel's
+    out-of-memory killer, a segfault) is the cause: the errors the surviving ranks then report
+    (a peer's connection reset) are its consequence."""
+    dead = [(rank, f.exitcode) for rank, f in failed.failures.items()
+            if f.exitcode != -signal.SIGTERM and not (folder / f"rank{rank}.error").exists()]
+    return min(dead) if dead else None
+
+
+def _death(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _remove(folder: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..errors import ConfigError
-from ..parallel import World, init_world, leave_world, on_main
+from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.launch import launch
 from ..rundir import RunDir, check_out_dir
 from ..train import TrainSettings, train
@@ -141,6 +141,7 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
 
 def _check_distributed(cfg: Any, world: World) -> None:
     """What a run across processes cannot do yet, refused before anything is written."""
+    parallel_mode(cfg.train.parallel, world)
     if cfg.task not in PARALLEL_TASKS:
         raise ConfigError(f"task {cfg.task} trains in one process; runs across processes support "
                           f"task {', '.join(PARALLEL_TASKS)} (launched with {world.size} processes)")

@@ -1,0 +1,148 @@
+"""A training script for tests/test_parallel.py, run by ``siamesenorm.parallel.launch`` (2 processes,
+gloo) or in the test's own process (the single-process reference).
+
+    python dist_worker.py equivalence OUT.json
+        every scheme of SCHEMES under DDP and FSDP2: 5 steps, one rank's micro-batch each; rank 0
+        writes {"<scheme>/<mode>": {"losses": [...], "val": ...}} to OUT.json
+    python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
+        one run of 6 steps (checkpoint every 2) of pre; ``--crash-at-batch N`` raises when the
+        batch source has drawn N micro-batches (on every rank: all draw the same); ``--kill-save K``
+        ends the process abruptly inside the K-th checkpoint save of this session, after the
+        sharded files were written and before the swap
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from siamesenorm.data import BatchSampler, validation_batches
+from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.train import TrainSettings, train
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+SCHEMES = {
+    "pre": ("pre", {}),
+    "siamese-post_pre": ("siamese", {"form": "post_pre"}),
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
+    "hyper": ("hyper", {}),
+    "deepnorm": ("deepnorm", {}),
+}
+
+
+def tokens() -> tuple[np.ndarray, np.ndarray]:
+    g = np.random.default_rng(0)
+    # a learnable sequence: a noisy walk over the vocabulary
+    steps = g.integers(1, 4, size=12_000)
+    seq = np.cumsum(steps) % VOCAB
+    return seq[:10_000].astype(np.int64), seq[10_000:].astype(np.int64)
+
+
+def build(scheme: str, options: dict) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(LMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=SEQ,
+                                  scheme=scheme, scheme_options=options))
+
+
+def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainSettings:
+    _, val = tokens()
+    return TrainSettings(steps=steps, lr=1e-2, warmup=1, grad_accum=accum, eval_every=steps,
+                         eval_batches=validation_batches(val, BATCH, SEQ, 3), parallel=parallel,
+                         checkpoint_every=checkpoint_every, seed=0)
+
+
+def source() -> BatchSampler:
+    return BatchSampler(tokens()[0], BATCH, SEQ, seed=0)
+
+
+def losses(run_dir: Path) -> tuple[list[float], float | None]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows], rows[-1].get("val_loss")
+
+
+class Crashing:
+    """A batch source that raises when the inner one has drawn ``at`` micro-batches."""
+
+    def __init__(self, inner: BatchSampler, at: int) -> None:
+        self.inner, self.at = inner, at
+
+    def next_batch(self):
+        if self.inner.batches_drawn >= self.at:
+            raise RuntimeError(f"planned crash after {self.at} micro-batches")
+        return self.inner.next_batch()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def _kill_inside_save(k: int) -> None:
+    import siamesenorm.train.sharded as sharded
+
+    real, count = sharded.install, [0]
+
+    def install(tmp, path):
+        count[0] += 1
+        if count[0] == k:
+            os._exit(9)         # killed: the new checkpoint is written but never swapped in
+        real(tmp, path)
+
+    sharded.install = install
+
+
+def main(argv: list[str]) -> None:
+    from siamesenorm.parallel import init_world, leave_world
+
+    world, _ = init_world("cpu")
+    try:
+        if argv[0] == "equivalence":
+            results = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                from siamesenorm.parallel import broadcast_object
+
+                tmp = broadcast_object(world, tmp)
+                for name, (scheme, options) in SCHEMES.items():
+                    for mode in ("ddp", "fsdp"):
+                        run_dir = Path(tmp) / f"{name}-{mode}"
+                        train(build(scheme, options), source(), settings(5, mode, 1), run_dir,
+                              progress=False)
+                        if world.main:
+                            results[f"{name}/{mode}"] = dict(zip(("losses", "val"), losses(run_dir)))
+            if world.main:
+                Path(argv[1]).write_text(json.dumps(results))
+            return
+        run_dir, parallel, accum = Path(argv[1]), argv[2], int(argv[3])
+        rest = argv[4:]
+        src = source()
+        if "--crash-at-batch" in rest:
+            src = Crashing(src, int(rest[rest.index("--crash-at-batch") + 1]))
+        if "--kill-save" in rest:
+            _kill_inside_save(int(rest[rest.index("--kill-save") + 1]))
+        train(build("pre", {}), src, settings(6, parallel, accum, checkpoint_every=2), run_dir,
+              resume="--resume" in rest, progress=False)
+    finally:
+        leave_world(world)
+
+
+if __name__ == "__main__":
+    from siamesenorm.errors import ConfigError
+    from siamesenorm.parallel.launch import report_failure
+
+    try:
+        main(sys.argv[1:])
+    except ConfigError as error:
+        if not report_failure(error, True):
+            raise
+        sys.exit(2)
+    except Exception as error:
+        if not report_failure(error, False):
+            raise
+        sys.exit(1)
