@@ -2,8 +2,8 @@
 gloo) or in the test's own process (the single-process reference).
 
     python dist_worker.py equivalence OUT.json
-        every scheme of SCHEMES under DDP and FSDP2: 5 steps, one rank's micro-batch each; rank 0
-        writes {"<scheme>/<mode>": {"losses": [...], "val": ...}} to OUT.json
+        every scheme of SCHEMES (all registered ones) under DDP and FSDP2: 5 steps, one rank's
+        micro-batch each; rank 0 writes {"<scheme>/<mode>": {"losses": [...], "val": ...}} to OUT.json
     python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
         one run of 6 steps (checkpoint every 2) of pre; ``--crash-at-batch N`` raises when the
         batch source has drawn N micro-batches (on every rank: all draw the same); ``--kill-save K``
@@ -24,16 +24,13 @@ import torch
 
 from siamesenorm.data import BatchSampler, validation_batches
 from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.schemes import list_schemes
 from siamesenorm.train import TrainSettings, train
 
 VOCAB, SEQ, BATCH = 64, 16, 4
-SCHEMES = {
-    "pre": ("pre", {}),
-    "siamese-post_pre": ("siamese", {"form": "post_pre"}),
-    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
-    "hyper": ("hyper", {}),
-    "deepnorm": ("deepnorm", {}),
-}
+# every registered scheme with its defaults (SiameseNorm's default form is post_pre), and the OLMo form
+SCHEMES = {name: (name, {}) for name in list_schemes()} | {
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:
