@@ -5,6 +5,7 @@ gloo) or in the test's own process (the single-process reference).
         every scheme of SCHEMES (all registered ones) under DDP and FSDP2: 5 steps, one rank's
         micro-batch each; rank 0 writes {"<scheme>/<mode>": {"losses": [...], "val": ...}} to OUT.json
     python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
+        [--lr LR]
         one run of 6 steps (checkpoint every 2) of pre; ``--crash-at-batch N`` raises when the
         batch source has drawn N micro-batches (on every rank: all draw the same); ``--kill-save K``
         ends the process abruptly inside the K-th checkpoint save of this session, after the
@@ -13,6 +14,7 @@ gloo) or in the test's own process (the single-process reference).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -123,8 +125,10 @@ def main(argv: list[str]) -> None:
             src = Crashing(src, int(rest[rest.index("--crash-at-batch") + 1]))
         if "--kill-save" in rest:
             _kill_inside_save(int(rest[rest.index("--kill-save") + 1]))
-        train(build("pre", {}), src, settings(6, parallel, accum, checkpoint_every=2), run_dir,
-              resume="--resume" in rest, progress=False)
+        s = settings(6, parallel, accum, checkpoint_every=2)
+        if "--lr" in rest:
+            s = dataclasses.replace(s, lr=float(rest[rest.index("--lr") + 1]))
+        train(build("pre", {}), src, s, run_dir, resume="--resume" in rest, progress=False)
     finally:
         leave_world(world)
 

@@ -125,6 +125,23 @@ def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subpro
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
 
 
+def test_divergence_stops_every_rank_at_the_step_one_process_stops(tmp_path):
+    """The loss and gradient norm that the divergence check reads are reduced over the ranks, so
+    every rank sees the same figures and stops at the same step, as one process would."""
+    import dataclasses
+
+    ref = tmp_path / "ref"
+    settings = dataclasses.replace(w.settings(6, "none", 2, checkpoint_every=2), lr=50.0)
+    train(w.build("pre", {}), w.source(), settings, ref, progress=False)
+    want = json.loads((ref / "summary.json").read_text())
+    assert want["diverged"], "the reference did not diverge: raise the learning rate"
+    run_dir = tmp_path / "run"
+    launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--lr", "50"])     # returns: no rank hangs
+    got = json.loads((run_dir / "summary.json").read_text())
+    assert got["diverged"] and got["diverged_at"] == want["diverged_at"]
+    assert_close(w.losses(run_dir)[0], w.losses(ref)[0], "diverging run")
+
+
 def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path):
     """A crash on rank 1 only (rank 0 then waits in a collective): the launcher stops both."""
     hook = tmp_path / "hook"
@@ -155,8 +172,8 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
     run_dir = tmp_path / "run"
     res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines() == [f"{run_dir}: 4 steps, final val loss "
-                                               f"{json.loads((run_dir / 'summary.json').read_text())['final_val_loss']:.4f}"]
+    final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+    assert res.stdout.strip().splitlines() == [f"{run_dir}: 4 steps, final val loss {final:.4f}"]
     assert (run_dir / "checkpoints" / "last" / "dcp" / ".metadata").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == \
         sorted(["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb", "tokenizer"])
