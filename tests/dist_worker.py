@@ -3,7 +3,8 @@ gloo) or in the test's own process (the single-process reference).
 
     python dist_worker.py equivalence OUT.json
         every scheme of SCHEMES (all registered ones) under DDP and FSDP2: 5 steps, one rank's
-        micro-batch each; rank 0 writes {"<scheme>/<mode>": {"losses": [...], "val": ...}} to OUT.json
+        micro-batch each, and those of CHECKPOINTED with activation checkpointing; rank 0 writes
+        {"<scheme>/<mode>[/<checkpointing>]": {"losses": [...], "val": ...}} to OUT.json
     python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
         [--lr LR]
         one run of 6 steps (checkpoint every 2) of pre; ``--crash-at-batch N`` raises when the
@@ -26,6 +27,7 @@ import torch
 
 from siamesenorm.data import BatchSampler, validation_batches
 from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.models.checkpointing import set_activation_checkpointing
 from siamesenorm.schemes import list_schemes
 from siamesenorm.train import TrainSettings, train
 
@@ -33,6 +35,8 @@ VOCAB, SEQ, BATCH = 64, 16, 4
 # every registered scheme with its defaults (SiameseNorm's default form is post_pre), and the OLMo form
 SCHEMES = {name: (name, {}) for name in list_schemes()} | {
     "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
+# also trained with activation checkpointing (sublayer, selective) under each engine
+CHECKPOINTED = ("pre", "siamese-hybrid_pre")
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:
@@ -108,13 +112,17 @@ def main(argv: list[str]) -> None:
                 from siamesenorm.parallel import broadcast_object
 
                 tmp = broadcast_object(world, tmp)
-                for name, (scheme, options) in SCHEMES.items():
-                    for mode in ("ddp", "fsdp"):
-                        run_dir = Path(tmp) / f"{name}-{mode}"
-                        train(build(scheme, options), source(), settings(5, mode, 1), run_dir,
-                              progress=False)
-                        if world.main:
-                            results[f"{name}/{mode}"] = dict(zip(("losses", "val"), losses(run_dir)))
+                cases = [(name, mode, "none") for name in SCHEMES for mode in ("ddp", "fsdp")]
+                cases += [(name, mode, ac) for name in CHECKPOINTED for mode in ("ddp", "fsdp")
+                          for ac in ("sublayer", "selective")]
+                for name, mode, ac in cases:
+                    run_dir = Path(tmp) / f"{name}-{mode}-{ac}"
+                    model = build(*SCHEMES[name])
+                    set_activation_checkpointing(model, ac)
+                    train(model, source(), settings(5, mode, 1), run_dir, progress=False)
+                    if world.main:
+                        key = f"{name}/{mode}" + ("" if ac == "none" else f"/{ac}")
+                        results[key] = dict(zip(("losses", "val"), losses(run_dir)))
             if world.main:
                 Path(argv[1]).write_text(json.dumps(results))
             return

@@ -66,6 +66,9 @@ def test_ddp_and_fsdp_match_one_process_with_accumulation(tmp_path):
             got = results[f"{name}/{mode}"]
             assert_close(got["losses"], want, f"{name} under {mode}")
             assert_close([got["val"]], [want_val], f"{name} under {mode}, validation")
+            for ac in ("sublayer", "selective") if name in w.CHECKPOINTED else ():
+                got = results[f"{name}/{mode}/{ac}"]
+                assert_close(got["losses"], want, f"{name} under {mode} with {ac} checkpointing")
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])

@@ -56,6 +56,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .run import load_config, run_training
 
     preset, overrides = _split_preset(args.args)
+    if args.dry_run:
+        if args.resume:
+            raise ConfigError("--dry-run sizes a new run from a preset and overrides; drop --resume")
+        from .tasks.dryrun import dry_run, format_dry_run
+
+        print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset or ""))
+        return 0
     if args.resume and (preset or overrides):
         raise ConfigError("--resume takes the run's own config.yaml; give no preset or overrides")
     cfg = None if args.resume else load_config(preset, overrides)
@@ -160,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train across N processes on this machine (torchrun's launcher; default 1)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the model's parameters, FLOPs, tokens per step and memory per rank "
+                        "(DDP, FSDP2) at --nproc ranks; load no data, write nothing")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("compare", help="train several schemes (x learning rates x seeds) side by "

@@ -43,11 +43,16 @@ from ..models import LanguageModel, LMConfig
 from ..rundir import RunDir
 from .spec import Task
 
-
 # ---- configuration ------------------------------------------------------------------------------
+# ``data.corpus: ""`` in a preset: the user must name the data. The configuration loads (so
+# ``--dry-run`` and grids work); loading or checking the data refuses it in one line.
+UNSET_CORPUS = ""
+
+
 @dataclass
 class DataConfig:
-    """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path."""
+    """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path; ``""``
+    (a preset's way to say that the user names the data) is refused when the data is loaded."""
 
     corpus: str = "pystdlib"
     corpus_options: dict[str, Any] = field(default_factory=dict)  # keyword options of its loader
@@ -83,7 +88,8 @@ class LMRunConfig:
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
     def __post_init__(self) -> None:
-        check_corpus_options(self.data.corpus, self.data.corpus_options)
+        if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
+            check_corpus_options(self.data.corpus, self.data.corpus_options)
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -136,6 +142,10 @@ def _model_vocab(cfg: LMRunConfig, needed: int, why: str) -> int:
 def _load_corpus(cfg: LMRunConfig) -> Corpus:
     """``cfg``'s corpus, after the checks that need no data (and, with BPE and an explicit
     ``model.vocab_size``, refusing one below ``data.vocab_size``: the tokenizer may use them all)."""
+    if cfg.data.corpus == UNSET_CORPUS:
+        raise ConfigError("data.corpus is not set: name the training data, e.g. "
+                          "data.corpus=PATH/TO/train.bin (a .bin token file, a folder of .bin shards "
+                          "or a glob) or data.corpus=hf:NAME")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                           f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")

@@ -1,0 +1,196 @@
+"""Activation checkpointing of a scheme host, and the bytes a forward pass keeps for backward.
+
+``train.activation_checkpointing`` (:func:`set_activation_checkpointing`) trades compute for memory
+at the granularity every model shares: one ``scheme.step(state, i, branch)``, that is one attention
+or MLP sublayer together with the norms, gates and residual updates its scheme puts around it.
+
+- ``none``: autograd keeps what every op saves for backward.
+- ``sublayer``: each step runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`. Only
+  the step's input state is kept (one tensor per residual stream: two for SiameseNorm, n for
+  hyper-connections); backward recomputes the step. Costs about one more forward.
+- ``selective``: the same checkpoint with a selective policy: the outputs of matrix products and of
+  attention (``mm``, ``addmm``, ``bmm``, ``baddbmm``, every ``scaled_dot_product_*attention``
+  kernel) are kept, everything else is recomputed: the norms, the element-wise work (activations,
+  gates, RoPE, residual adds, depth scales), which is where SiameseNorm's second stream costs memory.
+  Costs a few element-wise passes, no matmul.
+
+Both keep random draws (dropout, drop-path) identical between forward and recompute (the
+checkpoint restores the RNG state) and only apply in training mode with gradients on: evaluation
+and generation run the plain step. The wrapping is an instance attribute of the model's scheme
+(models never branch on it), applied before DDP or FSDP2 wrap the model, so their hooks see the
+recomputed sublayers as they see the first pass.
+
+:func:`saved_activation_bytes` measures what a forward keeps alive for backward, on any device,
+the meta device included (that is how ``train --dry-run`` estimates activations without memory):
+every storage an op creates during the forward and that is still alive when it returns, counted
+once; parameters, buffers and inputs, which existed before, are not. On the meta device attention
+is counted as a fused kernel keeps it (output and log-sum-exp, not the T x T weights), which is
+what SDPA runs on a GPU and on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..config import CHECKPOINTING_MODES
+from .host import SchemeHost
+
+__all__ = ["activation_checkpointing", "activation_memory", "saved_activation_bytes",
+           "set_activation_checkpointing"]
+
+_aten = torch.ops.aten
+# What ``selective`` keeps: matrix products and attention kernels (whatever SDPA dispatches to).
+_SAVED_OPS = frozenset(
+    op for op in (
+        _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+        *(getattr(_aten, name).default for name in (
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_attention_math") if hasattr(_aten, name)),
+    ))
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE_CONTEXT = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+
+
+class _CheckpointedStep:
+    """``scheme.step`` under a checkpoint: what :func:`set_activation_checkpointing` installs."""
+
+    def __init__(self, scheme: nn.Module, mode: str) -> None:
+        self.scheme, self.mode = scheme, mode
+
+    def __call__(self, state: Any, i: int, branch: Callable[[Tensor], Tensor]) -> Any:
+        plain = type(self.scheme).step
+        if not (self.scheme.training and torch.is_grad_enabled()):
+            return plain(self.scheme, state, i, branch)
+        extra = {"context_fn": _SELECTIVE_CONTEXT} if self.mode == "selective" else {}
+        return checkpoint(plain, self.scheme, state, i, branch, use_reentrant=False, **extra)
+
+
+def _host(model: nn.Module) -> SchemeHost:
+    if not isinstance(model, SchemeHost):
+        raise ValueError(f"activation checkpointing needs a model that runs a residual scheme "
+                         f"(a SchemeHost), got {type(model).__name__}")
+    return model
+
+
+def activation_checkpointing(model: nn.Module) -> str:
+    """The mode ``model`` runs with (``none`` unless :func:`set_activation_checkpointing` set one)."""
+    step = vars(_host(model).scheme).get("step")
+    return step.mode if isinstance(step, _CheckpointedStep) else "none"
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Make ``model`` (a scheme host: language model, ViT, DiT or its diffusion objective) run each
+    scheme step with activation checkpointing ``mode`` (see the module docstring). Setting a mode
+    again replaces the previous one; ``none`` restores the plain step."""
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"activation checkpointing must be one of {', '.join(CHECKPOINTING_MODES)}, "
+                         f"got {mode!r}")
+    scheme = _host(model).scheme
+    vars(scheme).pop("step", None)
+    if mode != "none":
+        vars(scheme)["step"] = _CheckpointedStep(scheme, mode)
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def _storage(t: Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):      # sparse and other storage-less tensors
+        return None
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Every storage an op creates while active, with a weak reference to it (the storage, not a
+    Python tensor: autograd may keep a storage through a tensor that Python never sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.before: set[int] = set()
+
+    def _fresh(self, key: int) -> bool:
+        entry = self.created.get(key)
+        return entry is not None and not entry[0].expired()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and (s := _storage(t)) is not None and not self._fresh(s._cdata):
+                self.before.add(s._cdata)         # a parameter, buffer or input: not the forward's
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and (s := _storage(t)) is not None:
+                key = s._cdata
+                if key not in self.before and not self._fresh(key):
+                    self.created[key] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self.created.values() if not ref.expired())
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """On the meta device :func:`~torch.nn.functional.scaled_dot_product_attention` takes its math
+    path, which keeps the (B, heads, T, T) attention weights; a real device takes a fused kernel,
+    which keeps its output and a (B, heads, T) log-sum-exp. This mode sends meta attention to a
+    fused kernel's meta function, so that an estimate is the fused figure."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        if q.device.type != "meta":
+            return func(*args, **kwargs)
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        out, _ = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout, causal, attn_mask=mask, scale=kwargs.get("scale"))
+        return out
+
+
+def saved_activation_bytes(fn: Callable[[], Tensor]) -> int:
+    """The bytes that ``fn()`` (a forward pass returning its loss) leaves allocated for backward:
+    the storages its ops created that are alive once it returns, each counted once, the returned
+    loss included. Works on the meta device (sizes only; attention counted as a fused kernel)."""
+    with torch.enable_grad(), _FusedAttentionOnMeta():
+        mode = _LiveStorages()
+        with mode:
+            loss = fn()
+        total = mode.live_bytes()
+        del loss
+    return total
+
+
+def activation_memory(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> int:
+    """The bytes one training micro-batch ``(x, y)`` keeps for backward under checkpointing
+    ``mode``: :func:`saved_activation_bytes` of ``model(x, y).loss`` in training mode (the engine's
+    call). The model's own mode and checkpointing are restored afterwards."""
+    before, training = activation_checkpointing(model), model.training
+    set_activation_checkpointing(model, mode)
+    model.train()
+    try:
+        return saved_activation_bytes(lambda: model(x, y).loss)
+    finally:
+        set_activation_checkpointing(model, before)
+        model.train(training)

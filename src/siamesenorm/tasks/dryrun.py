@@ -1,0 +1,301 @@
+"""``siamesenorm train PRESET [key=value ...] --dry-run [--nproc N]``: a run's size and cost, with
+no data, no memory and nothing written.
+
+:func:`dry_run` loads nothing but the configuration: the task's ``build_model`` builds the model on
+the ``meta`` device (shapes only, no storage), with the sizes the configuration gives (for a
+language model ``model.vocab_size`` as set, though a real run takes it from its data; for images
+``model.image_size``, ``in_chans``, ``num_classes``). It returns plain numbers; :func:`format_dry_run`
+prints them as a table.
+
+The figures, with ``P`` the parameters (a tied weight once), ``N`` ranks (``--nproc``, else the
+``WORLD_SIZE`` environment variable, else 1; at ``N = 1`` the table also shows ``N = 8``):
+
+- parameters: total; embedding = every ``nn.Embedding`` table plus an untied output head
+  (``lm_head``); non-embedding = the rest.
+- FLOPs per token: the model's ``flops_per_token(seq_len)`` (a language model's ``6 N + 12 L d T``,
+  training forward and backward); none for models that give none (ViT, DiT).
+- tokens per optimizer step = ``N x data.batch_size x tokens per sample x train.grad_accum``
+  (tokens per sample: ``data.seq_len`` for a language model, ``model.tokens_in`` otherwise).
+- memory per rank, in bytes (GiB printed), with ``b`` the bytes of a parameter in compute (2 under
+  bf16, 4 in fp32) and ``U`` the parameters FSDP2 holds unsharded at once: the root group
+  (everything outside the sublayers: embedding, head, the scheme's norms; FSDP2 keeps the root
+  gathered from forward to the end of backward) plus the largest block (its attention and MLP
+  sublayers, each a shard group: the one computing and the one prefetched):
+
+  ============================  ===============  ====================
+  term                          one process/DDP  FSDP2
+  ============================  ===============  ====================
+  parameters (fp32 master)      ``4 P``          ``4 P / N + b U``
+  bf16 weight copies            ``2 P`` (bf16)   (in ``b U``)
+  gradients (fp32)              ``4 P``          ``4 P / N + b U``
+  DDP gradient buckets          ``4 P`` (DDP)    0
+  AdamW state (2 fp32 tensors)  ``8 P``          ``8 P / N``
+  activations (one micro-batch) ``A(mode)``      ``A(mode)``
+  ============================  ===============  ====================
+
+  The bf16 weight copies are autocast's: a bf16 run without FSDP2's mixed-precision policy casts
+  every weight for the forward and keeps the copies for backward. DDP's buckets are its default
+  (``gradient_as_bucket_view=False``): a second copy of every gradient. ``A(mode)`` is
+  :func:`siamesenorm.models.checkpointing.activation_memory` for ``activation_checkpointing``
+  ``none``, ``sublayer`` and ``selective``: the bytes saved for backward by one micro-batch of
+  ``data.batch_size`` samples, measured on the meta model in the run's compute dtype (under bf16
+  the model is cast to bf16, as FSDP2's mixed-precision policy computes; DDP's autocast keeps the
+  residual streams and norms in fp32, so there its figure is a lower bound). The total is the
+  sum for the configured ``train.activation_checkpointing``. Not counted: the CUDA context and
+  caching-allocator fragmentation, communication buffers other than DDP's buckets, temporaries of
+  a single kernel, ``torch.compile``'s workspace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import CHECKPOINTING_MODES
+from ..errors import ConfigError
+from ..models.host import SchemeHost
+from ..parallel.env import World, launched_world_size
+from ..parallel.wrap import parallel_mode
+from ..schemes import SUBLAYERS_PER_BLOCK
+from .registry import get_task
+
+__all__ = ["dry_run", "format_dry_run", "parameter_counts", "world_size"]
+
+GIB = 1024 ** 3
+SCALE_OUT = 8   # at one rank the table also shows this many
+
+
+def world_size(nproc: int | None = None) -> int:
+    """``nproc``, else the launcher's ``WORLD_SIZE``, else 1."""
+    n = launched_world_size() if nproc is None else nproc
+    if n < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {n}")
+    return n
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """``total``, ``token_embedding`` (every ``nn.Embedding``), ``head`` (an untied ``lm_head``),
+    ``embedding`` (the two), ``non_embedding``; a tied weight counts once."""
+    total = _numel(model)
+    token = sum(_numel(m) for m in model.modules() if isinstance(m, nn.Embedding))
+    head = _numel(getattr(model, "lm_head", None))
+    return {"total": total, "token_embedding": token, "head": head, "embedding": token + head,
+            "non_embedding": total - token - head}
+
+
+def _shard_groups(model: nn.Module) -> dict[str, int]:
+    """FSDP2's groups as :func:`siamesenorm.parallel.wrap.parallelize` makes them: ``root`` (the
+    parameters outside the sublayers) and ``block`` (the largest block's sublayers)."""
+    total = _numel(model)
+    if not isinstance(model, SchemeHost):
+        return {"root": total, "block": 0}
+    subs = list(model.sublayers)
+    blocks = [sum(_numel(s) for s in subs[i:i + SUBLAYERS_PER_BLOCK])
+              for i in range(0, len(subs), SUBLAYERS_PER_BLOCK)]
+    return {"root": total - sum(_numel(s) for s in subs), "block": max(blocks, default=0)}
+
+
+def _lm_inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (cfg.data.batch_size, cfg.data.seq_len)
+    return (torch.empty(shape, dtype=torch.long, device="meta"),
+            torch.empty(shape, dtype=torch.long, device="meta"))
+
+
+def _image_inputs(size_key: str) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:
+    def inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        m, b = cfg.model, cfg.data.batch_size
+        size = getattr(m, size_key)
+        return (torch.empty(b, m.in_chans, size, size, device="meta"),
+                torch.empty(b, dtype=torch.long, device="meta"))
+    return inputs
+
+
+# One micro-batch ``(x, y)`` of each task, as its sampler yields it (meta tensors): token ids and
+# next-token targets; images and class labels (ViT: model.image_size, DiT: model.input_size).
+_INPUTS: dict[str, Callable[[Any], tuple[torch.Tensor, torch.Tensor]]] = {
+    "lm": _lm_inputs, "vit": _image_inputs("image_size"), "dit": _image_inputs("input_size")}
+
+
+def _precision(cfg: Any) -> str:
+    """``bf16`` or ``fp32``: ``train.precision``, with ``auto`` as the run's device decides (bf16 on
+    CUDA; ``train.device=auto`` means CUDA when this machine has one)."""
+    p, dev = cfg.train.precision, cfg.train.device
+    if p != "auto":
+        return p
+    cuda = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+    return "bf16" if cuda else "fp32"
+
+
+def _activations(model: nn.Module, cfg: Any, dtype: torch.dtype) -> dict[str, int | None]:
+    """``activation_memory`` of one micro-batch under each checkpointing mode (None: no estimate)."""
+    from ..models.checkpointing import activation_memory
+
+    make = _INPUTS.get(cfg.task)
+    if make is None:
+        return {mode: None for mode in CHECKPOINTING_MODES}
+    x, y = make(cfg)
+    if x.is_floating_point():
+        x = x.to(dtype)
+    model = model.to(dtype)
+    out: dict[str, int | None] = {}
+    for mode in CHECKPOINTING_MODES:
+        try:
+            out[mode] = int(activation_memory(model, x, y, mode))
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):  # an op without meta support
+            out[mode] = None
+    return out
+
+
+def _memory(engine: str, n: int, p: int, unsharded: int, bf16: bool,
+            activations: dict[str, int | None]) -> dict[str, Any]:
+    """The terms of one column (see the module docstring), in bytes."""
+    b = 2 if bf16 else 4
+    if engine == "fsdp":
+        terms = {"parameters": 4 * p / n + b * unsharded, "weight_copies": 0,
+                 "gradients": 4 * p / n + b * unsharded, "buckets": 0, "optimizer": 8 * p / n}
+    else:
+        terms = {"parameters": 4 * p, "weight_copies": 2 * p if bf16 else 0, "gradients": 4 * p,
+                 "buckets": 4 * p if engine == "ddp" else 0, "optimizer": 8 * p}
+    terms = {k: int(v) for k, v in terms.items()}
+    states = sum(terms.values())
+    total = {mode: None if a is None else states + a for mode, a in activations.items()}
+    return {"engine": engine, "nproc": n, **terms, "states": states, "activations": activations,
+            "total": total}
+
+
+def dry_run(cfg: Any, nproc: int | None = None) -> dict[str, Any]:
+    """The size and cost of the run ``cfg`` (a task's run configuration) at ``nproc`` ranks
+    (:func:`world_size`), from a model built on the meta device; nothing is loaded or written.
+
+    Keys: ``task``, ``nproc``, ``precision``, ``parameters`` (:func:`parameter_counts`),
+    ``shard_groups``, ``seq_len``, ``flops_per_token`` (None where the model gives none),
+    ``tokens_per_sample``, ``tokens_per_step``, ``steps``, ``tokens``, ``flops``,
+    ``activations`` (bytes per checkpointing mode), ``memory`` (one dict per column: ``engine``
+    ``none``, ``ddp`` or ``fsdp``, ``nproc``, the byte terms, ``total`` per checkpointing mode),
+    ``configured`` (``parallel``, ``activation_checkpointing``, ``total`` bytes per rank).
+    """
+    n = world_size(nproc)
+    task = get_task(cfg.task)
+    engine = parallel_mode(cfg.train.parallel, World(size=n))   # refuses parallel=none at n > 1
+    precision = _precision(cfg)
+    bf16 = precision == "bf16"
+    model = task.build_model(cfg, torch.device("meta"))
+    counts = parameter_counts(model)
+    groups = _shard_groups(model)
+    seq_len = getattr(cfg.data, "seq_len", None)
+    flops = model.flops_per_token(seq_len)
+    x, _ = _INPUTS[cfg.task](cfg) if cfg.task in _INPUTS else (None, None)
+    per_sample = seq_len if seq_len is not None else \
+        (model.tokens_in(x) // cfg.data.batch_size if x is not None else 1)
+    tokens_per_step = n * cfg.data.batch_size * per_sample * cfg.train.grad_accum
+    activations = _activations(model, cfg, torch.bfloat16 if bf16 else torch.float32)
+    unsharded = groups["root"] + groups["block"]
+    columns = [("none", 1), ("ddp", SCALE_OUT), ("fsdp", SCALE_OUT)] if n == 1 else \
+        [("ddp", n), ("fsdp", n)]
+    memory = [_memory(e, k, counts["total"], unsharded, bf16, activations) for e, k in columns]
+    mine = next(c for c in memory if c["engine"] == engine)   # "none" at one rank
+    steps = cfg.train.steps
+    return {
+        "task": cfg.task, "nproc": n, "precision": precision, "parameters": counts,
+        "shard_groups": groups, "seq_len": seq_len, "flops_per_token": flops,
+        "tokens_per_sample": per_sample, "tokens_per_step": tokens_per_step,
+        "batch_size": cfg.data.batch_size, "grad_accum": cfg.train.grad_accum, "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "flops": None if flops is None else flops * steps * tokens_per_step,
+        "activations": activations, "memory": memory,
+        "configured": {"parallel": engine, "activation_checkpointing": cfg.train.activation_checkpointing,
+                       "total": mine["total"][cfg.train.activation_checkpointing]},
+        "model": _describe(cfg),
+    }
+
+
+def _describe(cfg: Any) -> str:
+    m = cfg.model
+    opts = ", ".join(f"{k}={v}" for k, v in m.scheme_options.items())
+    scheme = f"{m.scheme} ({opts})" if opts else m.scheme
+    parts = [scheme, f"{m.n_layers} layers x {m.dim}", f"{m.n_heads} heads"]
+    if hasattr(m, "vocab_size"):
+        tied = "tied" if m.tie_embeddings else "untied"
+        parts += [f"vocab {m.vocab_size} ({tied})", f"seq {cfg.data.seq_len}"]
+    return ", ".join(parts)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def _int(v: int) -> str:
+    return f"{v:,}"
+
+
+def _si(v: float, unit: str = "", big: str = "G") -> str:
+    """``7.87 GFLOP``; with ``big="B"`` counts read ``1.28 B`` (billions), ``100.0 B tokens``."""
+    for factor, prefix in ((1e12, "T"), (1e9, big), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= factor:
+            sep = "" if unit == "FLOP" else " "
+            return f"{v / factor:.{1 if unit == 'tokens' else 2}f} {prefix}{sep}{unit}".rstrip()
+    return f"{v:.0f} {unit}".rstrip()
+
+
+def _gib(v: int | None) -> str:
+    return "n/a" if v is None else f"{v / GIB:.2f}"
+
+
+_ENGINE_NAMES = {"none": "1 process", "ddp": "DDP", "fsdp": "FSDP2"}
+_ROWS = (("parameters", "parameters (fp32 master)"), ("weight_copies", "bf16 weight copies"),
+         ("gradients", "gradients (fp32)"), ("buckets", "DDP gradient buckets"),
+         ("optimizer", "AdamW state (2 x fp32)"))
+
+
+def format_dry_run(result: dict[str, Any], name: str = "") -> str:
+    """``result`` of :func:`dry_run` as the table ``--dry-run`` prints."""
+    r, p = result, result["parameters"]
+    w = 18
+    lines = [f"dry run{' of ' + name if name else ''}: task {r['task']}, {r['model']}",
+             f"{'parameters':<{w}}{_int(p['total']):>15}  ({_si(p['total'], big='B')})"]
+    emb = f"token embedding {_int(p['token_embedding'])}" + \
+        (f" + untied head {_int(p['head'])}" if p["head"] else "")
+    lines += [f"{'  embedding':<{w}}{_int(p['embedding']):>15}  ({emb})",
+              f"{'  non-embedding':<{w}}{_int(p['non_embedding']):>15}"]
+    if r["flops_per_token"] is None:
+        lines.append(f"{'FLOPs per token':<{w}}{'n/a':>15}  (the model gives no estimate)")
+    else:
+        lines.append(f"{'FLOPs per token':<{w}}{_si(r['flops_per_token'], 'FLOP'):>15}  "
+                     f"(training: forward + backward, at seq {r['seq_len']})")
+    per = "seq" if r["seq_len"] is not None else "tokens/sample"
+    ranks = f"{r['nproc']} rank{'s' if r['nproc'] > 1 else ''}"
+    lines.append(f"{'tokens per step':<{w}}{_int(r['tokens_per_step']):>15}  = {ranks} x {r['batch_size']} "
+                 f"batch x {r['tokens_per_sample']} {per} x {r['grad_accum']} grad_accum")
+    if r["nproc"] == 1:
+        lines.append(f"{'':<{w}}{_int(SCALE_OUT * r['tokens_per_step']):>15}  at {SCALE_OUT} ranks")
+    flops = "" if r["flops"] is None else f", {r['flops']:.2e} FLOPs"
+    lines.append(f"{'run':<{w}}{_int(r['steps']):>15}  steps = {_si(r['tokens'], 'tokens', big='B')}"
+                 f"{flops} at {ranks}")
+
+    cols = r["memory"]
+    heads = [f"{_ENGINE_NAMES[c['engine']]} x{c['nproc']}" if c["engine"] != "none" else "1 process"
+             for c in cols]
+    cw, lw = 12, 34
+    title = f"memory per rank (GiB), {r['precision']}"
+    lines += ["", f"{title:<{lw}}" + "".join(f"{h:>{cw}}" for h in heads)]
+    for key, label in _ROWS:
+        if any(c[key] for c in cols):
+            lines.append(f"{'  ' + label:<{lw}}" + "".join(f"{_gib(c[key]):>{cw}}" for c in cols))
+    for mode in CHECKPOINTING_MODES:
+        lines.append(f"{'  activations, ckpt ' + mode:<{lw}}" +
+                     "".join(f"{_gib(c['activations'][mode]):>{cw}}" for c in cols))
+    conf = r["configured"]
+    mode = conf["activation_checkpointing"]
+    lines.append(f"{'  total (ckpt ' + mode + ')':<{lw}}" +
+                 "".join(f"{_gib(c['total'][mode]):>{cw}}" for c in cols))
+    dtype = "bf16, as FSDP2 computes (DDP's autocast keeps the streams in fp32: more there)" \
+        if r["precision"] == "bf16" else "fp32"
+    lines += ["", f"this run: train.parallel -> {conf['parallel']} at {ranks}, {r['precision']}, "
+                  f"activation_checkpointing={mode}: {_gib(conf['total'])} GiB per rank",
+              f"activations: bytes saved for backward by one micro-batch, measured in {dtype}",
+              "not counted: CUDA context, allocator fragmentation, kernel temporaries, compile workspace"]
+    return "\n".join(lines)
