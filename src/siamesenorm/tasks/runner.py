@@ -19,6 +19,7 @@ import torch
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..errors import ConfigError
+from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.launch import launch
 from ..rundir import RunDir, check_out_dir
@@ -95,8 +96,6 @@ def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: Wo
     torch.manual_seed(cfg.seed)
     model = task.build_model(cfg, device)
     if cfg.train.activation_checkpointing != "none":
-        from ..models.checkpointing import set_activation_checkpointing
-
         set_activation_checkpointing(model, cfg.train.activation_checkpointing)
     probe = make_probe(cfg, data.val_batches)
     settings = TrainSettings.from_config(cfg.train, data.val_batches, cfg.seed)
