@@ -36,7 +36,7 @@ VOCAB, SEQ, BATCH = 64, 16, 4
 SCHEMES = {name: (name, {}) for name in list_schemes()} | {
     "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
 # also trained with activation checkpointing (sublayer, selective) under each engine
-CHECKPOINTED = ("pre", "siamese-hybrid_pre")
+CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre")
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:

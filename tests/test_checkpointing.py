@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import siamesenorm as sn
 from helpers import randomize_
@@ -102,26 +103,73 @@ def test_modes_replace_each_other_and_none_restores_the_plain_step():
     assert set(model.state_dict()) == set(_lm("siamese").state_dict())
 
 
-def test_evaluation_and_no_grad_run_the_plain_step():
+def test_evaluation_and_no_grad_run_the_plain_step(monkeypatch):
+    import siamesenorm.models.checkpointing as ck
+
+    calls = []
+    real = ck.checkpoint
+    monkeypatch.setattr(ck, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = _lm("siamese").eval()
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    want = model(x).logits
-    set_activation_checkpointing(model, "sublayer")
-    calls = []
-    real = torch.utils.checkpoint.checkpoint
-    try:
-        torch.utils.checkpoint.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)
-        import siamesenorm.models.checkpointing as ck
-        ck.checkpoint = torch.utils.checkpoint.checkpoint
-        torch.testing.assert_close(model(x).logits, want, rtol=0, atol=0)   # eval mode
+    want, kept = model(x).logits, saved_activation_bytes(lambda: model(x, x).loss)
+    for mode in MODES:
+        set_activation_checkpointing(model.eval(), mode)
+        torch.testing.assert_close(model(x).logits, want, rtol=0, atol=0)        # eval mode
+        assert saved_activation_bytes(lambda: model(x, x).loss) == kept          # nothing extra
         with torch.no_grad():
-            model.train()(x)
-        assert calls == []
-        model.train()(x, x).loss.backward()
-        assert len(calls) == 2 * model.config.n_layers
-    finally:
-        torch.utils.checkpoint.checkpoint = real
-        ck.checkpoint = real
+            torch.testing.assert_close(model.train()(x).logits, want, rtol=0, atol=0)
+        with torch.inference_mode():
+            model(x)
+        assert calls == [], mode
+        model(x, x).loss.backward()                # training with gradients: one per step
+        assert len(calls) == 2 * model.config.n_layers, mode
+        calls.clear()
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self, ops) -> None:
+        super().__init__()
+        self.ops, self.n = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_recomputes_no_matrix_product():
+    """The backward of ``selective`` runs exactly the matrix products of the plain backward; that of
+    ``sublayer`` runs the forward's again."""
+    from siamesenorm.models.checkpointing import _SAVED_OPS
+
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for scheme in ("pre", "siamese"):
+        model = _lm(scheme).train()
+        counts = {}
+        for mode in CHECKPOINTING_MODES:
+            set_activation_checkpointing(model, mode)
+            loss = model(x, x).loss
+            with _Count(_SAVED_OPS) as count:
+                loss.backward()
+            counts[mode] = count.n
+        assert counts["selective"] == counts["none"] < counts["sublayer"], (scheme, counts)
+
+
+def test_selective_survives_hooks_that_run_other_ops_in_the_recompute():
+    """FSDP2's hooks run inside a step (the sublayer's all-gather) and may run a different number of
+    ops in the recompute than in the forward; ``selective`` must not care. Simulated with a pre-hook
+    on every sublayer that runs one more op at each call."""
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for scheme in ("pre", "post", "siamese", "hyper"):
+        model = _lm(scheme).train()
+
+        def busy(module, args, calls=[]):          # noqa: B006 (one list per model, on purpose)
+            calls.append(1)
+            for _ in calls:
+                torch.ones(2, dtype=F64).add_(1)
+
+        for sub in model.sublayers:
+            sub.register_forward_pre_hook(busy)
+        _assert_same(model, x, x.roll(-1, 1))
 
 
 def test_errors_are_value_errors():
@@ -138,6 +186,8 @@ def test_bytes_saved_by_hand():
     # (a @ w) keeps a and w (existing: not counted); tanh keeps its output h (400 bytes);
     # h * h keeps h once; the sum keeps nothing; the loss itself is 4 bytes.
     assert saved_activation_bytes(lambda: (torch.tanh(a @ w) ** 2).sum()) == 400 + 4
+    # a product of two existing tensors keeps both, but they existed before: only the loss is new
+    assert saved_activation_bytes(lambda: (a * w).sum()) == 4
     # a temporary that nothing keeps is not counted: exp's output feeds only a sum; the product
     # keeps the factor without gradient (for the other's gradient), not the one with it
     assert saved_activation_bytes(lambda: (a.detach().exp()).sum() * a.sum()) == 4 + 4

@@ -181,3 +181,11 @@ def test_the_meta_model_allocates_nothing():
     dry_run(load_config("olmo-1b"), 8)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
     assert grown_kib < 1024 * 1024          # far below the model's 5 GB of fp32 weights
+
+
+@pytest.mark.parametrize("preset", ["vit-digits", "dit-digits"])
+def test_image_presets_get_every_figure_but_flops(preset):
+    r = dry_run(load_config(preset), 2)
+    assert r["flops_per_token"] is None and r["parameters"]["total"] > 0
+    a = r["activations"]
+    assert a["none"] > a["selective"] > a["sublayer"] > 0

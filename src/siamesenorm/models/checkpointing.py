@@ -9,16 +9,26 @@ or MLP sublayer together with the norms, gates and residual updates its scheme p
   the step's input state is kept (one tensor per residual stream: two for SiameseNorm, n for
   hyper-connections); backward recomputes the step. Costs about one more forward.
 - ``selective``: the same checkpoint with a selective policy: the outputs of matrix products and of
-  attention (``mm``, ``addmm``, ``bmm``, ``baddbmm``, every ``scaled_dot_product_*attention``
-  kernel) are kept, everything else is recomputed: the norms, the element-wise work (activations,
-  gates, RoPE, residual adds, depth scales), which is where SiameseNorm's second stream costs memory.
-  Costs a few element-wise passes, no matmul.
+  attention (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear``, every
+  ``scaled_dot_product_*attention`` kernel) are kept, everything else is recomputed: the norms, the
+  element-wise work (activations, gates, RoPE, residual adds, depth scales), which is where
+  SiameseNorm's second stream costs memory. Costs a few element-wise passes, no matmul.
+
+  In eager mode the kept outputs are tracked by this module's own pair of dispatch modes, which look
+  only at the kept ops. PyTorch's :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`
+  (used under ``torch.compile``, where its policy only tags the graph) insists that the recompute
+  replays every op of the forward one for one, and FSDP2's hooks, which run inside a step (the
+  sublayer's all-gather and profiler ranges), run a different number of ops when the recompute
+  comes before the sublayer's gradient (Post-Norm, SiameseNorm's post stream, hyper-connections...):
+  its contexts then fail the backward.
 
 Both keep random draws (dropout, drop-path) identical between forward and recompute (the
 checkpoint restores the RNG state) and only apply in training mode with gradients on: evaluation
 and generation run the plain step. The wrapping is an instance attribute of the model's scheme
-(models never branch on it), applied before DDP or FSDP2 wrap the model, so their hooks see the
-recomputed sublayers as they see the first pass.
+(models never branch on it; setting a mode again replaces it, ``none`` removes it), applied before
+DDP or FSDP2 wrap the model. Neither wrapper replaces the scheme, so the checkpoint survives them:
+DDP's hooks are outside the steps, and FSDP2's per-sublayer hooks run again in the recompute
+(gathering that sublayer's parameters in backward where they are not gathered already).
 
 :func:`saved_activation_bytes` measures what a forward keeps alive for backward, on any device,
 the meta device included (that is how ``train --dry-run`` estimates activations without memory):
@@ -30,8 +40,8 @@ what SDPA runs on a GPU and on a CPU.
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +49,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..config import CHECKPOINTING_MODES
@@ -49,22 +59,73 @@ __all__ = ["activation_checkpointing", "activation_memory", "saved_activation_by
            "set_activation_checkpointing"]
 
 _aten = torch.ops.aten
-# What ``selective`` keeps: matrix products and attention kernels (whatever SDPA dispatches to).
+# What ``selective`` keeps: matrix products and attention kernels (whatever SDPA dispatches to; the
+# composite ones, ``linear`` and the math attention, only show where an op is not decomposed).
 _SAVED_OPS = frozenset(
-    op for op in (
-        _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-        *(getattr(_aten, name).default for name in (
-            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_attention_math") if hasattr(_aten, name)),
-    ))
+    getattr(_aten, name).default for name in (
+        "mm", "addmm", "bmm", "baddbmm", "linear",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math")
+    if hasattr(_aten, name))
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The ``selective`` policy: keep what :data:`_SAVED_OPS` returns, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_SELECTIVE_CONTEXT = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+class _KeepSaved(TorchDispatchMode):
+    """The forward of a ``selective`` step: keeps the outputs of the :data:`_SAVED_OPS` (detached,
+    with their version counters), in call order per op."""
+
+    def __init__(self, kept: dict) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVED_OPS:
+            detached = tree_map_only(Tensor, lambda t: t.detach(), out)
+            versions = [t._version for t in tree_flatten(detached)[0] if isinstance(t, Tensor)]
+            self.kept[func].append((detached, versions))
+        return out
+
+
+class _ReuseSaved(TorchDispatchMode):
+    """The recompute of a ``selective`` step: the n-th call of a kept op returns the forward's n-th
+    output (once: it is released as it is used), every other op runs. Only the kept ops are
+    counted, so ops that differ between forward and recompute (FSDP2's hooks) do not matter."""
+
+    def __init__(self, kept: dict) -> None:
+        super().__init__()
+        self.kept, self.calls = kept, Counter()
+
+    def __enter__(self):
+        self.calls.clear()                  # each recompute (another backward) starts again
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SAVED_OPS:
+            entries, n = self.kept.get(func, []), self.calls[func]
+            self.calls[func] += 1
+            if n < len(entries) and entries[n] is not None:
+                (out, versions), entries[n] = entries[n], None
+                now = [t._version for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+                if now != versions:
+                    raise RuntimeError(f"selective activation checkpointing: the output of {func} "
+                                       f"was modified in place after the forward kept it")
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _selective_contexts():
+    """``context_fn`` of a ``selective`` checkpoint: PyTorch's own contexts under ``torch.compile``
+    (the policy tags the traced graph), this module's pair in eager mode."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_keep_matmuls)
+    kept: dict = defaultdict(list)
+    return _KeepSaved(kept), _ReuseSaved(kept)
 
 
 class _CheckpointedStep:
@@ -77,7 +138,7 @@ class _CheckpointedStep:
         plain = type(self.scheme).step
         if not (self.scheme.training and torch.is_grad_enabled()):
             return plain(self.scheme, state, i, branch)
-        extra = {"context_fn": _SELECTIVE_CONTEXT} if self.mode == "selective" else {}
+        extra = {"context_fn": _selective_contexts} if self.mode == "selective" else {}
         return checkpoint(plain, self.scheme, state, i, branch, use_reentrant=False, **extra)
 
 

@@ -265,8 +265,9 @@ class DiT(nn.Module, SchemeHost):
                               f"{tuple(y.shape)}")
         if y.dtype.is_floating_point or y.dtype == torch.bool:
             raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
-        # A value check reads the labels back (a sync, a graph break): skipped under torch.compile.
-        if b and not torch.compiler.is_compiling() and \
+        # A value check reads the labels back (a sync, a graph break): skipped under torch.compile
+        # and on the meta device (no values: the dry run sizes a model there).
+        if b and not torch.compiler.is_compiling() and not y.is_meta and \
                 (int(y.min()) < 0 or int(y.max()) > cfg.num_classes):
             raise ValueError(f"labels must lie in 0..{cfg.num_classes} ({cfg.num_classes} is the "
                               f"null label), got {int(y.min())}..{int(y.max())}")
