@@ -1,7 +1,8 @@
 """Normalisation layers: LayerNorm and RMSNorm with factory kwargs and ``reset_parameters``.
 
-Both compute in the input's dtype through the fused ``torch.nn.functional`` kernels, so they are the
-pure-PyTorch reference path that every faster path is tested against.
+Both keep only their input and per-row statistics for backward: LayerNorm through
+``F.layer_norm``, RMSNorm through :func:`siamesenorm.nn.fused.rms_norm` (``F.rms_norm`` itself on
+the reference path, see :func:`siamesenorm.nn.fused.reference_path`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from .fused import rms_norm
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 
@@ -57,7 +59,7 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..nn.fused import stream_entry
 from .base import (
     Branch,
     ResidualScheme,
@@ -110,33 +111,27 @@ class SiameseNorm(ResidualScheme):
     def enter(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         return h, (None if self.topology == "single" else h)
 
-    def _merged(self, x: Tensor, y: Tensor | None, i: int) -> Tensor:
-        """The sublayer input before LN^in: X plus the normalised Y stream (topology siamese)."""
-        return x if self.pre_norm is None else x + self.pre_norm[i](y)
-
     def step(self, state: tuple, i: int, branch: Branch) -> tuple[Tensor, Tensor | None]:
         x, y = state
-        c = self.scale(i)
-        if self.form == "post_pre":
-            x = self.post_norm[i](x)
-            u = self._merged(x, y, i)
-            out = branch(u if self.input_norm is None else self.input_norm[i](u))
-        elif self.is_attention(i):
-            b = self.block_of(i)
-            out = branch(self._merged(x * self.x_gain[b], y, i))
+        y_norm = None if self.pre_norm is None else self.pre_norm[i]
+        if self.form == "hybrid_pre" and self.is_attention(i):
+            # A = Attn(X * gamma_b + LN^Y(Y)); X is not normalised before attention.
+            _, u = stream_entry(x, y, x_gain=self.x_gain[self.block_of(i)], y_norm=y_norm)
         else:
-            b = self.block_of(i)
-            x = self.post_norm[b](x)
-            u = self._merged(x, y, i)
-            out = branch(u if self.input_norm is None else self.input_norm[b](u))
-        return x + out / c, (None if y is None else y + out)
+            # X = LN^X(X); u = LN^in(X + LN^Y(Y)) (post_pre: every sublayer; hybrid_pre: the FFN).
+            k = i if self.form == "post_pre" else self.block_of(i)
+            x, u = stream_entry(x, y, x_norm=self.post_norm[k], y_norm=y_norm,
+                                in_norm=None if self.input_norm is None else self.input_norm[k])
+        out = branch(u)
+        return x + out / self.scale(i), (None if y is None else y + out)
 
     def exit(self, state: tuple) -> Tensor:
         x, y = state
         if y is None:
             return self.merge_norm_x(x)
-        merged = self.merge_norm_x(x) + self.merge_norm_y(y)
-        return merged if self.final_norm is None else self.final_norm(merged)
+        # LN(LN_a(X) + LN_b(Y)), or LN_a(X) + LN_b(Y) without the outer norm.
+        return stream_entry(x, y, x_norm=self.merge_norm_x, y_norm=self.merge_norm_y,
+                            in_norm=self.final_norm)[1]
 
     def streams(self, state: tuple) -> dict[str, Tensor]:
         x, y = state

@@ -1,0 +1,334 @@
+"""Memory-lean norms: what a norm keeps for backward is its input and per-row statistics, nothing more.
+
+A normalised tensor can always be recomputed from the tensor it normalises and its row statistics
+(the mean and ``1 / sqrt(var + eps)`` of LayerNorm, ``1 / sqrt(mean(x^2) + eps)`` of RMSNorm). This
+module holds three pieces built on that fact, each an ordinary :class:`torch.autograd.Function`:
+
+- :func:`rms_norm`: RMSNorm that saves its input and ``rstd`` only. PyTorch's own ``F.rms_norm`` is
+  a chain of element-wise ops on the CPU that keeps the normalised tensor as well (and runs a
+  dozen kernels in backward); on CUDA we call PyTorch's fused kernels. LayerNorm needs no such
+  function: ``F.layer_norm`` already saves only its input, mean and rstd.
+- :func:`stream_entry`: the entry of a sublayer of a two-stream scheme (SiameseNorm): the norm of
+  the X stream (or its gain), the norm of the Y stream, their sum and the branch's input norm, as
+  one function that keeps the two streams and the three norms' row statistics and recomputes the
+  intermediate sum in backward. Written as separate modules, autograd would keep the sum too (the
+  input of the branch's input norm): one more residual-width tensor per sublayer.
+- :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
+  normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
+  tensors kept anyway, when backward asks for them.
+
+The plain composition of modules is the reference: the functions here fall back to it themselves
+where they bring nothing (no gradient needed) and everywhere while :func:`reference_path` is
+active, which is how the tests compare both paths (values and gradients, float64). The
+environment variable ``SIAMESENORM_FUSED=0`` turns the lean path off for a whole process.
+
+Under autocast the functions compute the norms in float32, as autocast does for PyTorch's norms.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+
+__all__ = ["fused_enabled", "recomputed_inputs", "reference_path", "rms_norm", "stream_entry"]
+
+_aten = torch.ops.aten
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class _Switch(threading.local):
+    enabled = os.environ.get("SIAMESENORM_FUSED", "1").strip().lower() not in ("0", "false", "no")
+
+
+_switch = _Switch()
+
+
+def fused_enabled() -> bool:
+    """Whether the lean path is on in this thread (default: on unless ``SIAMESENORM_FUSED=0``)."""
+    return _switch.enabled
+
+
+@contextmanager
+def reference_path(enabled: bool = True) -> Iterator[None]:
+    """Within the block, every model computes the plain composition of modules (the reference);
+    ``reference_path(False)`` turns the lean path on instead, whatever the default."""
+    before = _switch.enabled
+    _switch.enabled = not enabled
+    try:
+        yield
+    finally:
+        _switch.enabled = before
+
+
+def _wants_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _autocast_on(t: Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (never on the meta device)."""
+    return t.device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and \
+        torch.is_autocast_enabled(t.device.type)
+
+
+def _norm_kind(module: nn.Module) -> str:
+    from .norms import LayerNorm, RMSNorm  # norms imports this module
+    if isinstance(module, LayerNorm):
+        return "layernorm"
+    if isinstance(module, RMSNorm):
+        return "rmsnorm"
+    raise TypeError(f"not a siamesenorm norm: {type(module).__name__}")
+
+
+# ---- one norm, forward and backward, from its input and row statistics ---------------------------
+def _rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """RMSNorm of ``x`` over the last dimension and its ``rstd`` (float32 for half inputs)."""
+    if x.is_cuda:
+        return _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    xf = x.float() if x.dtype in _LOW else x
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    out = xf * rstd
+    if weight is not None:
+        out = out * weight
+    return out.to(x.dtype), rstd
+
+
+def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
+                  needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of input and weight: ``dx = rstd (g w - x^ mean(g w x^))``, ``dw = sum g x^``."""
+    if x.is_cuda:
+        return _aten._fused_rms_norm_backward(g, x, [x.shape[-1]], rstd, weight,
+                                              [needs[0], needs[1] and weight is not None])
+    work = torch.float32 if x.dtype in _LOW else x.dtype
+    gf, xf = g.to(work), x.to(work)
+    xhat = xf * rstd
+    dx = dw = None
+    if needs[0]:
+        gw = gf if weight is None else gf * weight.to(work)
+        dx = ((gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+    if needs[1] and weight is not None:
+        dw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx, dw
+
+
+@dataclass(frozen=True)
+class _Norm:
+    """One norm of a fused function: its kind and epsilon (the parameters travel as tensors)."""
+
+    kind: str
+    eps: float
+
+    def forward(self, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, tuple]:
+        if self.kind == "layernorm":
+            out, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, self.eps)
+            return out, (mean, rstd)
+        out, rstd = _rms_forward(x, w, self.eps)
+        return out, (rstd,)
+
+    def backward(self, g: Tensor, x: Tensor, stats: tuple, w: Tensor | None, b: Tensor | None,
+                 needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+        if self.kind == "layernorm":
+            mask = [needs[0], needs[1] and w is not None, needs[2] and b is not None]
+            if not any(mask):
+                return None, None, None
+            return _aten.native_layer_norm_backward(g, x, [x.shape[-1]], *stats, w, b, mask)
+        dx, dw = _rms_backward(g, x, stats[0], w, needs[:2])
+        return dx, dw, None
+
+
+def _params(module: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
+    if module is None:
+        return None, None
+    return module.weight, getattr(module, "bias", None)
+
+
+def _float32(t: Tensor | None) -> Tensor | None:
+    return t.float() if t is not None and t.dtype in _LOW else t
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+class _RMSNorm(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        out, rstd = _rms_forward(x, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = _rms_backward(g, x, rstd, weight, ctx.needs_input_grad[:2])
+        return dx, dw, None
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, keeping only ``x`` and the
+    row statistic for backward (``F.rms_norm`` where no gradient is needed or the lean path is off)."""
+    if not (fused_enabled() and _wants_grad(x, weight)):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if _autocast_on(x):
+        with torch.autocast(x.device.type, enabled=False):
+            return _RMSNorm.apply(_float32(x), _float32(weight), eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+# ---- the entry of a two-stream sublayer -----------------------------------------------------------
+@dataclass(frozen=True)
+class _EntrySpec:
+    x: str                   # "norm": X <- LN^X(X); "gain": the branch reads X * gamma; "none"
+    norm: _Norm
+    y: bool                  # Y contributes LN^Y(Y)
+    inp: bool                # the sum goes through LN^in
+
+
+class _StreamEntry(Function):
+    """``x' = LN^X(x)`` (or ``x * gamma``), ``u = x' + LN^Y(y)``, ``b = LN^in(u)``; returns
+    ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and the row
+    statistics; backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` for the input norm's gradient."""
+
+    @staticmethod
+    def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib):
+        n = spec.norm
+        xs = ys = us = ()
+        if spec.x == "norm":
+            xo, xs = n.forward(x, xw, xb)
+        elif spec.x == "gain":
+            xo = x * xw
+        else:
+            xo = x
+        u = xo
+        if spec.y:
+            yo, ys = n.forward(y, yw, yb)
+            u = xo + yo
+        b = u
+        if spec.inp:
+            b, us = n.forward(u, iw, ib)
+        ctx.spec, ctx.counts = spec, (len(xs), len(ys), len(us))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, y, xw, xb, yw, yb, iw, ib, *xs, *ys, *us)
+        return (xo, b) if spec.x == "norm" else (b,)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec, n = ctx.spec, ctx.spec.norm
+        x, y, xw, xb, yw, yb, iw, ib, *stats = ctx.saved_tensors
+        nx, ny, _ = ctx.counts
+        xs, ys, us = tuple(stats[:nx]), tuple(stats[nx:nx + ny]), tuple(stats[nx + ny:])
+        g_xo, g_b = grads if spec.x == "norm" else (None, grads[0])
+        if g_b is None:
+            if g_xo is None:
+                return (None,) * 9
+            g_b = torch.zeros_like(g_xo)
+        need = ctx.needs_input_grad
+        d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = dx = None
+        du = g_b
+        if spec.inp:
+            if spec.x == "norm":
+                u = n.forward(x, xw, xb)[0]
+            elif spec.x == "gain":
+                u = x * xw
+            else:
+                u = x
+            if spec.y:
+                u = u + n.forward(y, yw, yb)[0]
+            du, d_iw, d_ib = n.backward(g_b, u, us, iw, ib, (True, need[7], need[8]))
+        if spec.y:
+            dy, d_yw, d_yb = n.backward(du, y, ys, yw, yb, (need[2], need[5], need[6]))
+        d_xo = du if g_xo is None else du + g_xo
+        if spec.x == "norm":
+            dx, d_xw, d_xb = n.backward(d_xo, x, xs, xw, xb, (need[1], need[3], need[4]))
+        elif spec.x == "gain":
+            dx = d_xo * xw if need[1] else None
+            if need[3]:
+                d_xw = (d_xo * x).reshape(-1, x.shape[-1]).sum(0)
+        else:
+            dx = d_xo
+        return None, dx, dy, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib
+
+
+def _plain_entry(x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
+    xo = x_norm(x) if x_norm is not None else (x * x_gain if x_gain is not None else x)
+    u = xo if y_norm is None else xo + y_norm(y)
+    return xo, (u if in_norm is None else in_norm(u))
+
+
+def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None = None,
+                 x_gain: Tensor | None = None, y_norm: nn.Module | None = None,
+                 in_norm: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+    """The input of a sublayer that reads two streams::
+
+        x' = x_norm(x)   (or x * x_gain, or x)
+        u  = x' + y_norm(y)   (or x' without y_norm)
+        b  = in_norm(u)       (or u without in_norm)
+
+    Returns ``(x', b)``. With gradients on and the lean path active, it runs as one function that
+    keeps only ``x``, ``y`` and the norms' row statistics (``u`` is recomputed in backward); the
+    result is the plain composition's, which it computes otherwise.
+    """
+    if x_norm is not None and x_gain is not None:
+        raise ValueError("stream_entry takes x_norm or x_gain, not both")
+    norms = [m for m in (x_norm, y_norm, in_norm) if m is not None]
+    kinds = {_norm_kind(m) for m in norms}
+    eps = {m.eps for m in norms}
+    params = [t for m in norms for t in _params(m) if t is not None]
+    if x_gain is not None:
+        params.append(x_gain)
+    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1
+            and (y_norm is not None or in_norm is not None) and _wants_grad(x, y, *params))
+    if not lean:
+        return _plain_entry(x, y, x_norm, x_gain, y_norm, in_norm)
+    spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
+                      norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
+                      inp=in_norm is not None)
+    args = [x, y if y_norm is not None else None,
+            *(_params(x_norm) if x_norm is not None else (x_gain, None)),
+            *_params(y_norm), *_params(in_norm)]
+    if _autocast_on(x):
+        with torch.autocast(x.device.type, enabled=False):
+            out = _StreamEntry.apply(spec, *map(_float32, args))
+    else:
+        out = _StreamEntry.apply(spec, *args)
+    return (out[0], out[1]) if spec.x == "norm" else (x, out[0])
+
+
+# ---- dropping saved tensors that can be recomputed -------------------------------------------------
+@contextmanager
+def recomputed_inputs(recipes: dict[int, Callable[[], Tensor]]) -> Iterator[None]:
+    """Within the block, a tensor an op saves for backward whose ``id`` is a key of ``recipes`` is
+    not kept: backward gets ``recipes[id]()`` instead, which must recompute it exactly (same ops on
+    tensors kept anyway). Any other saved tensor is kept as usual.
+
+    Does nothing (every tensor is kept) under an outer ``saved_tensors_hooks`` (activation
+    checkpointing, CPU offloading) or ``torch.compile``, which manage saved tensors themselves.
+    """
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not recipes or outer is not None or torch.compiler.is_compiling():
+        yield
+        return
+
+    def pack(t: Tensor):
+        recipe = recipes.get(id(t))
+        return t if recipe is None else _Recipe(recipe)
+
+    def unpack(packed):
+        if isinstance(packed, _Recipe):
+            with torch.no_grad():
+                return packed.fn()
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _Recipe:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Tensor]) -> None:
+        self.fn = fn
