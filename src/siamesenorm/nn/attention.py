@@ -16,11 +16,14 @@ absolute position embeddings instead).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from .fused import _autocast_on, fused_enabled, norm_value, recomputed_inputs
 from .norms import build_norm
 from .rope import RotaryEmbedding
 
@@ -117,23 +120,41 @@ class Attention(nn.Module):
             if module is not None:
                 module.reset_parameters()
 
-    def _heads(self, x: Tensor, n: int, norm: nn.Module | None) -> Tensor:
-        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked."""
+    def _heads(self, x: Tensor, n: int, norm: nn.Module | None, pos: int, rotate: bool,
+               recompute: bool = False) -> Tensor:
+        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked and
+        rotated by RoPE if ``rotate``. ``recompute``: the same value without autograd (the
+        norm through :func:`~siamesenorm.nn.fused.norm_value`, bit for bit its lean forward)."""
         b, t, _ = x.shape
         x = x.view(b, t, n, self.head_dim)
         if norm is not None:
-            x = norm(x)
-        return x.transpose(1, 2)
+            x = norm_value(norm, x) if recompute else norm(x)
+        x = x.transpose(1, 2)
+        return self.rope(x, pos) if rotate and self.rope is not None else x
+
+    def _recipes(self, inputs: dict) -> dict:
+        """For the lean path: the per-head normalised q, k, v that attention saves for backward,
+        each recomputable from its projection (which the norm keeps anyway) and row statistics,
+        so it need not be kept too. ``inputs``: name -> (projection, heads, norm, rotate, out,
+        pos), the arguments of :meth:`_heads` and its output."""
+        return {id(out): partial(self._heads, proj, n, norm, pos, rotate, recompute=True)
+                for proj, n, norm, rotate, out, pos in inputs.values() if norm is not None}
 
     def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0) -> Tensor:
         """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
         cache, over its earlier keys."""
         b, t, _ = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
-        k = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
-        v = self._heads(self.v_proj(x), self.n_kv_heads, self.v_norm)
-        if self.rope is not None:
-            q, k = self.rope(q, pos), self.rope(k, pos)
+        parts = {}
+        for name, proj, n, norm, rotate in (
+                ("q", self.q_proj, self.n_heads, self.q_norm, True),
+                ("k", self.k_proj, self.n_kv_heads, self.k_norm, True),
+                ("v", self.v_proj, self.n_kv_heads, self.v_norm, False)):
+            p = proj(x)
+            parts[name] = (p, n, norm, rotate, self._heads(p, n, norm, pos, rotate), pos)
+        q, k, v = (parts[name][4] for name in "qkv")
+        lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
+                and not _autocast_on(x))
+        recipes = self._recipes(parts) if lean else {}
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, pos)
         t_key = k.shape[-2]
@@ -142,10 +163,11 @@ class Attention(nn.Module):
             is_causal = t > 1  # keys and queries cover the same positions
         elif self.causal and t > 1:
             mask = causal_mask(t, t_key, t_key - t, device=x.device)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads)
+        with recomputed_inputs(recipes):
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=self.n_kv_heads != self.n_heads)
         y = self.out_proj(y.transpose(1, 2).reshape(b, t, self.dim))
         return F.dropout(y, self.dropout, self.training)
 

@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["fused_enabled", "recomputed_inputs", "reference_path", "rms_norm", "stream_entry"]
+__all__ = ["fused_enabled", "lean_region", "norm_value", "recomputed_inputs", "reference_path",
+           "rms_norm", "stream_entry", "stream_update"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -88,33 +90,55 @@ def _norm_kind(module: nn.Module) -> str:
 
 
 # ---- one norm, forward and backward, from its input and row statistics ---------------------------
+def _work(t: Tensor) -> Tensor:
+    """``t`` in the dtype norms compute in: float32 for half inputs, its own otherwise."""
+    return t.float() if t.dtype in _LOW else t
+
+
+def _rms_rstd(xf: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` per row (one pass over ``x``)."""
+    norm = torch.linalg.vector_norm(xf, 2, -1, keepdim=True)
+    return norm.square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _rms_apply(xf: Tensor, rstd: Tensor, weight: Tensor | None) -> Tensor:
+    out = xf * rstd
+    return out if weight is None else out.mul_(weight)
+
+
 def _rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """RMSNorm of ``x`` over the last dimension and its ``rstd`` (float32 for half inputs)."""
     if x.is_cuda:
         return _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-    xf = x.float() if x.dtype in _LOW else x
-    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    out = xf * rstd
-    if weight is not None:
-        out = out * weight
-    return out.to(x.dtype), rstd
+    xf = _work(x)
+    rstd = _rms_rstd(xf, eps)
+    return _as(_rms_apply(xf, rstd, weight), x.dtype), rstd
 
 
 def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
                   needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of input and weight: ``dx = rstd (g w - x^ mean(g w x^))``, ``dw = sum g x^``."""
+    """Gradients of input and weight. With ``x^ = x rstd``:
+    ``dx = rstd (g w - x^ mean(g w x^)) = rstd g w - x rstd^3 ((g x) . w) / d`` and
+    ``dw = sum_rows g x^ = (g x)^T rstd`` (``g x`` element-wise, the rest matrix-vector products)."""
     if x.is_cuda:
         return _aten._fused_rms_norm_backward(g, x, [x.shape[-1]], rstd, weight,
                                               [needs[0], needs[1] and weight is not None])
-    work = torch.float32 if x.dtype in _LOW else x.dtype
-    gf, xf = g.to(work), x.to(work)
-    xhat = xf * rstd
+    d = x.shape[-1]
+    gf, xf = _work(g), _work(x)
+    gx = (gf * xf).reshape(-1, d)
     dx = dw = None
     if needs[0]:
-        gw = gf if weight is None else gf * weight.to(work)
-        dx = ((gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+        wf = None if weight is None else _work(weight)
+        dot = gx.sum(-1) if wf is None else torch.mv(gx, wf)
+        coef = dot.view(rstd.shape).mul_(rstd.pow(3)).div_(d)
+        scaled = gf * rstd if wf is None else (gf * wf).mul_(rstd)
+        dx = _as(scaled.addcmul_(xf, coef, value=-1), x.dtype)
     if needs[1] and weight is not None:
-        dw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dw = _as(torch.mv(gx.t(), rstd.reshape(-1)), weight.dtype)
     return dx, dw
 
 
@@ -126,11 +150,23 @@ class _Norm:
     eps: float
 
     def forward(self, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, tuple]:
+        """The norm of ``x`` and its row statistics."""
         if self.kind == "layernorm":
             out, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, self.eps)
             return out, (mean, rstd)
         out, rstd = _rms_forward(x, w, self.eps)
         return out, (rstd,)
+
+    def added(self, base: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple:
+        """``base + norm(x)`` and the statistics of ``x`` (RMSNorm: one fused multiply-add)."""
+        if self.kind == "layernorm" or x.is_cuda:
+            out, stats = self.forward(x, w, b)
+            return base + out, stats
+        xf = _work(x)
+        rstd = _rms_rstd(xf, self.eps)
+        scaled = xf * rstd
+        out = scaled.add_(base) if w is None else torch.addcmul(base, scaled, w)
+        return _as(out, torch.promote_types(base.dtype, x.dtype)), (rstd,)
 
     def backward(self, g: Tensor, x: Tensor, stats: tuple, w: Tensor | None, b: Tensor | None,
                  needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
@@ -179,6 +215,14 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
+def norm_value(module: nn.Module, x: Tensor) -> Tensor:
+    """The output of norm ``module`` on ``x`` without autograd, computed by the same kernels as
+    the module's lean forward, so a recomputation matches the forward bit for bit."""
+    w, b = _params(module)
+    with torch.no_grad():
+        return _Norm(_norm_kind(module), module.eps).forward(x, w, b)[0]
+
+
 # ---- the entry of a two-stream sublayer -----------------------------------------------------------
 @dataclass(frozen=True)
 class _EntrySpec:
@@ -188,57 +232,65 @@ class _EntrySpec:
     inp: bool                # the sum goes through LN^in
 
 
+def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = ()):
+    """``x'`` (``LN^X(x)``, ``x * gamma`` or ``x``), ``u = x' + LN^Y(y)`` (or ``x'``) and the
+    row statistics of ``LN^X`` and ``LN^Y`` (empty where there is no such norm). ``saved``: those
+    statistics from the forward, which spare RMSNorm's reductions when backward recomputes."""
+    n, xs, ys = spec.norm, (), ()
+    rms = n.kind == "rmsnorm" and not x.is_cuda
+    if saved and rms:
+        xs, ys = saved[:1] if spec.x == "norm" else (), saved[-1:] if spec.y else ()
+    if spec.x == "norm":
+        xo = _as(_rms_apply(_work(x), xs[0], xw), x.dtype) if xs else None
+        if xo is None:
+            xo, xs = n.forward(x, xw, xb)
+    elif spec.x == "gain":
+        xo = x * xw
+    else:
+        xo = x
+    u = xo
+    if spec.y and ys:
+        u = torch.addcmul(xo, _work(y) * ys[0], yw) if yw is not None else (_work(y) * ys[0]).add_(xo)
+        u = _as(u, torch.promote_types(xo.dtype, y.dtype))
+    elif spec.y:
+        u, ys = n.added(xo, y, yw, yb)
+    return xo, u, xs, ys
+
+
 class _StreamEntry(Function):
     """``x' = LN^X(x)`` (or ``x * gamma``), ``u = x' + LN^Y(y)``, ``b = LN^in(u)``; returns
-    ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and the row
-    statistics; backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` for the input norm's gradient."""
+    ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and row
+    statistics; with ``LN^in``, backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` (and with them
+    the statistics of ``LN^X`` and ``LN^Y``, so only those of ``LN^in`` are saved)."""
 
     @staticmethod
     def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib):
-        n = spec.norm
-        xs = ys = us = ()
-        if spec.x == "norm":
-            xo, xs = n.forward(x, xw, xb)
-        elif spec.x == "gain":
-            xo = x * xw
-        else:
-            xo = x
-        u = xo
-        if spec.y:
-            yo, ys = n.forward(y, yw, yb)
-            u = xo + yo
-        b = u
-        if spec.inp:
-            b, us = n.forward(u, iw, ib)
-        ctx.spec, ctx.counts = spec, (len(xs), len(ys), len(us))
+        xo, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb)
+        b, us = spec.norm.forward(u, iw, ib) if spec.inp else (u, ())
+        ctx.spec, ctx.split, ctx.n_in = spec, len(xs), len(us)
+        stats = (*us, *xs, *ys)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, y, xw, xb, yw, yb, iw, ib, *xs, *ys, *us)
+        ctx.save_for_backward(x, y, xw, xb, yw, yb, iw, ib, *stats)
         return (xo, b) if spec.x == "norm" else (b,)
 
     @staticmethod
     def backward(ctx, *grads):
         spec, n = ctx.spec, ctx.spec.norm
         x, y, xw, xb, yw, yb, iw, ib, *stats = ctx.saved_tensors
-        nx, ny, _ = ctx.counts
-        xs, ys, us = tuple(stats[:nx]), tuple(stats[nx:nx + ny]), tuple(stats[nx + ny:])
         g_xo, g_b = grads if spec.x == "norm" else (None, grads[0])
         if g_b is None:
             if g_xo is None:
                 return (None,) * 9
             g_b = torch.zeros_like(g_xo)
         need = ctx.needs_input_grad
-        d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = dx = None
+        d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = None
         du = g_b
+        us, rest = tuple(stats[:ctx.n_in]), tuple(stats[ctx.n_in:])
+        xs, ys = rest[:ctx.split], rest[ctx.split:]
         if spec.inp:
-            if spec.x == "norm":
-                u = n.forward(x, xw, xb)[0]
-            elif spec.x == "gain":
-                u = x * xw
-            else:
-                u = x
-            if spec.y:
-                u = u + n.forward(y, yw, yb)[0]
+            _, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, rest)
             du, d_iw, d_ib = n.backward(g_b, u, us, iw, ib, (True, need[7], need[8]))
+            del u
         if spec.y:
             dy, d_yw, d_yb = n.backward(du, y, ys, yw, yb, (need[2], need[5], need[6]))
         d_xo = du if g_xo is None else du + g_xo
@@ -298,6 +350,47 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     return (out[0], out[1]) if spec.x == "norm" else (x, out[0])
 
 
+def _outer_hooks() -> bool:
+    """Whether a ``saved_tensors_hooks`` context (a checkpoint, CPU offloading) is active."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def lean_region(fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)``, keeping for backward only the tensors among ``args`` (and what ``fn``'s
+    outputs are saved as by later ops): everything ``fn`` computes is recomputed in backward
+    (a non-reentrant checkpoint of ``fn``). For the cheap element-wise and small-matrix work
+    around a sublayer (hyper-connections' width connections and input norm). Runs ``fn`` plainly
+    where no gradient is needed, on the reference path, and under an outer checkpoint."""
+    if not (fused_enabled() and torch.is_grad_enabled()) or _outer_hooks():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+class _StreamUpdate(Function):
+    """``(x + s out, y + out)`` as one node: nothing saved, ``d out = dy + s dx`` in one pass."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor, out: Tensor, scale: float):
+        ctx.scale = scale
+        return torch.add(x, out, alpha=scale), y + out
+
+    @staticmethod
+    def backward(ctx, gx: Tensor, gy: Tensor):
+        return gx, gy, torch.add(gy, gx, alpha=ctx.scale), None
+
+
+def stream_update(x: Tensor, y: Tensor | None, out: Tensor, c: float) -> tuple:
+    """A sublayer's writes into two streams: ``(x + out / c, y + out)`` (``y`` may be ``None``).
+    On the lean path one autograd node computes ``x + (1 / c) out`` (rounding may differ from
+    ``out / c`` in the last bit)."""
+    if y is None:
+        return x + out / c, None
+    if fused_enabled() and _wants_grad(x, y, out):
+        return _StreamUpdate.apply(x, y, out, 1.0 / c)
+    return x + out / c, y + out
+
+
 # ---- dropping saved tensors that can be recomputed -------------------------------------------------
 @contextmanager
 def recomputed_inputs(recipes: dict[int, Callable[[], Tensor]]) -> Iterator[None]:
@@ -308,8 +401,7 @@ def recomputed_inputs(recipes: dict[int, Callable[[], Tensor]]) -> Iterator[None
     Does nothing (every tensor is kept) under an outer ``saved_tensors_hooks`` (activation
     checkpointing, CPU offloading) or ``torch.compile``, which manage saved tensors themselves.
     """
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not recipes or outer is not None or torch.compiler.is_compiling():
+    if not recipes or _outer_hooks() or torch.compiler.is_compiling():
         yield
         return
 

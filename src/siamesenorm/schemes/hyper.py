@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..nn.fused import lean_region
 from .base import Branch, ResidualScheme, check_bool, check_number, register_scheme
 
 
@@ -97,9 +98,15 @@ class HyperConnections(MultiStreamScheme):
         beta = beta + self.beta_scale[i] * torch.tanh(normed @ self.beta_proj[i])
         return alpha, beta
 
-    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+    def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The branch input ``LN_i(mix[0])``, ``B`` and the carried streams ``mix[1:]``."""
         alpha, beta = self.connections(state, i)
         mix = alpha.transpose(-1, -2) @ state                     # (..., n+1, d)
-        out = branch(self.norm[i](mix[..., 0, :]))                # (..., d)
-        return beta.unsqueeze(-1) * out.unsqueeze(-2) + mix[..., 1:, :]
+        return self.norm[i](mix[..., 0, :]), beta, mix[..., 1:, :]
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        # The connections, the mixing and the norm keep only H for backward (recomputed there).
+        inp, beta, carried = lean_region(self._entry, state, i)
+        out = branch(inp)                                         # (..., d)
+        return beta.unsqueeze(-1) * out.unsqueeze(-2) + carried
 

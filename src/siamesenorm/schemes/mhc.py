@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..nn.fused import lean_region
 from ..nn.norms import RMSNorm
 from .base import Branch, check_number, register_scheme
 from .hyper import MultiStreamScheme
@@ -90,9 +91,15 @@ class ManifoldHyperConnections(MultiStreamScheme):
         res_logits = self.alpha_res[i] * (x @ self.phi_res[i]).unflatten(-1, (n, n)) + self.b_res[i]
         return pre, post, sinkhorn(res_logits, self.sinkhorn_iters)
 
-    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+    def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res``."""
         pre, post, res = self.maps(state, i)
         inp = (pre.unsqueeze(-2) @ state).squeeze(-2)            # sum_k pre_k H_k
-        out = branch(self.norm[i](inp))
+        return self.norm[i](inp), post, res
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        # The maps, the input mix and the norm keep only H for backward (recomputed there).
+        inp, post, res = lean_region(self._entry, state, i)
+        out = branch(inp)
         return res @ state + post.unsqueeze(-1) * out.unsqueeze(-2)
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import stream_entry
+from ..nn.fused import stream_entry, stream_update
 from .base import (
     Branch,
     ResidualScheme,
@@ -122,8 +122,8 @@ class SiameseNorm(ResidualScheme):
             k = i if self.form == "post_pre" else self.block_of(i)
             x, u = stream_entry(x, y, x_norm=self.post_norm[k], y_norm=y_norm,
                                 in_norm=None if self.input_norm is None else self.input_norm[k])
-        out = branch(u)
-        return x + out / self.scale(i), (None if y is None else y + out)
+        # X += O / c_b; Y += O
+        return stream_update(x, y, branch(u), self.scale(i))
 
     def exit(self, state: tuple) -> Tensor:
         x, y = state
