@@ -207,7 +207,8 @@ class _RMSNorm(Function):
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, keeping only ``x`` and the
     row statistic for backward (``F.rms_norm`` where no gradient is needed or the lean path is off)."""
-    if not (fused_enabled() and _wants_grad(x, weight)):
+    if x.is_cuda or not (fused_enabled() and _wants_grad(x, weight)):
+        # On CUDA PyTorch's own fused kernel already keeps only x and rstd.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if _autocast_on(x):
         with torch.autocast(x.device.type, enabled=False):
@@ -339,6 +340,8 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
                       norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
                       inp=in_norm is not None)
+    if y is x:  # the first sublayer (X = Y = h): one input per argument, as torch.compile wants
+        y = x.view_as(x)
     args = [x, y if y_norm is not None else None,
             *(_params(x_norm) if x_norm is not None else (x_gain, None)),
             *_params(y_norm), *_params(in_norm)]
@@ -361,8 +364,10 @@ def lean_region(fn: Callable[..., object], *args: object) -> object:
     outputs are saved as by later ops): everything ``fn`` computes is recomputed in backward
     (a non-reentrant checkpoint of ``fn``). For the cheap element-wise and small-matrix work
     around a sublayer (hyper-connections' width connections and input norm). Runs ``fn`` plainly
-    where no gradient is needed, on the reference path, and under an outer checkpoint."""
-    if not (fused_enabled() and torch.is_grad_enabled()) or _outer_hooks():
+    where no gradient is needed, on the reference path, under an outer checkpoint, and under
+    ``torch.compile`` (whose partitioner chooses what to keep and recompute itself)."""
+    if (torch.compiler.is_compiling() or not (fused_enabled() and torch.is_grad_enabled())
+            or _outer_hooks()):
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
@@ -401,7 +406,7 @@ def recomputed_inputs(recipes: dict[int, Callable[[], Tensor]]) -> Iterator[None
     Does nothing (every tensor is kept) under an outer ``saved_tensors_hooks`` (activation
     checkpointing, CPU offloading) or ``torch.compile``, which manage saved tensors themselves.
     """
-    if not recipes or _outer_hooks() or torch.compiler.is_compiling():
+    if not recipes or torch.compiler.is_compiling() or _outer_hooks():
         yield
         return
 
