@@ -301,3 +301,20 @@ def test_norm_modules_use_lean_rms_norm() -> None:
     x = torch.randn(3, 8, requires_grad=True)
     assert "_RMSNormBackward" in _graph_names(RMSNorm(8)(x))
     assert "NativeLayerNormBackward0" in _graph_names(LayerNorm(8)(x))
+
+
+def test_readme_benchmark_command_runs() -> None:
+    """The README's benchmark command works as shown (with fewer rounds, to stay quick)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    lines = re.findall(r"^python (benchmarks/memory\.py.*)$", readme, flags=re.M)
+    assert lines
+    for line in lines:
+        args = line.split() + ["--rounds", "1", "--warmup", "0"]
+        out = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert "siamese" in out.stdout and "reference" in out.stdout

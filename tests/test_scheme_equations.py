@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import siamesenorm
+from siamesenorm.nn.fused import reference_path
 from siamesenorm.schemes import build_scheme, list_schemes
 
 F64 = torch.float64
@@ -23,6 +24,14 @@ BATCH, SEQ = 2, 3
 EPS = 1e-3  # far from the 1e-5 default, so a norm that ignores the scheme's eps shows up
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 NORMS = ["layernorm", "rmsnorm"]
+
+
+@pytest.fixture(autouse=True, params=["lean", "reference"])
+def compute_path(request):
+    """Every test runs twice: on the memory-lean path (forced on, whatever SIAMESENORM_FUSED says)
+    and on the reference path, the plain composition of modules (siamesenorm.nn.fused)."""
+    with reference_path(request.param == "reference"):
+        yield request.param
 
 
 # ---- own norms -------------------------------------------------------------------------------

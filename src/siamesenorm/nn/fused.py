@@ -22,7 +22,8 @@ where they bring nothing (no gradient needed) and everywhere while :func:`refere
 active, which is how the tests compare both paths (values and gradients, float64). The
 environment variable ``SIAMESENORM_FUSED=0`` turns the lean path off for a whole process.
 
-Under autocast the functions compute the norms in float32, as autocast does for PyTorch's norms.
+Under autocast the functions compute the norms as autocast computes PyTorch's: in float32 on CUDA,
+in the input's dtype (float32 inside the kernel for half inputs) on the CPU.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def _autocast_on(t: Tensor) -> bool:
     """Whether autocast is on for ``t``'s device (never on the meta device)."""
     return t.device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and \
         torch.is_autocast_enabled(t.device.type)
+
+
+def _autocast_fp32(t: Tensor) -> bool:
+    """Whether autocast computes PyTorch's norms of ``t`` in float32 (CUDA's policy; CPU autocast
+    leaves them in the input's dtype)."""
+    return t.device.type == "cuda" and torch.is_autocast_enabled("cuda")
 
 
 def _norm_kind(module: nn.Module) -> str:
@@ -211,8 +218,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         # On CUDA PyTorch's own fused kernel already keeps only x and rstd.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if _autocast_on(x):
+        cast = _float32 if _autocast_fp32(x) else (lambda t: t)
         with torch.autocast(x.device.type, enabled=False):
-            return _RMSNorm.apply(_float32(x), _float32(weight), eps)
+            return _RMSNorm.apply(cast(x), cast(weight), eps)
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -307,8 +315,9 @@ class _StreamEntry(Function):
 
 
 def _plain_entry(x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
-    xo = x_norm(x) if x_norm is not None else (x * x_gain if x_gain is not None else x)
-    u = xo if y_norm is None else xo + y_norm(y)
+    xo = x_norm(x) if x_norm is not None else x
+    read = xo if x_gain is None else x * x_gain
+    u = read if y_norm is None else read + y_norm(y)
     return xo, (u if in_norm is None else in_norm(u))
 
 
@@ -317,13 +326,14 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
                  in_norm: nn.Module | None = None) -> tuple[Tensor, Tensor]:
     """The input of a sublayer that reads two streams::
 
-        x' = x_norm(x)   (or x * x_gain, or x)
-        u  = x' + y_norm(y)   (or x' without y_norm)
-        b  = in_norm(u)       (or u without in_norm)
+        x' = x_norm(x)              (or x itself without x_norm)
+        u  = r + y_norm(y)          (r = x', or x * x_gain; r alone without y_norm)
+        b  = in_norm(u)             (or u without in_norm)
 
-    Returns ``(x', b)``. With gradients on and the lean path active, it runs as one function that
-    keeps only ``x``, ``y`` and the norms' row statistics (``u`` is recomputed in backward); the
-    result is the plain composition's, which it computes otherwise.
+    Returns ``(x', b)``: the X stream after the entry and the branch input (the gain only scales
+    what the branch reads, HybridNorm-style). With gradients on and the lean path active, it runs
+    as one function that keeps only ``x``, ``y`` and the norms' row statistics (``u`` is
+    recomputed in backward); the result is the plain composition's, which it computes otherwise.
     """
     if x_norm is not None and x_gain is not None:
         raise ValueError("stream_entry takes x_norm or x_gain, not both")
@@ -346,8 +356,9 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
             *(_params(x_norm) if x_norm is not None else (x_gain, None)),
             *_params(y_norm), *_params(in_norm)]
     if _autocast_on(x):
+        cast = _float32 if _autocast_fp32(x) else (lambda t: t)
         with torch.autocast(x.device.type, enabled=False):
-            out = _StreamEntry.apply(spec, *map(_float32, args))
+            out = _StreamEntry.apply(spec, *map(cast, args))
     else:
         out = _StreamEntry.apply(spec, *args)
     return (out[0], out[1]) if spec.x == "norm" else (x, out[0])
