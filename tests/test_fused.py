@@ -252,8 +252,7 @@ def test_stream_entry_gradcheck(x_kind, with_y, with_in, kind, affine, same):
     with reference_path():
         ref_xo, ref_b = fn(*inputs)
     assert count_nodes("StreamEntry", ref_xo, ref_b) == 0
-    if x_kind != "x_gain":  # the gain form's x' has its own test below
-        torch.testing.assert_close(xo, ref_xo, rtol=0, atol=1e-13)
+    torch.testing.assert_close(xo, ref_xo, rtol=0, atol=1e-13)
     torch.testing.assert_close(b, ref_b, rtol=0, atol=1e-13)
     assert torch.autograd.gradcheck(fn, inputs)
 
@@ -289,9 +288,7 @@ def test_stream_entry_partial_requires_grad(x_kind, kind, which):
         with reference_path(ref):
             xo, b = stream_entry(x, y, **spec)
         assert count_nodes("StreamEntry", xo, b) == (0 if ref else 1)
-        loss = (b * cot_b).sum()
-        if x_kind != "x_gain":  # the gain form's x' is tested on its own
-            loss = loss + (xo * cot_x).sum()
+        loss = (b * cot_b).sum() + (xo * cot_x).sum()
         grads = torch.autograd.grad(loss, wanted, allow_unused=True)
         results.append(grads)
     for g, r in zip(*results, strict=True):
@@ -303,7 +300,8 @@ def test_stream_entry_partial_requires_grad(x_kind, kind, which):
 @pytest.mark.parametrize("kind", NORMS)
 @pytest.mark.parametrize("x_kind,with_in,used", [
     ("x_norm", True, "x_out"), ("x_norm", True, "b"), ("x_norm", False, "x_out"),
-    ("x_norm", False, "b"), ("x_gain", False, "b"), ("neither", True, "b")])
+    ("x_norm", False, "b"), ("x_gain", False, "x_out"), ("x_gain", False, "b"),
+    ("neither", True, "b")])
 def test_stream_entry_with_one_output_unused(x_kind, with_in, kind, used):
     """Backward with a gradient for one output only (the other one feeds nothing)."""
     spec, params = _entry_setup(x_kind, True, with_in, kind, True)
@@ -350,16 +348,13 @@ def test_stream_entry_under_cpu_autocast_matches_reference(x_kind, with_y, with_
         with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
             xo, b = stream_entry(x, y, **spec)
         assert count_nodes("StreamEntry", xo, b) == (0 if ref else 1)
-        loss = b.square().sum()
-        if x_kind != "x_gain":  # the gain form's x' is tested on its own
-            loss = loss + (xo * 0.7).sum()
+        loss = b.square().sum() + (xo * 0.7).sum()
         grads = torch.autograd.grad(loss, [x, y, *params], allow_unused=True,
                                     materialize_grads=True)
         results.append((xo, b, grads))
     (xo, b, grads), (ref_xo, ref_b, ref_grads) = results
     assert xo.dtype == ref_xo.dtype and b.dtype == ref_b.dtype
-    if x_kind != "x_gain":
-        torch.testing.assert_close(xo, ref_xo, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xo, ref_xo, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b, ref_b, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
