@@ -1,23 +1,42 @@
 """Activation memory and step time of every scheme relative to Pre-Norm, side by side in one process.
 
-For each size and norm, every scheme's language model is built once; then, round after round, each
-takes one training step (forward, backward, AdamW) in turn, the order rotated every round so machine
-noise falls on all alike. Reported per scheme: the bytes its forward keeps for backward
-(``saved_activation_bytes``: storages a forward leaves alive, counted once) and their ratio to
-Pre-Norm's; the median step time, its ratio to Pre-Norm's median, and the median of the per-round
-ratios (more robust on a noisy machine); on CUDA also the peak memory of a step over what was
-allocated before it. ``--reference`` adds every scheme on the plain path (``reference_path()``),
-interleaved with the lean one, so the gain is visible.
+For each size and norm, every scheme's language model (vocab 256, fp32, AdamW lr 1e-4) is built
+once and all of them see the same random batch; then, round after round, each takes one training
+step (forward, backward, optimizer step) in turn, the order rotated every round so machine noise
+falls on all alike. Reported per scheme, each with its ratio to Pre-Norm's at the same size and
+norm (and on the same path):
 
-    python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms
+- ``saved MiB``: the bytes one training forward keeps for backward, measured on the real device
+  with :func:`~siamesenorm.models.checkpointing.saved_activation_bytes` (storages the forward
+  creates that are still alive when it returns, each counted once);
+- ``step ms``: the median step time over ``--rounds`` rounds (after ``--warmup``) and its ratio to
+  Pre-Norm's median; ``per-round / pre`` is the median of the per-round ratios (the scheme's time
+  over Pre-Norm's in the same round), the more robust figure on a noisy machine;
+- on CUDA, ``peak MiB``: the peak memory of one step (``max_memory_allocated``) over what was
+  allocated before its forward (parameters and optimizer state: gradients are released first).
+
+``--reference`` also builds every scheme on the plain path (``reference_path()``: modules composed
+as written, not the memory-lean functions) and interleaves its steps with the lean ones; rows are
+labelled ``lean`` / ``plain`` and the lean rows gain ``saved / plain``, the before/after of the
+lean path. All models of one size and norm are alive together: at size 512 about 0.4 GB each
+(parameters, gradients, AdamW state), twice as many with ``--reference``.
+
+Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default preset), ``256`` (dim
+256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256). The
+schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``).
+
+    python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
-    python benchmarks/memory.py --device cuda --markdown results.md
+    python benchmarks/memory.py --threads 2 --rounds 30 --markdown memory.md
+    python benchmarks/memory.py --device cuda --sizes 256,512 --markdown memory-gpu.md
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -27,131 +46,192 @@ import torch
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.models.checkpointing import saved_activation_bytes
 from siamesenorm.nn.fused import reference_path
+from siamesenorm.nn.norms import NORM_KINDS
 from siamesenorm.schemes import list_schemes
 
+VOCAB = 256
 # name: (dim, blocks, heads, batch, tokens per sequence)
 SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (512, 8, 8, 4, 256)}
+# variant name: (scheme, scheme_options)
 VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
+MIB = 2**20
+
+
+def all_specs() -> list[str]:
+    return [*list_schemes(), *VARIANTS]
 
 
 def build(spec: str, size: str, norm: str, device: torch.device):
-    name, options = VARIANTS.get(spec, (spec, {}))
+    """The model and optimizer of scheme (or variant) ``spec``; same seed for every scheme."""
+    scheme, options = VARIANTS.get(spec, (spec, {}))
     dim, blocks, heads, _, seq = SIZES[size]
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=256, dim=dim, n_layers=blocks, n_heads=heads, max_seq_len=seq,
-                   scheme=name, scheme_options=options, norm=norm)
-    model = LanguageModel(cfg, device=device)
+    cfg = LMConfig(vocab_size=VOCAB, dim=dim, n_layers=blocks, n_heads=heads, max_seq_len=seq,
+                   scheme=scheme, scheme_options=dict(options), norm=norm)
+    model = LanguageModel(cfg, device=device).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def measure(size: str, norm: str, specs: list[str], args, device: torch.device) -> list[dict]:
+def batch_for(size: str, device: torch.device) -> torch.Tensor:
+    """The random batch of ``size`` (inputs and shifted targets): the same for every scheme and norm."""
     _, _, _, batch, seq = SIZES[size]
-    paths = (False, True) if args.reference else (False,)
-    keys = [(s, ref) for s in specs for ref in paths]
-    models = {k: build(k[0], size, norm, device) for k in keys}
-    x = torch.randint(0, 256, (batch, seq + 1), device=device)
+    gen = torch.Generator().manual_seed(1234 + list(SIZES).index(size))
+    return torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(device)
+
+
+def measure(size: str, norm: str, specs: list[str], args, device: torch.device) -> list[dict]:
+    """Saved bytes, step times (and on CUDA peak memory) of every scheme at one size and norm."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    paths = (False, True) if args.reference else (False,)          # reference_path(enabled)
+    keys = [(spec, ref) for spec in specs for ref in paths]
+    models = {key: build(key[0], size, norm, device) for key in keys}
+    x = batch_for(size, device)
+    inputs, targets = x[:, :-1], x[:, 1:]
 
-    def step(key) -> float:
+    def step(key) -> tuple[float, int]:
+        """One training step: its time, and (CUDA) its peak bytes over those allocated before."""
         model, opt = models[key]
-        sync()
-        t0 = time.perf_counter()
         with reference_path(key[1]):
-            loss = model(x[:, :-1], x[:, 1:]).loss
             opt.zero_grad(set_to_none=True)
+            sync()
+            before = 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            loss = model(inputs, targets).loss
             loss.backward()
             opt.step()
-        sync()
-        return time.perf_counter() - t0
+            sync()
+            elapsed = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) - before if cuda else 0
+        return elapsed, peak
 
     saved, peak = {}, {}
     for key in keys:
         model = models[key][0]
         with reference_path(key[1]):
-            saved[key] = saved_activation_bytes(lambda m=model: m(x[:, :-1], x[:, 1:]).loss)
+            saved[key] = saved_activation_bytes(lambda m=model: m(inputs, targets).loss)
         if cuda:
-            step(key)
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            step(key)
-            peak[key] = torch.cuda.max_memory_allocated() - before
-    times = {k: [] for k in keys}
+            step(key)                               # first step creates the AdamW state
+            peak[key] = step(key)[1]
+    times: dict = {key: [] for key in keys}
     for r in range(args.warmup + args.rounds):
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            t = step(key)
+            t, _ = step(key)
             if r >= args.warmup:
                 times[key].append(t)
+
     rows = []
     for key in keys:
         base = ("pre", key[1])
-        row = {"scheme": key[0], "path": "reference" if key[1] else "lean",
-               "saved_mib": saved[key] / 2**20, "saved_ratio": saved[key] / saved[base],
-               "step_ms": 1e3 * statistics.median(times[key]),
-               "step_ratio": statistics.median(times[key]) / statistics.median(times[base]),
+        med, base_med = statistics.median(times[key]), statistics.median(times[base])
+        row = {"scheme": key[0], "path": "plain" if key[1] else "lean",
+               "params": models[key][0].num_parameters() / 1e6,
+               "saved_mib": saved[key] / MIB, "saved_ratio": saved[key] / saved[base],
+               "step_ms": 1e3 * med, "step_ratio": med / base_med,
                "round_ratio": statistics.median(a / b for a, b in zip(times[key], times[base]))}
+        if args.reference:
+            row["saved_vs_plain"] = (saved[key] / saved[(key[0], True)]) if not key[1] else None
         if cuda:
-            row |= {"peak_mib": peak[key] / 2**20, "peak_ratio": peak[key] / peak[base]}
+            row |= {"peak_mib": peak[key] / MIB, "peak_ratio": peak[key] / peak[base]}
         rows.append(row)
+    models.clear()                                  # free them before the next size
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return rows
 
 
+COLUMNS = [  # key, header, format
+    ("scheme", "scheme", "{}"), ("path", "path", "{}"), ("params", "params M", "{:.2f}"),
+    ("saved_mib", "saved MiB", "{:.1f}"), ("saved_ratio", "saved / pre", "{:.3f}"),
+    ("saved_vs_plain", "saved / plain", "{:.3f}"),
+    ("step_ms", "step ms", "{:.1f}"), ("step_ratio", "step / pre", "{:.3f}"),
+    ("round_ratio", "per-round / pre", "{:.3f}"),
+    ("peak_mib", "peak MiB", "{:.1f}"), ("peak_ratio", "peak / pre", "{:.3f}"),
+]
+
+
 def table(rows: list[dict], markdown: bool) -> str:
-    cols = [("scheme", "scheme", "{}"), ("path", "path", "{}"), ("saved_mib", "saved MiB", "{:.1f}"),
-            ("saved_ratio", "saved / pre", "{:.3f}"), ("step_ms", "step ms", "{:.1f}"),
-            ("step_ratio", "step / pre", "{:.3f}"), ("round_ratio", "per-round / pre", "{:.3f}")]
-    if "peak_mib" in rows[0]:
-        cols += [("peak_mib", "CUDA peak MiB", "{:.1f}"), ("peak_ratio", "peak / pre", "{:.3f}")]
-    cells = [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
+    """The rows as an aligned text table, or as a Markdown table."""
+    cols = [c for c in COLUMNS if c[0] in rows[0]]
+    if len({r["path"] for r in rows}) == 1:
+        cols = [c for c in cols if c[0] != "path"]
+    cells = [["" if r[k] is None else fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
+    heads = [h for _, h, _ in cols]
     if markdown:
-        lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
-                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
+        align = ["---" if k in ("scheme", "path") else "---:" for k, _, _ in cols]
+        lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(align) + "|"]
         return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
-    out = ["  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths))]
-    return "\n".join(out + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+
+    def line(items: list[str]) -> str:
+        return "  ".join(s.ljust(w) if i == 0 else s.rjust(w)
+                         for i, (s, w) in enumerate(zip(items, widths)))
+
+    return "\n".join([line(heads)] + [line(c) for c in cells])
+
+
+def split(value: str, known, what: str, parser: argparse.ArgumentParser) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    for v in items:
+        if v not in known:
+            parser.error(f"unknown {what} {v!r}; choose from {', '.join(known)}")
+    return items
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(SIZES))
-    p.add_argument("--norms", default="rmsnorm,layernorm")
-    p.add_argument("--schemes", default=",".join([*list_schemes(), *VARIANTS]))
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--norms", default="rmsnorm,layernorm", help="comma list of norm kinds")
+    p.add_argument("--schemes", default=",".join(all_specs()),
+                   help="comma list of schemes or variants (pre is always included)")
+    p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--reference", action="store_true", help="also measure the plain path")
-    p.add_argument("--markdown", default=None, help="also write the tables to this Markdown file")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--reference", action="store_true",
+                   help="also measure the plain path (reference_path()), interleaved")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="also write the tables to FILE as Markdown")
     args = p.parse_args()
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be at least 1 and --warmup at least 0")
+    sizes = split(args.sizes, list(SIZES), "size", p)
+    norms = split(args.norms, list(NORM_KINDS), "norm", p)
+    specs = split(args.schemes, all_specs(), "scheme", p)
+    specs = ["pre", *dict.fromkeys(s for s in specs if s != "pre")]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    specs = [s for s in args.schemes.split(",") if s]
-    specs = ["pre", *[s for s in specs if s != "pre"]]
-    for s in specs:
-        if s not in VARIANTS and s not in list_schemes():
-            p.error(f"unknown scheme {s!r}; choose from {', '.join([*list_schemes(), *VARIANTS])}")
-    for s in args.sizes.split(","):
-        if s not in SIZES:
-            p.error(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
-    device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    header = (f"device {device} ({name or platform.machine()}), torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds; "
-              f"command: python {' '.join(sys.argv)}")
-    print(header)
+
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        what = platform.processor() or platform.machine()
+    header = (f"device {device} ({what}), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, fp32, median of {args.rounds} interleaved "
+              f"rounds after {args.warmup} warm-up; command: "
+              f"python {shlex.join(sys.argv)}")
+    print(header, flush=True)
     parts = [header]
-    for size in args.sizes.split(","):
-        for norm in args.norms.split(","):
-            dim, blocks, _, batch, seq = SIZES[size]
-            title = f"size {size}: dim {dim}, {blocks} blocks, batch {batch} x {seq}, {norm}"
+    for size in sizes:
+        dim, blocks, heads, batch, seq = SIZES[size]
+        for norm in norms:
+            title = (f"size {size}: dim {dim}, {blocks} blocks, {heads} heads, "
+                     f"batch {batch} x {seq}, {norm}")
             rows = measure(size, norm, specs, args, device)
-            print(f"\n{title}\n{table(rows, False)}", flush=True)
-            parts.append(f"\n#### {title}\n\n{table(rows, True)}")
+            print(f"\n{title}\n{table(rows, markdown=False)}", flush=True)
+            parts.append(f"\n### {title}\n\n{table(rows, markdown=True)}")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(parts) + "\n")
+        print(f"\nwrote {args.markdown}")
 
 
 if __name__ == "__main__":

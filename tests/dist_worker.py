@@ -143,6 +143,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     from siamesenorm.errors import ConfigError
+    from siamesenorm.parallel import exit_process
     from siamesenorm.parallel.launch import report_failure
 
     try:
@@ -150,8 +151,9 @@ if __name__ == "__main__":
     except ConfigError as error:
         if not report_failure(error, True):
             raise
-        sys.exit(2)
+        exit_process(2)
     except Exception as error:
         if not report_failure(error, False):
             raise
-        sys.exit(1)
+        exit_process(1)
+    exit_process(0)

@@ -317,4 +317,7 @@ def test_readme_benchmark_command_runs() -> None:
         out = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr
-        assert "siamese" in out.stdout and "reference" in out.stdout
+        table = [row.split() for row in out.stdout.splitlines()]
+        assert any(row[:2] == ["siamese", "lean"] for row in table), out.stdout
+        if "--reference" in args:
+            assert any(row[:2] == ["siamese", "plain"] for row in table), out.stdout

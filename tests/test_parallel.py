@@ -128,6 +128,24 @@ def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subpro
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
 
 
+@pytest.mark.parametrize("joined", [False, True])
+def test_exit_process_skips_the_teardown_only_after_joining_a_group(joined):
+    """A process that joined a process group ends with its status and its buffered output, but
+    without the interpreter's teardown (where gloo's threads, kept alive by DDP/FSDP, abort it now
+    and then); any other process exits as usual."""
+    script = ("import atexit, sys\n"
+              "from siamesenorm.parallel import env\n"
+              f"env._joined = {joined}\n"
+              "atexit.register(lambda: print('teardown'))\n"
+              "sys.stdout.write('buffered')\n"
+              "sys.stderr.write('err')\n"
+              "env.exit_process(3)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3
+    assert res.stdout == ("buffered" if joined else "bufferedteardown\n")
+    assert res.stderr == "err"
+
+
 def test_divergence_stops_every_rank_at_the_step_one_process_stops(tmp_path):
     """The loss and gradient norm that the divergence check reads are reduced over the ranks, so
     every rank sees the same figures and stops at the same step, as one process would."""

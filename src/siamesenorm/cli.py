@@ -260,5 +260,14 @@ def _reported_to_launcher(err: BaseException, user_error: bool) -> bool:
     return bool(os.environ.get(ERROR_DIR_ENV)) and report_failure(err, user_error)
 
 
+def entry() -> None:
+    """The ``siamesenorm`` command: :func:`main`, then the process ends with its exit status
+    (without the interpreter's teardown after a distributed run: see
+    :func:`siamesenorm.parallel.exit_process`)."""
+    from .parallel.env import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -20,6 +20,8 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 class LayerNorm(nn.Module):
     """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
 
+    kind = "layernorm"  # what the lean functions of siamesenorm.nn.fused compute
+
     def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()
@@ -44,6 +46,8 @@ class LayerNorm(nn.Module):
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    kind = "rmsnorm"  # what the lean functions of siamesenorm.nn.fused compute
 
     def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = False,
                  device=None, dtype=None) -> None:

@@ -10,6 +10,7 @@ from .env import (
     barrier,
     broadcast_object,
     current_world,
+    exit_process,
     init_world,
     launched_world_size,
     leave_world,
@@ -19,5 +20,5 @@ from .source import RankSource
 from .wrap import Parallel, autocast_for, parallel_mode, parallelize
 
 __all__ = ["SINGLE", "Parallel", "RankSource", "World", "all_max", "all_mean", "autocast_for",
-           "barrier", "broadcast_object", "current_world", "init_world", "launched_world_size",
-           "leave_world", "on_main", "parallel_mode", "parallelize"]
+           "barrier", "broadcast_object", "current_world", "exit_process", "init_world",
+           "launched_world_size", "leave_world", "on_main", "parallel_mode", "parallelize"]

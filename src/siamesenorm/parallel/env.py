@@ -10,11 +10,13 @@ gives each process its device (``cuda:LOCAL_RANK`` on CUDA). Everything else in 
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,9 +25,12 @@ from ..devices import resolve_device
 from ..errors import ConfigError
 
 __all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
-           "init_world", "launched_world_size", "leave_world", "on_main"]
+           "exit_process", "init_world", "launched_world_size", "leave_world", "on_main"]
 
 T = TypeVar("T")
+
+# Whether this process joined a process group (init_world): see exit_process.
+_joined = False
 
 # How long a collective may wait for a peer before raising (seconds); a rank that died is noticed
 # by the launcher first (torchrun stops the others within seconds), this is the last resort.
@@ -99,6 +104,8 @@ def init_world(device_name: str) -> tuple[World, torch.device]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+        global _joined
+        _joined = True
     return World(rank, size, local), device
 
 
@@ -107,6 +114,27 @@ def leave_world(world: World) -> None:
     its transport threads killed mid-flight)."""
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit status ``code``; the entry points' last call.
+
+    A process that joined a process group ends without the interpreter's teardown: its streams and
+    log handlers are flushed, then ``os._exit``. The group outlives ``destroy_process_group`` when
+    DDP or FSDP wrapped a model (PyTorch keeps a reference from C++), and its gloo threads, torn
+    down with the interpreter, abort the process now and then ("terminate called without an active
+    exception", SIGABRT) after the run has finished and written everything. A process that joined
+    none exits as usual (``sys.exit``: ``atexit`` handlers run).
+    """
+    if not _joined:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):     # closed, or a broken pipe: nothing more can be written
+            pass
+    os._exit(code)
 
 
 def on_main(world: World, fn: Callable[[], T]) -> T | None:
