@@ -126,25 +126,26 @@ def _rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
 
 def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
                   needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of input and weight. With ``x^ = x rstd``:
-    ``dx = rstd (g w - x^ mean(g w x^)) = rstd g w - x rstd^3 ((g x) . w) / d`` and
-    ``dw = sum_rows g x^ = (g x)^T rstd`` (``g x`` element-wise, the rest matrix-vector products)."""
+    """Gradients of input and weight. With ``x^ = x rstd`` and ``h = g w``:
+    ``dx = rstd (h - x^ mean(h x^))`` and ``dw = sum_rows g x^``. On the CPU this is LayerNorm's
+    fused backward kernel run with a mean of zero (whose ``x^`` is then RMSNorm's), which computes
+    ``rstd (h - mean(h) - x^ mean(h x^))`` and the same ``dw``; adding back ``rstd mean(h)`` (one
+    matrix-vector product) gives RMSNorm's ``dx`` in about half the time of separate kernels."""
     if x.is_cuda:
         return _aten._fused_rms_norm_backward(g, x, [x.shape[-1]], rstd, weight,
                                               [needs[0], needs[1] and weight is not None])
     d = x.shape[-1]
-    gf, xf = _work(g), _work(x)
-    gx = (gf * xf).reshape(-1, d)
-    dx = dw = None
-    if needs[0]:
-        wf = None if weight is None else _work(weight)
-        dot = gx.sum(-1) if wf is None else torch.mv(gx, wf)
-        coef = dot.view(rstd.shape).mul_(rstd.pow(3)).div_(d)
-        scaled = gf * rstd if wf is None else (gf * wf).mul_(rstd)
-        dx = _as(scaled.addcmul_(xf, coef, value=-1), x.dtype)
-    if needs[1] and weight is not None:
-        dw = _as(torch.mv(gx.t(), rstd.reshape(-1)), weight.dtype)
-    return dx, dw
+    mask = [needs[0], needs[1] and weight is not None, False]
+    if not any(mask):
+        return None, None
+    gf, xf, wf = _work(g), _work(x), None if weight is None else _work(weight)
+    rstd = rstd.contiguous()        # the kernel reads mean and rstd as dense rows
+    dx, dw, _ = _aten.native_layer_norm_backward(gf, xf, [d], torch.zeros_like(rstd),
+                                                 rstd, wf, None, mask)
+    if dx is not None:
+        mean_h = (gf.sum(-1) if wf is None else torch.mv(gf.reshape(-1, d), wf)).view(rstd.shape)
+        dx = _as(dx.addcmul_(mean_h, rstd, value=1.0 / d), x.dtype)
+    return dx, None if dw is None else _as(dw, weight.dtype)
 
 
 @dataclass(frozen=True)
