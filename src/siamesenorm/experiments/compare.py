@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import config_to_dict
 from ..errors import ConfigError
+from ..locks import LOCK_NAME, check_free, folder_lock
 from ..rundir import RunDir, check_out_dir, read_jsonl
 from ..tasks import TASKS, check_data, get_task, launch_task, run_task
 from ..train import has_checkpoint
@@ -82,7 +83,7 @@ def _claim(out: Path, spec: dict) -> None:
             raise ConfigError(f"{out} holds another experiment's runs (its experiment.json differs); "
                               "choose another --out")
         return
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         raise ConfigError(f"{out} is not empty and holds no experiment.json; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(spec, indent=2))
@@ -106,6 +107,8 @@ def _start_run(run_dir: Path) -> bool:
         return True
     if run_dir.is_dir():
         for child in run_dir.iterdir():
+            if child.name == LOCK_NAME:      # ours: compare holds the run's lock
+                continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
@@ -126,7 +129,14 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
     out = Path(out)
     check_out_dir(out)
+    check_free(out, "compare")
     _check_data(grid)
+    with folder_lock(out, "compare"):
+        return _compare(out, base, spec, grid, nproc, log)
+
+
+def _compare(out: Path, base, spec: dict, grid: list, nproc: int | None, log) -> list[dict]:
+    """:func:`compare` once it holds the experiment folder."""
     _claim(out, {"base": config_to_dict(base), **spec})
     rows = []
     for i, cell in enumerate(grid, 1):
@@ -138,9 +148,10 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
-            resume = _start_run(run_dir)
-            summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume) if nproc and nproc > 1 \
-                else run_task(cfg, run_dir, resume=resume)
+            with folder_lock(run_dir, "compare"):   # nobody else writes it while it is emptied
+                resume = _start_run(run_dir)
+                summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume) \
+                    if nproc and nproc > 1 else run_task(cfg, run_dir, resume=resume)
             log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,

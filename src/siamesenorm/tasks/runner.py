@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..errors import ConfigError
+from ..locks import check_free, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.launch import launch
@@ -60,17 +62,19 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     """
     run_dir = Path(run_dir)
     check_out_dir(run_dir)
+    check_free(run_dir, "train")
     if resume:
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
     world, device = init_world(cfg.train.device)
     try:
-        return _run(cfg, run_dir, resume, progress, world, device)
+        with ExitStack() as held:
+            return _run(cfg, run_dir, resume, progress, world, device, held)
     finally:
         leave_world(world)
 
 
 def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: World,
-         device: torch.device) -> dict:
+         device: torch.device, held: ExitStack) -> dict:
     task = get_task(cfg.task)
     if world.distributed:
         _check_distributed(cfg, world)
@@ -80,6 +84,11 @@ def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: Wo
             RunDir(run_dir).refuse_existing_run()
         data = task.load_data(cfg, run_dir, resume)
         fitted = task.fit_config(cfg, data)
+        # Everything is checked: take the folder (one writer at a time), then look again, since
+        # another process may have started a run there since the first look.
+        held.enter_context(folder_lock(run_dir, "train"))
+        if not resume:
+            RunDir(run_dir).refuse_existing_run()
         run_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
             RunDir(run_dir).config.write_text(dump_config(fitted))
@@ -117,13 +126,17 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     RankFailed) after all have stopped."""
     run_dir = Path(run_dir)
     check_out_dir(run_dir)
+    check_free(run_dir, "train")
     if resume:
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
     else:
         RunDir(run_dir).refuse_existing_run()
     if nproc > 1:
         _check_distributed(cfg, World(0, nproc))
-    with tempfile.TemporaryDirectory(prefix="siamesenorm-launch-") as tmp:
+    with folder_lock(run_dir, "train"), \
+            tempfile.TemporaryDirectory(prefix="siamesenorm-launch-") as tmp:
+        if not resume:
+            RunDir(run_dir).refuse_existing_run()       # again, under the lock
         args = ["-m", "siamesenorm", "train", "--out", str(run_dir)]
         if resume:
             args.append("--resume")

@@ -1,0 +1,193 @@
+"""Faults a cluster user meets: two processes pointed at one folder, a lock left by a dead process,
+``--resume`` beside a live run. Each refusal is one stderr line with exit status 2, and the folder
+it protects is left as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from siamesenorm.errors import ConfigError
+from siamesenorm.locks import LOCK_NAME, PARENT_ENV, folder_lock, held_by
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["train.steps=2", "train.eval_every=2", "train.warmup=0", "data.max_bytes=40000"]
+LONG = ["train.steps=100000", "train.eval_every=100000", "train.warmup=0", "data.max_bytes=40000",
+        "train.checkpoint_every=100000"]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS="1")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+
+
+def one_line_refusal(res: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+class Live:
+    """A ``siamesenorm`` command running in the background until it holds ``folder``'s lock."""
+
+    def __init__(self, folder: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *args], env=_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while held_by(folder) is None or held_by(folder).get("pid") != self.proc.pid:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the background command ended: {self.proc.stderr.read()}")
+            assert time.monotonic() < deadline, "the background command never took the lock"
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        self.proc.wait(timeout=120)
+        self.proc.stderr.close()
+
+
+# ---- the lock itself -------------------------------------------------------------------------------
+def test_the_lock_is_exclusive_names_its_holder_and_is_gone_after(tmp_path):
+    folder = tmp_path / "run"
+    with folder_lock(folder, "train") as lock:
+        assert lock is not None and (folder / LOCK_NAME).exists()
+        info = held_by(folder)
+        assert info["pid"] == os.getpid() and info["command"] == "train"
+        with folder_lock(folder, "compare"):        # nested in one process: free
+            pass
+        assert (folder / LOCK_NAME).exists()
+        code = ("from siamesenorm.locks import folder_lock\n"
+                f"with folder_lock({str(folder)!r}, 'train'): pass\n")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=_env(), timeout=120)
+        assert res.returncode != 0 and "ConfigError" in res.stderr
+        assert f"pid {os.getpid()}" in res.stderr and "siamesenorm train" in res.stderr
+    assert not folder.exists()         # created for the lock, nothing else written: removed again
+
+
+def test_a_folder_with_files_stays_after_the_lock(tmp_path):
+    folder = tmp_path / "run"
+    with folder_lock(folder, "train"):
+        (folder / "config.yaml").write_text("x: 1\n")
+    assert folder.is_dir() and sorted(p.name for p in folder.iterdir()) == ["config.yaml"]
+
+
+def test_a_lock_left_by_a_killed_process_is_taken(tmp_path):
+    folder = tmp_path / "run"
+    code = ("import time\nfrom siamesenorm.locks import folder_lock\n"
+            f"with folder_lock({str(folder)!r}, 'train'):\n"
+            "    print('held', flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    assert held_by(folder)["pid"] == proc.pid      # the file is still there, its holder is not
+    with folder_lock(folder, "train"):
+        assert held_by(folder)["pid"] == os.getpid()
+
+
+def test_a_stale_lock_file_without_a_holder_is_taken(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "elsewhere"}))
+    with folder_lock(folder, "train"):
+        assert held_by(folder)["pid"] == os.getpid()
+
+
+def test_a_process_of_the_launcher_works_under_its_parents_lock(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    with folder_lock(folder, "train"):
+        code = ("from siamesenorm.locks import folder_lock\n"
+                f"with folder_lock({str(folder)!r}, 'train') as lock: print(lock)\n")
+        env = dict(_env(), **{PARENT_ENV: str(os.getpid())})
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert res.returncode == 0 and res.stdout.strip() == "None", res.stderr
+
+
+def test_a_refused_lock_is_a_config_error(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": "elsewhere",
+                                                "command": "compare"}))
+    import siamesenorm.locks as locks
+
+    monkeypatch.setattr(locks, "fcntl", None)       # the exclusive-create fallback
+    with pytest.raises(ConfigError, match="in use by `siamesenorm compare`"):
+        with folder_lock(folder, "train"):
+            pass
+    assert held_by(folder)["command"] == "compare"  # the holder's file is left alone
+
+
+# ---- through the command line ---------------------------------------------------------------------
+def test_a_second_train_into_a_live_run_is_refused_and_changes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    live = Live(run_dir, "train", "tiny", *LONG, "--out", str(run_dir))
+    try:
+        config = run_dir / "config.yaml"
+        deadline = time.monotonic() + 120
+        while not config.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        before = config.read_bytes()
+        res = cli("train", "tiny", *TINY, "train.lr=5e-3", "--out", str(run_dir))
+        one_line_refusal(res, str(run_dir), "in use by `siamesenorm train`", f"pid {live.proc.pid}")
+        res = cli("train", "--resume", "--out", str(run_dir))
+        one_line_refusal(res, str(run_dir), "in use by")
+        assert config.read_bytes() == before
+        assert yaml.safe_load(before)["train"]["lr"] != 5e-3
+        assert live.proc.poll() is None           # the live run goes on
+    finally:
+        live.stop()
+
+
+def test_a_second_compare_into_a_live_experiment_is_refused(tmp_path):
+    out = tmp_path / "exp"
+    live = Live(out, "compare", "tiny", *LONG, "--schemes", "pre", "--out", str(out))
+    try:
+        res = cli("compare", "tiny", *TINY, "--schemes", "pre", "--out", str(out))
+        one_line_refusal(res, str(out), "in use by `siamesenorm compare`")
+        # a train into the run compare is training: refused too
+        deadline = time.monotonic() + 120
+        runs = []
+        while not runs:
+            runs = [p for p in out.iterdir() if p.is_dir() and held_by(p)]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        res = cli("train", "--resume", "--out", str(runs[0]))
+        one_line_refusal(res, str(runs[0]), "in use by `siamesenorm compare`")
+    finally:
+        live.stop()
+    # the killed compare's lock does not stand in the way of the next one
+    res = cli("compare", "tiny", *TINY, "--schemes", "pre", "--out", str(tmp_path / "exp2"))
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_run_whose_process_was_killed_resumes_past_its_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli("train", "tiny", *TINY, "train.checkpoint_every=1", "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    assert not (run_dir / LOCK_NAME).exists()
+    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "x"}))  # left behind
+    res = cli("train", "--resume", "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
