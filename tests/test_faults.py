@@ -191,3 +191,41 @@ def test_a_run_whose_process_was_killed_resumes_past_its_lock(tmp_path):
     (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "x"}))  # left behind
     res = cli("train", "--resume", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
+
+
+# ---- signals ----------------------------------------------------------------------------------------
+def test_sigterm_checkpoints_writes_the_summary_exits_143_and_resumes_exactly(tmp_path):
+    """What a scheduler sends before preempting a job: handled as Ctrl-C is (the step in flight
+    finishes, a checkpoint and summary.json are written), exit status 143; the resumed run ends
+    where an uninterrupted one does."""
+    steps = ["train.steps=300", "train.eval_every=150", "train.warmup=0", "data.max_bytes=40000",
+             "train.checkpoint_every=1000"]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", "train", "tiny", *steps, "--out",
+                             str(run_dir)], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not metrics.exists() or metrics.read_text().count("\n") < 5:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "SIGTERM: stopping after this step and saving a checkpoint",
+        "siamesenorm train: terminated (SIGTERM)"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] and 5 <= summary["steps"] < 300
+    assert not (run_dir / LOCK_NAME).exists()
+    res = cli("train", "--resume", "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    ref = tmp_path / "ref"
+    assert cli("train", "tiny", *steps, "--out", str(ref)).returncode == 0
+
+    def losses(folder):
+        return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").open())}
+
+    assert losses(run_dir) == losses(ref)

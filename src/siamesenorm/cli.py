@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ConfigError, RankFailed
+from .errors import ConfigError, RankFailed, Terminated
 
 DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
 ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"  # set by --nproc's launcher in the processes it starts
@@ -243,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankFailed as err:
         print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
         return 1
+    except Terminated:
+        print(f"siamesenorm {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -22,7 +22,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from ..errors import ConfigError, RankFailed
+from ..errors import ConfigError, RankFailed, Terminated
 from ..locks import PARENT_ENV
 
 __all__ = ["ERROR_DIR_ENV", "launch", "report_failure"]
@@ -100,8 +100,8 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as error:
         failed = error
-    except SignalException:         # Ctrl-C: the processes got it too and saved their checkpoint
-        raise KeyboardInterrupt from None
+    except SignalException as error:    # the processes got it too and saved their checkpoint
+        raise (Terminated() if error.sigval == signal.SIGTERM else KeyboardInterrupt()) from None
     finally:
         for key, value in saved.items():
             if value is None:

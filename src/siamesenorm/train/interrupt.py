@@ -1,4 +1,4 @@
-"""Ctrl-C during training: finish the step in flight instead of tearing it apart."""
+"""Ctrl-C and SIGTERM during training: finish the step in flight instead of tearing it apart."""
 
 from __future__ import annotations
 
@@ -6,36 +6,50 @@ import signal
 import sys
 import threading
 
+from ..errors import Terminated
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 class DeferredInterrupt:
-    """Within the ``with`` block, the first SIGINT only sets :attr:`requested` (the loop stops at
-    the next step boundary, so no optimizer update is left half applied); a second one raises
-    :class:`KeyboardInterrupt` at once. Outside the main thread, where Python cannot install a
-    handler, nothing changes and SIGINT raises as usual."""
+    """Within the ``with`` block, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler preempting the
+    job) only sets :attr:`requested` (the loop stops at the next step boundary, so no optimizer
+    update is left half applied, and saves a checkpoint); a second one stops at once.
+    :meth:`error` is the exception to stop with: :class:`~siamesenorm.errors.Terminated` after
+    SIGTERM, :class:`KeyboardInterrupt` after Ctrl-C. Outside the main thread, where Python cannot
+    install a handler, nothing changes."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
-        self._installed = False
+        self.terminated = False     # the request came by SIGTERM
+        self._previous: dict[int, object] = {}
+
+    def error(self) -> KeyboardInterrupt:
+        return Terminated() if self.terminated else KeyboardInterrupt()
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt
+            raise self.error()
         self.requested = True
-        print("\ninterrupt: stopping after this step and saving a checkpoint (Ctrl-C again to stop "
-              "at once)", file=sys.stderr, flush=True)
+        self.terminated = signum == signal.SIGTERM
+        if self.terminated:
+            note = "SIGTERM: stopping after this step and saving a checkpoint"
+        else:
+            note = "interrupt: stopping after this step and saving a checkpoint (Ctrl-C again to " \
+                   "stop at once)"
+        print(f"\n{note}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> DeferredInterrupt:
         if threading.current_thread() is threading.main_thread():
-            try:
-                self._previous = signal.signal(signal.SIGINT, self._handle)
-                self._installed = True
-            except ValueError:
-                pass
+            for sig in _SIGNALS:
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+                except ValueError:
+                    pass
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None
-                          else signal.default_int_handler)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, previous if previous is not None else default)
+        self._previous = {}

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, Terminated
 from ..models.host import SchemeHost
 from ..parallel import (
     SINGLE,
@@ -298,6 +298,8 @@ class _Run:
         s, state = self.s, self.state
         while state.step < s.steps:
             if all_max(self.world, ctrl_c.requested, self.device):   # every rank stops together
+                if all_max(self.world, ctrl_c.terminated, self.device):
+                    raise Terminated
                 raise KeyboardInterrupt
             self.snapshot = (self.source.state_dict(), rng_state())
             self.phase = "compute"
