@@ -229,3 +229,56 @@ def test_sigterm_checkpoints_writes_the_summary_exits_143_and_resumes_exactly(tm
         return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").open())}
 
     assert losses(run_dir) == losses(ref)
+
+
+# ---- checkpoints you can trust ----------------------------------------------------------------------
+def _flip(file: Path, count: int = 1000) -> None:
+    data = bytearray(file.read_bytes())
+    step = max(1, len(data) // count)
+    for i in range(len(data) // 2 % step, len(data), step):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip model", "truncate model", "flip state", "drop state"])
+def test_a_damaged_checkpoint_is_refused_with_one_line(tmp_path, damage):
+    run_dir = tmp_path / "run"
+    res = cli("train", "tiny", *TINY, "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    ckpt = run_dir / "checkpoints" / "last"
+    sums = json.loads((ckpt / "checksums.json").read_text())
+    assert set(sums) == {"model.safetensors", "state.pt"}
+    what, name = damage.split()
+    file = ckpt / ("model.safetensors" if name == "model" else "state.pt")
+    if what == "flip":
+        _flip(file)
+    elif what == "truncate":
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    else:
+        file.unlink()
+    if what == "drop":      # no state.pt: there is no checkpoint at all any more
+        return
+    for args in (("train", "--resume", "--out", str(run_dir)),
+                 ("generate", str(run_dir), "--prompt", "a", "--max-new-tokens", "4")):
+        res = cli(*args)
+        one_line_refusal(res, f"checkpoint {ckpt} is damaged", file.name)
+
+
+def test_checksums_cover_every_file_of_a_sharded_layout(tmp_path):
+    from siamesenorm.train.checkpoint import verify_checksums, write_checksums
+
+    folder = tmp_path / "ckpt"
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "dcp" / "__0_0.distcp").write_bytes(b"abc" * 100)
+    (folder / "state.pt").write_bytes(b"state")
+    write_checksums(folder)
+    verify_checksums(folder)
+    _flip(folder / "dcp" / "__0_0.distcp", 1)
+    with pytest.raises(ConfigError, match="dcp/__0_0.distcp does not match"):
+        verify_checksums(folder)
+    (folder / "dcp" / "__0_0.distcp").unlink()
+    with pytest.raises(ConfigError, match="dcp/__0_0.distcp is missing"):
+        verify_checksums(folder)
+    (folder / "checksums.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="checksums.json is unreadable"):
+        verify_checksums(folder)

@@ -8,6 +8,11 @@ Layout of a checkpoint directory (e.g. ``run_dir/checkpoints/last/``)::
                         plain containers, numbers, strings and tensors only, so that it loads
                         with ``torch.load(weights_only=True)``
 
+    checksums.json      the SHA-256 and size of every other file of the checkpoint, written last;
+                        loading verifies them first and refuses a damaged checkpoint (flipped or
+                        missing bytes) with one line instead of training a corrupted model
+                        (a checkpoint without the file, from an older version, is not verified)
+
 Atomicity: both files are written and fsynced in a fresh temporary directory
 ``.<name>.tmp-*`` next to the target. The swap then renames the old checkpoint to
 ``.<name>.old-*``, renames the new one to ``<name>`` and deletes the old one. A crash at any point
@@ -24,6 +29,8 @@ either into a single-process model, and :func:`~.sharded.load_sharded` either in
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -48,6 +55,7 @@ from ..errors import ConfigError
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
+CHECKSUM_FILE = "checksums.json"
 FORMAT = 1              # model.safetensors + state.pt with the optimizer
 SHARDED_FORMAT = 2      # dcp/ (model and optimizer) + state.pt without it
 _PLAIN = (str, int, float, bool, type(None), Tensor)
@@ -159,8 +167,48 @@ def new_temporary(path: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
 
 
+def _digest(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the SHA-256 and size of every file under ``folder`` in its ``checksums.json``."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
+    sums = {p.relative_to(folder).as_posix(): {"sha256": _digest(p), "bytes": p.stat().st_size}
+            for p in files}
+    target = folder / CHECKSUM_FILE
+    target.write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
+    _fsync(target)
+
+
+def verify_checksums(path: str | os.PathLike) -> None:
+    """Refuse (:class:`ConfigError`, one line) a checkpoint whose files do not match the checksums
+    written with it; a checkpoint without ``checksums.json`` (an older version's) passes."""
+    path = Path(path)
+    file = path / CHECKSUM_FILE
+    if not file.exists():
+        return
+    damaged = f"checkpoint {path} is damaged"
+    try:
+        sums = json.loads(file.read_text(encoding="utf-8"))
+        entries = [(rel, want["sha256"], want["bytes"]) for rel, want in sums.items()]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        raise ConfigError(f"{damaged}: its {CHECKSUM_FILE} is unreadable") from None
+    for rel, sha, size in entries:
+        part = path / rel
+        if not part.is_file():
+            raise ConfigError(f"{damaged}: {rel} is missing")
+        if part.stat().st_size != size or _digest(part) != sha:
+            raise ConfigError(f"{damaged}: {rel} does not match the checksum written with it "
+                              "(changed, flipped or cut-short bytes); restore it from a copy")
+
+
 def install(tmp: Path, path: Path) -> None:
-    """Swap the complete directory ``tmp`` in at ``path`` (see the module docstring)."""
+    """Swap the complete directory ``tmp`` in at ``path``, after recording its checksums (see the
+    module docstring)."""
+    write_checksums(tmp)
+    _fsync(tmp)
     old = None
     if path.exists():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
@@ -237,6 +285,7 @@ def checkpoint_extra(path: str | os.PathLike) -> dict:
     kind = layout(path)
     if kind is None:
         raise ConfigError(f"no checkpoint at {path}")
+    verify_checksums(path)
     return read_state(path / STATE_FILE, FORMAT if kind == "single" else SHARDED_FORMAT)["extra"]
 
 
@@ -253,6 +302,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     if kind is None:
         raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
                           f"or {DCP_DIR}/ and {STATE_FILE})")
+    verify_checksums(path)
     if kind == "sharded":
         extra = read_state(path / STATE_FILE, SHARDED_FORMAT)["extra"]
         load_dcp_into(path, model, optimizer)

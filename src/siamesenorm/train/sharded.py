@@ -45,6 +45,7 @@ from .checkpoint import (
     new_temporary,
     read_model,
     read_state,
+    verify_checksums,
 )
 
 __all__ = ["gather_objects", "load_sharded", "save_sharded"]
@@ -80,8 +81,17 @@ def load_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimiz
     """Load the checkpoint at ``path`` (either layout, saved at any world size) into the spread
     model and ``optimizer``; returns ``extra``. A collective: every rank calls it."""
     path = Path(path)
-    kind = layout(path) if world.main else None
-    kind = broadcast_object(world, kind)
+    kind, damaged = None, None
+    if world.main:
+        kind = layout(path)
+        try:
+            if kind is not None:
+                verify_checksums(path)     # once, by rank 0, for every rank
+        except ConfigError as error:
+            damaged = str(error)
+    kind, damaged = broadcast_object(world, (kind, damaged))
+    if damaged is not None:
+        raise ConfigError(damaged)
     if kind is None:
         raise ConfigError(f"no checkpoint at {path}")
     if kind == "single":
