@@ -47,7 +47,8 @@ def test_a_trained_run_is_where_the_layout_says(tmp_path):
     run = RunDir(tmp_path)
     assert [r["step"] for r in read_jsonl(run.metrics)] == [1, 2] == [r["step"] for r in rows(tmp_path)]
     assert json.loads(run.summary.read_text())["steps"] == 2
-    assert {p.name for p in run.last_checkpoint.iterdir()} == {"model.safetensors", "state.pt"}
+    assert {p.name for p in run.last_checkpoint.iterdir()} == {"model.safetensors", "state.pt",
+                                                                "checksums.json"}
     assert run.holds_run()
 
 

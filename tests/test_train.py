@@ -25,7 +25,7 @@ from siamesenorm.train import (
     save_checkpoint,
     train,
 )
-from siamesenorm.train.checkpoint import MODEL_FILE, STATE_FILE
+from siamesenorm.train.checkpoint import CHECKSUM_FILE, MODEL_FILE, STATE_FILE
 
 VOCAB, SEQ, BATCH = 32, 16, 4
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
@@ -296,7 +296,7 @@ def _assert_loads(path: Path, model: nn.Module, step: int) -> None:
 
 def test_checkpoint_roundtrip_and_state_loads_weights_only(tmp_path):
     path, model, opt = _saved(tmp_path, 3)
-    assert sorted(os.listdir(path)) == [MODEL_FILE, STATE_FILE]
+    assert sorted(os.listdir(path)) == [CHECKSUM_FILE, MODEL_FILE, STATE_FILE]
     state = torch.load(path / STATE_FILE, weights_only=True)
     assert state["extra"] == {"step": 3, "note": "first"}
     _assert_loads(path, model, 3)
@@ -372,6 +372,8 @@ def test_corrupt_checkpoints_raise_config_error_naming_the_file(tmp_path):
 
     state_bytes = (path / STATE_FILE).read_bytes()
     (path / STATE_FILE).write_bytes(state_bytes[: len(state_bytes) // 2])
+    expect(f"checkpoint {path} is damaged: {STATE_FILE} does not match")   # checksums.json
+    (path / CHECKSUM_FILE).unlink()     # as an older checkpoint: the readers' own checks
     expect(f"cannot read checkpoint {path / STATE_FILE}")
     (path / STATE_FILE).write_bytes(state_bytes)
     model_bytes = (path / MODEL_FILE).read_bytes()
