@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from siamesenorm.errors import ConfigError
@@ -282,3 +283,120 @@ def test_checksums_cover_every_file_of_a_sharded_layout(tmp_path):
     (folder / "checksums.json").write_text("{not json")
     with pytest.raises(ConfigError, match="checksums.json is unreadable"):
         verify_checksums(folder)
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").open())}
+
+
+def test_the_last_k_checkpoints_are_kept(tmp_path):
+    six = ["train.steps=6", "train.eval_every=6", "train.warmup=0", "data.max_bytes=40000",
+           "train.checkpoint_every=2"]
+    for keep, want in ((2, {"last", "step_4"}), (3, {"last", "step_4", "step_2"}), (1, {"last"})):
+        run_dir = tmp_path / f"keep{keep}"
+        res = cli("train", "tiny", *six, f"train.keep_checkpoints={keep}", "--out", str(run_dir))
+        assert res.returncode == 0, res.stderr
+        assert {p.name for p in (run_dir / "checkpoints").iterdir()} == want
+
+
+def test_resume_falls_back_to_the_newest_good_checkpoint_and_says_so(tmp_path):
+    six = ["train.steps=6", "train.eval_every=6", "train.warmup=0", "data.max_bytes=40000",
+           "train.checkpoint_every=2"]
+    run_dir = tmp_path / "run"
+    assert cli("train", "tiny", *six, "--out", str(run_dir)).returncode == 0
+    want = _losses(run_dir)
+    _flip(run_dir / "checkpoints" / "last" / "model.safetensors")
+    res = cli("train", "--resume", "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "is damaged" in warning[0]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_4'} instead" in warning[0]
+    names = {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert "last" in names and any(n.startswith("damaged-") for n in names)
+    assert _losses(run_dir) == want            # steps 5 and 6 again, exactly as the first time
+    # every checkpoint damaged: the last one's problem, one line
+    for folder in (run_dir / "checkpoints").iterdir():
+        if not folder.name.startswith("damaged-"):
+            _flip(folder / "state.pt")
+    res = cli("train", "--resume", "--out", str(run_dir))
+    one_line_refusal(res, "is damaged", "state.pt")
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_train(tmp_path):
+    run_dir = tmp_path / "run"
+    live = Live(run_dir, "train", "tiny", *LONG, "--out", str(run_dir))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or metrics.read_text().count("\n") < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    live.stop()                                    # kill -9: no checkpoint, no summary
+    res = cli("train", "--resume", "--out", str(run_dir))
+    one_line_refusal(res, "stopped before its first checkpoint", "without --resume")
+    res = cli("train", "tiny", *TINY, "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    assert sorted(_losses(run_dir)) == [1, 2]      # a fresh log: nothing of the killed run
+    res = cli("train", "tiny", *TINY, "--out", str(run_dir))   # now it holds a finished run
+    one_line_refusal(res, "already holds a run")
+
+
+def test_truncated_experiment_and_run_summaries_are_one_line(tmp_path):
+    out = tmp_path / "exp"
+    res = cli("compare", "tiny", *TINY, "--schemes", "pre", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    marker = out / "experiment.json"
+    good = marker.read_bytes()
+    marker.write_bytes(good[: len(good) // 2])
+    one_line_refusal(cli("compare", "tiny", *TINY, "--schemes", "pre", "--out", str(out)),
+                     f"{marker} is damaged")
+    marker.write_bytes(good)
+    [summary] = [p / "summary.json" for p in out.iterdir() if p.is_dir()]
+    summary.write_bytes(summary.read_bytes()[:10])
+    one_line_refusal(cli("compare", "tiny", *TINY, "--schemes", "pre", "--out", str(out)),
+                     f"{summary} is damaged")
+
+
+def test_atomic_writes_leave_no_partial_file_when_the_disk_is_full(tmp_path, monkeypatch):
+    import errno as _errno
+
+    from siamesenorm.rundir import write_json, write_text
+
+    target = tmp_path / "summary.json"
+    write_json(target, {"a": 1})
+
+    def full(fd):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        write_text(target, "x" * 1000)
+    assert json.loads(target.read_text()) == {"a": 1}         # the old file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]   # no temporary left
+
+
+def test_a_run_whose_gradient_stays_zero_stops_as_stalled(tmp_path):
+    """A model that no longer learns (here its loss ignores every parameter, as a dead or
+    corrupted model's does) stops after ``stall_steps`` steps of zero gradient, reported failed."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import dist_worker as w
+    from siamesenorm.train import train
+
+    class Dead(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            return SimpleNamespace(loss=self.inner(x, y).loss * 0.0 + 5.5)
+
+    settings = dataclasses.replace(w.settings(30, "none", 1), stall_steps=5)
+    summary = train(Dead(w.build("pre", {})), w.source(), settings, tmp_path / "run", progress=False)
+    assert summary["stalled"] and summary["failed"] and not summary["diverged"]
+    assert summary["stalled_at"] == 1 and summary["steps"] == 5
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert rows[-1] == {"step": 5, "stalled": True, "stalled_at": 1}
+    # a live model's gradient is never exactly zero: the same settings train to the end
+    summary = train(w.build("pre", {}), w.source(), settings, tmp_path / "live", progress=False)
+    assert not summary["stalled"] and summary["steps"] == 30

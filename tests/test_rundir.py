@@ -4,6 +4,7 @@ one policy for reading JSON-lines files (and reopening them for a resumed writer
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,27 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
     assert run.holds_run()
     run.metrics.unlink()
     (run.checkpoints / ".last.tmp-abc").mkdir(parents=True)   # a run killed in its first save
-    assert run.holds_run()
+    assert run.holds_run() and run.stopped_before_first_checkpoint()
+    run.refuse_existing_run()           # nothing to resume: a fresh run starts it again
+    (run.checkpoints / "last").mkdir()
+    (run.checkpoints / "last" / "state.pt").write_bytes(b"")
+    assert not run.stopped_before_first_checkpoint()
     with pytest.raises(ConfigError) as error:
         run.refuse_existing_run()
     assert str(error.value) == (f"{tmp_path / 'r'} already holds a run; resume it with --resume or "
                                 "choose another --out")
+    shutil.rmtree(run.checkpoints)
+    run.summary.write_text("{}")        # a run that ended (diverged) before its first checkpoint
+    assert run.holds_run() or run.summary.exists()
+    run.metrics.write_text("")
+    with pytest.raises(ConfigError):
+        run.refuse_existing_run()
+    run.summary.unlink()
+    run.tokenizer.mkdir()
+    run.clear_stopped_run()             # only the run's own files go
+    (run.path / "notes.txt").write_text("mine")
+    run.clear_stopped_run()
+    assert sorted(p.name for p in run.path.iterdir()) == ["notes.txt"]
 
 
 def test_the_engine_refuses_a_used_folder_with_the_one_message(tmp_path):

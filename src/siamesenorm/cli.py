@@ -75,7 +75,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0" or os.environ.get(ERROR_DIR_ENV):
         return 0        # one line per run: rank 0's, or the launcher's when --nproc started it
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
-        f"{summary['steps']} steps"
+        f"stalled: zero gradient from step {summary['stalled_at']} on" if summary.get("stalled") \
+        else f"{summary['steps']} steps"
     val = summary.get("final_val_loss")
     print(f"{args.out}: {state}, final val loss {val if val is None else f'{val:.4f}'}")
     return 0

@@ -47,7 +47,10 @@ class TrainConfig:
     ``fsdp``. ``precision``: ``auto`` (bf16 autocast on CUDA, float32 elsewhere), ``fp32`` or
     ``bf16``. ``activation_checkpointing``: ``none``, ``sublayer`` (recompute each attention/MLP
     step of the residual scheme in backward) or ``selective`` (keep the matrix products, recompute
-    the norms and element-wise work).
+    the norms and element-wise work). ``keep_checkpoints``: how many checkpoints a run keeps (the
+    last in ``checkpoints/last``, older ones in ``checkpoints/step_<N>``); ``--resume`` falls back
+    to the newest one that loads when a newer one is damaged. ``stall_steps``: a run whose
+    gradient is exactly zero for that many steps in a row stops as stalled (failed).
     """
 
     steps: int = 200
@@ -60,6 +63,8 @@ class TrainConfig:
     grad_accum: int = 1
     eval_every: int = 50
     checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    stall_steps: int = 20
     divergence_factor: float = 3.0
     compile: bool = False
     device: str = "auto"
@@ -73,7 +78,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
-        for name in ("steps", "grad_accum", "eval_every", "checkpoint_every"):
+        for name in ("steps", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "stall_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup", "weight_decay", "grad_clip"):

@@ -35,7 +35,8 @@ from typing import Any, TextIO
 
 from .errors import ConfigError
 
-__all__ = ["RunDir", "check_out_dir", "open_jsonl", "plain", "read_jsonl", "write_json"]
+__all__ = ["RunDir", "check_out_dir", "open_jsonl", "plain", "read_json", "read_jsonl", "write_json",
+           "write_text"]
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,40 @@ class RunDir:
         """Whether a run was started here: it has ``metrics.jsonl`` or ``checkpoints/``."""
         return self.metrics.exists() or self.checkpoints.exists()
 
+    def has_checkpoints(self) -> bool:
+        """Whether a checkpoint was ever completed here: ``checkpoints/last``, a kept
+        ``checkpoints/step_<N>``, or a last one whose swap a crash cut short."""
+        folder = self.checkpoints
+        if not folder.is_dir():
+            return False
+        return any((p / "state.pt").is_file() for p in folder.iterdir() if p.is_dir() and (
+            p.name == "last" or p.name.startswith(".last.old-")
+            or (p.name.startswith("step_") and p.name[5:].isdigit())))
+
+    def stopped_before_first_checkpoint(self) -> bool:
+        """A run that was started here and stopped (killed) before its first checkpoint: it has a
+        log or a config but neither a checkpoint nor a summary. Nothing of it can be resumed."""
+        return (self.holds_run() or self.config.exists()) and not self.has_checkpoints() \
+            and not self.summary.exists()
+
     def refuse_existing_run(self) -> None:
-        """The check of a fresh run: a :class:`ConfigError` when the folder already holds a run."""
-        if self.holds_run():
+        """The check of a fresh run: a :class:`ConfigError` when the folder already holds a run
+        (one stopped before its first checkpoint does not count: it is started again)."""
+        if self.holds_run() and not self.stopped_before_first_checkpoint():
             raise ConfigError(f"{self} already holds a run; resume it with --resume or choose "
                               "another --out")
+
+    def clear_stopped_run(self) -> None:
+        """Delete the files of a run stopped before its first checkpoint (and only the run's own
+        files, by name), so that it starts again from nothing."""
+        import shutil
+
+        if not self.stopped_before_first_checkpoint():
+            return
+        for file in (self.metrics, self.config, self.probes, self.analysis):
+            file.unlink(missing_ok=True)
+        for folder in (self.tokenizer, self.tensorboard, self.samples, self.plots, self.checkpoints):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> None:
@@ -205,8 +235,39 @@ def plain(value: Any) -> Any:
     return value
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented strict JSON to ``path`` through a temporary file and a rename."""
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file beside it, flushed to disk,
+    then renamed over it. A reader sees the old file or the new one, never half of one; a failed
+    write (a full disk) leaves no partial or empty file behind."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(plain(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented strict JSON to ``path`` atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(plain(obj), indent=2, allow_nan=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON document in ``path``; a file that is not valid UTF-8 JSON (cut short, overwritten)
+    is a :class:`ConfigError` naming it, one line."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        why = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
+        raise ConfigError(f"{path} is damaged (not valid JSON: {why}); delete it or restore it "
+                          "from a copy") from None

@@ -13,6 +13,7 @@ fingerprint) from its own summary.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
 from pathlib import Path
@@ -20,14 +21,16 @@ from pathlib import Path
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..locks import LOCK_NAME, check_free, folder_lock
-from ..rundir import RunDir, check_out_dir, read_jsonl
+from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_text
 from ..tasks import TASKS, check_data, get_task, launch_task, run_task
 from ..train import has_checkpoint
+from ..train.checkpoint import older_checkpoints
 from .grid import build_grid
 from .report import write_report
 
 COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "diverged",
-           "diverged_at", "steps", "tokens_per_s", "num_parameters", "max_grad_norm", "max_grad_norm_step")
+           "diverged_at", "stalled_at", "steps", "tokens_per_s", "num_parameters", "max_grad_norm",
+           "max_grad_norm_step")
 
 
 def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
@@ -44,6 +47,7 @@ def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | N
 def _one_line(summary: dict, peak: tuple) -> str:
     val = summary.get("final_val_loss")
     state = f"diverged at step {summary['diverged_at']}" if summary.get("diverged") else \
+        f"stalled (zero gradient) from step {summary['stalled_at']}" if summary.get("stalled") else \
         f"final val loss {'-' if val is None else f'{val:.4f}'}"
     grad = "" if peak[0] is None else f", max grad norm {peak[0]:.3g} (step {peak[1]})"
     return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
@@ -67,6 +71,8 @@ def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str =
             group = cells.get((label, lr), [])
             if any(r["diverged"] for r in group):
                 texts.append(f"div@{min(r['diverged_at'] for r in group if r['diverged'])}")
+            elif any(r.get("stalled_at") is not None for r in group):
+                texts.append(f"dead@{min(r['stalled_at'] for r in group if r.get('stalled_at'))}")
             else:
                 vals = [r[key] for r in group if r.get(key) is not None]
                 texts.append(f"{sum(vals) / len(vals):.4f}" if vals else "-")
@@ -78,7 +84,7 @@ def _claim(out: Path, spec: dict) -> None:
     """Write ``experiment.json``, or check that the folder holds this same experiment."""
     marker = out / "experiment.json"
     if marker.exists():
-        old = json.loads(marker.read_text())
+        old = read_json(marker)
         if old != spec:
             raise ConfigError(f"{out} holds another experiment's runs (its experiment.json differs); "
                               "choose another --out")
@@ -86,7 +92,7 @@ def _claim(out: Path, spec: dict) -> None:
     if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         raise ConfigError(f"{out} is not empty and holds no experiment.json; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(spec, indent=2))
+    write_text(marker, json.dumps(spec, indent=2) + "\n")
 
 
 def _check_data(grid: list) -> None:
@@ -103,7 +109,8 @@ def _check_data(grid: list) -> None:
 def _start_run(run_dir: Path) -> bool:
     """Whether the cell's run resumes (it has a checkpoint). A run directory with neither a finished
     summary nor a checkpoint (a run killed before its first checkpoint) is emptied, to start afresh."""
-    if has_checkpoint(RunDir(run_dir).last_checkpoint):
+    last = RunDir(run_dir).last_checkpoint
+    if has_checkpoint(last) or older_checkpoints(last):
         return True
     if run_dir.is_dir():
         for child in run_dir.iterdir():
@@ -143,7 +150,7 @@ def _compare(out: Path, base, spec: dict, grid: list, nproc: int | None, log) ->
         name, cfg = cell.name, cell.config
         run_dir = out / name
         summary_path = RunDir(run_dir).summary
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        summary = read_json(summary_path) if summary_path.exists() else None
         if summary is not None and not summary.get("interrupted"):
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
@@ -160,14 +167,15 @@ def _compare(out: Path, base, spec: dict, grid: list, nproc: int | None, log) ->
                      **{k: summary[k] for k in EXTRA_COLUMNS if k in summary},
                      "data": summary.get("data")})
     extra = [k for k in EXTRA_COLUMNS if any(k in r for r in rows)]
-    with open(out / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + tuple(extra), restval="", extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=COLUMNS + tuple(extra), restval="", extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(out / "summary.csv", table.getvalue())
+    write_text(out / "summary.json", json.dumps(rows, indent=2) + "\n")
     write_report(out, rows, spec["schemes"], spec["lrs"])
     key, title = get_task(base.task).headline
-    log(f"{title} (div@N: diverged at step N)")
+    log(f"{title} (div@N: diverged at step N; dead@N: zero gradient from step N on, stopped)")
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")
     return rows

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..analysis.report_section import diagnostics_section
-from ..rundir import RunDir, read_jsonl
+from ..rundir import RunDir, read_jsonl, write_text
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -130,4 +130,4 @@ def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[floa
         lines += [f"**{name}** ({grid.stem.replace('_', ' ')})\n\n![{name} samples]"
                   f"({grid.relative_to(out).as_posix()})\n" for name, grid in grids if grid]
     lines += diagnostics_section(out, rows)
-    (out / "report.md").write_text("\n".join(lines))
+    write_text(out / "report.md", "\n".join(lines))

@@ -9,7 +9,6 @@ tasks comes from their :class:`~.spec.Task`.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..locks import check_free, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.launch import launch
-from ..rundir import RunDir, check_out_dir
+from ..rundir import RunDir, check_out_dir, read_json, write_text
 from ..train import TrainSettings, train
 from .registry import get_task, saved_config
 
@@ -64,6 +63,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     check_out_dir(run_dir)
     check_free(run_dir, "train")
     if resume:
+        _check_resumable(run_dir)
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
     world, device = init_world(cfg.train.device)
     try:
@@ -89,9 +89,10 @@ def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: Wo
         held.enter_context(folder_lock(run_dir, "train"))
         if not resume:
             RunDir(run_dir).refuse_existing_run()
+            RunDir(run_dir).clear_stopped_run()       # killed before its first checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
-            RunDir(run_dir).config.write_text(dump_config(fitted))
+            write_text(RunDir(run_dir).config, dump_config(fitted))
             task.save_assets(run_dir, data)
         return data, fitted
 
@@ -128,6 +129,7 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     check_out_dir(run_dir)
     check_free(run_dir, "train")
     if resume:
+        _check_resumable(run_dir)
         cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
     else:
         RunDir(run_dir).refuse_existing_run()
@@ -145,10 +147,17 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
             preset.write_text(dump_config(cfg))
             args.append(str(preset))
         launch(nproc, args, what=f"run {run_dir}")
-    summary = json.loads(RunDir(run_dir).summary.read_text())
+    summary = read_json(RunDir(run_dir).summary)
     if summary.get("interrupted"):
         raise KeyboardInterrupt
     return summary
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """Refuse ``--resume`` of a run that has nothing to resume from, saying what to do instead."""
+    if RunDir(run_dir).stopped_before_first_checkpoint():
+        raise ConfigError(f"cannot resume {run_dir}: it stopped before its first checkpoint; start "
+                          "it again without --resume (the same command that started it)")
 
 
 def _check_distributed(cfg: Any, world: World) -> None:

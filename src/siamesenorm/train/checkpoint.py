@@ -139,12 +139,13 @@ def _recover(path: Path, clean: bool) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict) -> None:
+                    extra: dict, keep_as: Path | None = None) -> None:
     """Write ``model``, ``optimizer`` and ``extra`` into the checkpoint directory ``path``.
 
     ``extra`` (step, RNG and sampler states, ...) must hold only dicts, lists, tuples, numbers,
     strings, None and tensors; anything else is a TypeError before a byte is written. An existing
-    checkpoint at ``path`` is replaced atomically (see the module docstring).
+    checkpoint at ``path`` is replaced atomically (see the module docstring), and moved to
+    ``keep_as`` when that is given.
     """
     path = Path(path)
     _check_plain(extra, "extra")
@@ -156,7 +157,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    install(tmp, path)
+    install(tmp, path, keep_as)
 
 
 def new_temporary(path: Path) -> Path:
@@ -204,19 +205,43 @@ def verify_checksums(path: str | os.PathLike) -> None:
                               "(changed, flipped or cut-short bytes); restore it from a copy")
 
 
-def install(tmp: Path, path: Path) -> None:
+def install(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
     """Swap the complete directory ``tmp`` in at ``path``, after recording its checksums (see the
-    module docstring)."""
+    module docstring). With ``keep_as``, the checkpoint it replaces is kept there (renamed) rather
+    than deleted."""
     write_checksums(tmp)
     _fsync(tmp)
     old = None
     if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(path, old)
+        if keep_as is not None and not keep_as.exists():
+            os.replace(path, keep_as)
+        else:
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(path, old)
     os.replace(tmp, path)
     _fsync(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- older checkpoints beside the last -----------------------------------------------------------
+def kept_name(path: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes when a newer one replaces it at ``path``."""
+    return path.parent / f"step_{step}"
+
+
+def older_checkpoints(path: str | os.PathLike) -> list[Path]:
+    """The kept checkpoints beside ``path`` (``step_<N>`` folders), newest first."""
+    path = Path(path)
+    found = [p for p in path.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def prune_checkpoints(path: str | os.PathLike, keep: int) -> None:
+    """Delete the kept checkpoints beside ``path`` beyond the newest ``keep - 1`` (``path`` itself
+    is the last of ``keep``)."""
+    for stale in older_checkpoints(path)[max(keep - 1, 0):]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import random
 import sys
 import time
@@ -39,7 +40,13 @@ from ..parallel import (
     parallelize,
 )
 from ..rundir import RunDir, plain, write_json
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (
+    kept_name,
+    load_checkpoint,
+    older_checkpoints,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from .evaluate import validation_loss
 from .forward import ForwardBackward
 from .interrupt import DeferredInterrupt
@@ -78,7 +85,9 @@ class TrainSettings:
     otherwise). ``eval_batches`` are fixed ``(x, y)`` validation batches. The run stops as diverged
     at the first step whose loss or gradient norm is not finite, or, after step
     ``divergence_min_step`` (default: ``warmup``), whose loss exceeds ``divergence_factor`` times
-    the lowest training loss so far. ``seed`` (None: leave the generators alone) seeds Python's and
+    the lowest training loss so far. It stops as stalled (a failed run, not a diverged one) after
+    ``stall_steps`` consecutive steps whose gradient is exactly zero: a model that no longer learns
+    anything (dead units, a corrupted state). ``seed`` (None: leave the generators alone) seeds Python's and
     torch's global generators at the start of a fresh run; the model is built by the caller.
 
     The values are not checked again here: a run's configuration checks them where it is loaded
@@ -98,6 +107,8 @@ class TrainSettings:
     eval_batches: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     log_every: int = 1
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    stall_steps: int = 20
     divergence_factor: float = 3.0
     divergence_min_step: int | None = None
     compile: bool = False
@@ -110,7 +121,8 @@ class TrainSettings:
         """The settings of a run configuration's ``train`` section (a checked
         :class:`~siamesenorm.config.TrainConfig`), with its validation batches and seed."""
         names = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "betas", "grad_clip",
-                 "grad_accum", "eval_every", "checkpoint_every", "divergence_factor", "compile",
+                 "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints", "stall_steps",
+                 "divergence_factor", "compile",
                  "parallel", "precision")
         return cls(**{n: getattr(train, n) for n in names}, eval_batches=eval_batches, seed=seed)
 
@@ -159,6 +171,8 @@ class _Run:
         self.accum = settings.grad_accum      # micro-batches per rank and step
         self.state = RunState()
         self.diverged_at: int | None = None
+        self.stalled_at: int | None = None      # first step of the zero-gradient stretch that ended it
+        self.zero_steps = 0                     # consecutive steps with a zero gradient, up to now
         self.interrupted = False
         self.phase = "idle"         # "compute": gradients of a step; "update": inside optimizer.step
         self.snapshot: tuple[dict, dict] | None = None
@@ -173,10 +187,7 @@ class _Run:
         """Load the checkpoint or seed a fresh run; returns the step the metric log keeps."""
         world = self.world
         if resume:
-            if world.distributed:
-                extra = load_sharded(self.ckpt_dir, self.par, self.optimizer, world)
-            else:
-                extra = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+            extra = self.load_newest_good()
             try:
                 self.state = RunState.from_dict(extra["run"])
                 self.source.load_state_dict(extra["source"])
@@ -196,6 +207,34 @@ class _Run:
             torch.manual_seed(seed)
             random.seed(seed)
         return None
+
+    def load_newest_good(self) -> dict:
+        """Load the newest checkpoint that loads (the last, else the kept ones, newest first);
+        returns its ``extra``. A fallback says so on stderr and moves the last one aside (to
+        ``checkpoints/damaged-<time>``), so the run goes on from the one it loaded."""
+        world, first = self.world, None
+        for path in [self.ckpt_dir, *older_checkpoints(self.ckpt_dir)]:
+            try:
+                if world.distributed:
+                    extra = load_sharded(path, self.par, self.optimizer, world)
+                else:
+                    extra = load_checkpoint(path, self.model, self.optimizer)
+            except ConfigError as error:
+                first = first or error
+                continue
+            if first is not None and world.main:
+                aside = ""
+                if self.ckpt_dir.exists():
+                    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                    damaged = self.ckpt_dir.with_name(f"damaged-{stamp}")
+                    os.replace(self.ckpt_dir, damaged)
+                    aside = f" ({self.ckpt_dir.name} moved to {damaged.name})"
+                print(f"warning: {first}; resuming from {path} instead{aside}", file=sys.stderr,
+                      flush=True)
+            barrier(world)
+            return extra
+        assert first is not None
+        raise first
 
     def split_batch(self, micro_batches: int) -> int:
         """Micro-batches per rank that keep a resumed run's global batch of ``micro_batches``."""
@@ -287,11 +326,16 @@ class _Run:
         run = self.state.to_dict()
         run.update(wall_time_s=self.wall_time(), checkpoint_step=self.state.step)
         extra = {"run": run, "source": self.source.state_dict(), "rng": rng_state()}
+        previous = self.state.checkpoint_step
+        keep_as = kept_name(self.ckpt_dir, previous) \
+            if self.s.keep_checkpoints > 1 and previous and previous != self.state.step else None
         if self.world.distributed:
             extra["rng_ranks"] = gather_objects(self.world, extra["rng"])
-            save_sharded(self.ckpt_dir, self.par, self.optimizer, extra, self.world)
+            save_sharded(self.ckpt_dir, self.par, self.optimizer, extra, self.world, keep_as)
         else:
-            save_checkpoint(self.ckpt_dir, self.model, self.optimizer, extra)
+            save_checkpoint(self.ckpt_dir, self.model, self.optimizer, extra, keep_as)
+        if self.world.main:
+            prune_checkpoints(self.ckpt_dir, self.s.keep_checkpoints)
         self.state.checkpoint_step = self.state.step
 
     def loop(self, log: MetricsLog, bar: ProgressLine, ctrl_c: DeferredInterrupt) -> None:
@@ -341,10 +385,16 @@ class _Run:
             if s.is_checkpoint_step(step):
                 self.save()
             self.phase = "idle"
+            self.zero_steps = self.zero_steps + 1 if norm == 0.0 else 0
+            if self.zero_steps >= s.stall_steps:
+                self.stalled_at = step - self.zero_steps + 1
+                log.write({"step": step, "stalled": True, "stalled_at": self.stalled_at})
+                return
 
     # ---- end ---------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         figures = build_summary(self.model, self.state, self.s.steps, diverged_at=self.diverged_at,
+                                stalled_at=self.stalled_at,
                                 interrupted=self.interrupted, wall_time_s=self.wall_time())
         return {**figures, **self.info}
 

@@ -52,7 +52,7 @@ __all__ = ["gather_objects", "load_sharded", "save_sharded"]
 
 
 def save_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimizer, extra: dict,
-                 world: World) -> None:
+                 world: World, keep_as: Path | None = None) -> None:
     """Write the spread model, its optimizer and rank 0's ``extra`` as one checkpoint at ``path``;
     a collective: every rank calls it."""
     path = Path(path)
@@ -72,7 +72,7 @@ def save_sharded(path: str | Path, par: Parallel, optimizer: torch.optim.Optimiz
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if world.main:
-        install(tmp, path)
+        install(tmp, path, keep_as)
     barrier(world)
 
 

@@ -17,10 +17,13 @@ def perplexity(loss: float | None) -> float | None:
 
 
 def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, diverged_at: int | None,
-                  interrupted: bool, wall_time_s: float) -> dict[str, Any]:
+                  interrupted: bool, wall_time_s: float,
+                  stalled_at: int | None = None) -> dict[str, Any]:
     """Figures of the run so far.
 
-    ``steps`` counts applied updates (a diverged step is not applied); ``final_*`` are the last
+    ``steps`` counts applied updates (a diverged step is not applied); ``stalled_at`` is the first
+    of the zero-gradient steps that stopped a run that no longer learned, and ``failed`` says the
+    run diverged or stalled; ``final_*`` are the last
     evaluation's figures, ``best_val_*`` the lowest validation loss and its step; ``tokens_per_s``
     is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
     model's, at the training sequence length. ``extra_eval``'s last numbers follow as ``final_<name>``.
@@ -34,6 +37,8 @@ def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, dive
     out = {
         "steps": state.step, "steps_planned": steps_planned,
         "diverged": diverged_at is not None, "diverged_at": diverged_at,
+        "stalled": stalled_at is not None, "stalled_at": stalled_at,
+        "failed": diverged_at is not None or stalled_at is not None,
         "interrupted": interrupted, "checkpoint_step": state.checkpoint_step,
         "final_loss": state.last_loss,
         "best_loss": state.best_loss if math.isfinite(state.best_loss) else None,
