@@ -400,3 +400,27 @@ def test_a_run_whose_gradient_stays_zero_stops_as_stalled(tmp_path):
     # a live model's gradient is never exactly zero: the same settings train to the end
     summary = train(w.build("pre", {}), w.source(), settings, tmp_path / "live", progress=False)
     assert not summary["stalled"] and summary["steps"] == 30
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "replace"])
+def test_a_metric_log_damaged_under_a_live_run_is_rewritten_with_every_row(tmp_path, capsys,
+                                                                           damage):
+    from siamesenorm.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, None, tensorboard=False)
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    path = tmp_path / "metrics.jsonl"
+    if damage == "delete":
+        path.unlink()
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:20])
+    else:
+        path.rename(tmp_path / "old.jsonl")
+        path.write_text('{"step": 99}\n')
+    log.write({"step": 4, "loss": 0.25})
+    log.write({"step": 5, "loss": 0.2})
+    log.close()
+    assert [json.loads(line)["step"] for line in path.open()] == [1, 2, 3, 4, 5]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {path} was ") and "3 rows" in err[0]

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from ..rundir import RunDir, open_jsonl, plain
+from ..rundir import RunDir, open_jsonl, plain, write_text
 
 
 def _tensorboard(log_dir: Path, purge_step: int | None):
@@ -25,19 +27,49 @@ class MetricsLog:
     drops the later ones (a resumed run repeats them), so the log never holds a step twice (a line
     a killed run left cut short is dropped; see :func:`~siamesenorm.rundir.read_jsonl`). Numeric
     values other than ``step`` also go to TensorBoard under ``run_dir/tb`` when it can be imported.
+
+    The log keeps its lines in memory too: when the file is deleted, replaced or cut short under the
+    live run (a careless ``rm``, a full disk's truncation), the next write notices, says so on
+    stderr and rewrites the file from them, so no row is lost silently.
     """
 
     def __init__(self, run_dir: Path, keep_until: int | None = None, tensorboard: bool = True) -> None:
         layout = RunDir(run_dir)
         self.path = layout.metrics
         self._file = open_jsonl(self.path, keep_until)
+        self._lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        self._size = sum(len(line.encode("utf-8")) for line in self._lines)
         self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
             if tensorboard else None
 
+    def _check(self) -> None:
+        """Rewrite the file from the rows held here when it is gone, replaced or shorter than
+        what was written (and say so)."""
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            what = "deleted"
+        else:
+            if not os.path.samestat(on_disk, os.fstat(self._file.fileno())):
+                what = "replaced"
+            elif on_disk.st_size < self._size:
+                what = "cut short"
+            else:
+                return
+        print(f"warning: {self.path} was {what} while the run was writing it; rewriting it from "
+              f"the {len(self._lines)} rows this run holds", file=sys.stderr, flush=True)
+        self._file.close()
+        write_text(self.path, "".join(self._lines))
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def write(self, row: dict[str, Any]) -> None:
         row = plain(row)
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        line = json.dumps(row, allow_nan=False) + "\n"
+        self._check()
+        self._file.write(line)
         self._file.flush()
+        self._lines.append(line)
+        self._size += len(line.encode("utf-8"))
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
