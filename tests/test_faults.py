@@ -424,3 +424,68 @@ def test_a_metric_log_damaged_under_a_live_run_is_rewritten_with_every_row(tmp_p
     assert [json.loads(line)["step"] for line in path.open()] == [1, 2, 3, 4, 5]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: {path} was ") and "3 rows" in err[0]
+
+
+# ---- the operating system says no -------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["train", "compare"])
+@pytest.mark.parametrize("where", ["proc", "long"])
+def test_an_output_path_the_system_refuses_is_one_line(tmp_path, command, where):
+    out = "/proc/siamesenorm-test/run" if where == "proc" else str(tmp_path / ("x" * 300) / "run")
+    args = ("train", "tiny", *TINY, "--out", out) if command == "train" else \
+        ("compare", "tiny", *TINY, "--schemes", "pre", "--out", out)
+    line = one_line_refusal(cli(*args))
+    assert ("File name too long" if where == "long" else "/proc/siamesenorm-test") in line
+    assert list(tmp_path.iterdir()) == []                 # nothing left behind
+
+
+def test_export_and_analyze_into_a_refused_path_are_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli("train", "tiny", *TINY, "--out", str(run_dir)).returncode == 0
+    one_line_refusal(cli("export", str(run_dir), "--out", "/proc/siamesenorm-test/w.safetensors"),
+                     "/proc/siamesenorm-test")
+    one_line_refusal(cli("analyze", str(run_dir), "--batches", "1", "--out",
+                         "/proc/siamesenorm-test/a"), "/proc/siamesenorm-test")
+
+
+def _disk_full(*args, **kwargs):
+    import errno as _errno
+
+    raise OSError(_errno.ENOSPC, "No space left on device", "metrics.jsonl")
+
+
+def test_a_full_disk_at_the_start_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    from siamesenorm import cli as cli_module
+    from siamesenorm.tasks import runner
+
+    monkeypatch.setattr(runner, "write_text", _disk_full)
+    run_dir = tmp_path / "run"
+    assert cli_module.main(["train", "tiny", *TINY, "--out", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["siamesenorm train: error: No space left on device: metrics.jsonl"]
+    assert not run_dir.exists()
+
+
+def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes_exactly(tmp_path, monkeypatch, capsys):
+    from siamesenorm import cli as cli_module
+    from siamesenorm.train.metrics import MetricsLog
+
+    six = ["train.steps=6", "train.eval_every=6", "train.warmup=0", "data.max_bytes=40000",
+           "train.checkpoint_every=2"]
+    real = MetricsLog.write
+
+    def write(self, row):
+        if row.get("step") == 3:
+            _disk_full()
+        real(self, row)
+
+    monkeypatch.setattr(MetricsLog, "write", write)
+    run_dir = tmp_path / "run"
+    assert cli_module.main(["train", "tiny", *six, "--out", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["siamesenorm train: error: No space left on device: metrics.jsonl"]
+    assert not (run_dir / LOCK_NAME).exists()
+    monkeypatch.setattr(MetricsLog, "write", real)
+    assert cli("train", "--resume", "--out", str(run_dir)).returncode == 0
+    ref = tmp_path / "ref"
+    assert cli("train", "tiny", *six, "--out", str(ref)).returncode == 0
+    assert _losses(run_dir) == _losses(ref)

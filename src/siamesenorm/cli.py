@@ -6,6 +6,7 @@ Every error a user can cause ends with one line on stderr and exit status 2, wit
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -250,10 +251,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:
+        if err.errno not in _ENVIRONMENT_ERRORS:
+            raise
+        if not _reported_to_launcher(err, user_error=True):
+            print(f"siamesenorm {args.command}: error: {_os_problem(err)}", file=sys.stderr)
+        return 2
     except Exception as err:
         if _reported_to_launcher(err, user_error=False):
             return 1
         raise
+
+
+# Operating-system errors about the files and folders a command was given or writes (a read-only or
+# full disk, a path it may not use, a name too long): the user's to fix, so one line and exit 2.
+_ENVIRONMENT_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                       errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST,
+                       errno.EFBIG, errno.EIO, errno.EINVAL, errno.ELOOP, errno.EXDEV}
+
+
+def _os_problem(err: OSError) -> str:
+    """``err`` as one line: what the system said, and the path(s) it said it of."""
+    what = err.strerror or str(err)
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what
 
 
 def _reported_to_launcher(err: BaseException, user_error: bool) -> bool:
