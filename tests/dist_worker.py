@@ -92,11 +92,11 @@ def _kill_inside_save(k: int) -> None:
 
     real, count = sharded.install, [0]
 
-    def install(tmp, path):
+    def install(tmp, path, keep_as=None):
         count[0] += 1
         if count[0] == k:
             os._exit(9)         # killed: the new checkpoint is written but never swapped in
-        real(tmp, path)
+        real(tmp, path, keep_as)
 
     sharded.install = install
 
