@@ -7,6 +7,8 @@ package but :mod:`.errors`)::
     metrics.jsonl      one JSON object per logged step            RunDir.metrics
     summary.json       final and best figures of the run          RunDir.summary
     checkpoints/last/  the last checkpoint (checkpoints/)         RunDir.last_checkpoint
+    checkpoints/step_<N>/  older ones kept (train.keep_checkpoints)
+    .siamesenorm.lock  held while a process writes the run       siamesenorm.locks
     tokenizer/         a text run's tokenizer                     RunDir.tokenizer
     probes.jsonl       the training probes (analysis.every > 0)   RunDir.probes
     analysis.json      the analysis of the final model            RunDir.analysis
@@ -15,7 +17,9 @@ package but :mod:`.errors`)::
     tb/                TensorBoard scalars (when installed)       RunDir.tensorboard
 
 A folder *holds a run* once it has ``metrics.jsonl`` or ``checkpoints/``; a fresh run refuses such
-a folder (:meth:`RunDir.refuse_existing_run`) and ``--resume`` continues it.
+a folder (:meth:`RunDir.refuse_existing_run`) and ``--resume`` continues it, except a run stopped
+before its first checkpoint (nothing to resume), which a fresh run starts again. Single files are
+written atomically (:func:`write_text`, :func:`write_json`).
 
 JSON-lines files (``metrics.jsonl``, ``probes.jsonl``) are read by :func:`read_jsonl` alone, with
 one policy: a missing file reads as no rows; blank lines are ignored; a last line without its
