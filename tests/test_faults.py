@@ -489,3 +489,27 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes_exactly(tmp_path, m
     ref = tmp_path / "ref"
     assert cli("train", "tiny", *six, "--out", str(ref)).returncode == 0
     assert _losses(run_dir) == _losses(ref)
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """As root (CI) a chmod does not stop writes: the file system's answer is simulated where the
+    first write happens, the folder's lock."""
+    import errno as _errno
+
+    from siamesenorm import cli as cli_module
+    from siamesenorm import locks
+
+    real = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(_errno.EROFS, "Read-only file system", str(path))
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(locks.os, "open", read_only)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert cli_module.main(["train", "tiny", *TINY, "--out", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"siamesenorm train: error: Read-only file system: {run_dir / LOCK_NAME}"]
+    assert list(run_dir.iterdir()) == []
