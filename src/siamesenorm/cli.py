@@ -38,8 +38,10 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from .config import check_seed
     from .demo import run_demo
 
+    check_seed(args.seed, "--seed")
     run_demo(schemes=args.schemes.split(","), n_layers=args.layers, dim=args.dim,
              steps=args.steps, lr=args.lr, seed=args.seed)
     return 0
@@ -56,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_train(args: argparse.Namespace) -> int:
     from .run import load_config, run_training
 
+    _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)
     if args.dry_run:
         if args.resume:
@@ -86,6 +89,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .experiments import compare
 
+    _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)
     compare(preset or DEFAULT_COMPARE_PRESET, overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
@@ -94,6 +98,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _csv(text: str | None, kind: type, flag: str) -> list | None:
+    """The comma-separated values of ``flag`` read as ``kind`` (``None`` when not given); blank
+    items are skipped, an empty list refused. Ranges and repeats are the grid's to check."""
     if text is None:
         return None
     try:
@@ -105,9 +111,17 @@ def _csv(text: str | None, kind: type, flag: str) -> list | None:
     return values
 
 
+def _path_arg(value: str | None, name: str) -> None:
+    """Refuse an empty (or blank) path given to ``name`` (``--out``, ``RUN_DIR``): it would mean
+    the current folder. ``None`` (an optional path not given) passes."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"{name} is empty ({value!r}); give a path")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .run import generate_text
 
+    _path_arg(args.run_dir, "RUN_DIR")
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, greedy=args.greedy, seed=args.seed, device=args.device))
     return 0
@@ -116,6 +130,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .tasks.finished import export_run
 
+    _path_arg(args.run_dir, "RUN_DIR")
+    _path_arg(args.out, "--out")
     info = export_run(args.run_dir, args.out)
     print(f"{args.out}: {info['tensors']} tensors, {info['parameters']:,} parameters, step {info['step']}")
     return 0
@@ -125,6 +141,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from .run import analyze_run
     from .rundir import RunDir
 
+    _path_arg(args.run_dir, "RUN_DIR")
+    _path_arg(args.out, "--out")
     out = args.out or args.run_dir
     result = analyze_run(args.run_dir, args.data, batches=args.batches, device=args.device, out=out)
     pruning, lens = result["pruning"], result["lens"]

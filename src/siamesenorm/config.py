@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -31,6 +32,9 @@ from .schemes import build_scheme, get_scheme_class, scheme_options
 
 PRESET_DIR = Path(__file__).parent / "configs"
 
+
+# Seeds are what torch.manual_seed and numpy's generators take alike: 0 .. 2**63 - 1.
+SEED_MAX = 2**63 - 1
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -85,8 +89,12 @@ class TrainConfig:
         for name in ("warmup", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must not be negative, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"train.lr must be a positive finite number, got {self.lr}")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(f"train.betas[{i}] must be in [0, 1), got {beta} (AdamW's decay "
+                                  "rates, e.g. train.betas=[0.9,0.95])")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.divergence_factor > 1:
@@ -115,6 +123,12 @@ class AnalysisConfig:
         for name in ("batch_size", "batches"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"analysis.{name} must be positive, got {getattr(self, name)}")
+
+
+def check_seed(value: Any, key: str = "seed") -> None:
+    """Refuse a seed that is not an integer in ``0 .. SEED_MAX`` (what every generator takes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{key} must be an integer from 0 to 2**63-1 ({SEED_MAX}), got {value!r}")
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -196,29 +210,106 @@ def _revalidate(obj: Any) -> Any:
     return type(obj)(**kwargs)
 
 
+def load_yaml(text: str, where: str, path: str = "") -> Any:
+    """``text`` read as YAML (safe tags only), refusing a mapping that gives a key twice, at any
+    depth (PyYAML would keep the last silently); ``where`` names the text in the error, ``path``
+    is the dotted key the text is the value of."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_repeated_keys(node, where, path)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(root: yaml.Node, where: str, path: str) -> None:
+    """Walk the composed YAML tree of :func:`load_yaml` (each node once: aliases may share or
+    nest nodes) and raise on the first key a mapping gives twice, naming it by its dotted path."""
+    stack, seen = [(root, path)], set()
+    while stack:
+        node, at = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack += [(item, f"{at}[{i}]") for i, item in enumerate(node.value)]
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}     # (tag, text) of each key -> its line
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    stack.append((value, at))      # a complex key, or a merge (<<: *base)
+                    continue
+                name, line = f"{at}.{key.value}" if at else key.value, key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    first = lines[key.tag, key.value]
+                    where_lines = f"lines {first} and {line}" if first != line else f"line {line}"
+                    raise ConfigError(f"{where} gives the key {name} twice ({where_lines}); keep one")
+                lines[key.tag, key.value] = line
+                stack.append((value, name))
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"model.n_layers=24"`` -> ``("model.n_layers", 24)``; the value is read as YAML."""
+    """``"model.n_layers=24"`` -> ``("model.n_layers", 24)``; the value is read as YAML (a mapping
+    that gives a key twice is refused), or kept as the text when it is not YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.lr=2e-3)")
+    key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"override {text!r}", key) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return key, value
+
+
+def _refuse_repeated_overrides(overrides: list[str] | tuple[str, ...],
+                               parsed: list[tuple[str, Any]]) -> None:
+    """Refuse two ``key=value`` overrides of one key (which would win is easy to misread)."""
+    first: dict[str, str] = {}
+    for text, (key, _) in zip(overrides, parsed):
+        if key in first:
+            raise ConfigError(f"{key} is given twice on the command line ({first[key]}, {text}); "
+                              "give it once")
+        first[key] = text
+
+
+def _packaged_presets() -> str:
+    return ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))) or "(none packaged)"
+
+
+def preset_path(preset: str) -> Path:
+    """The file a preset names: a packaged preset for a bare name (no suffix, no folder: ``tiny``
+    is ``configs/tiny.yaml``), else the YAML file at that path, whatever its suffix. A folder, or
+    a path that is not a regular file (a FIFO, a device), is refused in one line."""
+    path = Path(preset).expanduser()
+    bare = not path.suffix and "/" not in preset and os.sep not in preset
+    if bare and (PRESET_DIR / f"{preset}.yaml").is_file():
+        return PRESET_DIR / f"{preset}.yaml"
+    if path.is_dir():
+        raise ConfigError(f"preset {preset} is a folder, not a preset file; give a YAML file or one "
+                          f"of {_packaged_presets()}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"preset {preset} is not a regular file; give a YAML file or one of "
+                          f"{_packaged_presets()}")
+    if not path.is_file():
+        raise ConfigError(f"preset {preset!r} not found: give a YAML file or one of {_packaged_presets()}")
+    return path
 
 
 def read_preset(preset: str) -> dict:
-    """A preset name from the packaged ``configs/`` folder, or a path to a YAML file."""
-    path = Path(preset)
-    if not path.suffix:
-        path = PRESET_DIR / f"{preset}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"preset {preset!r} not found: give a YAML file or one of "
-                          f"{', '.join(known) or '(none packaged)'}")
+    """A preset name from the packaged ``configs/`` folder, or a path to a YAML file
+    (:func:`preset_path`): UTF-8 text holding a mapping that gives no key twice."""
+    path = preset_path(preset)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+        data = load_yaml(raw.decode("utf-8-sig"), f"preset {path}") or {}
+    except UnicodeDecodeError as err:     # err.object: the bytes after a byte-order mark
+        offset = len(raw) - len(err.object) + err.start
+        raise ConfigError(f"cannot read {path}: it is not UTF-8 text (byte 0x{raw[offset]:02x} at "
+                          f"offset {offset}); save it as UTF-8") from None
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read preset {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -275,7 +366,9 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     """
     data = read_preset(preset) if preset else {}
     data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
-    later = [parse_override(o) for o in overrides] + list(extra)
+    parsed = [parse_override(o) for o in overrides]
+    _refuse_repeated_overrides(overrides, parsed)
+    later = parsed + list(extra)
     task = next((v for k, v in reversed(later) if k == "task"), data.get("task", default))
     if task not in classes:
         raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")

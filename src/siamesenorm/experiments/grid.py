@@ -10,6 +10,9 @@ A preset may carry a ``compare`` section next to its run sections::
         siamese-noscale: {scheme: siamese, options: {depth_scale: false}}
         pre-24L: {scheme: pre, overrides: {model.n_layers: 24, model.dim: 48}}
 
+Learning rates must be positive finite numbers and seeds integers from 0 to 2**63-1, and no list
+may name a value twice (two runs of one name): each is refused before anything runs.
+
 A variant is a scheme with its own options (replacing the preset's ``model.scheme_options``) and its
 own overrides of any run key, applied after the command line's overrides, so the variant is what
 tells its cells apart. A bare scheme name is that scheme with its default options (or the preset's
@@ -20,10 +23,11 @@ line replace the section's lists; they may name the section's variants too.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import read_preset
+from ..config import check_seed, read_preset
 from ..errors import ConfigError
 from ..schemes import list_schemes
 from ..tasks import load_config
@@ -119,7 +123,35 @@ def _variant(label: str, spec: Any) -> Variant:
     return Variant(label, str(spec["scheme"]), options, overrides)
 
 
-def resolve_variants(names: list[str], variants: dict[str, Variant]) -> list[Variant]:
+def _refuse_repeats(source: str, what: str, names: list[str]) -> None:
+    """Refuse a grid list (``--schemes``, ``compare.lrs``, ...) that names one value twice."""
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{source} names {what} twice: {', '.join(names)}")
+
+
+def _check_lrs(lrs: list[float], source: str) -> list[float]:
+    """``lrs`` (from ``source``: ``--lrs`` or ``compare.lrs``), each a positive finite number as
+    ``train.lr`` must be, no two alike as a run's name writes them (``{lr:g}``)."""
+    for lr in lrs:
+        if not 0 < lr < math.inf:
+            raise ConfigError(f"{source}: each learning rate must be a positive finite number (as "
+                              f"train.lr), got {lr}")
+    _refuse_repeats(source, "a learning rate", [format(lr, "g") for lr in lrs])
+    return lrs
+
+
+def _check_seeds(seeds: list[int], source: str) -> list[int]:
+    """``seeds`` (from ``source``: ``--seeds`` or ``compare.seeds``), each an integer from 0 to
+    2**63-1, no two alike."""
+    for seed in seeds:
+        check_seed(seed, source)
+    _refuse_repeats(source, "a seed", [str(seed) for seed in seeds])
+    return seeds
+
+
+def resolve_variants(names: list[str], variants: dict[str, Variant],
+                     source: str = "--schemes") -> list[Variant]:
+    """The variant (or plain scheme) each of ``names`` means; ``source`` names the list in errors."""
     out = []
     for name in names:
         if name in variants:
@@ -129,9 +161,7 @@ def resolve_variants(names: list[str], variants: dict[str, Variant]) -> list[Var
         else:
             known = ", ".join(list(variants) + list_schemes())
             raise ConfigError(f"unknown scheme {name!r}; choose one of {known}")
-    labels = [v.label for v in out]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"--schemes names a scheme twice: {', '.join(labels)}")
+    _refuse_repeats(source, "a scheme", [v.label for v in out])
     return out
 
 
@@ -142,9 +172,11 @@ def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] |
     section = read_section(preset)
     base = load_config(preset, overrides)
     variants = resolve_variants(schemes or section.get("schemes") or list(DEFAULT_SCHEMES),
-                                section.get("variants", {}))
-    lrs = lrs or section.get("lrs") or [base.train.lr]
-    seeds = seeds or section.get("seeds") or [base.seed]
+                                section.get("variants", {}),
+                                "--schemes" if schemes else "compare.schemes")
+    lrs = _check_lrs(lrs or section.get("lrs") or [base.train.lr], "--lrs" if lrs else "compare.lrs")
+    seeds = _check_seeds(seeds or section.get("seeds") or [base.seed],
+                         "--seeds" if seeds else "compare.seeds")
     configs = {}  # each cell's train.lr is checked as its config is built (TrainConfig)
     for v in variants:  # each variant's settings are checked before any run starts
         keep = v.options is None and v.scheme == base.model.scheme

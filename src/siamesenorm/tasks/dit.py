@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import AnalysisConfig, TrainConfig
+from ..config import AnalysisConfig, TrainConfig, check_seed
 from ..data import ImageSet, check_image_options
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
 from ..diffusion.schedule import linear_betas
@@ -103,6 +103,7 @@ class DiTRunConfig:
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
     def __post_init__(self) -> None:
+        check_seed(self.seed)
         a = self.data.augment
         if a.mixes or a.smoothing > 0:
             raise ConfigError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "

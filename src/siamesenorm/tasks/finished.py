@@ -6,6 +6,7 @@ with the weights of the last checkpoint.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..analysis import analyze_model, write_analysis
 from ..analysis.training_probes import to_device
-from ..config import dump_config
+from ..config import check_seed, dump_config
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir
@@ -23,6 +24,9 @@ from ..train import load_checkpoint
 from ..train.checkpoint import checkpoint_extra, unique_tensors
 from ..train.state import RunState
 from .registry import get_task, saved_config
+
+# What each task's runs are, in words, for the errors of commands that take only some of them.
+_RUN_KINDS = {"lm": "language-model", "vit": "ViT image-classification", "dit": "DiT image-diffusion"}
 
 
 def load_trained(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
@@ -95,18 +99,23 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *
                   temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
                   seed: int = 0, device: str = "cpu") -> str:
     """Continue ``prompt`` with the model of ``run_dir`` (a task that generates: the language
-    model); returns the prompt and its continuation."""
+    model); returns the prompt and its continuation. ``temperature`` is a finite number from 0
+    (0 takes the most likely token, as ``greedy``); ``seed`` an integer from 0 to 2**63-1."""
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
-    if not temperature >= 0:
+    if not math.isfinite(temperature):
+        raise ConfigError(f"--temperature must be a finite number, got {temperature}")
+    if temperature < 0:
         raise ConfigError(f"--temperature must not be negative, got {temperature}")
     if top_k is not None and top_k <= 0:
         raise ConfigError(f"--top-k must be positive, got {top_k}")
+    check_seed(seed, "--seed")
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     task = get_task(cfg.task)
     if task.generate is None:
-        raise ConfigError(f"{run_dir} is a {cfg.task} run; this command reads language-model runs")
+        raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
+                          "generate continues text prompts and is for language-model runs (task: lm)")
     model, _ = load_trained(run_dir, device)
     return task.generate(run_dir, model, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                          greedy=greedy, seed=seed)

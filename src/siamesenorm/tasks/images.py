@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import check_seed
 from ..data import (
     ImageAugment,
     ImageBatchSampler,
@@ -48,6 +49,7 @@ class ImageDataConfig:
                 raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        check_seed(self.split_seed, "data.split_seed")
 
 
 @dataclasses.dataclass

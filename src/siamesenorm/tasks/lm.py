@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..analysis.adapters import lm_head
-from ..config import AnalysisConfig, TrainConfig
+from ..config import AnalysisConfig, TrainConfig, check_seed
 from ..data import (
     BatchSampler,
     ByteTokenizer,
@@ -88,6 +88,7 @@ class LMRunConfig:
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
     def __post_init__(self) -> None:
+        check_seed(self.seed)
         if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
             check_corpus_options(self.data.corpus, self.data.corpus_options)
 

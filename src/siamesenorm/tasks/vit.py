@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..analysis.adapters import vit_head
-from ..config import AnalysisConfig, TrainConfig
+from ..config import AnalysisConfig, TrainConfig, check_seed
 from ..data import ImageAugment, check_image_options
 from ..errors import ConfigError
 from ..models.vit import VisionTransformer, ViTConfig
@@ -40,6 +40,7 @@ class ViTRunConfig:
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
     def __post_init__(self) -> None:
+        check_seed(self.seed)
         # Under mixup/cutmix the targets are smoothed by data.augment.smoothing, else by
         # model.label_smoothing (training_augment); two different values contradict.
         a, smoothing = self.data.augment, self.model.label_smoothing

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -113,20 +114,34 @@ def _is_file(path: Path) -> bool:
 
 
 def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarray:
-    """One file as ``(H, W)`` or ``(H, W, 3)`` uint8: centre square crop, then a bicubic resize."""
+    """One file as ``(H, W)`` or ``(H, W, 3)`` uint8: centre square crop, then a bicubic resize.
+
+    An image of more pixels than Pillow's ``MAX_IMAGE_PIXELS`` (its decompression-bomb bound,
+    which Pillow only warns about up to twice the bound) is refused, naming the file, before it
+    is decoded."""
     resample = getattr(image_module, "Resampling", image_module).BICUBIC
     try:
-        with image_module.open(path) as img:
-            img = img.convert(mode)
-            w, h = img.size
-            side = min(w, h)
-            left, top = (w - side) // 2, (h - side) // 2
-            img = img.crop((left, top, left + side, top + side))
-            if side != size:
-                img = img.resize((size, size), resample)
-            return np.asarray(img, dtype=np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", image_module.DecompressionBombWarning)
+            return _decoded(image_module, path, mode, size, resample)
+    except (image_module.DecompressionBombError, image_module.DecompressionBombWarning) as error:
+        raise ConfigError(f"image {path} is too large to read safely: {str(error).rstrip('.')}; "
+                          "shrink it or remove it from the folder") from None
     except (OSError, ValueError, SyntaxError) as error:
         raise ConfigError(f"cannot read image {path}: {error}; remove or replace the file") from None
+
+
+def _decoded(image_module: Any, path: Path, mode: str, size: int, resample: Any) -> np.ndarray:
+    """:func:`_read_image`'s work, under its handling of Pillow's errors and warnings."""
+    with image_module.open(path) as img:
+        img = img.convert(mode)
+        w, h = img.size
+        side = min(w, h)
+        left, top = (w - side) // 2, (h - side) // 2
+        img = img.crop((left, top, left + side, top + side))
+        if side != size:
+            img = img.resize((size, size), resample)
+        return np.asarray(img, dtype=np.uint8)
 
 
 def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> ImageSet:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import inspect
+import stat
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -29,11 +30,20 @@ __all__ = ["check_corpus_options", "load_corpus", "resolve_paths"]
 _GLOB_CHARS = set("*?[")
 
 
+def _file_kind(path: Path) -> str:
+    """What ``path`` (which exists, and is neither a regular file nor a folder) is, in words."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "something else")
+
+
 def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
     """``(files, is_tokens)`` named by a path spec: a file, a folder, or a glob, files sorted.
 
     A folder holding ``.bin`` files at its top level names those shards; any other folder names
-    every non-hidden file under it, recursively.
+    every non-hidden regular file under it, recursively. A path that is neither a regular file nor
+    a folder (``/dev/zero``, a FIFO: reading it would never end or never start) is refused.
     """
     text = str(spec)
     path = Path(text).expanduser()
@@ -46,6 +56,9 @@ def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
             raise ConfigError(f"corpus folder {path} is empty")
         return files, False
     if path.exists():
+        if not path.is_file():
+            raise ConfigError(f"corpus path {path} is {_file_kind(path)}, not a regular file; give a "
+                              "text file, a folder or a .bin file")
         files = [path]
     elif _GLOB_CHARS & set(text):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())

@@ -2,11 +2,14 @@
 
 The shared reader :func:`join_text_files` takes files in the order given, skips those that are not
 UTF-8 text (invalid UTF-8 or containing NUL bytes), joins the rest with :data:`SEPARATOR`, and
-stops at ``max_bytes`` (UTF-8 bytes of the result), cutting the last file at a character boundary.
+stops at ``max_bytes`` (UTF-8 bytes of the result), cutting the last file at a character boundary;
+it never reads more of a file than the bytes it still has to fill (or 8 KiB, to tell text from
+binary), so a corpus far larger than ``max_bytes`` costs only ``max_bytes``.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +21,8 @@ __all__ = ["SEPARATOR", "JoinedText", "folder_files", "join_text_files", "load_t
            "text_fingerprint"]
 
 SEPARATOR = "\n\n"
+# How much of a file at least is read to tell text from binary, when only a little of it is used.
+SNIFF_BYTES = 8192
 
 
 @dataclass
@@ -30,35 +35,43 @@ class JoinedText:
     truncated: bool = False
 
 
-def read_utf8(path: Path) -> str | None:
-    """The file's text, or ``None`` when it is not UTF-8 text (bad encoding or NUL bytes)."""
-    try:
-        text = path.read_bytes().decode("utf-8")
+def read_utf8(path: Path, limit: int | None = None) -> tuple[str | None, bool]:
+    """``(text, more)``: the file's text, or ``None`` when it is not UTF-8 text (bad encoding or
+    NUL bytes). With ``limit`` the text is its first ``limit`` bytes (cut at the last whole
+    character) and ``more`` tells whether the file goes on past them; no more than ``limit`` bytes,
+    or :data:`SNIFF_BYTES` when that is more, are read, and those are what must be UTF-8 text."""
+    window = None if limit is None else max(limit, SNIFF_BYTES)
+    with path.open("rb") as f:
+        data = f.read() if window is None else f.read(window + 1)
+    whole = window is None or len(data) <= window
+    try:  # a character cut at the end of the window is dropped, not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(data[:window], final=whole)
     except UnicodeDecodeError:
-        return None
-    return None if "\x00" in text else text
+        return None, False
+    if "\x00" in text:
+        return None, False
+    if limit is None or len(data) <= max(limit, 0):
+        return text, False
+    return text.encode("utf-8")[:max(limit, 0)].decode("utf-8", errors="ignore"), True
 
 
 def join_text_files(paths: list[Path], max_bytes: int | None = None) -> JoinedText:
-    """Concatenate the UTF-8 files among ``paths`` (in order) up to ``max_bytes`` bytes."""
+    """Concatenate the UTF-8 files among ``paths`` (in order) up to ``max_bytes`` bytes, reading
+    no more of each than :func:`read_utf8` with the bytes still to fill."""
     if max_bytes is not None and max_bytes <= 0:
         raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
     out = JoinedText("")
     pieces: list[bytes] = []
     size = 0
     for path in paths:
-        text = read_utf8(path)
+        separator = (SEPARATOR if pieces else "").encode("utf-8")
+        text, more = read_utf8(path, None if max_bytes is None else max_bytes - size - len(separator))
         if text is None:
             out.skipped.append(path)
             continue
-        if not text:
-            continue
-        data = (SEPARATOR if pieces else "").encode("utf-8") + text.encode("utf-8")
-        if max_bytes is not None and size + len(data) > max_bytes:
-            # Cut at a character boundary: drop the bytes of a partial last character.
-            data = data[:max_bytes - size].decode("utf-8", errors="ignore").encode("utf-8")
-            out.truncated = True
-        if data.strip():
+        out.truncated = more
+        data = separator + text.encode("utf-8")
+        if text and data.strip():
             pieces.append(data)
             out.used.append(path)
             size += len(data)

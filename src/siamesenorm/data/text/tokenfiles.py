@@ -5,13 +5,15 @@
   20240520, ``header[1]`` the version 1, ``header[2]`` the token count), then the ``uint16`` tokens.
 
 The format is told by the magic. A file with the magic must have version 1 and exactly
-``1024 + 2 * count`` bytes; a headerless file must have an even, non-zero size. A single file is
-memory-mapped (nothing is read until used); several shards are read and concatenated in sorted
-order.
+``1024 + 2 * count`` bytes; a headerless file must have an even, non-zero size, and gets a warning
+on stderr when its first 1,024 bytes look like a shard header all the same (a damaged magic, or
+another tool's header): they would be read as tokens. A single file is memory-mapped (nothing is
+read until used); several shards are read and concatenated in sorted order.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +37,21 @@ def _format(path: Path) -> str:
     return "modded-nanogpt" if magic == SHARD_MAGIC else "nanogpt"
 
 
+def _header_like(path: Path, size: int) -> np.ndarray | None:
+    """The first three ``int32`` of a file without the shard magic whose first 1,024 bytes look like
+    a shard header all the same: something in those three, zeros in the 253 after them (as tokens,
+    506 zero tokens in a row, which real text does not give). ``None`` when they do not."""
+    if size < _HEADER_BYTES:
+        return None
+    header = np.fromfile(path, dtype="<i4", count=_HEADER_INTS)
+    return header[:3] if header[:3].any() and not header[3:].any() else None
+
+
 def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
     """``(tokens, format)`` of one ``.bin`` file; tokens are a read-only ``uint16`` memmap."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"token file {path} is a folder, not a .bin file")
     if not path.is_file():
         raise ConfigError(f"token file {path} does not exist")
     size = path.stat().st_size
@@ -48,6 +62,12 @@ def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
         if size % 2:
             raise ConfigError(f"token file {path} has an odd size ({size} bytes); a headerless .bin "
                               "must hold whole uint16 tokens")
+        header = _header_like(path, size)
+        if header is not None:
+            print(f"warning: token file {path} lacks the shard magic {SHARD_MAGIC} but its first "
+                  f"{_HEADER_BYTES} bytes look like a shard header ({', '.join(map(str, header.tolist()))}, "
+                  "then zeros); reading it as headerless uint16 tokens, those bytes included (a "
+                  "damaged shard? write it again)", file=sys.stderr, flush=True)
         return np.memmap(path, dtype="<u2", mode="r"), fmt
     if size < _HEADER_BYTES:
         raise ConfigError(f"token file {path} starts with the shard magic {SHARD_MAGIC} but is shorter "
