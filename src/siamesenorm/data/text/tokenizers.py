@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
+from ...rundir import write_text
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "import_tokenizers", "load_tokenizer"]
 
@@ -61,7 +62,8 @@ class Tokenizer(ABC):
         directory.mkdir(parents=True, exist_ok=True)
         self._save_files(directory)
         descriptor = {"kind": self.kind, "vocab_size": self.vocab_size}
-        (directory / DESCRIPTOR).write_text(json.dumps(descriptor, indent=2) + "\n")
+        # the descriptor last and atomically: a directory without it holds no (complete) tokenizer
+        write_text(directory / DESCRIPTOR, json.dumps(descriptor, indent=2) + "\n")
         return directory
 
     def _save_files(self, directory: Path) -> None:  # noqa: B027 (optional hook, not abstract)
