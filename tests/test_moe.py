@@ -1,0 +1,160 @@
+"""The mixture-of-experts feed-forward (OLMoE-style, arXiv 2409.02060) against references written
+here from the equations: a dense SwiGLU (one expert), a loop over tokens (routing and combination),
+and hand-computed auxiliary losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from siamesenorm.errors import ConfigError
+from siamesenorm.nn.mlp import SwiGLUMLP
+from siamesenorm.nn.moe import MoE
+
+D = torch.float64
+
+
+def make(n_experts=8, top_k=2, hidden=12, shared=0, normalize=True, dim=10, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(dim, n_experts, top_k, hidden, shared_hidden=shared, normalize=normalize, dtype=D)
+    with torch.no_grad():       # a router that prefers some experts, so routing is not uniform
+        moe.router.weight.mul_(4)
+    return moe
+
+
+def slow_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax over experts, the k largest, their (renormalised) weights, each
+    chosen expert's SwiGLU on the token, summed; plus the shared expert."""
+    flat = x.reshape(-1, moe.dim)
+    rows = []
+    for t in range(flat.shape[0]):
+        xt = flat[t]
+        logits = moe.router.weight @ xt
+        p = torch.exp(logits - logits.max())
+        p = p / p.sum()
+        ranked = sorted(range(moe.n_experts), key=lambda i: -float(p[i].detach()))[: moe.top_k]
+        total = sum(p[i] for i in ranked) if moe.normalize else 1.0
+        out = torch.zeros(moe.dim, dtype=x.dtype)
+        for i in ranked:
+            gate = xt @ moe.w_gate[i]
+            up = xt @ moe.w_up[i]
+            h = gate / (1 + torch.exp(-gate)) * up
+            out = out + (p[i] / total) * (h @ moe.w_down[i])
+        if moe.shared is not None:
+            s = moe.shared
+            out = out + s.down_proj.weight @ (F.silu(s.gate_proj.weight @ xt) * (s.up_proj.weight @ xt))
+        rows.append(out)
+    return torch.stack(rows).reshape(x.shape)
+
+
+def test_one_expert_top_1_is_the_dense_swiglu_with_the_same_weights():
+    moe = make(n_experts=1, top_k=1)
+    dense = SwiGLUMLP(10, 12, dtype=D)
+    with torch.no_grad():
+        dense.gate_proj.weight.copy_(moe.w_gate[0].t())
+        dense.up_proj.weight.copy_(moe.w_up[0].t())
+        dense.down_proj.weight.copy_(moe.w_down[0].t())
+    x = torch.randn(3, 5, 10, dtype=D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    a, b = moe(x), dense(x2)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(moe.w_gate.grad[0], dense.gate_proj.weight.grad.t(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(moe.w_up.grad[0], dense.up_proj.weight.grad.t(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(moe.w_down.grad[0], dense.down_proj.weight.grad.t(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("shared", [0, 7])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routing_and_combination_match_a_loop_over_tokens(top_k, shared, normalize):
+    moe = make(top_k=top_k, shared=shared, normalize=normalize, seed=top_k + shared)
+    x = torch.randn(4, 6, 10, dtype=D)
+    torch.testing.assert_close(moe(x), slow_reference(moe, x), rtol=0, atol=1e-12)
+
+
+def test_gradients_match_the_loop_over_tokens():
+    moe = make(top_k=2, shared=5)
+    x = torch.randn(2, 7, 10, dtype=D, requires_grad=True)
+    moe(x).square().sum().backward()
+    fast = {n: p.grad.clone() for n, p in moe.named_parameters()} | {"x": x.grad.clone()}
+    moe.zero_grad()
+    x.grad = None
+    slow_reference(moe, x).square().sum().backward()
+    slow = {n: p.grad for n, p in moe.named_parameters()} | {"x": x.grad}
+    for name in fast:
+        torch.testing.assert_close(fast[name], slow[name], rtol=0, atol=1e-10, msg=name)
+    assert moe.router.weight.grad.abs().sum() > 0        # the router learns through the weights
+
+
+def test_every_token_reaches_its_k_experts_even_when_all_choose_one():
+    moe = make(n_experts=4, top_k=2)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[1].fill_(5.0)        # every token prefers expert 1, then 3: nothing is
+        moe.router.weight[3].fill_(2.0)        # dropped however crowded an expert is
+    x = torch.rand(32, 10, dtype=D)
+    torch.testing.assert_close(moe(x), slow_reference(moe, x), rtol=0, atol=1e-12)
+    assert moe.load.tolist() == [0.0, 0.5, 0.0, 0.5]
+
+
+def test_auxiliary_losses_by_hand():
+    moe = make(n_experts=3, top_k=1, dim=2)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], dtype=D))
+    x = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 1.0], [-1.0, -1.0]], dtype=D,
+                     requires_grad=True)
+    moe(x)
+    logits = [[2, 0, 0], [0, 3, 0], [1, 1, 0], [-1, -1, 0]]
+    probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in logits]
+    chosen = [0, 1, 0, 2]           # the first of equal logits (row 3) is expert 0, as topk gives
+    f = [chosen.count(i) / 4 for i in range(3)]
+    p_mean = [sum(p[i] for p in probs) / 4 for i in range(3)]
+    aux = 3 * sum(f[i] * p_mean[i] for i in range(3))
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / 4
+    assert moe.aux_loss.item() == pytest.approx(aux, abs=1e-12)
+    assert moe.z_loss.item() == pytest.approx(z, abs=1e-12)
+    assert moe.load.tolist() == pytest.approx(f)
+    entropy = -sum(sum(q * math.log(q) for q in p) for p in probs) / 4
+    assert moe.entropy.item() == pytest.approx(entropy, abs=1e-12)
+    (moe.aux_loss + moe.z_loss).backward()
+    assert moe.router.weight.grad.abs().sum() > 0 and x.grad is not None
+
+
+def test_a_uniform_router_has_a_balance_loss_of_k():
+    moe = make(n_experts=4, top_k=2)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+    moe(torch.randn(8, 10, dtype=D))
+    # uniform probabilities 1/4; topk of ties picks experts 0 and 1 for every token: f = (1, 1, 0, 0)
+    assert moe.aux_loss.item() == pytest.approx(4 * (1 + 1) * 0.25)
+
+
+def test_active_parameters_count_k_experts():
+    moe = make(n_experts=8, top_k=2, hidden=12, shared=5, dim=10)
+    per_expert = 3 * 10 * 12
+    shared = 3 * 10 * 5
+    assert moe.active_parameters() == 10 * 8 + 2 * per_expert + shared
+    assert sum(p.numel() for p in moe.parameters()) == 10 * 8 + 8 * per_expert + shared
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"n_experts": 0, "top_k": 1}, "at least one expert"),
+    ({"n_experts": 4, "top_k": 5}, "top_k must be between 1 and the number of experts (4)"),
+    ({"n_experts": 4, "top_k": 0}, "top_k must be between"),
+])
+def test_bad_settings_are_config_errors(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        MoE(10, hidden=12, **kwargs)
+
+
+def test_bfloat16_routes_in_float32_and_runs():
+    moe = MoE(16, 4, 2, 8, dtype=torch.bfloat16)
+    out = moe(torch.randn(5, 16, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and moe.aux_loss.dtype == torch.float32
