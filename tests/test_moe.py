@@ -158,3 +158,105 @@ def test_bfloat16_routes_in_float32_and_runs():
     moe = MoE(16, 4, 2, 8, dtype=torch.bfloat16)
     out = moe(torch.randn(5, 16, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and moe.aux_loss.dtype == torch.float32
+
+
+# ---- in the language model, with every scheme -------------------------------------------------------
+from siamesenorm.models import LanguageModel, LMConfig  # noqa: E402
+from siamesenorm.models.lm_config import MoEConfig  # noqa: E402
+from siamesenorm.schemes import list_schemes  # noqa: E402
+
+
+def moe_lm(scheme: str, every: int = 1, **moe) -> LanguageModel:
+    torch.manual_seed(0)
+    options = {"n_streams": 2} if scheme in ("hyper", "mhc") else {}
+    cfg = LMConfig(vocab_size=32, dim=32, n_layers=2, n_heads=2, max_seq_len=32, scheme=scheme,
+                   scheme_options=options,
+                   moe=MoEConfig(every=every, **{"n_experts": 4, "top_k": 2, "hidden": 16, **moe}))
+    return LanguageModel(cfg)
+
+
+@pytest.mark.parametrize("scheme", list_schemes())
+def test_every_scheme_trains_an_moe_model_and_generates_the_same_with_and_without_cache(scheme):
+    model = moe_lm(scheme)
+    assert len(model.moe_layers()) == 2
+    seq = torch.arange(33) % 8                        # a repeating sequence: learnable
+    x, y = seq[:-1].unsqueeze(0).repeat(4, 1), seq[1:].unsqueeze(0).repeat(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        out = model(x, y)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(model.loss_parts["ce_loss"].item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    parts = model.loss_parts
+    total = parts["ce_loss"] + 0.01 * parts["aux_loss"] + 0.001 * parts["z_loss"]
+    assert out.loss.item() == pytest.approx(total.item(), rel=1e-5)
+    assert all(m.router.weight.grad is not None for m in model.moe_layers())
+    model.eval()
+    with torch.no_grad():
+        assert model(x, y).loss.item() == pytest.approx(
+            F.cross_entropy(model(x).logits.reshape(-1, 32), y.reshape(-1)).item())  # eval: CE only
+    prompt = seq[:5].unsqueeze(0)
+    cached = model.generate(prompt, 10, greedy=True, use_cache=True)
+    plain = model.generate(prompt, 10, greedy=True, use_cache=False)
+    assert torch.equal(cached, plain)
+
+
+def test_every_nth_block_and_active_parameters():
+    model = moe_lm("siamese", every=2, n_experts=8, top_k=2, hidden=16, shared_hidden=8)
+    kinds = [type(m).__name__ for m in model.sublayers]
+    assert kinds == ["Attention", "SwiGLUMLP", "Attention", "MoE"]
+    moe = model.moe_layers()[0]
+    per_expert = 3 * 32 * 16
+    assert model.num_parameters() - model.active_parameters() == 6 * per_expert
+    assert moe.active_parameters() == 32 * 8 + 2 * per_expert + 3 * 32 * 8
+    dense = LanguageModel(LMConfig(vocab_size=32, dim=32, n_layers=2, n_heads=2, max_seq_len=32))
+    assert dense.active_parameters() == dense.num_parameters()
+    # FLOPs per token count the active experts only
+    assert model.flops_per_token(32) - 6 * model.active_parameters(non_embedding=True) \
+        == pytest.approx(dense.flops_per_token(32) - 6 * dense.num_parameters(non_embedding=True))
+
+
+@pytest.mark.parametrize("moe, fragment", [
+    ({"every": 1, "n_experts": 0}, "model.moe.n_experts must be a positive integer"),
+    ({"every": 1, "n_experts": 4, "top_k": 5}, "model.moe.top_k (5) exceeds model.moe.n_experts (4)"),
+    ({"every": 1, "aux_loss": -0.1}, "model.moe.aux_loss must be a finite number >= 0"),
+    ({"every": 1, "z_loss": float("nan")}, "model.moe.z_loss must be a finite number >= 0"),
+    ({"every": -1}, "model.moe.every must be 0"),
+])
+def test_bad_moe_settings_are_config_errors(moe, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        MoEConfig(**moe)
+
+
+def test_bad_moe_settings_on_the_command_line_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.moe.every=1",
+                          "model.moe.n_experts=2", "model.moe.top_k=3", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "siamesenorm train: error: model.moe.top_k (3) exceeds model.moe.n_experts (2)"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_logs_the_loss_parts_of_an_moe_model(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.moe.every=1",
+                          "model.moe.n_experts=4", "model.moe.top_k=2", "train.steps=3",
+                          "train.eval_every=3", "data.max_bytes=40000", "--out", str(run_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    for row in rows:
+        want = row["ce_loss"] + 0.01 * row["aux_loss"] + 0.001 * row["z_loss"]
+        assert row["loss"] == pytest.approx(want, rel=1e-5)
+        assert row["aux_loss"] > 0 and row["z_loss"] > 0

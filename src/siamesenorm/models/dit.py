@@ -196,7 +196,7 @@ class DiT(nn.Module, SchemeHost):
                     cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
                     bias=True, layer_idx=block, causal=False, rope=False,
                     max_seq_len=cfg.num_patches, **kw),
-                lambda: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
+                lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
             self.modulation = nn.ModuleList(
                 nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw))
                 for _ in range(cfg.n_layers))

@@ -67,12 +67,12 @@ def build_model_scheme(name: str, dim: int, n_layers: int, *, norm: str, eps: fl
 
 
 def build_sublayers(scheme: ResidualScheme, attention: Callable[[int, bool], nn.Module],
-                    mlp: Callable[[], nn.Module]) -> nn.ModuleList:
-    """``attention(block, qkv_norm)`` then ``mlp()`` for every block of ``scheme``, with
+                    mlp: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """``attention(block, qkv_norm)`` then ``mlp(block)`` for every block of ``scheme``, with
     ``qkv_norm`` true on the blocks whose QKV-norm the scheme requires (HybridNorm)."""
     qkv = scheme.requires.qkv_norm_blocks
     return nn.ModuleList(sub for block in range(scheme.n_layers)
-                         for sub in (attention(block, block in qkv), mlp()))
+                         for sub in (attention(block, block in qkv), mlp(block)))
 
 
 def reset_sublayer_norms(sublayers: nn.ModuleList) -> None:
@@ -101,7 +101,8 @@ def branch_linears(sublayers: nn.ModuleList) -> list[BranchLinear]:
     for i, sub in enumerate(sublayers):
         for name, module in sub.named_children():
             if isinstance(module, nn.Linear):
-                gained = not (isinstance(sub, Attention) and name in ("q_proj", "k_proj"))
+                gained = not (isinstance(sub, Attention) and name in ("q_proj", "k_proj")) \
+                    and name != "router"      # an MoE's router scores experts, it is no branch
                 out.append(BranchLinear(i, name, module, gained))
     return out
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..nn.attention import Attention, KVCache
 from ..nn.mlp import build_mlp
+from ..nn.moe import MoE
 from .host import (
     BranchLinear,
     SchemeHost,
@@ -65,6 +66,7 @@ class LanguageModel(nn.Module, SchemeHost):
     def __init__(self, config: LMConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.config = cfg = config
+        self.loss_parts: dict[str, Tensor] = {}     # an MoE model's last training loss, by part
         kw = {"device": device, "dtype": dtype}
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
@@ -79,14 +81,52 @@ class LanguageModel(nn.Module, SchemeHost):
                     rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, qkv_norm=qkv_norm,
                     norm=cfg.norm, norm_eps=cfg.norm_eps, bias=cfg.bias, dropout=cfg.dropout,
                     layer_idx=block, **kw),
-                lambda: build_mlp(cfg.mlp, cfg.dim, cfg.hidden_dim, bias=cfg.bias,
-                                  dropout=cfg.dropout, **kw))
+                lambda block: self._mlp(block, kw))
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:
                 self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
         self.reset_parameters()
 
+    def _mlp(self, block: int, kw: dict) -> nn.Module:
+        """Block ``block``'s feed-forward: a mixture of experts where ``config.moe`` says so."""
+        cfg, moe = self.config, self.config.moe
+        if moe.is_moe(block):
+            return MoE(cfg.dim, moe.n_experts, moe.top_k, moe.expert_hidden(cfg.dim),
+                       shared_hidden=moe.shared_hidden, normalize=moe.normalize, **kw)
+        return build_mlp(cfg.mlp, cfg.dim, cfg.hidden_dim, bias=cfg.bias, dropout=cfg.dropout, **kw)
+
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts feed-forwards, in block order (empty for a dense model)."""
+        return [m for m in self.sublayers if isinstance(m, MoE)]
+
     # ---- initialisation ----------------------------------------------------------------------
+    def _init_experts(self, moe: MoE, sublayer: int) -> None:
+        """An MoE's expert matrices (and shared expert) drawn as a dense MLP's gate/up and down
+        projections of the same block (``config.init``), each expert independently; under a
+        scheme that requires Xavier (DeepNorm), Xavier-normal with its ``branch_gain``."""
+        cfg, requires = self.config, self.scheme.requires
+        mitchell = cfg.init == "mitchell"
+        block = self.scheme.block_of(sublayer)
+        mats = [(moe.w_gate, False), (moe.w_up, False), (moe.w_down, True)]
+        if moe.shared is not None:
+            mats += [(moe.shared.gate_proj.weight, False), (moe.shared.up_proj.weight, False),
+                     (moe.shared.down_proj.weight, True)]
+        for weight, down in mats:
+            experts = weight if weight.dim() == 3 else weight.unsqueeze(0)
+            for w in experts:
+                if requires.init == "xavier":
+                    nn.init.xavier_normal_(w, gain=requires.branch_gain)
+                    continue
+                if not down:
+                    std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
+                elif mitchell:
+                    std = 1.0 / math.sqrt(2 * min(w.shape) * (block + 1))
+                else:
+                    std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+                _normal(w, std, mitchell)
+                if requires.branch_gain != 1.0:
+                    w.mul_(requires.branch_gain)
+
     def _init_branch_weight(self, branch: BranchLinear) -> None:
         """``config.init``'s draw for one sublayer weight (see :meth:`reset_parameters`)."""
         cfg = self.config
@@ -120,6 +160,9 @@ class LanguageModel(nn.Module, SchemeHost):
         reset_sublayer_norms(self.sublayers)
         _normal(self.embed.weight, head_std, mitchell)
         init_branch_weights(self.sublayers, self.scheme.requires, self._init_branch_weight)
+        for i, sub in enumerate(self.sublayers):
+            if isinstance(sub, MoE):
+                self._init_experts(sub, i)
         if self.lm_head is not None:
             _normal(self.lm_head.weight, head_std, mitchell)
 
@@ -162,7 +205,21 @@ class LanguageModel(nn.Module, SchemeHost):
             wide = torch.promote_types(logits.dtype, torch.float32)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide),
                                    targets.reshape(-1), ignore_index=-100)
+            if self.training:
+                loss = self._with_router_losses(loss)
         return LMOutput(logits, loss)
+
+    def _with_router_losses(self, loss: Tensor) -> Tensor:
+        """The training loss: cross-entropy plus the MoE layers' load-balancing and z-losses,
+        weighted by ``config.moe`` (the parts are left in :attr:`loss_parts`, detached)."""
+        layers = self.moe_layers()
+        if not layers:
+            return loss
+        moe = self.config.moe
+        aux = torch.stack([m.aux_loss for m in layers]).sum()
+        z = torch.stack([m.z_loss for m in layers]).sum()
+        self.loss_parts = {"ce_loss": loss.detach(), "aux_loss": aux.detach(), "z_loss": z.detach()}
+        return loss + moe.aux_loss * aux + moe.z_loss * z
 
     # ---- accounting --------------------------------------------------------------------------
     def tokens_in(self, input_ids: Tensor) -> int:
@@ -174,6 +231,12 @@ class LanguageModel(nn.Module, SchemeHost):
         total = sum(p.numel() for p in self.parameters())
         return total - self.embed.weight.numel() if non_embedding else total
 
+    def active_parameters(self, non_embedding: bool = False) -> int:
+        """Parameters one token uses: :meth:`num_parameters` less the experts it is not routed to
+        (``n_experts - top_k`` per MoE layer); the same as it for a dense model."""
+        unused = sum(m.num_experts_unused_parameters() for m in self.moe_layers())
+        return self.num_parameters(non_embedding) - unused
+
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward) at context ``seq_len`` (max_seq_len).
 
@@ -184,7 +247,7 @@ class LanguageModel(nn.Module, SchemeHost):
         """
         cfg = self.config
         seq_len = cfg.max_seq_len if seq_len is None else seq_len
-        n = self.num_parameters(non_embedding=True)
+        n = self.active_parameters(non_embedding=True)     # an MoE counts its active experts
         if self.lm_head is None:
             n += cfg.vocab_size * cfg.dim
         return float(6 * n + 12 * cfg.n_layers * cfg.dim * seq_len)

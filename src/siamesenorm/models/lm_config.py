@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,13 +27,67 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward (:class:`~siamesenorm.nn.moe.MoE`, OLMoE arXiv 2409.02060).
+
+    ``every``: 0 keeps every MLP dense; ``n`` makes the MLP of every n-th block an MoE (blocks
+    ``n-1, 2n-1, ...``; 1: all, as OLMoE). ``n_experts`` SwiGLU experts of hidden size ``hidden``
+    (``None``: ``dim // 2``, OLMoE's 1024 at dim 2048), ``top_k`` per token, renormalised over the
+    chosen ones when ``normalize``; ``shared_hidden`` > 0 adds an always-on shared expert of that
+    size. ``aux_loss`` and ``z_loss`` weigh the load-balancing and router z-losses in the training
+    loss. The defaults are OLMoE's: 64 experts, 8 per token, 0.01 and 0.001.
+    """
+
+    every: int = 0
+    n_experts: int = 64
+    top_k: int = 8
+    hidden: int | None = None
+    shared_hidden: int = 0
+    normalize: bool = True
+    aux_loss: float = 0.01
+    z_loss: float = 0.001
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(f"model.moe.every must be 0 (dense) or a positive integer, got "
+                              f"{self.every!r}")
+        for name in ("n_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.moe.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"model.moe.top_k ({self.top_k}) exceeds model.moe.n_experts "
+                              f"({self.n_experts})")
+        if self.hidden is not None and (isinstance(self.hidden, bool)
+                                        or not isinstance(self.hidden, int) or self.hidden < 1):
+            raise ConfigError(f"model.moe.hidden must be a positive integer, got {self.hidden!r}")
+        if isinstance(self.shared_hidden, bool) or not isinstance(self.shared_hidden, int) \
+                or self.shared_hidden < 0:
+            raise ConfigError("model.moe.shared_hidden must be 0 (none) or a positive integer, got "
+                              f"{self.shared_hidden!r}")
+        for name in ("aux_loss", "z_loss"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"model.moe.{name} must be a finite number >= 0, got {value!r}")
+
+    def expert_hidden(self, dim: int) -> int:
+        return max(1, dim // 2) if self.hidden is None else self.hidden
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block``'s MLP is an MoE."""
+        return self.every > 0 and block % self.every == self.every - 1
+
+
+@dataclass
 class LMConfig:
     """Decoder-only Transformer language model.
 
     ``n_kv_heads=None`` means ``n_heads`` (no grouping); ``mlp_hidden=None`` means 8/3 * dim rounded
     up to a multiple of 64 for SwiGLU and 4 * dim for GELU (see :attr:`hidden_dim`). ``scheme`` and
     ``scheme_options`` name the residual scheme and its options; ``init`` is ``"normal"`` (GPT-2
-    style, ``init_std``) or ``"mitchell"`` (OLMo's depth-scaled truncated normal).
+    style, ``init_std``) or ``"mitchell"`` (OLMo's depth-scaled truncated normal). ``moe`` turns
+    the MLPs of some or all blocks into mixtures of experts (:class:`MoEConfig`; dense by default).
     """
 
     vocab_size: int = 256
@@ -54,6 +109,7 @@ class LMConfig:
     init: str = "normal"
     init_std: float = 0.02
     dropout: float = 0.0
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -81,6 +137,16 @@ class LMConfig:
             raise ConfigError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.scheme, str) or not self.scheme:
             raise ConfigError(f"LMConfig.scheme must be a scheme name, got {self.scheme!r}")
+        if isinstance(self.moe, dict):
+            unknown = sorted(set(self.moe) - {f for f in MoEConfig.__dataclass_fields__})
+            if unknown:
+                raise ConfigError(f"unknown key 'model.moe.{unknown[0]}'")
+            self.moe = MoEConfig(**self.moe)
+        if not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"LMConfig.moe must be an MoEConfig, got {self.moe!r}")
+        if self.moe.every and self.mlp != "swiglu":
+            raise ConfigError(f"model.moe needs model.mlp=swiglu (its experts are SwiGLU), got "
+                              f"{self.mlp!r}")
         if not isinstance(self.scheme_options, dict):
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")

@@ -98,7 +98,7 @@ class VisionTransformer(nn.Module, SchemeHost):
                     cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
                     bias=True, dropout=cfg.dropout, layer_idx=block, causal=False, rope=False,
                     max_seq_len=cfg.seq_len, **kw),
-                lambda: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, dropout=cfg.dropout, **kw))
+                lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, dropout=cfg.dropout, **kw))
             self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw)
         self.drop_path_rates = [cfg.drop_path * b / max(cfg.n_layers - 1, 1)
                                 for b in range(cfg.n_layers)]

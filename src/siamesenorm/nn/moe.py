@@ -131,6 +131,11 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         return out.reshape(shape)
 
+    def num_experts_unused_parameters(self) -> int:
+        """Parameters of the ``n_experts - top_k`` experts a token does not reach."""
+        per_expert = self.w_gate[0].numel() + self.w_up[0].numel() + self.w_down[0].numel()
+        return (self.n_experts - self.top_k) * per_expert
+
     def active_parameters(self) -> int:
         """Parameters one token uses: the router, ``top_k`` experts and the shared expert."""
         per_expert = self.w_gate[0].numel() + self.w_up[0].numel() + self.w_down[0].numel()

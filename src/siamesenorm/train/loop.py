@@ -172,6 +172,7 @@ class _Run:
         self.state = RunState()
         self.diverged_at: int | None = None
         self.stalled_at: int | None = None      # first step of the zero-gradient stretch that ended it
+        self.loss_parts: dict[str, float] = {}   # the last step's loss by part (MoE models)
         self.zero_steps = 0                     # consecutive steps with a zero gradient, up to now
         self.interrupted = False
         self.phase = "idle"         # "compute": gradients of a step; "update": inside optimizer.step
@@ -264,6 +265,7 @@ class _Run:
 
         With ``probe_step``, the probe reads the accumulated gradients before they are clipped."""
         n, total, tokens = self.accum, None, 0
+        parts: dict[str, Tensor] = {}
         for i in range(n):
             x, y = self.source.next_batch()
             if self.state.seq_len is None:
@@ -274,6 +276,13 @@ class _Run:
                 loss = self.forward(x, y, n, self.autocast)
             total = loss if total is None else total + loss
             tokens += self.count_tokens(x)
+            for key, value in getattr(self.model, "loss_parts", {}).items():
+                parts[key] = value.float() if key not in parts else parts[key] + value.float()
+        # the parts of a loss made of several (an MoE's cross-entropy, balance and z-losses),
+        # averaged over micro-batches and ranks, for the log
+        if parts:
+            means = all_mean(self.world, torch.stack(list(parts.values())) / n)
+            self.loss_parts = dict(zip(parts, means.tolist()))
         if probe_step is not None:
             with preserved_rng():
                 self.probe.after_backward(self.model, probe_step)
@@ -364,7 +373,8 @@ class _Run:
             if probing:
                 with preserved_rng():
                     self.probe.after_update(self.model, step, diverged)
-            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                                   **self.loss_parts}
             if diverged:
                 self.diverged_at = step
                 log.write({**row, "tokens_per_s": tokens / max(seconds, 1e-9), "diverged": True})
