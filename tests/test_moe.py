@@ -260,3 +260,10 @@ def test_a_run_logs_the_loss_parts_of_an_moe_model(tmp_path):
         want = row["ce_loss"] + 0.01 * row["aux_loss"] + 0.001 * row["z_loss"]
         assert row["loss"] == pytest.approx(want, rel=1e-5)
         assert row["aux_loss"] > 0 and row["z_loss"] > 0
+    evaluated = [row for row in rows if "val_loss" in row]
+    assert evaluated
+    for row in evaluated:               # at every evaluation: each layer's expert shares
+        assert len(row["expert_load"]) == 2 and all(len(layer) == 4 for layer in row["expert_load"])
+        assert all(sum(layer) == pytest.approx(1.0) for layer in row["expert_load"])
+        assert row["expert_load_max"] == max(max(layer) for layer in row["expert_load"])
+        assert 0 < row["router_entropy"] <= math.log(4) + 1e-6

@@ -304,8 +304,10 @@ class _Run:
         """Validation loss and ``extra_eval``, without moving any generator training draws from."""
         row: dict[str, Any] = {}
         with preserved_rng():
-            val = validation_loss(self.par.module, self.s.eval_batches, self.device, self.autocast,
-                                  self.world) if self.s.eval_batches else None
+            with _RouterStats(self.model) as routers:
+                val = validation_loss(self.par.module, self.s.eval_batches, self.device,
+                                      self.autocast, self.world) if self.s.eval_batches else None
+            row.update(routers.figures(self.world, self.device))
             extra: dict[str, Any] = {}
             if self.extra_eval is not None:
                 self.model.eval()
@@ -492,6 +494,45 @@ def train(model: nn.Module, source: BatchSource, settings: TrainSettings, run_di
         log.close()
         if probe is not None:
             probe.close()
+
+
+class _RouterStats:
+    """Within the ``with`` block, the expert load and router entropy of every forward of a model's
+    mixture-of-experts layers (``model.moe_layers()``, :class:`~siamesenorm.nn.moe.MoE`); nothing
+    for a dense model. :meth:`figures` averages them over the forwards and the ranks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        layers = getattr(model, "moe_layers", None)
+        self.layers = list(layers()) if callable(layers) else []
+        self.seen: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
+        self.hooks: list = []
+
+    def __enter__(self) -> _RouterStats:
+        for i, layer in enumerate(self.layers):
+            self.hooks.append(layer.register_forward_hook(
+                lambda module, args, out, i=i: self.seen[i].append((module.load, module.entropy))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def figures(self, world: World, device: torch.device) -> dict[str, Any]:
+        """``expert_load`` (per layer, each expert's share of the token-expert assignments),
+        ``expert_load_max`` (the largest share; 1 / n_experts when balanced) and
+        ``router_entropy`` (nats, mean over layers)."""
+        if not self.layers or not all(self.seen):
+            return {}
+        loads = [torch.stack([load for load, _ in seen]).float().mean(0) for seen in self.seen]
+        entropy = torch.stack([torch.stack([e for _, e in seen]).float().mean()
+                               for seen in self.seen]).mean()
+        flat = all_mean(world, torch.cat([*loads, entropy.reshape(1)]).to(device)).tolist()
+        out, start = [], 0
+        for load in loads:
+            out.append(flat[start:start + load.numel()])
+            start += load.numel()
+        return {"expert_load": out, "expert_load_max": max(max(layer) for layer in out),
+                "router_entropy": flat[-1]}
 
 
 class _NoLog:
