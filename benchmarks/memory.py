@@ -29,6 +29,7 @@ schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``for
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
     python benchmarks/memory.py --threads 2 --rounds 30 --markdown memory.md
     python benchmarks/memory.py --device cuda --sizes 256,512 --markdown memory-gpu.md
+    python benchmarks/memory.py --sizes 256 --norms rmsnorm --schemes pre,siamese --moe 8,2
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import time
 
 import torch
 
-from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.models import LanguageModel, LMConfig, MoEConfig
 from siamesenorm.models.checkpointing import saved_activation_bytes
 from siamesenorm.nn.fused import reference_path
 from siamesenorm.nn.norms import NORM_KINDS
@@ -55,6 +56,9 @@ SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (5
 # variant name: (scheme, scheme_options)
 VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
 MIB = 2**20
+# --moe E,K: every block's MLP is a mixture of E SwiGLU experts (hidden dim / 2, as OLMoE's), K per
+# token; None: dense MLPs.
+MOE: tuple[int, int] | None = None
 
 
 def all_specs() -> list[str]:
@@ -66,8 +70,9 @@ def build(spec: str, size: str, norm: str, device: torch.device):
     scheme, options = VARIANTS.get(spec, (spec, {}))
     dim, blocks, heads, _, seq = SIZES[size]
     torch.manual_seed(0)
+    moe = MoEConfig(every=1, n_experts=MOE[0], top_k=MOE[1]) if MOE else MoEConfig()
     cfg = LMConfig(vocab_size=VOCAB, dim=dim, n_layers=blocks, n_heads=heads, max_seq_len=seq,
-                   scheme=scheme, scheme_options=dict(options), norm=norm)
+                   scheme=scheme, scheme_options=dict(options), norm=norm, moe=moe)
     model = LanguageModel(cfg, device=device).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -197,7 +202,17 @@ def main() -> None:
                    help="also measure the plain path (reference_path()), interleaved")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="also write the tables to FILE as Markdown")
+    p.add_argument("--moe", default=None, metavar="E,K",
+                   help="mixture-of-experts MLPs in every block: E experts, K per token")
     args = p.parse_args()
+    if args.moe is not None:
+        global MOE
+        try:
+            experts, k = (int(v) for v in args.moe.split(","))
+            MoEConfig(every=1, n_experts=experts, top_k=k)
+        except ValueError as error:     # a ConfigError is a ValueError too
+            p.error(f"--moe takes E,K (experts, experts per token): {error}")
+        MOE = (experts, k)
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds must be at least 1 and --warmup at least 0")
     sizes = split(args.sizes, list(SIZES), "size", p)
@@ -225,6 +240,8 @@ def main() -> None:
         for norm in norms:
             title = (f"size {size}: dim {dim}, {blocks} blocks, {heads} heads, "
                      f"batch {batch} x {seq}, {norm}")
+            if MOE:
+                title += f", MoE {MOE[0]} experts, {MOE[1]} per token"
             rows = measure(size, norm, specs, args, device)
             print(f"\n{title}\n{table(rows, markdown=False)}", flush=True)
             parts.append(f"\n### {title}\n\n{table(rows, markdown=True)}")

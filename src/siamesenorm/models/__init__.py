@@ -5,9 +5,9 @@ it is installed (import it explicitly)."""
 from .dit import DiT
 from .dit_config import DIT_SIZES, DiTConfig
 from .lm import LanguageModel, LMOutput
-from .lm_config import LMConfig
+from .lm_config import LMConfig, MoEConfig
 from .vit import VisionTransformer, ViTOutput
 from .vit_config import VIT_SIZES, ViTConfig
 
 __all__ = ["DIT_SIZES", "VIT_SIZES", "DiT", "DiTConfig", "LMConfig", "LMOutput", "LanguageModel",
-           "ViTConfig", "ViTOutput", "VisionTransformer"]
+           "MoEConfig", "ViTConfig", "ViTOutput", "VisionTransformer"]

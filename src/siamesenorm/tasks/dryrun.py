@@ -82,12 +82,16 @@ def _numel(module: nn.Module | None) -> int:
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """``total``, ``token_embedding`` (every ``nn.Embedding``), ``head`` (an untied ``lm_head``),
-    ``embedding`` (the two), ``non_embedding``; a tied weight counts once."""
+    ``embedding`` (the two), ``non_embedding``, ``active`` (what one token uses: a mixture of
+    experts counts its routed experts only; ``total`` for a dense model); a tied weight counts
+    once."""
     total = _numel(model)
     token = sum(_numel(m) for m in model.modules() if isinstance(m, nn.Embedding))
     head = _numel(getattr(model, "lm_head", None))
+    active = getattr(model, "active_parameters", None)
     return {"total": total, "token_embedding": token, "head": head, "embedding": token + head,
-            "non_embedding": total - token - head}
+            "non_embedding": total - token - head,
+            "active": active() if callable(active) else total}
 
 
 def _shard_groups(model: nn.Module) -> dict[str, int]:
@@ -261,6 +265,9 @@ def format_dry_run(result: dict[str, Any], name: str = "") -> str:
         (f" + untied head {_int(p['head'])}" if p["head"] else "")
     lines += [f"{'  embedding':<{w}}{_int(p['embedding']):>15}  ({emb})",
               f"{'  non-embedding':<{w}}{_int(p['non_embedding']):>15}"]
+    if p.get("active", p["total"]) != p["total"]:
+        lines.append(f"{'  active':<{w}}{_int(p['active']):>15}  ({_si(p['active'], big='B')} "
+                     "per token: the routed experts only)")
     if r["flops_per_token"] is None:
         lines.append(f"{'FLOPs per token':<{w}}{'n/a':>15}  (the model gives no estimate)")
     else:
