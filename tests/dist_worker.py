@@ -26,15 +26,17 @@ import numpy as np
 import torch
 
 from siamesenorm.data import BatchSampler, validation_batches
-from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.models import LanguageModel, LMConfig, MoEConfig
 from siamesenorm.models.checkpointing import set_activation_checkpointing
 from siamesenorm.schemes import list_schemes
 from siamesenorm.train import TrainSettings, train
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 # every registered scheme with its defaults (SiameseNorm's default form is post_pre), and the OLMo form
+MOE = {"every": 1, "n_experts": 4, "top_k": 2, "hidden": 16}
 SCHEMES = {name: (name, {}) for name in list_schemes()} | {
-    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
+    "pre-moe": ("pre", {"moe": MOE}), "siamese-moe": ("siamese", {"moe": MOE})}
 # also trained with activation checkpointing (sublayer, selective) under each engine
 CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre")
 
@@ -48,9 +50,13 @@ def tokens() -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(scheme: str, options: dict) -> LanguageModel:
+    """The tiny model of ``scheme``; ``options`` are its scheme options, except ``moe`` (a
+    mixture of experts in every block, :class:`~siamesenorm.models.MoEConfig`'s fields)."""
     torch.manual_seed(0)
+    options = dict(options)
+    moe = MoEConfig(**options.pop("moe", {}))
     return LanguageModel(LMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=SEQ,
-                                  scheme=scheme, scheme_options=options))
+                                  scheme=scheme, scheme_options=options, moe=moe))
 
 
 def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainSettings:

@@ -121,8 +121,8 @@ class MoE(nn.Module):
         inputs = flat[source]
         outputs = []
         for e, chunk in enumerate(inputs.split(counts)):
-            if chunk.shape[0] == 0:
-                continue
+            # an expert without tokens still runs (on none), so each expert's weights take part in
+            # every backward (zero gradients): DDP expects every parameter to be used each step
             h = F.silu(chunk @ self.w_gate[e]) * (chunk @ self.w_up[e])
             outputs.append(h @ self.w_down[e])
         mixed = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(-1).to(flat.dtype)
