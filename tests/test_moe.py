@@ -286,3 +286,18 @@ def test_torch_compile_of_an_moe_model_matches_eager():
     torch.testing.assert_close(out.loss, eager.loss)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], msg=name)
+
+
+def test_compare_reports_expert_load_per_scheme(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "exp"
+    res = subprocess.run([sys.executable, "-m", "siamesenorm", "compare", "tiny", "model.moe.every=1",
+                          "model.moe.n_experts=4", "model.moe.top_k=2", "train.steps=4",
+                          "train.eval_every=2", "data.max_bytes=40000", "--schemes", "pre,siamese",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    report = (out / "report.md").read_text()
+    for name in ("expert_load.png", "expert_load_max.png", "router_entropy.png"):
+        assert f"({name})" in report and (out / name).stat().st_size > 0

@@ -30,7 +30,41 @@ CURVES = (("val_loss", "validation loss", "val_loss.png"),
           ("val_acc", "validation top-1 accuracy", "val_acc.png"),
           ("arith_acc", "arithmetic exact-match accuracy", "arith_acc.png"),
           ("fd_proxy", "FD-proxy (lower is better; not Inception FID)", "fd_proxy.png"),
-          ("sample_acc", "class accuracy of samples (proxy classifier)", "sample_acc.png"))
+          ("sample_acc", "class accuracy of samples (proxy classifier)", "sample_acc.png"),
+          ("expert_load_max", "largest expert share (1 / experts when balanced)",
+           "expert_load_max.png"),
+          ("router_entropy", "router entropy (nats)", "router_entropy.png"))
+
+
+def _plot_expert_load(out: Path, rows: list[dict]) -> str | None:
+    """Each expert's share of the token-expert assignments at each run's last evaluation (mean
+    over its MoE layers), one line per run; ``None`` when no run has mixture-of-experts layers."""
+    loads = []
+    for row in rows:
+        last = [r["expert_load"] for r in read_jsonl(RunDir(out / row["run"]).metrics)
+                if isinstance(r.get("expert_load"), list) and r["expert_load"]]
+        if last:
+            layers = last[-1]
+            loads.append((row["run"], [sum(col) / len(layers) for col in zip(*layers)]))
+    if not loads:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, load in loads:
+        ax.plot(range(len(load)), load, marker="o", ms=3, label=name)
+    ax.axhline(1 / len(loads[0][1]), color="grey", lw=0.8, ls="--", label="balanced")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("share of assignments (mean over layers)")
+    ax.set_title("Expert load at the last evaluation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "expert_load.png", dpi=120)
+    plt.close(fig)
+    return "expert_load.png"
 
 
 def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: str) -> str | None:
@@ -121,6 +155,9 @@ def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[floa
         name = _plot_curves(out, rows, key, label, filename)
         if name is not None:
             lines += [f"![{label}]({name})", ""]
+    load = _plot_expert_load(out, rows)
+    if load is not None:
+        lines += [f"![expert load per run]({load})", ""]
     if len(lrs) > 1:
         lines += [f"![final loss by scheme and learning rate]({_plot_grid(out, rows, schemes, lrs)})", ""]
     grids = [(r["run"], _last_sample_grid(out / r["run"])) for r in rows]
