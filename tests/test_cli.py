@@ -158,3 +158,22 @@ def test_generate_refuses_what_is_not_a_usable_run(tmp_path):
     res = run("generate", str(out), "--prompt", "x")
     assert res.returncode == 2 and "model.safetensors" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "tiny", "--dry-run", "train.steps=5"], ["tiny", "train.steps=5"]),
+    (["train", "tiny", "model.dim=64", "--out", "R", "train.steps=5"],
+     ["tiny", "model.dim=64", "train.steps=5"]),
+    (["compare", "--schemes", "pre", "tiny", "train.steps=5"], ["tiny", "train.steps=5"]),
+])
+def test_overrides_may_follow_the_options(argv, expected):
+    from siamesenorm.cli import build_parser, parse_args
+
+    assert parse_args(build_parser(), argv).args == expected
+
+
+def test_an_unknown_option_after_the_overrides_is_still_refused():
+    out = run("train", "tiny", "--dry-run", "train.steps=5", "--bogus")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "siamesenorm: error: unrecognized arguments: --bogus (see siamesenorm --help)"]

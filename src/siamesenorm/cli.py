@@ -248,9 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, but ``key=value`` overrides may also follow the options
+    (``train tiny --out R train.steps=5``), as they may precede them."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [e for e in extra if "=" in e and not e.startswith("-")] \
+        if hasattr(args, "args") else []
+    unknown = [e for e in extra if e not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.args = [*args.args, *overrides]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
