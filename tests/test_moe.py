@@ -218,6 +218,38 @@ def test_every_nth_block_and_active_parameters():
         == pytest.approx(dense.flops_per_token(32) - 6 * dense.num_parameters(non_embedding=True))
 
 
+@pytest.mark.parametrize("scheme", ["pre", "siamese"])
+@pytest.mark.parametrize("moe", [{"every": 1, "n_experts": 8, "top_k": 2},
+                                 {"every": 2, "n_experts": 5, "top_k": 3, "shared_hidden": 16}])
+def test_the_dry_runs_activation_bytes_equal_a_real_forwards(scheme, moe):
+    """On the meta device routing has no data, so the dry run splits tokens evenly; dropless routing
+    processes tokens x top_k rows whatever the split, so the bytes equal a real routed forward's."""
+    from siamesenorm.models.checkpointing import activation_memory
+
+    found = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        cfg = LMConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, scheme=scheme,
+                       moe=MoEConfig(**moe))
+        model = LanguageModel(cfg, device=device)
+        x, y = torch.randint(0, 64, (2, 3, 16)).to(device)
+        found[device] = {mode: activation_memory(model, x, y, mode)
+                         for mode in ("none", "selective", "sublayer")}
+    assert found["meta"] == found["cpu"]
+    assert found["cpu"]["none"] > found["cpu"]["selective"] > found["cpu"]["sublayer"] > 0
+
+
+def test_the_olmoe_preset_fits_an_80gb_gpu_per_rank():
+    from siamesenorm.tasks import load_config
+    from siamesenorm.tasks.dryrun import dry_run
+
+    r = dry_run(load_config("olmoe-15b-a2b"), 8)
+    assert r["activations"]["none"] is not None
+    fsdp = next(c for c in r["memory"] if c["engine"] == "fsdp")
+    assert r["configured"]["activation_checkpointing"] == "sublayer"
+    assert r["configured"]["total"] == fsdp["total"]["sublayer"] < 60 * 2**30 < fsdp["total"]["none"]
+
+
 @pytest.mark.parametrize("moe, fragment", [
     ({"every": 1, "n_experts": 0}, "model.moe.n_experts must be a positive integer"),
     ({"every": 1, "n_experts": 4, "top_k": 5}, "model.moe.top_k (5) exceeds model.moe.n_experts (4)"),

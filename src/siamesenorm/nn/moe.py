@@ -117,7 +117,13 @@ class MoE(nn.Module):
         assigned = experts.reshape(-1)
         order = assigned.argsort(stable=True)
         source = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)[order]
-        counts = torch.bincount(assigned, minlength=self.n_experts).tolist()
+        if x.device.type == "meta":
+            # shapes only (the dry run): an even split. Dropless routing processes tokens x top_k
+            # rows whatever the split, so the activation bytes are those of any real routing.
+            share, extra = divmod(tokens * self.top_k, self.n_experts)
+            counts = [share + (e < extra) for e in range(self.n_experts)]
+        else:
+            counts = torch.bincount(assigned, minlength=self.n_experts).tolist()
         inputs = flat[source]
         outputs = []
         for e, chunk in enumerate(inputs.split(counts)):
