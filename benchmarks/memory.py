@@ -22,7 +22,8 @@ lean path. All models of one size and norm are alive together: at size 512 about
 (parameters, gradients, AdamW state), twice as many with ``--reference``.
 
 Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default preset), ``256`` (dim
-256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256). The
+256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256), and on
+request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
 schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``).
 
     python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
@@ -30,6 +31,7 @@ schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``for
     python benchmarks/memory.py --threads 2 --rounds 30 --markdown memory.md
     python benchmarks/memory.py --device cuda --sizes 256,512 --markdown memory-gpu.md
     python benchmarks/memory.py --sizes 256 --norms rmsnorm --schemes pre,siamese --moe 8,2
+    python benchmarks/memory.py --sizes 2048 --norms rmsnorm --schemes pre,siamese --moe 16,8 --rounds 7
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ from siamesenorm.schemes import list_schemes
 
 VOCAB = 256
 # name: (dim, blocks, heads, batch, tokens per sequence)
-SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (512, 8, 8, 4, 256)}
+SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (512, 8, 8, 4, 256),
+         "2048": (2048, 2, 16, 1, 1024)}
+# measured unless --sizes names others; 2048 (OLMoE's width, two blocks) is for --moe on CPU or a GPU
+DEFAULT_SIZES = ("default", "256", "512")
 # variant name: (scheme, scheme_options)
 VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
 MIB = 2**20
@@ -190,7 +195,8 @@ def split(value: str, known, what: str, parser: argparse.ArgumentParser) -> list
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
+                   help=f"comma list of {', '.join(SIZES)} (default: {','.join(DEFAULT_SIZES)})")
     p.add_argument("--norms", default="rmsnorm,layernorm", help="comma list of norm kinds")
     p.add_argument("--schemes", default=",".join(all_specs()),
                    help="comma list of schemes or variants (pre is always included)")
