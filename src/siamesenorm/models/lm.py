@@ -177,24 +177,41 @@ class LanguageModel(nn.Module, SchemeHost):
                        cfg.head_dim, device=weight.device, dtype=weight.dtype)
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
-                cache: KVCache | None = None, pos: int = 0) -> LMOutput:
+                cache: KVCache | None = None, pos: int = 0, attention_mask: Tensor | None = None,
+                positions: Tensor | None = None, states: list | None = None) -> LMOutput:
         """Logits for ``input_ids`` (``(B, T)``) sitting at positions ``pos .. pos + T - 1``.
 
         With ``cache``, keys/values of the new tokens are written into it at ``pos`` and attention
         also reads the cached positions before ``pos``; ``cache.length`` becomes ``pos + T``.
         ``targets`` (``(B, T)``, ``-100`` ignored) adds the mean cross-entropy as ``loss``.
+
+        Batches of unequal lengths: ``attention_mask`` (``(B, pos + T)``, 1 for a token, 0 for
+        padding, cached positions included) keeps every query off the padding, and each token's
+        RoPE position is the number of real tokens before it (so a left-padded sequence is
+        computed as it would be alone), unless ``positions`` (``(B, T)``) gives them. ``states``:
+        a list that receives the scheme's state after the embedding and after every block.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
-        t = input_ids.shape[1]
+        b, t = input_ids.shape
         if pos + t > self.config.max_seq_len:
             raise ValueError(f"{pos + t} positions exceed max_seq_len={self.config.max_seq_len}")
+        if attention_mask is not None:
+            if attention_mask.shape != (b, pos + t):
+                raise ValueError(f"attention_mask must have shape (batch, cached + new tokens) = "
+                                 f"{(b, pos + t)}, got {tuple(attention_mask.shape)}")
+            if positions is None:
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos:]
+        attend = {"cache": cache, "pos": pos, "positions": positions, "key_mask": attention_mask}
         h = F.dropout(self.embed(input_ids), self.config.dropout, self.training)
         state = self.scheme.enter(h)
+        if states is not None:
+            states.append(state)
         for i, sublayer in enumerate(self.sublayers):
-            branch = partial(sublayer, cache=cache, pos=pos) \
-                if isinstance(sublayer, Attention) else sublayer
+            branch = partial(sublayer, **attend) if isinstance(sublayer, Attention) else sublayer
             state = self.scheme.step(state, i, branch)
+            if states is not None and i % 2:
+                states.append(state)
         h = self.scheme.exit(state)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, head)

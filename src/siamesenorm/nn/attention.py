@@ -120,7 +120,7 @@ class Attention(nn.Module):
             if module is not None:
                 module.reset_parameters()
 
-    def _heads(self, x: Tensor, n: int, norm: nn.Module | None, pos: int, rotate: bool,
+    def _heads(self, x: Tensor, n: int, norm: nn.Module | None, pos: int | Tensor, rotate: bool,
                recompute: bool = False) -> Tensor:
         """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked and
         rotated by RoPE if ``rotate``. ``recompute``: the same value without autograd (the
@@ -140,17 +140,25 @@ class Attention(nn.Module):
         return {id(out): partial(self._heads, proj, n, norm, pos, rotate, recompute=True)
                 for proj, n, norm, rotate, out, pos in inputs.values() if norm is not None}
 
-    def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0) -> Tensor:
+    def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0,
+                positions: Tensor | None = None, key_mask: Tensor | None = None) -> Tensor:
         """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
-        cache, over its earlier keys."""
+        cache, over its earlier keys.
+
+        For batches of unequal lengths (left padding): ``positions`` (``(B, T)``) gives each row's
+        RoPE position instead of ``pos .. pos + T - 1``, and ``key_mask`` (``(B, T_key)``, bool,
+        ``T_key`` = cached + new keys) says which keys are real tokens; a query attends only to
+        real keys (and always to itself, so that a padding query gets a finite, unused output).
+        """
         b, t, _ = x.shape
+        rot = pos if positions is None else positions
         parts = {}
         for name, proj, n, norm, rotate in (
                 ("q", self.q_proj, self.n_heads, self.q_norm, True),
                 ("k", self.k_proj, self.n_kv_heads, self.k_norm, True),
                 ("v", self.v_proj, self.n_kv_heads, self.v_norm, False)):
             p = proj(x)
-            parts[name] = (p, n, norm, rotate, self._heads(p, n, norm, pos, rotate), pos)
+            parts[name] = (p, n, norm, rotate, self._heads(p, n, norm, rot, rotate), rot)
         q, k, v = (parts[name][4] for name in "qkv")
         lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
                 and not _autocast_on(x))
@@ -163,6 +171,17 @@ class Attention(nn.Module):
             is_causal = t > 1  # keys and queries cover the same positions
         elif self.causal and t > 1:
             mask = causal_mask(t, t_key, t_key - t, device=x.device)
+        if key_mask is not None:
+            if key_mask.shape != (b, t_key):
+                raise ValueError(f"key_mask of shape {tuple(key_mask.shape)} does not match "
+                                 f"{b} sequences of {t_key} keys")
+            seen = key_mask.bool()[:, None, None, :]                     # (B, 1, 1, T_key)
+            if mask is None and is_causal:
+                mask = causal_mask(t, t_key, t_key - t, device=x.device)
+            self_key = causal_mask(t, t_key, t_key - t, device=x.device) \
+                & ~causal_mask(t, t_key, t_key - t - 1, device=x.device)  # query i's own key
+            mask = (seen if mask is None else seen & mask) | self_key
+            is_causal = False
         with recomputed_inputs(recipes):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal,

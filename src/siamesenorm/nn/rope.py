@@ -61,13 +61,22 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: Tensor, pos: int = 0) -> Tensor:
-        """Rotate ``x`` (``(..., T, head_dim)``) as if its first row sat at position ``pos``."""
+    def forward(self, x: Tensor, pos: int | Tensor = 0) -> Tensor:
+        """Rotate ``x`` (``(..., T, head_dim)``) as if its first row sat at position ``pos``; or,
+        with ``pos`` a ``(B, T)`` tensor of positions (``x`` of shape ``(B, H, T, head_dim)``),
+        row ``t`` of sequence ``b`` at position ``pos[b, t]`` (left-padded batches)."""
         t = x.shape[-2]
-        if pos < 0 or pos + t > self.max_seq_len:
-            raise ValueError(f"positions {pos}..{pos + t - 1} exceed max_seq_len="
-                             f"{self.max_seq_len}; raise max_seq_len or shorten the input")
-        cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
+        if isinstance(pos, Tensor):
+            if pos.shape != (x.shape[0], t):
+                raise ValueError(f"positions of shape {tuple(pos.shape)} do not match the "
+                                 f"{x.shape[0]} x {t} input")
+            # a data-dependent check would synchronise a GPU: indexing past the table fails anyway
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)   # (B, 1, T, d/2)
+        else:
+            if pos < 0 or pos + t > self.max_seq_len:
+                raise ValueError(f"positions {pos}..{pos + t - 1} exceed max_seq_len="
+                                 f"{self.max_seq_len}; raise max_seq_len or shorten the input")
+            cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
         work = torch.promote_types(x.dtype, cos.dtype)
         x1, x2 = x.to(work).chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,266 @@
+"""Our language model as a Hugging Face ``transformers`` model, any scheme.
+
+:class:`SiameseNormConfig` is a ``PretrainedConfig`` that carries every :class:`LMConfig` field
+(the scheme and its options, the MoE settings included); :class:`SiameseNormForCausalLM` is a
+``PreTrainedModel`` + ``GenerationMixin`` whose ``model`` attribute is our
+:class:`~siamesenorm.models.LanguageModel`, unchanged: its parameter names are ours with a
+``model.`` prefix, and its forward is ours. What this module adds is the Hugging Face calling
+convention: ``labels`` (shifted inside, ``-100`` ignored), ``attention_mask`` (left padding),
+``past_key_values`` (the library's cache classes), ``output_hidden_states``, activation
+checkpointing and ``resize_token_embeddings``.
+
+Hidden states (``output_hidden_states=True``): one per block boundary, the embedding output first,
+as Hugging Face models give them. For a scheme with one residual stream it is that stream; for a
+scheme with several (SiameseNorm's X and Y, ResiDual, SpanNorm, hyper-connections) it is the
+merged stream, the scheme's exit applied at that boundary (SiameseNorm: ``LN(LN(X) + LN(Y))``).
+The last entry is the input of the head. Every stream, by name, is in the output's ``streams``.
+
+This file uses only relative imports of the package and ``transformers``: ``siamesenorm export
+--format hf`` ships it, with the package, inside the exported folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:                                    # transformers 5 names it PreTrainedConfig
+    from transformers import PreTrainedConfig as _BaseConfig
+except ImportError:                     # pragma: no cover - transformers 4
+    from transformers import PretrainedConfig as _BaseConfig
+
+from ..models.checkpointing import set_activation_checkpointing
+from ..models.lm import LanguageModel
+from ..models.lm_config import LMConfig, MoEConfig
+from ..nn.rope import RotaryEmbedding
+
+MODEL_TYPE = "siamesenorm"
+# the output's cache field: ``cache`` from transformers 5.2x, ``past_key_values`` before
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_LM_FIELDS = [f.name for f in dataclasses.fields(LMConfig)]
+
+__all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM"]
+
+
+class SiameseNormConfig(_BaseConfig):
+    """Every :class:`~siamesenorm.models.LMConfig` field under its own name (``moe`` as a dict),
+    plus Hugging Face's usual names as aliases (``hidden_size`` = ``dim``, ``num_hidden_layers``
+    = ``n_layers``, ``num_attention_heads`` = ``n_heads``, ``max_position_embeddings`` =
+    ``max_seq_len``). Values are checked as :class:`LMConfig` checks them."""
+
+    model_type = MODEL_TYPE
+    attribute_map = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
+                     "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"}
+
+    def __init__(self, vocab_size: int = 256, dim: int = 256, n_layers: int = 6, n_heads: int = 4,
+                 n_kv_heads: int | None = None, mlp: str = "swiglu", mlp_hidden: int | None = None,
+                 max_seq_len: int = 256, rope_theta: float = 10000.0, qk_norm: bool = False,
+                 tie_embeddings: bool = True, bias: bool = False, norm: str = "rmsnorm",
+                 norm_eps: float = 1e-5, scheme: str = "pre", scheme_options: dict | None = None,
+                 init: str = "normal", init_std: float = 0.02, dropout: float = 0.0,
+                 moe: dict | MoEConfig | None = None, use_cache: bool = True,
+                 **kwargs: Any) -> None:
+        if isinstance(moe, MoEConfig):
+            moe = dataclasses.asdict(moe)
+        values = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                      n_kv_heads=n_kv_heads, mlp=mlp, mlp_hidden=mlp_hidden,
+                      max_seq_len=max_seq_len, rope_theta=rope_theta, qk_norm=qk_norm,
+                      tie_embeddings=tie_embeddings, bias=bias, norm=norm, norm_eps=norm_eps,
+                      scheme=scheme, scheme_options=dict(scheme_options or {}), init=init,
+                      init_std=init_std, dropout=dropout, moe=dict(moe or {}))
+        _lm_config(values)                           # refuse what LMConfig refuses, now
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.use_cache = use_cache
+        kwargs.setdefault("tie_word_embeddings", tie_embeddings)
+        super().__init__(**kwargs)
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_lm_config(cls, config: LMConfig, **kwargs: Any) -> SiameseNormConfig:
+        """The Hugging Face configuration of our :class:`LMConfig` ``config``."""
+        values = {name: getattr(config, name) for name in _LM_FIELDS}
+        values["moe"] = dataclasses.asdict(config.moe)
+        return cls(**values, **kwargs)
+
+    def to_lm_config(self) -> LMConfig:
+        """Our :class:`LMConfig` of these values."""
+        return _lm_config({name: getattr(self, name) for name in _LM_FIELDS})
+
+
+def _lm_config(values: dict) -> LMConfig:
+    values = dict(values)
+    values["moe"] = MoEConfig(**(values.get("moe") or {}))
+    values["scheme_options"] = dict(values.get("scheme_options") or {})
+    return LMConfig(**values)
+
+
+@dataclasses.dataclass
+class SiameseNormCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``streams``: with ``output_hidden_states``, one dict per
+    block boundary of the scheme's residual streams by name (``{"x": X, "y": Y}`` for
+    SiameseNorm, ``{"h": h}`` for Pre-Norm)."""
+
+    streams: tuple[dict[str, Tensor], ...] | None = None
+
+
+class _CacheLayers:
+    """Our attention's cache protocol (``update(layer, k, v, pos)`` -> all keys and values so far)
+    over one of ``transformers``' cache classes (``update(k, v, layer)``)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.length = cache, 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+        return self.cache.update(k, v, layer)
+
+
+class SiameseNormPreTrainedModel(PreTrainedModel):
+    config_class = SiameseNormConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_cache_class = True
+    _no_split_modules: list[str] = []
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Our initialisation (``LMConfig.init``) for a whole model; RoPE's tables (buffers, not
+        saved) for a model whose weights are loaded."""
+        if isinstance(module, LanguageModel):
+            module.reset_parameters()
+        elif isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
+
+
+class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
+    """A causal language model of any scheme, with Hugging Face's interface (see the module
+    docstring). ``model`` is our :class:`~siamesenorm.models.LanguageModel`."""
+
+    def __init__(self, config: SiameseNormConfig) -> None:
+        super().__init__(config)
+        self.model = LanguageModel(config.to_lm_config())
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    # ---- embeddings --------------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        return self.model.lm_head        # None when tied: the head is the embedding itself
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.model.lm_head = value
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings``; our model's configuration follows."""
+        out = super().resize_token_embeddings(*args, **kwargs)
+        vocab = self.model.embed.num_embeddings
+        self.config.vocab_size = vocab
+        self.model.config = dataclasses.replace(self.model.config, vocab_size=vocab)
+        return out
+
+    # ---- activation checkpointing ------------------------------------------------------------
+    def _set_gradient_checkpointing(self, enable: bool = True, *args: Any, **kwargs: Any) -> None:
+        """Checkpoint every scheme step (sublayer) with our own mechanism, which keeps the
+        streams of multi-stream schemes consistent (``train.activation_checkpointing=sublayer``)."""
+        set_activation_checkpointing(self.model, "sublayer" if enable else "none")
+        self.gradient_checkpointing = enable
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, past_key_values: Any = None,
+                inputs_embeds: Tensor | None = None, labels: Tensor | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, logits_to_keep: int | Tensor = 0,
+                cache: Any = None, **kwargs: Any) -> SiameseNormCausalLMOutput | tuple:
+        """Logits (and the loss of ``labels``, shifted by one inside) for ``input_ids``.
+        ``cache`` is ``past_key_values`` under the name transformers 5 gives it."""
+        if cache is not None:
+            if past_key_values is not None and past_key_values is not cache:
+                raise ValueError("give cache or past_key_values, not both")
+            past_key_values = cache
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("SiameseNormForCausalLM takes a 2-D attention_mask (batch, tokens: 1 "
+                             f"for a token, 0 for padding), got shape {tuple(attention_mask.shape)}")
+        if inputs_embeds is not None:
+            raise ValueError("SiameseNormForCausalLM takes input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.training and self.gradient_checkpointing:
+            use_cache = False
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        hidden = bool(output_hidden_states)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        if use_cache and past_key_values is None:
+            from transformers import DynamicCache
+            past_key_values = DynamicCache()
+        pos = past_key_values.get_seq_length() if past_key_values is not None else 0
+        t = input_ids.shape[1]
+        if attention_mask is not None and attention_mask.shape[1] != pos + t:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the "
+                             f"cache holds {pos} and input_ids adds {t}")
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if not padded:
+            attention_mask = None
+            if position_ids is not None and not torch.equal(
+                    position_ids, torch.arange(pos, pos + t, device=position_ids.device)
+                    .expand_as(position_ids)):
+                padded = True            # positions of the caller's own choosing
+        layers = _CacheLayers(past_key_values) if past_key_values is not None else None
+        targets = None
+        if labels is not None:
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).to(input_ids.device)
+        states: list | None = [] if hidden else None
+        out = self.model(input_ids, targets, cache=layers, pos=pos, attention_mask=attention_mask,
+                         positions=position_ids if padded else None, states=states)
+        logits = out.logits
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, Tensor):
+            logits = logits[:, logits_to_keep]
+        hidden_states = streams = None
+        if states is not None:
+            scheme = self.model.scheme
+            streams = tuple(scheme.streams(s) for s in states)
+            hidden_states = tuple(_merged(scheme, s) for s in states[:-1]) + (
+                _head_input(self.model, states[-1]),)
+        if not return_dict:
+            return tuple(v for v in (out.loss, logits, past_key_values, hidden_states)
+                         if v is not None)
+        return SiameseNormCausalLMOutput(loss=out.loss, logits=logits,
+                                         hidden_states=hidden_states, streams=streams,
+                                         **{_CACHE_FIELD: past_key_values})
+
+
+def _merged(scheme: Any, state: Any) -> Tensor:
+    """One tensor for a block boundary: the stream of a one-stream scheme, else the merge."""
+    streams = scheme.streams(state)
+    if len(streams) == 1:
+        (only,) = streams.values()
+        if isinstance(state, Tensor) and only is state:
+            return only
+    return scheme.exit(state)
+
+
+def _head_input(model: LanguageModel, state: Any) -> Tensor:
+    return model.scheme.exit(state)
