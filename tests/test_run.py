@@ -150,3 +150,24 @@ def test_run_training_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path,
     sa, sb = summary_of(tmp_path / "a"), summary_of(tmp_path / "b")
     for key in ("steps", "tokens_seen", "best_val_loss", "final_val_loss", "best_loss", "data"):
         assert sa[key] == sb[key], key
+
+
+def test_summary_records_the_environment_and_deterministic_runs_repeat(tmp_path):
+    import platform
+
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run_training(load_config("tiny", [*TINY, "train.deterministic=true"]), run)
+    env = summary_of(runs[0])["environment"]
+    assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
+    assert env["device"] == "cpu" and env["device_name"] and env["world_size"] == 1
+    assert env["threads"] == torch.get_num_threads() and env["deterministic"] is True
+    # the setting is the run's: the process's own state is restored afterwards
+    assert torch.are_deterministic_algorithms_enabled() is before
+    losses = [[r["loss"] for r in rows(run) if "loss" in r] for run in runs]
+    assert losses[0] == losses[1] and losses[0]
+    run_training(load_config("tiny", TINY), tmp_path / "c")
+    assert summary_of(tmp_path / "c")["environment"]["deterministic"] is before

@@ -55,6 +55,9 @@ class TrainConfig:
     last in ``checkpoints/last``, older ones in ``checkpoints/step_<N>``); ``--resume`` falls back
     to the newest one that loads when a newer one is damaged. ``stall_steps``: a run whose
     gradient is exactly zero for that many steps in a row stops as stalled (failed).
+    ``deterministic``: PyTorch's deterministic algorithms for the run (an operation without one
+    raises), so that a run repeats bit for bit on the same machine; ``summary.json`` records the
+    environment (torch, device and its name, threads) either way.
     """
 
     steps: int = 200
@@ -75,6 +78,7 @@ class TrainConfig:
     parallel: str = "auto"
     precision: str = "auto"
     activation_checkpointing: str = "none"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),

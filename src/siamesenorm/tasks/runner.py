@@ -18,6 +18,7 @@ import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
+from ..devices import deterministic, environment
 from ..errors import ConfigError
 from ..locks import check_free, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
@@ -103,6 +104,7 @@ def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: Wo
         data = task.load_data(cfg, run_dir, True)
         cfg = task.fit_config(cfg, data)
 
+    held.enter_context(deterministic(cfg.train.deterministic))
     torch.manual_seed(cfg.seed)
     model = task.build_model(cfg, device)
     if cfg.train.activation_checkpointing != "none":
@@ -111,7 +113,8 @@ def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: Wo
     settings = TrainSettings.from_config(cfg.train, data.val_batches, cfg.seed)
     summary = train(model, data.sampler, settings, run_dir, resume=resume, device=device,
                     extra_eval=task.extra_eval(cfg, data, run_dir, device), progress=progress, probe=probe,
-                    info=task.summary_info(data))
+                    info={**task.summary_info(data),
+                          "environment": environment(device, world.size)})
     if probe is not None and cfg.analysis.at_end and not summary.get("diverged") \
             and not summary.get("interrupted"):
         batches = [tuple(t.to(device) for t in b) for b in task.end_batches(cfg, data, cfg.analysis.batches)]
