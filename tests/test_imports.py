@@ -123,7 +123,7 @@ LAYERS = [
     {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
     {"train"},
     {"tasks"},
-    {"run", "experiments", "demo"},
+    {"run", "experiments", "demo", "hf"},   # hf: transformers classes and the export of a run
     {"cli", "__main__"},
 ]
 
