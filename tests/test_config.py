@@ -84,7 +84,8 @@ def test_parse_override_reads_yaml_values():
 
 def test_corpus_options_are_checked_up_front_and_reach_the_loader():
     cfg = load_config("arithmetic", ["data.corpus_options.max_digits=2", "data.corpus_options.n_train=50"])
-    assert cfg.data.corpus_options["max_digits"] == 2 and cfg.data.corpus_options["operations"] == "+-*"
+    assert cfg.data.corpus_options["max_digits"] == 2 and cfg.data.corpus_options["operations"] == "+"
+    assert cfg.data.corpus_options["reverse_answer"] is True
     from siamesenorm.tasks.lm import corpus_options
 
     assert corpus_options(cfg)["max_digits"] == 2

@@ -228,7 +228,9 @@ class _OracleModel(torch.nn.Module):
         self.calls.append(tuple(ids.shape))
         rows = []
         for row in ids.tolist():
-            a, op, b = _LINE.fullmatch(bytes(row).decode() + "0").groups()[:3]
+            text = bytes(row).decode()
+            assert text.startswith("\n")       # a problem follows a newline, as in training
+            a, op, b = _LINE.fullmatch(text[1:] + "0").groups()[:3]
             answer = list(f"{_OPS[op](int(a), int(b))}\n".encode()) + [10] * max_new_tokens
             rows.append(row + answer[:max_new_tokens])
         return torch.tensor(rows)
@@ -242,6 +244,25 @@ def test_lm_answer_fn_batches_by_length_and_keeps_the_prompt_order():
     assert result["accuracy"] == 1.0
     assert all(b <= 4 for b, _ in model.calls) and len({t for _, t in model.calls}) > 1
     assert sum(b for b, _ in model.calls) == 60
+
+
+def test_reversed_answers_are_written_and_scored_reversed():
+    train, heldout = make_problems("+-", 1, 3, n_train=50, n_heldout=40, seed=3, reverse_answer=True)
+    for p in train + heldout:
+        result = str(p.a + p.b if p.op == "+" else p.a - p.b)
+        assert p.answer == result[::-1] and p.text == f"{p.a}{p.op}{p.b}={result[::-1]}\n"
+    corpus = load_corpus("arithmetic", operations="+-", n_train=50, n_heldout=40, seed=3,
+                         reverse_answer=True)
+    assert corpus.meta["reverse_answer"] is True
+    assert corpus.text == "".join(p.text for p in train)
+    # the same problems as without reversal, only their answers written the other way round
+    plain = make_problems("+-", 1, 3, n_train=50, n_heldout=40, seed=3)[1]
+    assert [(p.a, p.op, p.b) for p in plain] == [(p.a, p.op, p.b) for p in heldout]
+    by_hand = {p.prompt: str(p.a + p.b if p.op == "+" else p.a - p.b)[::-1] for p in heldout}
+    right = evaluate_arithmetic(lambda ps: [by_hand[q] + "\n" for q in ps], heldout)
+    wrong = evaluate_arithmetic(lambda ps: [by_hand[q][::-1] + "\n" for q in ps], heldout)
+    assert right["accuracy"] == 1.0
+    assert wrong["accuracy"] == sum(a == a[::-1] for a in by_hand.values()) / len(heldout)
 
 
 def test_lm_answer_fn_batched_equals_one_prompt_at_a_time_on_a_real_model():

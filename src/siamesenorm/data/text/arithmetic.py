@@ -5,6 +5,12 @@ value uniformly among numbers of that many digits (one digit: 0..9); the operati
 uniformly from ``operations``. The held-out problems are drawn first, all distinct; training
 problems are then drawn (repeats allowed) and redrawn whenever they equal a held-out problem, so no
 held-out problem ever appears in the training text. Everything comes from ``random.Random(seed)``.
+
+``reverse_answer`` writes every result with its characters in reverse order (``123+45=861``), least
+significant digit first: the order in which the digits of a sum are computed, carries included, so
+a small model can produce each one from digits it has already seen (Lee et al., "Teaching
+Arithmetic to Small Transformers", arXiv 2307.03381). Exact match is then against the reversed
+result.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 @dataclass(frozen=True)
 class ArithmeticProblem:
-    """``a op b``; ``prompt`` is ``"a op b="``, ``answer`` the exact result in decimal."""
+    """``a op b``; ``prompt`` is ``"a op b="``, ``answer`` the exact result in decimal (its
+    characters reversed when ``reverse``)."""
 
     a: int
     op: str
     b: int
+    reverse: bool = False
 
     @property
     def prompt(self) -> str:
@@ -37,7 +45,8 @@ class ArithmeticProblem:
 
     @property
     def answer(self) -> str:
-        return str(OPERATIONS[self.op](self.a, self.b))
+        result = str(OPERATIONS[self.op](self.a, self.b))
+        return result[::-1] if self.reverse else result
 
     @property
     def text(self) -> str:
@@ -67,6 +76,7 @@ def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train:
 
 def make_problems(operations: Iterable[str] = "+-*", min_digits: int = 1, max_digits: int = 3,
                   n_train: int = 20_000, n_heldout: int = 1_000, seed: int = 0,
+                  reverse_answer: bool = False,
                   ) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
     """``(train, heldout)`` problem lists, disjoint; held-out problems are distinct."""
     ops, _ = _check(operations, min_digits, max_digits, n_train, n_heldout)
@@ -78,7 +88,7 @@ def make_problems(operations: Iterable[str] = "+-*", min_digits: int = 1, max_di
 
     def draw() -> ArithmeticProblem:
         op = rng.choice(ops)
-        return ArithmeticProblem(operand(), op, operand())
+        return ArithmeticProblem(operand(), op, operand(), reverse_answer)
 
     heldout: dict[ArithmeticProblem, None] = {}  # insertion-ordered set
     while len(heldout) < n_heldout:
@@ -93,14 +103,17 @@ def make_problems(operations: Iterable[str] = "+-*", min_digits: int = 1, max_di
 
 
 def load_arithmetic(*, operations: Iterable[str] = "+-*", min_digits: int = 1, max_digits: int = 3,
-                    n_train: int = 20_000, n_heldout: int = 1_000, seed: int = 0) -> Corpus:
+                    n_train: int = 20_000, n_heldout: int = 1_000, seed: int = 0,
+                    reverse_answer: bool = False) -> Corpus:
     """Training text of ``n_train`` problems; the ``n_heldout`` held-out ones are the validation text."""
     ops, space = _check(operations, min_digits, max_digits, n_train, n_heldout)
-    train, heldout = make_problems(ops, min_digits, max_digits, n_train, n_heldout, seed)
+    train, heldout = make_problems(ops, min_digits, max_digits, n_train, n_heldout, seed,
+                                   reverse_answer)
     text = "".join(p.text for p in train)
     val_text = "".join(p.text for p in heldout)
     digest = hashlib.sha256(f"{text}\x00{val_text}".encode()).hexdigest()
     meta = {"operations": ops, "min_digits": min_digits, "max_digits": max_digits, "n_train": n_train,
-            "n_heldout": n_heldout, "seed": seed, "distinct_problems": space,
+            "n_heldout": n_heldout, "seed": seed, "reverse_answer": reverse_answer,
+            "distinct_problems": space,
             "fingerprint": {"train": n_train, "heldout": n_heldout, "sha256": digest}}
     return Corpus(name="arithmetic", text=text, meta=meta, val_text=val_text, heldout=heldout)

@@ -41,12 +41,15 @@ def evaluate_arithmetic(answer_fn: AnswerFn, problems: Sequence[ArithmeticProble
 
 
 def lm_answer_fn(model: torch.nn.Module, tokenizer: Tokenizer, max_new_tokens: int,
-                 batch_size: int = 64) -> AnswerFn:
+                 batch_size: int = 64, context: str = "\n") -> AnswerFn:
     """An answer function that completes each prompt with ``model.generate(..., greedy=True)``.
 
-    Prompts of equal token length are batched together (no padding, so a batch gives the same
-    tokens as one prompt at a time), at most ``batch_size`` per call; completions are the decoded
-    ``max_new_tokens`` new tokens, in the order of the prompts.
+    Each prompt is given after ``context``: in the training text every problem follows the
+    newline that ends the one before, so a prompt at the very start of a sequence, with nothing
+    before it, is one the model has almost never seen. Prompts of equal token length are batched
+    together (no padding, so a batch gives the same tokens as one prompt at a time), at most
+    ``batch_size`` per call; completions are the decoded ``max_new_tokens`` new tokens, in the
+    order of the prompts.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"lm_answer_fn needs max_new_tokens >= 1 and batch_size >= 1, "
@@ -54,7 +57,7 @@ def lm_answer_fn(model: torch.nn.Module, tokenizer: Tokenizer, max_new_tokens: i
 
     def answer(prompts: list[str]) -> list[str]:
         device = next(model.parameters()).device
-        encoded = [tokenizer.encode(p) for p in prompts]
+        encoded = [tokenizer.encode(context + p) for p in prompts]
         by_length: dict[int, list[int]] = defaultdict(list)
         for index, ids in enumerate(encoded):
             by_length[len(ids)].append(index)
