@@ -1,11 +1,21 @@
-"""``siamesenorm compare`` end to end on the tiny preset: runs, table, report, plots, skipping."""
+"""``siamesenorm compare`` end to end on the tiny preset: runs, table, report, plots, skipping, and
+the seeds summed up (summary.json's aggregate and differences, the report's verdicts)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 
+import pytest
+import yaml
+
+from siamesenorm.errors import ConfigError
+from siamesenorm.experiments import stats
+from siamesenorm.experiments.compare import read_runs, text_table
+from siamesenorm.experiments.grid import choose_baseline
+from siamesenorm.experiments.report import seeds_section
 from test_cli import run
 
 
@@ -20,14 +30,23 @@ def test_compare_trains_the_grid_writes_the_report_and_skips_finished_runs(tmp_p
         ("pre", 1e-3), ("siamese", 1e-3), ("pre", 1e4), ("siamese", 1e4)]
     by_lr = {float(r["lr"]): r for r in rows if r["scheme"] == "pre"}
     assert by_lr[1e-3]["diverged"] == "False" and by_lr[1e4]["diverged"] == "True"
-    runs = json.loads((out / "summary.json").read_text())
-    assert len(runs) == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"runs", "aggregate", "differences", "baseline"}
+    runs = summary["runs"]
+    assert len(runs) == 4 and summary["baseline"] == "pre"
     for row in runs:  # each run's data, as its own summary.json recorded it
         own = json.loads((out / row["run"] / "summary.json").read_text())["data"]
         assert row["data"] == own and own["name"] == "pystdlib"
         assert set(own["fingerprint"]) == {"files", "bytes", "sha256", "python"}
+    # One seed per cell: means of one, no interval, no verdict; the printed table as ever.
+    assert all(c["runs"] == 1 and c["metrics"]["final_val_loss"]["ci_low"] is None
+               for c in summary["aggregate"])
+    assert [d["verdict"] for d in summary["differences"]] == [None] * 4    # 2 lrs x 2 losses
+    assert "div@" in first.stdout and "+-" not in first.stdout
     report = (out / "report.md").read_text()
     assert "| pre-lr0.001-s0 | pre |" in report and "yes (" in report
+    assert "One seed per scheme and learning rate: no confidence intervals and no verdicts" in report
+    assert "95% CI" not in report and "seed noise" not in report
     for png in ("val_loss.png", "lr_grid.png"):
         assert f"]({png})" in report and (out / png).stat().st_size > 1000
     # Same runs on a repeat: nothing is trained again.
@@ -87,3 +106,159 @@ def test_a_run_killed_before_its_first_checkpoint_starts_afresh(tmp_path):
     assert not (run_dir / "stray.tmp").exists()
     assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def _hand(values: list[float]) -> tuple[float, float | None]:
+    """Mean and 95% half-width of one or two values, by hand: with two, sd = |a - b| / sqrt(2) and
+    the half-width t_{0.975,1} * sd / sqrt(2) = 12.706 * |a - b| / 2."""
+    mean = sum(values) / len(values)
+    return mean, (12.706 * abs(values[0] - values[1]) / 2 if len(values) == 2 else None)
+
+
+def test_compare_over_two_seeds_sums_them_up_and_counts_divergence(tmp_path):
+    out = tmp_path / "exp"
+    args = ("compare", "tiny", "train.steps=4", "train.eval_every=2", "--schemes", "pre,siamese",
+            "--lrs", "1e-3,1e4", "--seeds", "0,1", "--out", str(out))
+    first = run(*args)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["baseline"] == "pre" and len(summary["runs"]) == 8
+    assert len(list(csv.DictReader(open(out / "summary.csv")))) == 8      # still one row per run
+    own = {(r["scheme"], r["lr"], r["seed"]): json.loads((out / r["run"] / "summary.json").read_text())
+           for r in summary["runs"]}
+    assert any(s["diverged"] for s in own.values())     # lr 1e4 diverges: the counting is exercised
+    report = (out / "report.md").read_text()
+    assert report.index("## Over seeds") < report.index("## Runs")
+    for cell in summary["aggregate"]:
+        runs = [own[(cell["scheme"], cell["lr"], seed)] for seed in (0, 1)]
+        assert cell["seeds"] == [0, 1] and cell["runs"] == 2
+        assert cell["diverged"] == sum(s["diverged"] for s in runs)
+        kept = [s["final_val_loss"] for s in runs if not s["failed"]]
+        est = cell["metrics"]["final_val_loss"]
+        assert est["n"] == len(kept)
+        if kept:
+            mean, half = _hand(kept)
+            assert est["mean"] == pytest.approx(mean, abs=1e-9)
+            if half is None:
+                assert est["ci_low"] is None and est["sd"] is None
+            else:
+                assert (est["ci_low"], est["ci_high"]) == pytest.approx((mean - half, mean + half), abs=1e-3)
+        else:
+            assert est["mean"] is None
+        failed = stats.failures_text(cell)
+        assert failed == (f"{cell['diverged']} of 2 diverged" if cell["diverged"] else "none of 2")
+        assert f"| {cell['scheme']} | {cell['lr']:g} | 2 | " in report and f"| {failed} |" in report
+    for d in summary["differences"]:
+        assert d["scheme"] == "siamese" and d["baseline"] == "pre" and d["better"] == "lower"
+        pairs = [own[("siamese", d["lr"], seed)][d["metric"]] - own[("pre", d["lr"], seed)][d["metric"]]
+                 for seed in (0, 1) if not own[("siamese", d["lr"], seed)]["failed"]
+                 and not own[("pre", d["lr"], seed)]["failed"]]
+        assert d["n"] == len(pairs)
+        if len(pairs) == 2:
+            mean, half = _hand(pairs)
+            assert d["mean"] == pytest.approx(mean, abs=1e-9)
+            assert (d["ci_low"], d["ci_high"]) == pytest.approx((mean - half, mean + half), abs=1e-3)
+            if abs(abs(mean) - half) > 1e-3:     # clearly in or out of the interval
+                assert d["verdict"] == ("indistinguishable" if abs(mean) < half
+                                        else "better" if mean < 0 else "worse")
+        else:
+            assert d["verdict"] is None
+        assert f"- {stats.verdict_sentence(d)}" in report
+    assert "mean over the seeds that did not diverge or stall" in report and "shaded" in report
+    assert "+-" in first.stdout    # the printed table: means with intervals
+    # Another baseline re-reports the same runs: nothing trains again.
+    again = run(*args, "--baseline", "siamese")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("skipped") == 8
+    flipped = json.loads((out / "summary.json").read_text())
+    assert flipped["baseline"] == "siamese" and {d["scheme"] for d in flipped["differences"]} == {"pre"}
+    before = {(d["lr"], d["metric"]): d["mean"] for d in summary["differences"]}
+    for d in flipped["differences"]:
+        old = before[(d["lr"], d["metric"])]
+        assert (d["mean"] is None and old is None) or d["mean"] == pytest.approx(-old)
+    assert "### Compared with siamese" in (out / "report.md").read_text()
+
+
+def test_an_unknown_baseline_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "exp"
+    res = run("compare", "tiny", "--schemes", "pre,siamese", "--baseline", "post", "--out", str(out))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "--baseline 'post' is not among the compared schemes (pre, siamese)" in res.stderr
+    assert not out.exists()
+    preset = tmp_path / "p.yaml"
+    preset.write_text(yaml.safe_dump({"train": {"steps": 2},
+                                      "compare": {"schemes": ["pre", "siamese"], "baseline": "hyper"}}))
+    res = run("compare", str(preset), "--out", str(out))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "compare.baseline 'hyper' is not among" in res.stderr and not out.exists()
+    preset.write_text(yaml.safe_dump({"compare": {"baseline": ["pre"]}}))
+    res = run("compare", str(preset), "--out", str(out))
+    assert res.returncode == 2 and "compare.baseline must be" in res.stderr and not out.exists()
+
+
+def test_the_baseline_is_the_named_one_else_pre_else_the_first():
+    assert choose_baseline(["post", "pre", "siamese"]) == "pre"
+    assert choose_baseline(["post", "siamese"]) == "post"
+    assert choose_baseline(["pre", "siamese"], None, {"baseline": "siamese"}) == "siamese"
+    assert choose_baseline(["pre", "siamese"], "pre", {"baseline": "siamese"}) == "pre"
+    with pytest.raises(ConfigError, match="--baseline 'x'"):
+        choose_baseline(["pre", "siamese"], "x")
+
+
+def _rows(losses: dict, lr: float = 0.01) -> list[dict]:
+    return [{"run": f"{s}-s{seed}", "scheme": s, "lr": lr, "seed": seed, "final_val_loss": v[seed],
+             "best_val_loss": v[seed], "diverged": False, "diverged_at": None, "stalled_at": None}
+            for seed in range(len(next(iter(losses.values())))) for s, v in losses.items()]
+
+
+def test_the_report_gives_a_verdict_only_when_the_interval_excludes_zero():
+    # siamese - pre: -0.1, -0.15, -0.1 (95% CI -0.188 to -0.045: lower); post - pre: +0.1, -0.2,
+    # +0.2 (CI -0.484 to 0.550: noise). Worked out in tests/test_stats.py.
+    rows = _rows({"pre": [2.0, 2.2, 2.4], "siamese": [1.9, 2.05, 2.3], "post": [2.1, 2.0, 2.6]})
+    metrics = ["final_val_loss"]
+    text = "\n".join(seeds_section(stats.aggregate(rows, metrics),
+                                   stats.paired_differences(rows, metrics, "pre"), "pre"))
+    [line] = [x for x in text.splitlines() if x.startswith("| pre | 0.01 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "3" and cells[4] == "none of 3"
+    mean, half, n = re.fullmatch(r"([\d.]+) ± ([\d.]+) \(n=(\d)\)", cells[3]).groups()
+    assert (float(mean), float(half), n) == (2.2, pytest.approx(0.4969, abs=2e-4), "3")  # 4.303*0.2/sqrt(3)
+    assert "- siamese is lower than pre by 0.117 (95% CI 0.045 to 0.188, 3 seeds) at lr 0.01: better" in text
+    assert "- post vs pre at lr 0.01: not distinguishable from seed noise" in text
+    assert "post is lower" not in text and "post is higher" not in text
+    one = _rows({"pre": [2.0], "siamese": [1.0]})
+    text = "\n".join(seeds_section(stats.aggregate(one, metrics),
+                                   stats.paired_differences(one, metrics, "pre"), "pre"))
+    assert "no verdicts" in text and "is lower than" not in text and "95% CI" not in text
+
+
+def test_the_printed_table_shows_intervals_only_with_several_seeds():
+    one = _rows({"pre": [2.0], "siamese": [1.5]})
+    one[1].update(diverged=True, diverged_at=3)
+    assert text_table(one, ["pre", "siamese"], [0.01]) == (
+        "scheme        lr 0.01\n"
+        "pre            2.0000\n"
+        "siamese         div@3")
+    three = _rows({"pre": [2.0, 2.2, 2.4], "siamese": [1.9, 9.0, 2.3]})
+    three[3].update(diverged=True, diverged_at=5)        # siamese, seed 1
+    lines = text_table(three, ["pre", "siamese"], [0.01]).splitlines()
+    name, text = lines[1].split()
+    mean, half = text.split("+-")
+    assert name == "pre" and float(mean) == 2.2 and float(half) == pytest.approx(0.4969, abs=2e-4)
+    # siamese over 1.9 and 2.3: mean 2.1, half 12.706 * 0.4 / 2 = 2.5412
+    name, text, count, word = lines[2].split()
+    mean, half = text.split("+-")
+    assert (name, count, word) == ("siamese", "1/3", "div") and float(mean) == 2.1
+    assert float(half) == pytest.approx(2.5412, abs=2e-4)
+
+
+def test_read_runs_takes_the_object_and_the_older_list(tmp_path):
+    rows = _rows({"pre": [2.0]})
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"runs": rows, "aggregate": [], "differences": [], "baseline": "pre"}))
+    assert read_runs(path) == rows
+    path.write_text(json.dumps(rows))
+    assert read_runs(path) == rows
+    path.write_text(json.dumps({"rows": rows}))
+    with pytest.raises(ConfigError, match="not a comparison's summary"):
+        read_runs(path)

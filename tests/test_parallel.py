@@ -244,7 +244,7 @@ def test_nproc_compare_end_to_end(tmp_path):
     out = tmp_path / "exp"
     res = _cli("compare", "tiny", *TINY, "--schemes", "pre,siamese", "--nproc", "2", "--out", str(out))
     assert res.returncode == 0, res.stderr
-    rows = json.loads((out / "summary.json").read_text())
+    rows = json.loads((out / "summary.json").read_text())["runs"]
     assert [r["scheme"] for r in rows] == ["pre", "siamese"]
     assert all(r["steps"] == 4 and math.isfinite(r["final_val_loss"]) for r in rows)
     for r in rows:

@@ -93,7 +93,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     preset, overrides = _split_preset(args.args)
     compare(preset or DEFAULT_COMPARE_PRESET, overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
-            seeds=_csv(args.seeds, int, "--seeds"), nproc=args.nproc)
+            seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc)
     return 0
 
 
@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", default=None,
                    help="comma-separated learning rates (default: compare.lrs, else train.lr)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: compare.seeds, else seed)")
+    p.add_argument("--baseline", default=None, metavar="SCHEME",
+                   help="the compared scheme or variant the others are paired with, seed by seed, "
+                        "in the report (default: compare.baseline, else pre when compared, else "
+                        "the first)")
     p.add_argument("--out", default="experiments/compare", help="experiment directory")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train each run across N processes on this machine (default 1)")

@@ -6,8 +6,14 @@ same data in the same order and start from the same generator state. ``experimen
 the grid; repeating the command skips the runs that finished, resumes those with a checkpoint and
 starts afresh those with neither (a run killed before its first checkpoint), and a folder that holds
 another experiment's runs is refused. Every run's data is checked before the folder is claimed, so
-a refused command writes nothing. ``summary.json`` carries each run's ``data`` (corpus name and
-fingerprint) from its own summary.
+a refused command writes nothing.
+
+``summary.csv`` has one row per run. ``summary.json`` is an object: ``runs`` (those rows, each with
+its ``data``, the corpus name and fingerprint from the run's own summary), ``aggregate`` (per
+scheme and learning rate, over its seeds: how many diverged or stalled, and the mean, standard
+deviation and 95% interval of each figure over the others), ``differences`` (each scheme minus
+``baseline`` on the seeds both finished, with its interval and verdict) and ``baseline``; see
+:mod:`.stats`. :func:`read_runs` reads the rows from it, or from the list an older version wrote.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_text
 from ..tasks import TASKS, check_data, get_task, launch_task, run_task
 from ..train import has_checkpoint
 from ..train.checkpoint import older_checkpoints
-from .grid import build_grid
+from . import stats
+from .grid import build_grid, choose_baseline, read_section
 from .report import write_report
 
 COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "diverged",
@@ -54,30 +61,56 @@ def _one_line(summary: dict, peak: tuple) -> str:
 
 
 # Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations): every
-# task's ``columns``, in the registry's order.
+# task's ``columns``, in the registry's order; and those of them where higher is better.
 EXTRA_COLUMNS = tuple(dict.fromkeys(c for task in TASKS.values() for c in task.columns))
+HIGHER_IS_BETTER = frozenset(c for task in TASKS.values() for c in task.higher_is_better)
+
+
+def read_runs(path: str | Path) -> list[dict]:
+    """The per-run rows of an experiment's ``summary.json``: its ``runs``, or the whole file when
+    it is the plain list of rows that versions before the aggregate wrote."""
+    data = read_json(path)
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        return data["runs"]
+    raise ConfigError(f"{path} is not a comparison's summary (no list of runs); run compare again")
 
 
 def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str = "final_val_loss") -> str:
-    """``key`` (a row's figure) per scheme (rows) and learning rate (columns), mean over seeds."""
-    cells = {}
-    for r in rows:
-        cells.setdefault((r["scheme"], r["lr"]), []).append(r)
+    """``key`` (a row's figure) per scheme (rows) and learning rate (columns).
+
+    A cell of one seed shows its figure, ``div@N`` (diverged at step N) or ``dead@N`` (zero gradient
+    from step N). A cell of several seeds shows the mean over the seeds that did not fail with the
+    half-width of its 95% interval (``2.3100+-0.0520``; ``(n=1)`` when one seed is left), followed by
+    ``k/n div`` and ``k/n dead`` when some failed.
+    """
+    groups = stats.cells(rows)
+    texts = {label: [_cell_text(groups.get((label, lr), []), key) for lr in lrs] for label in labels}
     width = max(len("scheme"), *(len(label) for label in labels))
-    lines = [f"{'scheme':<{width}}  " + "  ".join(f"{'lr ' + format(lr, 'g'):>12}" for lr in lrs)]
-    for label in labels:
-        texts = []
-        for lr in lrs:
-            group = cells.get((label, lr), [])
-            if any(r["diverged"] for r in group):
-                texts.append(f"div@{min(r['diverged_at'] for r in group if r['diverged'])}")
-            elif any(r.get("stalled_at") is not None for r in group):
-                texts.append(f"dead@{min(r['stalled_at'] for r in group if r.get('stalled_at'))}")
-            else:
-                vals = [r[key] for r in group if r.get(key) is not None]
-                texts.append(f"{sum(vals) / len(vals):.4f}" if vals else "-")
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{t:>12}" for t in texts))
+    col = max(12, *(len(t) for ts in texts.values() for t in ts))
+    lines = [f"{'scheme':<{width}}  " + "  ".join(f"{'lr ' + format(lr, 'g'):>{col}}" for lr in lrs)]
+    lines += [f"{label:<{width}}  " + "  ".join(f"{t:>{col}}" for t in texts[label]) for label in labels]
     return "\n".join(lines)
+
+
+def _cell_text(group: list[dict], key: str) -> str:
+    """One cell of :func:`text_table`."""
+    if len(group) <= 1:
+        if any(r["diverged"] for r in group):
+            return f"div@{min(r['diverged_at'] for r in group if r['diverged'])}"
+        if any(r.get("stalled_at") is not None for r in group):
+            return f"dead@{min(r['stalled_at'] for r in group if r.get('stalled_at'))}"
+        vals = [r[key] for r in group if r.get(key) is not None]
+        return f"{sum(vals) / len(vals):.4f}" if vals else "-"
+    [cell] = stats.aggregate(group, [key])
+    est = stats.Estimate(**cell["metrics"][key])
+    text = "-" if est.mean is None else f"{est.mean:.4f}" + \
+        (f"+-{est.half_width:.4f}" if est.half_width is not None else f" (n={est.n})")
+    for field, word in (("diverged", "div"), ("stalled", "dead")):
+        if cell[field]:
+            text += f" {cell[field]}/{cell['runs']} {word}"
+    return text
 
 
 def _claim(out: Path, spec: dict) -> None:
@@ -125,24 +158,28 @@ def _start_run(run_dir: Path) -> bool:
 
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             schemes: list[str] | None = None, lrs: list[float] | None = None,
-            seeds: list[int] | None = None, nproc: int | None = None, log=print) -> list[dict]:
+            seeds: list[int] | None = None, baseline: str | None = None, nproc: int | None = None,
+            log=print) -> list[dict]:
     """Train the grid into ``out`` (skipping finished runs) and write the table and the report.
 
     ``schemes``, ``lrs`` and ``seeds`` default to the preset's ``compare`` section, then to
-    pre/post/siamese, ``train.lr`` and ``seed`` (see :mod:`siamesenorm.experiments.grid`).
+    pre/post/siamese, ``train.lr`` and ``seed``; ``baseline`` (what the other schemes are compared
+    with) to ``compare.baseline``, then ``pre`` (see :mod:`siamesenorm.experiments.grid`).
     ``nproc`` above 1 trains each run across that many processes of this machine, one run after
     the other (:func:`~siamesenorm.tasks.launch_task`).
     """
     base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
+    baseline = choose_baseline(spec["schemes"], baseline, read_section(preset))
     out = Path(out)
     check_out_dir(out)
     check_free(out, "compare")
     _check_data(grid)
     with folder_lock(out, "compare"):
-        return _compare(out, base, spec, grid, nproc, log)
+        return _compare(out, base, spec, grid, baseline, nproc, log)
 
 
-def _compare(out: Path, base, spec: dict, grid: list, nproc: int | None, log) -> list[dict]:
+def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,
+             log) -> list[dict]:
     """:func:`compare` once it holds the experiment folder."""
     _claim(out, {"base": config_to_dict(base), **spec})
     rows = []
@@ -172,10 +209,19 @@ def _compare(out: Path, base, spec: dict, grid: list, nproc: int | None, log) ->
     writer.writeheader()
     writer.writerows(rows)
     write_text(out / "summary.csv", table.getvalue())
-    write_text(out / "summary.json", json.dumps(rows, indent=2) + "\n")
-    write_report(out, rows, spec["schemes"], spec["lrs"])
+    metrics = stats.metrics_present(rows, extra)
+    aggregate = stats.aggregate(rows, metrics)
+    differences = stats.paired_differences(rows, metrics, baseline, HIGHER_IS_BETTER)
+    write_text(out / "summary.json", json.dumps(
+        {"runs": rows, "aggregate": aggregate, "differences": differences, "baseline": baseline},
+        indent=2) + "\n")
+    write_report(out, rows, spec["schemes"], spec["lrs"], aggregate=aggregate,
+                 differences=differences, baseline=baseline)
     key, title = get_task(base.task).headline
     log(f"{title} (div@N: diverged at step N; dead@N: zero gradient from step N on, stopped)")
+    if len(spec["seeds"]) > 1:
+        log("mean +- half-width of its 95% interval, over the seeds that did not diverge or stall; "
+            "k/n div, k/n dead: k of the n seeds diverged, stalled")
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")
     return rows

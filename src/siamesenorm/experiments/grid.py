@@ -6,12 +6,19 @@ A preset may carry a ``compare`` section next to its run sections::
       schemes: [pre, post, siamese-noscale]   # scheme names, or names of the variants below
       lrs: [1.0e-3, 4.0e-3]                    # default: train.lr
       seeds: [0]                               # default: seed
+      baseline: pre                            # what the others are compared with (default: pre)
       variants:                                # optional: named scheme settings
         siamese-noscale: {scheme: siamese, options: {depth_scale: false}}
         pre-24L: {scheme: pre, overrides: {model.n_layers: 24, model.dim: 48}}
 
 Learning rates must be positive finite numbers and seeds integers from 0 to 2**63-1, and no list
 may name a value twice (two runs of one name): each is refused before anything runs.
+
+The baseline (``--baseline``, else ``compare.baseline``) is the label every other variant's seeds
+are paired with in the report (see :mod:`.stats`); it must be one of the compared labels. Without
+either it is ``pre`` when ``pre`` is compared, else the first label. It only shapes the report, so
+it is not part of the grid that ``experiment.json`` records: another baseline re-reports the same
+runs.
 
 A variant is a scheme with its own options (replacing the preset's ``model.scheme_options``) and its
 own overrides of any run key, applied after the command line's overrides, so the variant is what
@@ -33,7 +40,8 @@ from ..schemes import list_schemes
 from ..tasks import load_config
 
 DEFAULT_SCHEMES = ("pre", "post", "siamese")
-_SECTION_KEYS = ("schemes", "lrs", "seeds", "variants")
+_SECTION_KEYS = ("schemes", "lrs", "seeds", "baseline", "variants")
+DEFAULT_BASELINE = "pre"
 _VARIANT_KEYS = ("scheme", "options", "overrides")
 
 
@@ -101,6 +109,11 @@ def read_section(preset: str | None) -> dict:
         out["lrs"] = _check_list("lrs", section["lrs"], float)
     if "seeds" in section:
         out["seeds"] = _check_list("seeds", section["seeds"], int)
+    if "baseline" in section:
+        if not isinstance(section["baseline"], str) or not section["baseline"]:
+            raise ConfigError(f"compare.baseline must be a scheme or variant label, got "
+                              f"{section['baseline']!r}")
+        out["baseline"] = section["baseline"]
     variants = section.get("variants") or {}
     if not isinstance(variants, dict):
         raise ConfigError("compare.variants must map a label to {scheme, options, overrides}")
@@ -189,3 +202,16 @@ def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] |
     spec = {"schemes": [v.label for v in variants], "lrs": lrs, "seeds": seeds,
             "variants": {v.label: dataclasses.asdict(v) for v in variants}}
     return base, spec, cells
+
+
+def choose_baseline(labels: list[str], baseline: str | None = None, section: dict | None = None) -> str:
+    """The label the others are compared with: ``baseline`` (``--baseline``), else the section's
+    ``baseline``, each refused unless it is among ``labels``; else ``pre`` when compared, else the
+    first of ``labels``."""
+    for source, name in (("--baseline", baseline), ("compare.baseline", (section or {}).get("baseline"))):
+        if name is not None:
+            if name not in labels:
+                raise ConfigError(f"{source} {name!r} is not among the compared schemes "
+                                  f"({', '.join(labels)}); name one of them")
+            return name
+    return DEFAULT_BASELINE if DEFAULT_BASELINE in labels else labels[0]

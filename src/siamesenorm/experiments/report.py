@@ -1,4 +1,11 @@
-"""``report.md`` and its PNG plots for a comparison."""
+"""``report.md`` and its PNG plots for a comparison.
+
+The report opens with the seeds summed up per scheme and learning rate (:mod:`.stats`: means with
+their 95% intervals, failed seeds counted) and one sentence per comparison with the baseline, then
+the table of every run, the curves (with several seeds: per scheme and learning rate, the mean
+over the seeds that did not fail, shaded from their minimum to their maximum), the learning-rate
+grid, samples and the diagnostics.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from pathlib import Path
 
 from ..analysis.report_section import diagnostics_section
 from ..rundir import RunDir, read_jsonl, write_text
+from . import stats
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -68,21 +76,44 @@ def _plot_expert_load(out: Path, rows: list[dict]) -> str | None:
 
 
 def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: str) -> str | None:
-    """One line per run of ``key`` against step; ``None`` (no file) when no run logged it."""
-    curves = [(row["run"], *_curve(out / row["run"], key)) for row in rows]
-    if not any(steps for _, steps, _ in curves):
+    """``key`` against step, one line per run (one seed per cell) or, with several seeds, per
+    scheme and learning rate the mean over its seeds that did not fail, shaded from their minimum
+    to their maximum, and each failed run dashed on its own; ``None`` (no file) when no run
+    logged ``key``."""
+    curves = {row["run"]: _curve(out / row["run"], key) for row in rows}
+    if not any(steps for steps, _ in curves.values()):
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    groups = stats.cells(rows)
+    several = any(len(group) > 1 for group in groups.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, steps, values in curves:
-        if steps:
-            ax.plot(steps, values, marker="o", ms=3, label=name)
+    if not several:
+        for name, (steps, values) in curves.items():
+            if steps:
+                ax.plot(steps, values, marker="o", ms=3, label=name)
+        ax.set_title(f"{label[0].upper()}{label[1:]} per run")
+    for (scheme, lr), group in groups.items() if several else ():
+        kept = [curves[r["run"]] for r in group if not stats.failed(r) and curves[r["run"]][0]]
+        if kept:   # the steps every kept seed evaluated (the same ones, for one configuration)
+            steps = sorted(set.intersection(*(set(s) for s, _ in kept)))
+            at = [[dict(zip(*curve))[step] for curve in kept] for step in steps]
+            (line,) = ax.plot(steps, [sum(v) / len(v) for v in at], marker="o", ms=3,
+                              label=f"{scheme} lr {lr:g} (mean of {len(kept)})")
+            if len(kept) > 1:
+                ax.fill_between(steps, [min(v) for v in at], [max(v) for v in at],
+                                color=line.get_color(), alpha=0.2, lw=0)
+        for r in group:
+            if stats.failed(r) and curves[r["run"]][0]:
+                ax.plot(*curves[r["run"]], ls="--", lw=0.8, marker="x", ms=4,
+                        label=f"{r['run']} ({'diverged' if r.get('diverged') else 'stalled'})")
+    if several:
+        ax.set_title(f"{label[0].upper()}{label[1:]}: mean over seeds, shaded min to max",
+                     fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel(label)
-    ax.set_title(f"{label[0].upper()}{label[1:]} per run")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -96,35 +127,41 @@ def _last_sample_grid(run_dir: Path) -> Path | None:
     return grids[-1] if grids else None
 
 
-def _plot_grid(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]) -> str:
+def _plot_grid(out: Path, aggregate: list[dict], schemes: list[str], lrs: list[float]) -> str:
+    """Mean final validation loss per scheme and learning rate over the seeds that did not fail;
+    a cell names how many of its seeds diverged or stalled, and is red when all did."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    total = np.zeros((len(schemes), len(lrs)))
-    count = np.zeros_like(total)
-    diverged = np.zeros_like(total, dtype=bool)
-    for row in rows:  # mean over seeds of the final loss; a cell is diverged if any seed diverged
-        i, j = schemes.index(row["scheme"]), lrs.index(row["lr"])
-        if row["diverged"]:
-            diverged[i, j] = True
-        elif row["final_val_loss"] is not None:
-            total[i, j] += row["final_val_loss"]
-            count[i, j] += 1
-    grid = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    grid = np.full((len(schemes), len(lrs)), np.nan)
+    texts = [["-"] * len(lrs) for _ in schemes]
+    lost = np.zeros_like(grid, dtype=bool)
+    for cell in aggregate:
+        i, j = schemes.index(cell["scheme"]), lrs.index(cell["lr"])
+        est = cell["metrics"]["final_val_loss"]
+        fails = cell["diverged"] + cell["stalled"]
+        lost[i, j] = est["mean"] is None and fails > 0
+        if est["mean"] is not None:
+            grid[i, j] = est["mean"]
+        if cell["runs"] == 1:
+            texts[i][j] = "diverged" if cell["diverged"] else "stalled" if cell["stalled"] \
+                else _fmt(est["mean"], 3)
+        else:
+            texts[i][j] = "\n".join([_fmt(est["mean"], 3)] + [
+                f"{cell[k]}/{cell['runs']} {k}" for k in ("diverged", "stalled") if cell[k]])
     fig, ax = plt.subplots(figsize=(1.6 * len(lrs) + 2, 0.5 * len(schemes) + 1.5))
-    im = ax.imshow(np.where(diverged, np.nan, grid), cmap="viridis_r", aspect="auto")
+    im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     for i in range(len(schemes)):
         for j in range(len(lrs)):
-            text = "diverged" if diverged[i, j] else _fmt(float(grid[i, j]), 3)
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    color="red" if diverged[i, j] else "black",
+            ax.text(j, i, texts[i][j], ha="center", va="center", fontsize=8,
+                    color="red" if lost[i, j] else "black",
                     bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"})
     ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
     ax.set_yticks(range(len(schemes)), schemes)
     ax.set_xlabel("learning rate")
-    ax.set_title("Final validation loss (mean over seeds)")
+    ax.set_title("Final validation loss (mean over the seeds that did not fail)")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out / "lr_grid.png", dpi=120)
@@ -135,13 +172,62 @@ def _plot_grid(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]
 # Figures of some tasks, shown as extra table columns when any run has them.
 _EXTRA = (("final_val_acc", "val top-1"), ("final_arith_acc", "arith acc"),
           ("final_fd_proxy", "FD-proxy"), ("final_sample_acc", "sample acc"))
+TITLES = {"final_val_loss": "final val loss", "best_val_loss": "best val loss", **dict(_EXTRA)}
 
 
-def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[float]) -> None:
+def _estimate_text(est: dict, digits: int = 4) -> str:
+    """``mean ± half-width (n=k)``; ``mean (n=1, no interval)``; ``- (n=0)``."""
+    if est["mean"] is None:
+        return "- (n=0)"
+    if est["ci_low"] is None:
+        return f"{est['mean']:.{digits}f} (n={est['n']}, no interval)"
+    half = (est["ci_high"] - est["ci_low"]) / 2
+    return f"{est['mean']:.{digits}f} ± {half:.{digits}f} (n={est['n']})"
+
+
+def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str) -> list[str]:
+    """Markdown lines of the seeds summed up: the table per scheme and learning rate, and the
+    verdicts against ``baseline``. With one seed per cell, a line that says there is no interval
+    and no verdict."""
+    if all(cell["runs"] <= 1 for cell in aggregate):
+        return ["One seed per scheme and learning rate: no confidence intervals and no verdicts "
+                "(run several, e.g. `--seeds 0,1,2`). The runs are below.", ""]
+    metrics = list(aggregate[0]["metrics"]) if aggregate else []
+    head = ["scheme", "lr", "seeds", *(TITLES.get(k, k) for k in metrics), "failed"]
+    lines = ["## Over seeds", "",
+             "Each figure is the mean over the seeds of a scheme and learning rate that did not "
+             "diverge or stall, ± the half-width of its 95% confidence interval (Student t, n - 1 "
+             "degrees of freedom); n is how many seeds the mean is over (one seed: no interval). "
+             "Diverged and stalled seeds are counted, never averaged.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell in aggregate:
+        lines.append("| " + " | ".join([cell["scheme"], f"{cell['lr']:g}", str(cell["runs"]),
+                                        *(_estimate_text(cell["metrics"][k]) for k in metrics),
+                                        stats.failures_text(cell)]) + " |")
+    lines += ["", f"### Compared with {baseline}", "",
+              f"Each scheme minus {baseline}, seed by seed, over the seeds both ran without diverging "
+              "or stalling; a difference is called only when its 95% interval (Student t on the "
+              "paired differences) excludes zero.", ""]
+    for key in metrics:
+        diffs = [d for d in differences if d["metric"] == key]
+        if diffs:
+            better = diffs[0]["better"]
+            lines += [f"{TITLES.get(key, key)} ({better} is better):", ""]
+            lines += [f"- {stats.verdict_sentence(d)}" for d in diffs] + [""]
+    if not differences:
+        lines += [f"No scheme besides {baseline}: nothing to compare.", ""]
+    return lines
+
+
+def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[float], *,
+                 aggregate: list[dict], differences: list[dict], baseline: str) -> None:
+    """``out/report.md`` and its plots: ``aggregate`` and ``differences`` (from :mod:`.stats`)
+    summed up over seeds against ``baseline``, then every run of ``rows``."""
     extra = [(k, title) for k, title in _EXTRA if any(r.get(k) is not None for r in rows)]
     head = ["run", "scheme", "lr", "seed", "final val loss", "best val loss", *(t for _, t in extra),
             "diverged (step)", "max grad norm (step)", "tokens/s", "parameters"]
-    lines = ["# Comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["# Comparison", "", *seeds_section(aggregate, differences, baseline), "## Runs", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         div = f"yes ({r['diverged_at']})" if r["diverged"] else "no"
         peak = "-" if r.get("max_grad_norm") is None else \
@@ -155,11 +241,16 @@ def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[floa
         name = _plot_curves(out, rows, key, label, filename)
         if name is not None:
             lines += [f"![{label}]({name})", ""]
+            if len(rows) > len(stats.cells(rows)):
+                lines += [f"*{label[0].upper()}{label[1:]}: per scheme and learning rate, the mean "
+                          "over the seeds that did not diverge or stall; the shaded band spans their "
+                          "minimum to maximum; a failed run is dashed, on its own.*", ""]
     load = _plot_expert_load(out, rows)
     if load is not None:
         lines += [f"![expert load per run]({load})", ""]
     if len(lrs) > 1:
-        lines += [f"![final loss by scheme and learning rate]({_plot_grid(out, rows, schemes, lrs)})", ""]
+        lines += [f"![final loss by scheme and learning rate]({_plot_grid(out, aggregate, schemes, lrs)})",
+                  ""]
     grids = [(r["run"], _last_sample_grid(out / r["run"])) for r in rows]
     if any(g for _, g in grids):
         lines += ["## Samples", "", "The last evaluation's class-conditional samples of each run "

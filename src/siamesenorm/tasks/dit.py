@@ -186,4 +186,5 @@ TASK = Task(
     extra_eval=SampleEvaluation,
     head_fn=None,  # a DiT has no logits: no lens
     columns=("final_fd_proxy", "final_sample_acc"),
+    higher_is_better=("final_sample_acc",),
 )

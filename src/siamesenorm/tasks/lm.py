@@ -320,5 +320,6 @@ TASK = Task(
     data_signature=_data_signature,
     head_fn=lm_head,
     columns=("final_arith_acc",),
+    higher_is_better=("final_arith_acc",),
     generate=generate_text,
 )

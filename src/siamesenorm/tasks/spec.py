@@ -83,7 +83,9 @@ class Task:
       state (:mod:`siamesenorm.analysis.adapters`); ``head_fn=None``: the model has no logits to
       read (no logit lens).
     - ``headline``: the summary figure compare's printed table shows, and its title;
-      ``columns``: the task's figures (``final_<name>`` in a summary) compare's tables add.
+      ``columns``: the task's figures (``final_<name>`` in a summary) compare's tables add;
+      ``higher_is_better``: those of them where higher is better (accuracies); every other figure,
+      the losses and the FD-proxy included, is better lower (compare's verdicts read it).
     - ``generate``: continue a prompt with a finished run (``None``: the task does not generate).
     """
 
@@ -103,4 +105,5 @@ class Task:
     loss_fn: LossFn = lm_loss
     head_fn: HeadFn | None = None
     columns: tuple[str, ...] = ()
+    higher_is_better: tuple[str, ...] = ()
     generate: Callable[..., str] | None = None

@@ -117,4 +117,5 @@ TASK = Task(
     extra_eval=_accuracy_eval,
     head_fn=vit_head,  # the lens reads the class token
     columns=("final_val_acc",),
+    higher_is_better=("final_val_acc",),
 )
