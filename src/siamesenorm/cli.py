@@ -132,8 +132,27 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     _path_arg(args.run_dir, "RUN_DIR")
     _path_arg(args.out, "--out")
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.force:
+        raise ConfigError("--force replaces a model folder of --format hf; a .safetensors export "
+                          "never overwrites: remove the file or choose another --out")
     info = export_run(args.run_dir, args.out)
     print(f"{args.out}: {info['tensors']} tensors, {info['parameters']:,} parameters, step {info['step']}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("--format hf needs transformers: pip install 'siamesenorm[hf]'")
+    from .hf.export import export_hf
+
+    info = export_hf(args.run_dir, args.out, force=args.force)
+    tokenizer = f"{info['tokenizer']} tokenizer" if info["tokenizer"] else "no tokenizer (token-file run)"
+    print(f"{args.out}: Hugging Face model folder, {info['parameters']:,} parameters, step {info['step']}, "
+          f"{tokenizer}")
     return 0
 
 
@@ -235,9 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_analyze)
 
     p = sub.add_parser("export", help="write a run's trained weights (its last checkpoint, "
-                                      "single-process or sharded) as one .safetensors file")
+                                      "single-process or sharded) as one .safetensors file, or a "
+                                      "language-model run as a Hugging Face model folder")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors|DIR")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors (default): one weights file; hf: a folder that transformers' "
+                        "from_pretrained and pipeline load (config, weights, tokenizer, model card, "
+                        "modelling code), without siamesenorm installed")
+    p.add_argument("--force", action="store_true",
+                   help="with --format hf, replace a non-empty --out folder (once the new one is written)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "

@@ -1,0 +1,490 @@
+"""``siamesenorm export RUN_DIR --format hf --out DIR``: a language-model run as a Hugging Face
+model folder that ``from_pretrained`` loads with transformers alone.
+
+The folder holds::
+
+    config.json              SiameseNormConfig (every LMConfig field) + auto_map -> the file below
+    model.safetensors        the weights of the run's last checkpoint, our names under ``model.``
+    generation_config.json   end and padding token, the context length as max_length
+    tokenizer.json, tokenizer_config.json   the run's tokenizer as a transformers fast tokenizer
+    modeling_siamesenorm.py  the modelling code, self-contained (see below)
+    README.md                a model card: scheme, equation, paper, size, data, final metrics
+
+**Tokenizer.** The byte tokenizer (id = byte value) becomes a ``tokenizers`` BPE model whose
+vocabulary is the 256 byte-level symbols at their byte values, with no merges, behind the
+byte-level pre-tokenizer (no regex split, no prefix space) and decoder: the same ids for any text
+and the same text for any ids. A BPE run's own ``tokenizers`` file is wrapped as it is. Neither
+tokenizer has special tokens, and the model was trained without an end-of-text token; the end and
+padding token is the NUL byte's token (id 0 for bytes), a byte that ordinary text never holds.
+``split_special_tokens`` keeps its symbol, typed as text, encoding as text; padding is on the left
+(the side generation needs).
+
+**Modelling code.** ``modeling_siamesenorm.py`` is generated: it embeds the source of
+:mod:`siamesenorm.hf.modeling` and of every package module it needs (the closure of their relative
+imports, found with :mod:`ast`, with each package's ``__init__.py``; ``siamesenorm.hf``'s own is
+replaced by an empty one, so nothing is registered with the Auto classes), compressed, and serves
+them from memory under a private package name (``_siamesenorm_export_<hash>``), so that an installed
+siamesenorm, of any version, is never touched. Transformers checks a remote file's top-level
+imports; this one's are the standard library, torch and transformers, and the vendored modules may
+import at top level only torch, numpy, yaml, safetensors and transformers (what transformers brings).
+
+The folder is written next to ``DIR`` under a temporary name and renamed at the end: a failure
+leaves nothing, and ``--force`` replaces an existing folder only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import sys
+import textwrap
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import ConfigError
+from ..rundir import RunDir, check_out_dir, read_json
+from ..tasks.finished import _RUN_KINDS, load_trained
+from ..tasks.registry import saved_config
+from ..train.checkpoint import checkpoint_extra
+from ..train.state import RunState
+
+__all__ = ["MODELING_FILE", "VENDOR_ALLOWED", "byte_level_backend", "export_hf", "hf_tokenizer",
+           "modeling_source", "vendored_modules"]
+
+MODELING_FILE = "modeling_siamesenorm.py"
+# The third-party packages a vendored module may import at top level: torch, and what transformers
+# itself depends on. Anything else must be imported where it is used.
+VENDOR_ALLOWED = frozenset({"torch", "numpy", "yaml", "safetensors", "transformers"})
+_AUTO_MAP = {"AutoConfig": "SiameseNormConfig", "AutoModel": "SiameseNormForCausalLM",
+             "AutoModelForCausalLM": "SiameseNormForCausalLM"}
+_END_BYTE = 0       # the NUL byte: the end and padding token of an exported tokenizer
+
+
+# ---- the command ------------------------------------------------------------------------------
+def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> dict[str, Any]:
+    """Write the language-model run ``run_dir`` as a Hugging Face model folder ``out``; returns
+    ``{"folder", "parameters", "step", "tokenizer"}`` (``tokenizer``: ``bytes``, ``bpe`` or
+    ``None`` for a run on token files, which gets no tokenizer).
+
+    A folder that is not a run, a run that is not a language model, a run without a checkpoint and
+    an ``out`` that is a file, or a non-empty folder without ``force``, are refused
+    (:class:`ConfigError`) before anything is written."""
+    run_dir, out = Path(run_dir), Path(out)
+    cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
+    if cfg.task != "lm":
+        raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
+                          "--format hf exports language-model runs (task: lm)")
+    _check_out(out, run_dir, force)
+    model, cfg = load_trained(run_dir, "cpu")
+    step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
+    tokenizer = _run_tokenizer(run_dir)
+    summary = read_json(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
+    info = {"folder": str(out), "parameters": sum(p.numel() for p in model.parameters()),
+            "step": step, "tokenizer": tokenizer.kind if tokenizer is not None else None}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        _write_folder(tmp, model, cfg, tokenizer)
+        (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    """Refuse an ``--out`` that is a file, a non-empty folder (unless ``force``), or a folder that
+    holds the run or the current folder (it is replaced by a rename; ``--force`` deletes it)."""
+    check_out_dir(out)
+    if not out.exists():
+        return
+    for inside, what in ((run_dir, f"the run {run_dir}"), (Path.cwd(), "the current folder")):
+        if out.resolve() == inside.resolve() or out.resolve() in inside.resolve().parents:
+            raise ConfigError(f"--out {out} holds {what}; choose another folder")
+    if any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out} is a folder that is not empty; add --force to replace it, or "
+                          "choose another folder")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``; an existing ``out`` is moved aside first and
+    deleted only once the new one is in place (put back if the rename fails)."""
+    if not out.exists() or not any(out.iterdir()):
+        os.replace(tmp, out)            # an empty folder is replaced by the rename itself
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _run_tokenizer(run_dir: Path):
+    """The run's saved tokenizer, or ``None`` for a run on token files (it saved none)."""
+    from ..data import load_tokenizer
+
+    folder = RunDir(run_dir).tokenizer
+    return load_tokenizer(folder) if folder.is_dir() else None
+
+
+def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
+    """config.json, the weights, generation_config.json, the tokenizer and the modelling file."""
+    import torch
+    from transformers import GenerationConfig
+
+    from .modeling import SiameseNormConfig, SiameseNormForCausalLM
+
+    hf_tok = hf_tokenizer(tokenizer, cfg.model.max_seq_len) if tokenizer is not None else None
+    end = hf_tok.eos_token_id if hf_tok is not None else None
+    config = SiameseNormConfig.from_lm_config(cfg.model, eos_token_id=end, pad_token_id=end)
+    config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{cls}" for auto, cls in _AUTO_MAP.items()}
+    with torch.device("meta"):          # a shell: the run's trained model goes inside
+        wrapper = SiameseNormForCausalLM(config)
+    wrapper.model = model
+    wrapper.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
+    with _quiet_progress():
+        wrapper.save_pretrained(folder)
+    if hf_tok is not None:
+        hf_tok.save_pretrained(folder)
+        # the class's name of transformers 4 and 5 alike (5 writes its new name, TokenizersBackend)
+        path = folder / "tokenizer_config.json"
+        settings = json.loads(path.read_text(encoding="utf-8"))
+        settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (folder / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off (one line of output is the command's)."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+# ---- the tokenizer -----------------------------------------------------------------------------
+def byte_level_backend():
+    """A ``tokenizers.Tokenizer`` equal to our :class:`~siamesenorm.data.ByteTokenizer`: UTF-8
+    bytes as ids, via the byte-level symbols (a BPE model with the 256 symbols at their byte
+    values and no merges)."""
+    import tokenizers as tk
+
+    backend = tk.Tokenizer(tk.models.BPE(vocab=_byte_symbols(), merges=[]))
+    backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = tk.decoders.ByteLevel()
+    return backend
+
+
+def _byte_symbols() -> dict[str, int]:
+    """The byte-level pre-tokenizer's symbol of each byte -> the byte: printable Latin-1 bytes
+    stand for themselves, the other 68 take the code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    symbols = {chr(b): b for b in printable}
+    rest = [b for b in range(256) if b not in set(printable)]
+    symbols.update({chr(256 + k): b for k, b in enumerate(rest)})
+    return symbols
+
+
+def hf_tokenizer(tokenizer, max_seq_len: int):
+    """Our run tokenizer (bytes or BPE) as a transformers fast tokenizer: the same ids for any text,
+    the NUL byte's token as end and padding token (see the module docstring), left padding."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ..data import BPETokenizer, ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        backend = byte_level_backend()
+    elif isinstance(tokenizer, BPETokenizer):
+        import tokenizers as tk
+
+        backend = tk.Tokenizer.from_str(tokenizer._backend.to_str())     # a copy: wrapping changes it
+    else:
+        raise TypeError(f"no Hugging Face form for the tokenizer {type(tokenizer).__name__}")
+    end = next(s for s, b in _byte_symbols().items() if b == _END_BYTE)
+    special = {"eos_token": end, "pad_token": end} if backend.token_to_id(end) is not None else {}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   split_special_tokens=True, padding_side="left",
+                                   model_max_length=max_seq_len, **special)
+
+
+# ---- the modelling file ------------------------------------------------------------------------
+def vendored_modules(root: str = "hf.modeling") -> dict[str, str]:
+    """The package files ``root`` (a module of this package, relative) needs, path (relative to
+    the package, ``nn/attention.py``) -> source: the closure of every relative import (at any depth
+    of a module, since one inside a function runs later), with the ``__init__.py`` of each package
+    on the way. ``hf/__init__.py`` is an empty stand-in. A vendored module importing at top level
+    a third-party package outside :data:`VENDOR_ALLOWED` is a bug here (``RuntimeError``)."""
+    package = Path(__file__).resolve().parents[1]
+    files: dict[str, str] = {}
+    todo = [tuple(root.split("."))]
+    while todo:
+        parts = todo.pop()
+        for k in range(len(parts) + 1):            # the module and every package above it
+            path = _module_file(package, parts[:k])
+            if path is None or path in files:
+                continue
+            is_pkg = path.endswith("__init__.py")
+            source = (package / path).read_text(encoding="utf-8")
+            files[path] = source
+            todo += _relative_imports(source, parts[:k] if is_pkg else parts[:k - 1], package)
+            _check_third_party(path, source)
+    files["hf/__init__.py"] = ('"""siamesenorm.hf as exported: the modelling code alone, registered '
+                               'with no Auto class."""\n')
+    return dict(sorted(files.items()))
+
+
+def _module_file(package: Path, parts: tuple[str, ...]) -> str | None:
+    """The file of the module ``parts`` (relative to the package), or ``None`` if it is none."""
+    base = "/".join(parts)
+    for candidate in (f"{base}/__init__.py" if base else "__init__.py", f"{base}.py"):
+        if (package / candidate).is_file():
+            return candidate
+    return None
+
+
+def _relative_imports(source: str, pkg: tuple[str, ...], package: Path) -> list[tuple[str, ...]]:
+    """The modules (as parts) that the relative imports of ``source`` name, ``pkg`` being the
+    package its relative imports start from; ``from .x import y`` names ``x.y`` when that is a
+    module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg[:len(pkg) - (node.level - 1)] + (tuple(node.module.split(".")) if node.module else ())
+            found.append(base)
+            found += [base + (a.name,) for a in node.names if _module_file(package, base + (a.name,))]
+    return found
+
+
+def _check_third_party(path: str, source: str) -> None:
+    for node in ast.parse(source).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+        for name in names:
+            top = name.split(".")[0]
+            if top not in sys.stdlib_module_names and top not in VENDOR_ALLOWED:
+                raise RuntimeError(f"{path} imports {name} at top level: the exported modelling code "
+                                   f"may import only the standard library and {sorted(VENDOR_ALLOWED)}")
+
+
+def modeling_source(date: datetime.date | None = None) -> str:
+    """The text of ``modeling_siamesenorm.py`` (see the module docstring), dated ``date``
+    (default today)."""
+    files = vendored_modules()
+    blob = json.dumps(files, sort_keys=True).encode("utf-8")
+    package = "_siamesenorm_export_" + hashlib.sha256(blob).hexdigest()[:12]
+    data = base64.b64encode(zlib.compress(blob, 9)).decode("ascii")
+    lines = "\n".join(f'    "{chunk}"' for chunk in textwrap.wrap(data, 96))
+    listing = "\n".join(f"    siamesenorm/{path}" for path in files)
+    return _MODELING_TEMPLATE.format(version=__version__, date=(date or datetime.date.today()).isoformat(),
+                                     n=len(files), listing=listing, package=package, data=lines)
+
+
+# The generated file. ``{...}`` are filled by :func:`modeling_source`; ``{{`` and ``}}`` are braces.
+_MODELING_TEMPLATE = '''\
+"""Generated by `siamesenorm export --format hf` (siamesenorm {version}, {date}). Do not edit.
+
+The modelling code of this model folder, for transformers' trust_remote_code=True: config.json's
+auto_map names SiameseNormConfig and SiameseNormForCausalLM, defined at the end of this file.
+
+It contains the source of the {n} modules of the siamesenorm package that the model needs (listed
+below; siamesenorm/hf/modeling.py defines the two classes), as zlib-compressed, base64-encoded JSON
+in _SOURCES. Importing this file installs an importer that serves those modules from memory as the
+package {package} (a private name: an installed siamesenorm is never touched).
+Besides the standard library they need torch and transformers (and numpy, PyYAML and safetensors,
+which transformers brings). Tracebacks name the vendored files as modeling_siamesenorm.py/<path>.
+
+Modules:
+{listing}
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import sys
+import zlib
+
+import torch  # noqa: F401  (checked by transformers before this file runs)
+import transformers  # noqa: F401
+
+_PACKAGE = "{package}"
+_SOURCES = (
+{data}
+)
+
+
+class _VendoredPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads the modules of one package from a dict ``path -> source`` in memory."""
+
+    def __init__(self, package, files):
+        self.package, self.files = package, files
+
+    def _path(self, fullname):
+        if fullname == self.package:
+            return "__init__.py"
+        if not fullname.startswith(self.package + "."):
+            return None
+        base = fullname[len(self.package) + 1:].replace(".", "/")
+        for path in (base + "/__init__.py", base + ".py"):
+            if path in self.files:
+                return path
+        return None
+
+    def find_spec(self, fullname, path=None, target=None):
+        found = self._path(fullname)
+        if found is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin=self._origin(found),
+                                               is_package=found.endswith("__init__.py"))
+
+    def _origin(self, path):
+        return __file__ + "/" + path
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        path = self._path(module.__name__)
+        module.__file__ = self._origin(path)
+        code = compile(self.files[path], module.__file__, "exec", dont_inherit=True)
+        exec(code, module.__dict__)
+
+    def get_source(self, fullname):
+        path = self._path(fullname)
+        return None if path is None else self.files[path]
+
+
+def _install():
+    """The package's importer, installed once per process (this file may be executed again)."""
+    for finder in sys.meta_path:
+        if isinstance(getattr(finder, "package", None), str) and finder.package == _PACKAGE:
+            return
+    files = json.loads(zlib.decompress(base64.b64decode("".join(_SOURCES))).decode("utf-8"))
+    sys.meta_path.insert(0, _VendoredPackage(_PACKAGE, files))
+
+
+_install()
+_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")
+
+
+class SiameseNormConfig(_modeling.SiameseNormConfig):
+    """The configuration of a siamesenorm language model (siamesenorm.hf.SiameseNormConfig)."""
+
+    model_type = _modeling.MODEL_TYPE
+
+    def __init__(self, **kwargs):       # its own __init__: transformers keeps it (not a dataclass's)
+        super().__init__(**kwargs)
+
+
+class SiameseNormForCausalLM(_modeling.SiameseNormForCausalLM):
+    """A siamesenorm language model, any scheme (siamesenorm.hf.SiameseNormForCausalLM)."""
+
+    config_class = SiameseNormConfig
+'''
+
+
+# ---- the model card ----------------------------------------------------------------------------
+def model_card(cfg, info: dict[str, Any], summary: dict[str, Any] | None, name: str) -> str:
+    """The folder's README.md: what the model is, what it was trained on, how it did, how to load
+    it. ``summary`` is the run's summary.json (``None`` when it has none)."""
+    from ..schemes import get_scheme_class, scheme_options
+
+    m = cfg.model
+    scheme = get_scheme_class(m.scheme)
+    options = {**scheme_options(m.scheme), **m.scheme_options}
+    changed = sorted(k for k, v in m.scheme_options.items() if scheme_options(m.scheme).get(k) != v)
+    opts = ", ".join(f"{k}={v!r}" for k, v in options.items()) or "none"
+    kv = f" ({m.kv_heads} key/value heads)" if m.kv_heads != m.n_heads else ""
+    moe = f"; mixture of experts every {m.moe.every} blocks ({m.moe.n_experts} experts, top {m.moe.top_k})" \
+        if m.moe.every else ""
+    tok = info["tokenizer"]
+    tok_line = {"bytes": "bytes: the UTF-8 bytes of the text, id = byte value (256 ids)",
+                "bpe": f"byte-level BPE trained on the run's training text ({m.vocab_size} ids in the model)",
+                None: "none: the run was trained on token files; give the model token ids"}[tok]
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        f"tags: [siamesenorm, {m.scheme}, text-generation]", "---", "",
+        f"# {name}: a language model with the `{m.scheme}` residual scheme", "",
+        f"Exported by `siamesenorm export --format hf` (siamesenorm {__version__}, "
+        f"{datetime.date.today().isoformat()}) from a training run of siamesenorm: the weights of its "
+        f"checkpoint at step {info['step']}.", "",
+        "## Model", "",
+        f"- Scheme: `{m.scheme}`, {scheme.paper}.",
+        f"- Equation: `{scheme.summary}`" + (f" (the default form; this model changes {', '.join(changed)})"
+                                              if changed else ""),
+        f"- Scheme options: {opts}.",
+        f"- Size: {info['parameters']:,} parameters; {m.n_layers} blocks, width {m.dim}, {m.n_heads} "
+        f"heads{kv}, {m.mlp} MLP, {m.norm} (eps {m.norm_eps}), RoPE, context {m.max_seq_len} tokens, "
+        f"vocabulary {m.vocab_size}, {'tied' if m.tie_embeddings else 'untied'} embeddings{moe}.",
+        f"- Tokenizer: {tok_line}.",
+    ]
+    if tok is not None:
+        lines.append("- End and padding token: the NUL byte's token. The model was trained without an "
+                     "end-of-text token, so generation runs to `max_new_tokens` (or the context length) "
+                     "unless it writes a NUL byte.")
+    lines += ["- SiameseNorm: Li et al., ICML 2026, arXiv 2602.08064 (the library this model comes from).",
+              "", "## Training", "", *_training_lines(cfg, summary), "", "## Use", "",
+              f"The modelling code is in `{MODELING_FILE}` (generated; it holds the siamesenorm modules "
+              "the model needs), so loading needs transformers and torch but not siamesenorm:", "",
+              "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline", "",
+              f'path = "{name}"   # this folder',
+              "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)"]
+    if tok is not None:
+        lines += ["tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)",
+                  'generate = pipeline("text-generation", model=path, trust_remote_code=True)',
+                  f'print(generate("def ", max_new_tokens={min(20, max(1, m.max_seq_len - 8))}, '
+                  'do_sample=False)[0]["generated_text"])']
+    lines += ["```", "",
+              "With siamesenorm installed, `import siamesenorm.hf` registers the model type; from then "
+              "on `from_pretrained(path)` uses the installed code, with or without `trust_remote_code`. "
+              f"Prompt and continuation together must fit the context of {m.max_seq_len} tokens.", ""]
+    return "\n".join(lines)
+
+
+def _training_lines(cfg, summary: dict[str, Any] | None) -> list[str]:
+    data = (summary or {}).get("data") or {"name": cfg.data.corpus}
+    fingerprint = data.get("fingerprint")
+    lines = [f"- Data: `{data.get('name')}`" + (f", fingerprint `{json.dumps(fingerprint, sort_keys=True)}`"
+                                                 if fingerprint is not None else ", no fingerprint recorded")
+             + f"; sequences of {cfg.data.seq_len} tokens, batches of {cfg.data.batch_size}."]
+    if summary is None:
+        return lines + ["- The run has no summary.json (it did not finish): no final metrics."]
+
+    def num(key: str, fmt: str = ".4f") -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else format(value, fmt)
+
+    lines += [f"- Steps: {summary.get('steps')} of {summary.get('steps_planned', 'n/a')} planned; "
+              f"tokens seen: {num('tokens_seen', ',')}; seed {cfg.seed}; learning rate {cfg.train.lr}.",
+              f"- Final validation loss: {num('final_val_loss')} (perplexity {num('final_val_ppl', '.2f')}); "
+              f"best {num('best_val_loss')} at step {summary.get('best_val_step', 'n/a')}; final training "
+              f"loss {num('final_loss')}."]
+    if summary.get("diverged"):
+        lines.append(f"- The run diverged at step {summary.get('diverged_at')}.")
+    return lines
