@@ -9,15 +9,39 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+ALL_EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+# the examples that read a folder the README's commands write: run by the test of their section
+AFTER_COMMANDS = [code for code in ALL_EXAMPLES if 'model="models/tiny"' in code]
+EXAMPLES = [code for code in ALL_EXAMPLES if code not in AFTER_COMMANDS]
 
 
 def test_readme_has_examples():
-    assert len(EXAMPLES) >= 3
+    assert len(EXAMPLES) >= 3 and len(AFTER_COMMANDS) == 1
 
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
 def test_readme_example_runs(code):
+    if "transformers" in code:
+        pytest.importorskip("transformers")
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_hugging_face_export_and_pipeline_run(tmp_path, monkeypatch):
+    """The Hugging Face section's commands, as written, in a fresh folder, then its pipeline."""
+    import shlex
+
+    pytest.importorskip("transformers")
+    from siamesenorm.cli import main
+
+    section = README.split("## Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+    (code,) = AFTER_COMMANDS
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for line in block.splitlines():
+        words = shlex.split(line.split("#")[0])
+        assert words[0] == "siamesenorm"
+        assert main(words[1:]) == 0
     exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
 
 
