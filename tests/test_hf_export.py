@@ -225,6 +225,14 @@ def test_the_vendored_modules_are_the_model_closure_and_need_only_torch_and_tran
     path.write_text(hx.modeling_source())
     assert set(transformers.dynamic_module_utils.get_imports(path)) <= \
         set(sys.stdlib_module_names) | {"torch", "transformers"}
+    text = path.read_text()
+    for source in files.values():                 # readable: every line as it is, behind a "|"
+        assert "\n|" + source.replace("\n", "\n|") in text
+    start = text.index("def _source")
+    namespace: dict = {}
+    exec(text[start:text.index("\n\n\n", start)], namespace)
+    for source in ("a\\nb\n", "x = '''q'''\n", "ends\\", "ends'", "from .x import y\n", "\r\n", ""):
+        assert namespace["_source"](eval(hx._literal(source))) == source
     with pytest.raises(RuntimeError, match="requests"):
         hx._check_third_party("x.py", "import os\nimport requests.adapters\n")
     hx._check_third_party("x.py", "import torch\ntry:\n    import requests\nexcept ImportError:\n    pass\n")

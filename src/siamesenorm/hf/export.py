@@ -22,8 +22,10 @@ padding token is the NUL byte's token (id 0 for bytes), a byte that ordinary tex
 **Modelling code.** ``modeling_siamesenorm.py`` is generated: it embeds the source of
 :mod:`siamesenorm.hf.modeling` and of every package module it needs (the closure of their relative
 imports, found with :mod:`ast`, with each package's ``__init__.py``; ``siamesenorm.hf``'s own is
-replaced by an empty one, so nothing is registered with the Auto classes), compressed, and serves
-them from memory under a private package name (``_siamesenorm_export_<hash>``), so that an installed
+replaced by an empty one, so nothing is registered with the Auto classes) as plain string literals,
+each line behind a ``|`` (so a user can read what ``trust_remote_code`` will run, and transformers'
+scan of the file for imports does not read theirs), and serves them from memory under a private
+package name (``_siamesenorm_export_<hash>``), so that an installed
 siamesenorm, of any version, is never touched. Transformers checks a remote file's top-level
 imports; this one's are the standard library, torch and transformers, and the vendored modules may
 import at top level only torch, numpy, yaml, safetensors and transformers (what transformers brings).
@@ -35,7 +37,6 @@ leaves nothing, and ``--force`` replaces an existing folder only once the new on
 from __future__ import annotations
 
 import ast
-import base64
 import contextlib
 import datetime
 import hashlib
@@ -43,8 +44,6 @@ import json
 import os
 import shutil
 import sys
-import textwrap
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,11 +293,22 @@ def modeling_source(date: datetime.date | None = None) -> str:
     files = vendored_modules()
     blob = json.dumps(files, sort_keys=True).encode("utf-8")
     package = "_siamesenorm_export_" + hashlib.sha256(blob).hexdigest()[:12]
-    data = base64.b64encode(zlib.compress(blob, 9)).decode("ascii")
-    lines = "\n".join(f'    "{chunk}"' for chunk in textwrap.wrap(data, 96))
+    sources = "\n".join(f"_SOURCES[{path!r}] = {_literal(source)}\n" for path, source in files.items())
     listing = "\n".join(f"    siamesenorm/{path}" for path in files)
     return _MODELING_TEMPLATE.format(version=__version__, date=(date or datetime.date.today()).isoformat(),
-                                     n=len(files), listing=listing, package=package, data=lines)
+                                     n=len(files), listing=listing, package=package, sources=sources)
+
+
+def _literal(source: str) -> str:
+    """``source`` as a Python string literal that shows it as it is, each line behind a ``|``
+    (transformers scans a remote file's lines for imports, and would take the vendored modules'
+    ``from .x import y`` for files to fetch); the generated file's ``_source`` undoes it. A raw
+    triple-quoted string, or ``repr`` when the source holds what such a string cannot."""
+    text = "\n|" + source.replace("\n", "\n|")
+    quotes = "'" * 3
+    if quotes not in text and not text.endswith(("\\", "'")) and "\r" not in text:
+        return "r" + quotes + text + quotes
+    return repr(text)
 
 
 # The generated file. ``{...}`` are filled by :func:`modeling_source`; ``{{`` and ``}}`` are braces.
@@ -309,9 +319,12 @@ The modelling code of this model folder, for transformers' trust_remote_code=Tru
 auto_map names SiameseNormConfig and SiameseNormForCausalLM, defined at the end of this file.
 
 It contains the source of the {n} modules of the siamesenorm package that the model needs (listed
-below; siamesenorm/hf/modeling.py defines the two classes), as zlib-compressed, base64-encoded JSON
-in _SOURCES. Importing this file installs an importer that serves those modules from memory as the
-package {package} (a private name: an installed siamesenorm is never touched).
+below; siamesenorm/hf/modeling.py defines the two classes), as they are, in _SOURCES (path ->
+source) below, so that what trust_remote_code runs can be read here; each of their lines starts with
+a "|", which _source() removes (transformers reads a remote file's import lines, and would take
+theirs for this file's own). Importing this file installs an
+importer that serves those modules from memory as the package {package} (a private name: an
+installed siamesenorm is never touched).
 Besides the standard library they need torch and transformers (and numpy, PyYAML and safetensors,
 which transformers brings). Tracebacks name the vendored files as modeling_siamesenorm.py/<path>.
 
@@ -321,21 +334,20 @@ Modules:
 
 from __future__ import annotations
 
-import base64
 import importlib
 import importlib.abc
 import importlib.util
-import json
 import sys
-import zlib
 
 import torch  # noqa: F401  (checked by transformers before this file runs)
 import transformers  # noqa: F401
 
 _PACKAGE = "{package}"
-_SOURCES = (
-{data}
-)
+_SOURCES = {{}}
+
+# ---- the vendored modules, path -> source (the code of siamesenorm {version}) ----
+{sources}
+# ---- end of the vendored modules ----
 
 
 class _VendoredPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -384,8 +396,13 @@ def _install():
     for finder in sys.meta_path:
         if isinstance(getattr(finder, "package", None), str) and finder.package == _PACKAGE:
             return
-    files = json.loads(zlib.decompress(base64.b64decode("".join(_SOURCES))).decode("utf-8"))
+    files = {{path: _source(text) for path, text in _SOURCES.items()}}
     sys.meta_path.insert(0, _VendoredPackage(_PACKAGE, files))
+
+
+def _source(text):
+    """A vendored module's source from its entry in _SOURCES (a newline, then each line behind "|")."""
+    return text[2:].replace("\\n|", "\\n")
 
 
 _install()
