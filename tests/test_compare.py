@@ -278,3 +278,15 @@ def test_default_comparison_trains_every_cell_with_at_least_two_seeds():
     assert len(per_cell) == len(spec["schemes"]) * len(spec["lrs"])
     assert all(len(seeds) >= 2 for seeds in per_cell.values()), per_cell
     assert {c.config.seed for c in cells} == set(spec["seeds"])
+
+
+@pytest.mark.parametrize("preset", ["table1", "table2", "table3", "arithmetic", "vit-digits", "dit-digits"])
+def test_the_presets_of_docs_reproduction_train_three_seeds_per_cell(preset):
+    """docs/reproduction.md states each claim over three seeds from `siamesenorm compare PRESET`."""
+    from siamesenorm.experiments.grid import build_grid
+
+    _, spec, cells = build_grid(preset, [])
+    per_cell: dict = {}
+    for cell in cells:
+        per_cell.setdefault((cell.variant.label, cell.lr), set()).add(cell.seed)
+    assert all(len(seeds) >= 3 for seeds in per_cell.values()), per_cell
