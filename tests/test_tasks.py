@@ -75,7 +75,7 @@ def test_dit_run_writes_sample_grids_and_fd_proxy_scores(tmp_path, monkeypatch):
 def test_compare_of_vits_reports_accuracy(tmp_path):
     out = tmp_path / "exp"
     res = run("compare", "vit-digits", "train.steps=4", "train.eval_every=4", "model.n_layers=2",
-              "--schemes", "pre,siamese", "--lrs", "1e-3", "--out", str(out))
+              "--schemes", "pre,siamese", "--lrs", "1e-3", "--seeds", "0", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "top-1 accuracy" in res.stdout
     rows = list(csv.DictReader(open(out / "summary.csv")))
@@ -277,7 +277,7 @@ def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path
     monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "exp"
     res = run("compare", "dit-digits", "train.steps=2", "train.eval_every=2", "model.n_layers=2",
-              "diffusion.eval_samples=10", "diffusion.sample_steps=2", "--out", str(out))
+              "diffusion.eval_samples=10", "diffusion.sample_steps=2", "--seeds", "0", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "FD-proxy" in res.stdout
     report = (out / "report.md").read_text()
