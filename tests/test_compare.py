@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import shutil
 
@@ -146,7 +147,10 @@ def test_compare_over_two_seeds_sums_them_up_and_counts_divergence(tmp_path):
         else:
             assert est["mean"] is None
         failed = stats.failures_text(cell)
-        assert failed == (f"{cell['diverged']} of 2 diverged" if cell["diverged"] else "none of 2")
+        flat = sum(not s["failed"] and s["final_val_loss"] >= 0.98 * s["unigram_val_loss"] for s in runs)
+        assert cell["plateau"] == flat
+        assert failed == (f"{cell['diverged']} of 2 diverged" if cell["diverged"] else "none of 2") + \
+            (f"; {flat} of 2 at the unigram plateau" if flat else "")
         assert f"| {cell['scheme']} | {cell['lr']:g} | 2 | " in report and f"| {failed} |" in report
     for d in summary["differences"]:
         assert d["scheme"] == "siamese" and d["baseline"] == "pre" and d["better"] == "lower"
@@ -290,3 +294,19 @@ def test_the_presets_of_docs_reproduction_train_three_seeds_per_cell(preset):
     for cell in cells:
         per_cell.setdefault((cell.variant.label, cell.lr), set()).add(cell.seed)
     assert all(len(seeds) >= 3 for seeds in per_cell.values()), per_cell
+
+
+def test_runs_that_learn_nothing_beyond_token_frequencies_are_reported_at_the_plateau(tmp_path):
+    out = tmp_path / "exp"
+    res = run("compare", "tiny", "train.steps=2", "train.eval_every=2", "--schemes", "pre",
+              "--lrs", "1e-9", "--seeds", "0,1", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    rows = list(csv.DictReader(open(out / "summary.csv")))
+    assert [r["plateau"] for r in rows] == ["True", "True"]             # ln 256 is far above it
+    for r in rows:
+        unigram = float(r["unigram_val_loss"])
+        assert 0 < unigram < math.log(256) and float(r["final_val_loss"]) > unigram
+    assert "2/2 flat" in res.stdout and "within 2% of the unigram loss" in res.stdout
+    data = json.loads((out / "summary.json").read_text())
+    assert data["aggregate"][0]["plateau"] == 2 and data["aggregate"][0]["diverged"] == 0
+    assert "2 of 2 at the unigram plateau" in (out / "report.md").read_text()

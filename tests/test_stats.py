@@ -225,3 +225,34 @@ def test_the_tasks_say_which_figures_are_better_higher():
 
     assert HIGHER_IS_BETTER == {"final_val_acc", "final_arith_acc", "final_sample_acc"}
     assert "final_fd_proxy" in EXTRA_COLUMNS and "final_fd_proxy" not in HIGHER_IS_BETTER
+
+
+def test_a_run_within_two_percent_of_the_unigram_loss_is_at_the_plateau_and_stays_in_the_mean():
+    # unigram loss 3.0: the plateau starts at 0.98 * 3.0 = 2.94
+    group = [_row("post", 0.01, 0, 3.05, unigram_val_loss=3.0),
+             _row("post", 0.01, 1, 2.95, unigram_val_loss=3.0),
+             _row("post", 0.01, 2, 2.93, unigram_val_loss=3.0),
+             _row("post", 0.01, 3, 9.0, diverged=True, unigram_val_loss=3.0)]
+    assert [stats.at_plateau(r) for r in group] == [True, True, False, None]   # a diverged run: None
+    assert stats.at_plateau(_row("pre", 0.01, 0, 3.5)) is None                  # no unigram loss
+    assert stats.at_plateau(_row("pre", 0.01, 0, None, unigram_val_loss=3.0)) is None
+    [cell] = stats.aggregate(group, ["final_val_loss"])
+    assert (cell["runs"], cell["diverged"], cell["stalled"], cell["plateau"]) == (4, 1, 0, 2)
+    assert cell["metrics"]["final_val_loss"]["n"] == 3                          # plateau runs averaged in
+    assert cell["metrics"]["final_val_loss"]["mean"] == pytest.approx((3.05 + 2.95 + 2.93) / 3)
+    assert stats.failures_text(cell) == "1 of 4 diverged; 2 of 4 at the unigram plateau"
+    [clean] = stats.aggregate(group[2:3], ["final_val_loss"])
+    assert stats.failures_text(clean) == "none of 1"
+
+
+def test_the_unigram_loss_is_the_cross_entropy_under_training_frequencies_add_one_smoothed():
+    import numpy as np
+    import torch
+
+    from siamesenorm.tasks.lm import unigram_loss
+
+    # training counts 0: 2, 1: 1, 2: 0 over 3 ids -> add one -> 3/6, 2/6, 1/6
+    batches = [(None, torch.tensor([[0, 2], [1, 0]]))]
+    expected = -(2 * math.log(3 / 6) + math.log(1 / 6) + math.log(2 / 6)) / 4
+    got = unigram_loss(np.array([0, 1, 0], dtype=np.uint16), batches, 3)
+    assert got == pytest.approx(expected, abs=1e-12)

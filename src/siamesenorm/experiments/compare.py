@@ -83,7 +83,8 @@ def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str =
     A cell of one seed shows its figure, ``div@N`` (diverged at step N) or ``dead@N`` (zero gradient
     from step N). A cell of several seeds shows the mean over the seeds that did not fail with the
     half-width of its 95% interval (``2.3100+-0.0520``; ``(n=1)`` when one seed is left), followed by
-    ``k/n div`` and ``k/n dead`` when some failed.
+    ``k/n div`` and ``k/n dead`` when some failed, and ``k/n flat`` when some ended at the unigram
+    plateau (``flat`` after a single seed's figure; see :func:`stats.at_plateau`).
     """
     groups = stats.cells(rows)
     texts = {label: [_cell_text(groups.get((label, lr), []), key) for lr in lrs] for label in labels}
@@ -102,12 +103,13 @@ def _cell_text(group: list[dict], key: str) -> str:
         if any(r.get("stalled_at") is not None for r in group):
             return f"dead@{min(r['stalled_at'] for r in group if r.get('stalled_at'))}"
         vals = [r[key] for r in group if r.get(key) is not None]
-        return f"{sum(vals) / len(vals):.4f}" if vals else "-"
+        flat = " flat" if any(stats.at_plateau(r) for r in group) else ""
+        return f"{sum(vals) / len(vals):.4f}{flat}" if vals else "-"
     [cell] = stats.aggregate(group, [key])
     est = stats.Estimate(**cell["metrics"][key])
     text = "-" if est.mean is None else f"{est.mean:.4f}" + \
         (f"+-{est.half_width:.4f}" if est.half_width is not None else f" (n={est.n})")
-    for field, word in (("diverged", "div"), ("stalled", "dead")):
+    for field, word in (("diverged", "div"), ("stalled", "dead"), ("plateau", "flat")):
         if cell[field]:
             text += f" {cell[field]}/{cell['runs']} {word}"
     return text
@@ -202,14 +204,16 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
                      **{k: summary.get(k) for k in COLUMNS[4:-2]},
                      "max_grad_norm": peak[0], "max_grad_norm_step": peak[1],
                      **{k: summary[k] for k in EXTRA_COLUMNS if k in summary},
+                     **({"unigram_val_loss": summary["unigram_val_loss"],
+                         "plateau": stats.at_plateau(summary)} if "unigram_val_loss" in summary else {}),
                      "data": summary.get("data")})
-    extra = [k for k in EXTRA_COLUMNS if any(k in r for r in rows)]
+    extra = [k for k in (*EXTRA_COLUMNS, "unigram_val_loss", "plateau") if any(k in r for r in rows)]
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=COLUMNS + tuple(extra), restval="", extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     write_text(out / "summary.csv", table.getvalue())
-    metrics = stats.metrics_present(rows, extra)
+    metrics = stats.metrics_present(rows, [k for k in extra if k in EXTRA_COLUMNS])
     aggregate = stats.aggregate(rows, metrics)
     differences = stats.paired_differences(rows, metrics, baseline, HIGHER_IS_BETTER)
     write_text(out / "summary.json", json.dumps(
@@ -222,6 +226,9 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
     if len(spec["seeds"]) > 1:
         log("mean +- half-width of its 95% interval, over the seeds that did not diverge or stall; "
             "k/n div, k/n dead: k of the n seeds diverged, stalled")
+    if any(r.get("plateau") for r in rows):
+        log("flat: the final loss is within 2% of the unigram loss (nothing learned beyond the token "
+            "frequencies); such runs stay in the means")
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")
     return rows

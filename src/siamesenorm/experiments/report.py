@@ -198,7 +198,9 @@ def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str)
              "Each figure is the mean over the seeds of a scheme and learning rate that did not "
              "diverge or stall, ± the half-width of its 95% confidence interval (Student t, n - 1 "
              "degrees of freedom); n is how many seeds the mean is over (one seed: no interval). "
-             "Diverged and stalled seeds are counted, never averaged.", "",
+             "Diverged and stalled seeds are counted, never averaged. A seed whose final loss is "
+             "within 2% of the unigram loss (what knowing only the token frequencies gives) is "
+             "counted as at the unigram plateau, and stays in the mean.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in aggregate:
         lines.append("| " + " | ".join([cell["scheme"], f"{cell['lr']:g}", str(cell["runs"]),

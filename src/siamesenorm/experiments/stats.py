@@ -8,6 +8,12 @@ Student's t quantile at ``n - 1`` degrees of freedom. A run that diverged or sta
 enters no mean: it is counted per cell instead ("1 of 3 diverged"), and ``n`` says how many seeds
 a mean is over.
 
+A language-model run that neither diverged nor stalled but whose final validation loss stays
+within :data:`PLATEAU_MARGIN` (2%) of the unigram loss (``unigram_val_loss`` in its summary: what a
+model that knows only the training tokens' frequencies scores) is *at the plateau*: it learned
+nothing the frequencies do not give. It is counted per cell ("2 of 3 at the unigram plateau") and,
+having a loss, stays in the means: the count tells a reader why a mean is high or its interval wide.
+
 Each scheme is compared with a baseline scheme, per learning rate and figure, on the seeds where
 both ran without failing: the mean of the paired differences (scheme minus baseline) and its
 interval, by the same t formula on the differences. A verdict is given only when that interval
@@ -30,6 +36,9 @@ T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622,
         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
 Z975 = 1.959963984540054     # the standard normal's 97.5% quantile: the limit as df grows
+
+# A final validation loss at or above (1 - PLATEAU_MARGIN) x the unigram loss is at the plateau.
+PLATEAU_MARGIN = 0.02
 
 # The figures every comparison has, both better lower; a task's columns follow them.
 LOSSES = ("final_val_loss", "best_val_loss")
@@ -93,6 +102,16 @@ def failed(row: dict) -> bool:
                 or row.get("stalled_at") is not None)
 
 
+def at_plateau(row: dict) -> bool | None:
+    """Whether a run (a compare row or its summary) ended at the unigram plateau (see the module's
+    docstring); ``None`` when that cannot be told: no unigram loss (not a language model, or a run
+    from before it was recorded), no final loss, or a failed run."""
+    unigram, final = _value(row, "unigram_val_loss"), _value(row, "final_val_loss")
+    if unigram is None or final is None or failed(row):
+        return None
+    return final >= (1.0 - PLATEAU_MARGIN) * unigram
+
+
 def _value(row: dict, key: str) -> float | None:
     v = row.get(key)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
@@ -123,6 +142,7 @@ def aggregate(rows: list[dict], metrics: list[str]) -> list[dict]:
             "scheme": scheme, "lr": lr, "seeds": [r["seed"] for r in group], "runs": len(group),
             "diverged": sum(bool(r.get("diverged")) for r in group),
             "stalled": sum(not r.get("diverged") and failed(r) for r in group),
+            "plateau": sum(bool(at_plateau(r)) for r in group),
             "metrics": {k: asdict(estimate(v for r in ok if (v := _value(r, k)) is not None))
                         for k in metrics},
         })
@@ -192,6 +212,10 @@ def verdict_sentence(diff: dict, title: str | None = None) -> str:
 
 
 def failures_text(cell: dict) -> str:
-    """``"1 of 3 diverged"``, ``"1 of 3 stalled"``, both, or ``"none of 3"``."""
+    """``"1 of 3 diverged"``, ``"1 of 3 stalled"``, both, or ``"none of 3"``; then, when some
+    ended there, ``"2 of 3 at the unigram plateau"``."""
     parts = [f"{cell[k]} of {cell['runs']} {k}" for k in ("diverged", "stalled") if cell[k]]
-    return ", ".join(parts) if parts else f"none of {cell['runs']}"
+    text = ", ".join(parts) if parts else f"none of {cell['runs']}"
+    if cell.get("plateau"):
+        text += f"; {cell['plateau']} of {cell['runs']} at the unigram plateau"
+    return text

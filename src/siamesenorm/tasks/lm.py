@@ -228,8 +228,25 @@ def _arithmetic_eval(cfg: LMRunConfig, data: LMData, run_dir: Path, device: torc
     return extra_eval
 
 
+UNIGRAM_SAMPLE = 1 << 24   # training tokens counted for the unigram loss (the first ones)
+
+
+def unigram_loss(train_tokens, batches: list, vocab: int) -> float:
+    """The validation loss of a model that knows only how often each token occurs in training: the
+    cross-entropy, in nats per token, of the targets of ``batches`` under the frequencies of the
+    first :data:`UNIGRAM_SAMPLE` training tokens, add-one smoothed over the ``vocab`` ids. A run
+    whose loss stays near it has learned nothing beyond those frequencies (compare calls that the
+    plateau)."""
+    counts = np.bincount(np.asarray(train_tokens[:UNIGRAM_SAMPLE]).ravel().astype(np.int64),
+                         minlength=vocab).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    targets = np.concatenate([np.asarray(y).ravel() for _, y in batches]).astype(np.int64)
+    return float(-log_p[targets].mean())
+
+
 def _summary_info(data: LMData) -> dict:
-    return {"data": data_info(data.corpus)}
+    return {"data": data_info(data.corpus),
+            "unigram_val_loss": unigram_loss(data.train_tokens, data.val_batches, data.vocab_size)}
 
 
 # ---- analysis -----------------------------------------------------------------------------------
