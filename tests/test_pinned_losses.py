@@ -1,0 +1,80 @@
+"""The losses of seeded short runs, one process and two, are bit-identical to those recorded in
+``data/pinned_losses.json`` before the redesign of issue 23 (one resolved configuration, one run
+object, one checkpoint contract, a thin ``--nproc`` launcher), so no refactoring may change what a
+run computes.
+
+Floats are compared exactly (``==``) on a machine like the one that recorded them (the same torch
+version and CPU instruction set, from ``torch.backends.cpu.get_cpu_capability``): another vector
+width may sum in another order, so elsewhere they are compared to 1e-5. Each run goes through the
+command line as a user's does. To record new figures after an intended change of the numbers:
+``python tests/test_pinned_losses.py --record``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+PINNED = Path(__file__).parent / "data" / "pinned_losses.json"
+_LM = ["tiny", "train.steps=6", "train.eval_every=3", "train.checkpoint_every=3", "train.warmup=1",
+       "data.max_bytes=60000", "train.lr=3e-3", "data.batch_size=4", "data.val_batches=2"]
+_VIT = ["vit-digits", "model.dim=32", "model.n_layers=2", "train.steps=4", "train.eval_every=2",
+        "train.warmup=1", "data.batch_size=32", "data.val_batches=2", "model.drop_path=0.1"]
+_DIT = ["dit-digits", "model.dim=32", "model.n_layers=2", "train.steps=4", "train.eval_every=4",
+        "train.warmup=1", "data.batch_size=32", "data.val_batches=2", "diffusion.eval_samples=20",
+        "diffusion.sample_steps=4", "diffusion.grid_per_class=1"]
+# name -> (processes, command-line arguments after ``train``)
+CASES = {
+    "lm-siamese": (1, _LM + ["model.scheme=siamese"]),
+    "lm-moe-mhc": (1, ["moe-tiny"] + _LM[1:] + ["model.scheme=mhc", "model.n_layers=2"]),
+    "vit-siamese": (1, _VIT + ["model.scheme=siamese"]),
+    "dit-hybrid_pre": (1, _DIT + ["model.scheme=siamese", "model.scheme_options.form=hybrid_pre"]),
+    "lm-siamese-fsdp-2proc": (2, _LM + ["model.scheme=siamese", "--nproc", "2"]),
+    "lm-pre-ddp-accum-2proc": (2, _LM + ["model.scheme=pre", "train.parallel=ddp", "train.grad_accum=2",
+                                         "--nproc", "2"]),
+}
+
+
+def machine() -> dict:
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+def run_losses(name: str, out: Path) -> dict:
+    """``loss`` and ``val_loss`` of every row of the ``metrics.jsonl`` the run ``name`` writes."""
+    _, args = CASES[name]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", *args, "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"loss": [r["loss"] for r in rows if "loss" in r],
+            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r]}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_losses_of_a_seeded_run_are_bit_identical_to_the_pinned_ones(name, tmp_path):
+    pinned = json.loads(PINNED.read_text())
+    want, got = pinned["runs"][name], run_losses(name, tmp_path / "run")
+    exact = pinned["machine"] == machine()
+    for key in ("loss", "val_loss"):
+        assert len(got[key]) == len(want[key]) > 0, key
+        if exact:
+            assert got[key] == want[key], (key, got[key], want[key])
+        else:
+            assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(got[key], want[key]))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    with tempfile.TemporaryDirectory() as tmp:
+        record = {"machine": machine(),
+                  "runs": {name: run_losses(name, Path(tmp) / name) for name in sorted(CASES)}}
+    PINNED.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {PINNED}")
