@@ -94,9 +94,9 @@ class Crashing:
 
 
 def _kill_inside_save(k: int) -> None:
-    import siamesenorm.train.sharded as sharded
+    import siamesenorm.train.checkpoint as checkpoint
 
-    real, count = sharded.install, [0]
+    real, count = checkpoint.install, [0]
 
     def install(tmp, path, keep_as=None):
         count[0] += 1
@@ -104,7 +104,7 @@ def _kill_inside_save(k: int) -> None:
             os._exit(9)         # killed: the new checkpoint is written but never swapped in
         real(tmp, path, keep_as)
 
-    sharded.install = install
+    checkpoint.install = install
 
 
 def main(argv: list[str]) -> None:

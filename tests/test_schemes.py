@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import siamesenorm as sn
 from helpers import make_branches, randomize_, run_scheme
-from siamesenorm.schemes import get_scheme_class
+from siamesenorm.schemes import ResidualScheme, check_scheme_options, get_scheme_class
 
 SCHEMES = sn.list_schemes()
 DIM, LAYERS = 8, 3
@@ -209,3 +211,173 @@ def test_siamese_streams_start_equal_and_split():
     state = siam.step(state, 0, make_branches(1, DIM)[0])
     x, y = state
     assert not torch.allclose(x, y)
+
+
+# ---- declared option checks -------------------------------------------------------------------
+HOST_ARGS = {"norm", "eps", "device", "dtype"}  # keyword-only, but set by the host model
+
+
+def _declared(name):
+    return get_scheme_class(name).all_option_checks()
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_every_option_of_the_constructor_has_a_declared_check_and_nothing_else(name):
+    params = inspect.signature(get_scheme_class(name).__init__).parameters
+    kw_only = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - HOST_ARGS
+    assert set(_declared(name)) == kw_only == set(sn.scheme_options(name))
+    for check in _declared(name).values():
+        assert callable(check)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_the_constructor_runs_every_declared_check(name, monkeypatch):
+    seen = []
+    original = ResidualScheme.checked
+
+    def recording(self, option, value):
+        seen.append(option)
+        return original(self, option, value)
+
+    monkeypatch.setattr(ResidualScheme, "checked", recording)
+    sn.build_scheme(name, 16, 2)
+    assert sorted(seen) == sorted(_declared(name))
+
+
+def test_a_declared_check_is_the_one_the_constructor_uses(monkeypatch):
+    from siamesenorm.schemes.base import Number
+    cls = get_scheme_class("mix_ln")
+    monkeypatch.setattr(cls, "option_checks", {"post_fraction": Number(low=0, high=0.5)})
+    with pytest.raises(sn.ConfigError, match=r"post_fraction=0.75 is outside \[0, 0.5\]"):
+        sn.build_scheme("mix_ln", 16, 2, post_fraction=0.75)
+
+
+# (option, bad values, valid values); the common options apply to every scheme.
+COMMON_OPTION_VALUES = {
+    "branch_affine": (["yes", 1, 0, None, 1.0], [True, False]),
+    "final_norm": (["no", 0, None], [True, False]),
+}
+OWN_OPTION_VALUES = {
+    "siamese": {
+        "form": (["hybrid", "", None, 1, ["post_pre"]], ["post_pre", "hybrid_pre"]),
+        "input_norm": (["yes", 1, None], [True, False]),
+        "depth_scale": (["true", 0, None], [True, False]),
+        "merge": (["mean", None, 0], ["normed_sum", "sum"]),
+        "topology": (["dual", None, True], ["siamese", "single", "resi_dual"]),
+    },
+    "hybridnorm": {"first_layer_pre": (["yes", 1, None], [True, False])},
+    "deepnorm": {
+        "arch": (["seq2seq", None, 0], ["decoder", "encoder"]),
+        "alpha": (["1", True, -0.5, [1.0]], [None, 0, 0.5, 2, 3.7]),
+        "beta": (["x", False, -1], [None, 0.0, 0.1, 1]),
+    },
+    "mix_ln": {"post_fraction": (["0.5", True, None, -0.1, 1.5, 2], [0, 0.0, 0.25, 0.5, 1, 1.0])},
+    "peri_ln": {"embed_norm": (["yes", 1, None], [True, False])},
+    "hyper": {
+        "n_streams": ([0, -1, 2.0, "2", True, None], [1, 2, 3]),
+        "dynamic": (["yes", 1, None], [True, False]),
+    },
+    "mhc": {
+        "n_streams": ([0, 2.5, "4", False, None], [1, 2, 4]),
+        "sinkhorn_iters": ([0, -3, 20.0, None, True], [1, 5, 20]),
+    },
+}
+
+
+def _option_values(name):
+    return COMMON_OPTION_VALUES | OWN_OPTION_VALUES.get(name, {})
+
+
+def _bad_cases():
+    for name in SCHEMES:
+        for option, (bad, _) in _option_values(name).items():
+            for value in bad:
+                yield pytest.param(name, option, value, id=f"{name}-{option}-{value!r}")
+
+
+def _valid_cases():
+    for name in SCHEMES:
+        for option, (_, good) in _option_values(name).items():
+            for value in good:
+                yield pytest.param(name, option, value, id=f"{name}-{option}-{value!r}")
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_the_value_table_covers_every_declared_option(name):
+    assert set(_option_values(name)) == set(_declared(name))
+
+
+@pytest.mark.parametrize("name, option, value", list(_bad_cases()))
+def test_a_bad_value_is_refused_as_building_the_scheme_refuses_it(name, option, value):
+    with pytest.raises(sn.ConfigError) as built:
+        sn.build_scheme(name, 16, 2, **{option: value})
+    with pytest.raises(sn.ConfigError) as checked:
+        check_scheme_options(name, {option: value})
+    assert str(checked.value) == str(built.value)
+    assert str(built.value).startswith(f"scheme {name!r}: option {option}")
+
+
+@pytest.mark.parametrize("name, option, value", list(_valid_cases()))
+def test_a_valid_value_passes_the_check_and_the_build(name, option, value):
+    check_scheme_options(name, {option: value})
+    sn.build_scheme(name, 16, 2, **{option: value})
+
+
+def test_with_several_bad_values_the_check_reports_what_the_build_reports():
+    options = {"topology": "dual", "form": "hybrid", "branch_affine": "yes"}
+    with pytest.raises(sn.ConfigError) as built:
+        sn.build_scheme("siamese", 16, 2, **options)
+    with pytest.raises(sn.ConfigError) as checked:
+        check_scheme_options("siamese", options)
+    assert str(checked.value) == str(built.value)
+    assert "branch_affine" in str(checked.value)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_checking_options_builds_no_module(name, monkeypatch):
+    calls = []
+
+    def forbidden(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        raise AssertionError("check_scheme_options built a module")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", forbidden)
+    monkeypatch.setattr(ResidualScheme, "__init__", forbidden)
+    check_scheme_options(name, {})
+    check_scheme_options(name, sn.scheme_options(name))
+    check_scheme_options(name, {k: good[-1] for k, (_, good) in _option_values(name).items()})
+    with pytest.raises(sn.ConfigError):
+        check_scheme_options(name, {"branch_affine": "yes"})
+    assert calls == []
+
+
+def test_an_unknown_option_is_named_with_the_options_of_the_scheme():
+    with pytest.raises(sn.ConfigError) as err:
+        check_scheme_options("pre", {"depth_scale": True, "alpha": 1.0})
+    assert str(err.value) == ("model.scheme_options.alpha: scheme 'pre' has no option 'alpha'; "
+                              "its options are: branch_affine, final_norm")
+    with pytest.raises(sn.ConfigError) as err:
+        check_scheme_options("siamese", {"input_nrom": False, "form": "nope"})
+    assert str(err.value) == (
+        "model.scheme_options.input_nrom: scheme 'siamese' has no option 'input_nrom'; its options "
+        "are: branch_affine, depth_scale, final_norm, form, input_norm, merge, topology")
+
+
+def test_an_unknown_scheme_is_refused_by_the_option_check():
+    with pytest.raises(sn.ConfigError, match=r"unknown scheme 'siamse'.*siamese"):
+        check_scheme_options("siamse", {})
+
+
+def test_the_option_check_functions_keep_their_messages():
+    from siamesenorm.schemes.base import check_bool, check_choice, check_number
+    with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o='c' is not one of 'a', 'b'$"):
+        check_choice("s", "o", "c", ("a", "b"))
+    with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be true or false, got 1$"):
+        check_bool("s", "o", 1)
+    with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be an integer, got 1.0$"):
+        check_number("s", "o", 1.0, integer=True)
+    with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be a number, got None$"):
+        check_number("s", "o", None)
+    with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o=5 is outside \[-inf, 2\]$"):
+        check_number("s", "o", 5, high=2)
+    assert check_number("s", "o", 2, low=2, high=2) == 2

@@ -6,15 +6,13 @@ Every error a user can cause ends with one line on stderr and exit status 2, wit
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ConfigError, RankFailed, Terminated
+from .errors import ConfigError, RankFailed, Terminated, environment_problem
 
 DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
-ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"  # set by --nproc's launcher in the processes it starts
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -76,8 +74,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume)
     else:
         summary = run_training(cfg, args.out, resume=args.resume)
-    if os.environ.get("RANK", "0") != "0" or os.environ.get(ERROR_DIR_ENV):
-        return 0        # one line per run: rank 0's, or the launcher's when --nproc started it
+    if os.environ.get("RANK", "0") != "0":
+        return 0        # one line per run: rank 0's
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
         f"stalled: zero gradient from step {summary['stalled_at']} on" if summary.get("stalled") \
         else f"{summary['steps']} steps"
@@ -301,8 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as err:
-        if not _reported_to_launcher(err, user_error=True):
-            print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
+        print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RankFailed as err:
         print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
@@ -314,37 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as err:
-        if err.errno not in _ENVIRONMENT_ERRORS:
+        problem = environment_problem(err)
+        if problem is None:
             raise
-        if not _reported_to_launcher(err, user_error=True):
-            print(f"siamesenorm {args.command}: error: {_os_problem(err)}", file=sys.stderr)
+        print(f"siamesenorm {args.command}: error: {problem}", file=sys.stderr)
         return 2
-    except Exception as err:
-        if _reported_to_launcher(err, user_error=False):
-            return 1
-        raise
-
-
-# Operating-system errors about the files and folders a command was given or writes (a read-only or
-# full disk, a path it may not use, a name too long): the user's to fix, so one line and exit 2.
-_ENVIRONMENT_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
-                       errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST,
-                       errno.EFBIG, errno.EIO, errno.EINVAL, errno.ELOOP, errno.EXDEV}
-
-
-def _os_problem(err: OSError) -> str:
-    """``err`` as one line: what the system said, and the path(s) it said it of."""
-    what = err.strerror or str(err)
-    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
-    return f"{what}: {' -> '.join(paths)}" if paths else what
-
-
-def _reported_to_launcher(err: BaseException, user_error: bool) -> bool:
-    """Whether this process runs under ``--nproc``, whose launcher prints the first failure of all
-    its processes as one line (then this one prints nothing)."""
-    from .parallel.launch import report_failure
-
-    return bool(os.environ.get(ERROR_DIR_ENV)) and report_failure(err, user_error)
 
 
 def entry() -> None:

@@ -14,13 +14,15 @@ task registry's business (:func:`siamesenorm.tasks.load_config` reads the ``task
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -28,7 +30,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import ConfigError
-from .schemes import build_scheme, get_scheme_class, scheme_options
+from .schemes import check_scheme_options
 
 PRESET_DIR = Path(__file__).parent / "configs"
 
@@ -41,7 +43,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING_MODES = ("none", "sublayer", "selective")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation.
 
@@ -105,7 +107,7 @@ class TrainConfig:
             raise ConfigError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AnalysisConfig:
     """The paper's diagnostics for a run (see docs/analysis.md).
 
@@ -176,42 +178,84 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp!r}")  # a programming error, kept loud
 
 
-def _set(obj: Any, path: list[str], value: Any, full_key: str) -> None:
-    """Set ``obj.<path>`` to ``value`` (a dict value merges into a section)."""
-    hints = get_type_hints(type(obj))
-    fields = {f.name for f in dataclasses.fields(obj)}
-    name = path[0]
-    if name not in fields:
-        prefix = full_key[: len(full_key) - len(".".join(path))]
-        close = difflib.get_close_matches(name, sorted(fields), n=1)
-        hint = f"; did you mean {prefix}{close[0]}?" if close else \
-            f"; known keys here: {', '.join(sorted(fields))}"
-        raise ConfigError(f"unknown key {full_key!r}{hint}")
-    current = getattr(obj, name)
-    if dataclasses.is_dataclass(current):
-        if len(path) > 1:
-            _set(current, path[1:], value, full_key)
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _unknown_key(cls: type, name: str, full_key: str, rest: list[str]) -> ConfigError:
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    prefix = full_key[: len(full_key) - len(".".join([name, *rest]))]
+    close = difflib.get_close_matches(name, fields, n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys here: {', '.join(fields)}"
+    return ConfigError(f"unknown key {full_key!r}{hint}")
+
+
+def _assign(cls: type, raw: dict, path: list[str], value: Any, full_key: str) -> None:
+    """Record ``value`` for ``<path>`` of a ``cls`` section in ``raw`` (its given values, nested by
+    section): the key is checked against the fields and the value against its annotation here, where
+    it enters; a mapping given to a section sets its keys one by one."""
+    name, rest, tp = path[0], path[1:], _hints(cls).get(path[0])
+    if name not in {f.name for f in dataclasses.fields(cls)}:
+        raise _unknown_key(cls, name, full_key, rest)
+    if dataclasses.is_dataclass(tp):
+        section = raw.setdefault(name, {})
+        if rest:
+            _assign(tp, section, rest, value, full_key)
         elif isinstance(value, dict):
             for k, v in value.items():
-                _set(current, [str(k)], v, f"{full_key}.{k}")
+                _assign(tp, section, [str(k)], v, f"{full_key}.{k}")
         else:
             raise ConfigError(f"{full_key} is a section; set its keys, e.g. {full_key}.KEY=VALUE")
         return
-    if len(path) > 1:
-        if not isinstance(current, dict):
-            raise ConfigError(f"unknown key {full_key!r}: {'.'.join(path[:1])} has no sub-keys")
-        object.__setattr__(obj, name, {**current, ".".join(path[1:]): value})
+    if rest:
+        if not _is_mapping(tp):
+            raise ConfigError(f"unknown key {full_key!r}: {name} has no sub-keys")
+        current = raw[name] if name in raw else _default(cls, name)
+        raw[name] = {**current, ".".join(rest): value}
         return
-    # object.__setattr__ also fills frozen sections (data.augment): each load builds fresh
-    # instances, and _revalidate rebuilds every section afterwards so its own checks run.
-    object.__setattr__(obj, name, _coerce(full_key, value, hints[name]))
+    raw[name] = _coerce(full_key, value, tp)
 
 
-def _revalidate(obj: Any) -> Any:
-    """Rebuild the dataclass tree so every section's own checks run on the final values."""
-    kwargs = {f.name: _revalidate(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name))
-              else getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    return type(obj)(**kwargs)
+def _default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of ``cls``. A section made by a function rather than by its
+    class (the ViT's digits size) is made once per process and shared: sections are frozen."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if _section_factory(cls, f) is not None:
+        return _made(f.default_factory)
+    return f.default_factory()
+
+
+def _section_factory(cls: type, f: dataclasses.Field) -> Callable | None:
+    """The function that makes the default of section ``f``, when it is not the section's class."""
+    tp = _hints(cls)[f.name]
+    return f.default_factory if dataclasses.is_dataclass(tp) and f.default_factory is not tp else None
+
+
+@functools.cache
+def _made(factory: Callable[[], Any]) -> Any:
+    return factory()
+
+
+def _build(cls: type, raw: dict, base: Any = None) -> Any:
+    """A ``cls`` section from the values given for it (``raw``), the others from ``base`` (a
+    default instance) or the class's defaults. Each section is constructed once, from its final
+    values, so its own checks (``__post_init__``) run once."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            kwargs[f.name] = getattr(base, f.name) if base is not None else _default(cls, f.name)
+            continue
+        tp = _hints(cls)[f.name]
+        if not dataclasses.is_dataclass(tp):
+            kwargs[f.name] = raw[f.name]
+            continue
+        inner = getattr(base, f.name) if base is not None else \
+            _made(f.default_factory) if _section_factory(cls, f) is not None else None
+        kwargs[f.name] = _build(tp, raw[f.name], inner)
+    return cls(**kwargs)
 
 
 def load_yaml(text: str, where: str, path: str = "") -> Any:
@@ -345,30 +389,27 @@ NON_RUN_SECTIONS = ("compare",)
 
 
 def check_scheme(model: Any) -> None:
-    """The scheme of a model section (``scheme``, ``scheme_options``, ``dim``, ``n_layers``,
-    ``norm``, ``norm_eps``): a known name, known options, and values its constructor accepts
-    (built on the meta device: no memory, no compute)."""
-    get_scheme_class(model.scheme)
-    known = scheme_options(model.scheme)
-    unknown = sorted(set(model.scheme_options) - set(known))
-    if unknown:
-        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {model.scheme!r} has no option "
-                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
-    build_scheme(model.scheme, model.dim, model.n_layers, norm=model.norm, eps=model.norm_eps,
-                 device="meta", **model.scheme_options)
+    """The scheme of a model section: a known name and the options it declares, each value checked
+    by the scheme's own declared check (:func:`~siamesenorm.schemes.check_scheme_options`); nothing
+    is built."""
+    check_scheme_options(model.scheme, model.scheme_options)
 
 
 def build_config(classes: Mapping[str, type], preset: str | None = None,
                  overrides: list[str] | tuple[str, ...] = (),
                  extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = (),
-                 default: str = "lm") -> Any:
-    """Defaults, then the preset, then the overrides, then ``extra`` (already parsed ``(key, value)``
-    pairs, e.g. a compare variant's settings); every value checked, the scheme's options too.
+                 default: str = "lm", preset_data: dict | None = None) -> Any:
+    """The resolved, frozen configuration: defaults, then the preset, then the overrides, then
+    ``extra`` (already parsed ``(key, value)`` pairs, e.g. a compare variant's settings).
 
-    ``classes`` maps each task's name to its configuration class; the ``task`` key (``default``
-    when unset) picks one, so it is read first, wherever it is set.
+    Each key and value is checked once, where it enters (:func:`_assign`); each section is then
+    constructed once from its final values, running its own checks, and the scheme's options are
+    checked against its declaration. ``preset_data`` is the preset already read
+    (:func:`read_preset`), so a caller that resolves several configurations from one preset reads
+    it once. ``classes`` maps each task's name to its configuration class; the ``task`` key
+    (``default`` when unset) picks one, so it is read first, wherever it is set.
     """
-    data = read_preset(preset) if preset else {}
+    data = preset_data if preset_data is not None else read_preset(preset) if preset else {}
     data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
     parsed = [parse_override(o) for o in overrides]
     _refuse_repeated_overrides(overrides, parsed)
@@ -376,12 +417,29 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     task = next((v for k, v in reversed(later) if k == "task"), data.get("task", default))
     if task not in classes:
         raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
-    cfg = classes[task]()
-    for key, value in _flatten(data, type(cfg)) + later:
-        _set(cfg, key.split("."), value, key)
-    cfg = _revalidate(cfg)
+    cls, raw = classes[task], {}
+    for key, value in _flatten(data, cls) + later:
+        _assign(cls, raw, key.split("."), value, key)
+    cfg = _build(cls, raw)
     check_scheme(cfg.model)
     return cfg
+
+
+def derive(cfg: Any, values: Mapping[str, Any]) -> Any:
+    """A copy of the frozen configuration ``cfg`` with the dotted keys of ``values`` set, checked by
+    nobody here: the caller has checked them already (compare's learning rates and seeds, up front;
+    the sizes a task fits to its data). The sections on the way are copied, the others shared."""
+    out = cfg
+    for key, value in values.items():
+        out = _replaced(out, key.split("."), value)
+    return out
+
+
+def _replaced(obj: Any, path: list[str], value: Any) -> Any:
+    copy = _copy.copy(obj)
+    inner = value if len(path) == 1 else _replaced(getattr(obj, path[0]), path[1:], value)
+    object.__setattr__(copy, path[0], inner)
+    return copy
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class ConfigError(ValueError):
     """A bad configuration value: an unknown scheme, an option it does not have, a bad dimension."""
@@ -16,3 +18,20 @@ class Terminated(KeyboardInterrupt):
     """The process was asked to stop by SIGTERM (what schedulers send before preempting a job).
     Training stops as after Ctrl-C (checkpoint, ``summary.json`` marked interrupted); the command
     line then exits with 143 (128 + SIGTERM), the status a shell reports for it."""
+
+
+# Operating-system errors about the files and folders a command was given or writes (a read-only or
+# full disk, a path it may not use, a name too long): the user's to fix, so one line and exit 2.
+ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                      errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST,
+                      errno.EFBIG, errno.EIO, errno.EINVAL, errno.ELOOP, errno.EXDEV}
+
+
+def environment_problem(err: OSError) -> str | None:
+    """``err`` as one line (what the system said, and the path(s) it said it of) when it is one of
+    :data:`ENVIRONMENT_ERRNOS`; ``None`` for any other OS error (a bug, kept loud)."""
+    if err.errno not in ENVIRONMENT_ERRNOS:
+        return None
+    what = err.strerror or str(err)
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what

@@ -12,9 +12,8 @@ the holder (pid, host, command, start time) for the message, and is removed when
 released. Where ``flock`` is not available (Windows, some network filesystems) the file is created
 exclusively instead and a lock whose holder on this host is gone is taken over.
 
-Locks nest within a process (``compare`` holds a run's lock and then trains it), and a process
-started by the library's launcher for a folder its parent holds (``--nproc``) works under the
-parent's lock: :data:`PARENT_ENV` names the parent.
+Locks nest within a process (``compare`` holds its experiment's lock while a run holds its own).
+The processes ``--nproc`` starts take none: they train in the folder their launcher holds.
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ try:
 except ImportError:      # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "PARENT_ENV", "FolderLock", "check_free", "folder_lock", "held_by"]
+__all__ = ["LOCK_NAME", "FolderLock", "check_free", "folder_lock", "held_by"]
 
 LOCK_NAME = ".siamesenorm.lock"
 # Set by the launcher for the processes it starts: the pid whose locks they work under.
-PARENT_ENV = "SIAMESENORM_LOCK_PARENT"
 
 _held: dict[Path, FolderLock] = {}      # this process's locks, by resolved folder
 
@@ -192,7 +190,7 @@ def check_free(folder: str | os.PathLike, command: str) -> None:
     rather than about what the holder has written there."""
     key = _key(Path(folder))
     path = key / LOCK_NAME
-    if key in _held or not path.exists() or _parent_holds(key):
+    if key in _held or not path.exists():
         return
     if fcntl is not None:
         try:
@@ -213,23 +211,13 @@ def check_free(folder: str | os.PathLike, command: str) -> None:
         FolderLock(key, command)._refuse(info)
 
 
-def _parent_holds(folder: Path) -> bool:
-    """Whether this process was started by the launcher of a parent that holds ``folder``."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not parent.isdigit():
-        return False
-    info = held_by(folder)
-    return bool(info) and info.get("pid") == int(parent) and info.get("host") == socket.gethostname()
-
-
 @contextmanager
 def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[FolderLock | None]:
     """Hold the exclusive lock of ``folder`` (created if missing) for the ``with`` block.
 
     A :class:`~.errors.ConfigError` (one line naming the folder and the holder) when another live
-    process holds it. Nested use within one process, and use by a process the launcher started for
-    a folder its parent holds, is free. When the folder did not exist and nothing but the lock was
-    written in it, it is removed again at the end.
+    process holds it. Nested use within one process is free. When the folder did not exist and
+    nothing but the lock was written in it, it is removed again at the end.
     """
     key = _key(Path(folder))
     mine = _held.get(key)
@@ -239,9 +227,6 @@ def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[FolderLock 
             yield mine
         finally:
             mine.depth -= 1
-        return
-    if _parent_holds(key):
-        yield None
         return
     lock = FolderLock(key, command)
     lock.acquire()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .tasks import analyze_run, check_data, generate_text, load_config, load_trained, run_task
+from .tasks import analyze_run, generate_text, load_config, load_trained, run_task
 
-__all__ = ["analyze_run", "check_data", "generate_text", "load_config", "load_trained", "run_training"]
+__all__ = ["analyze_run", "generate_text", "load_config", "load_trained", "run_training"]
 
 
 def run_training(cfg: Any, run_dir: str | Path, *, resume: bool = False,

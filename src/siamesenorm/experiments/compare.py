@@ -21,18 +21,15 @@ from __future__ import annotations
 import csv
 import io
 import json
-import shutil
 from pathlib import Path
 
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..locks import LOCK_NAME, check_free, folder_lock
 from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_text
-from ..tasks import TASKS, check_data, get_task, launch_task, run_task
-from ..train import has_checkpoint
-from ..train.checkpoint import older_checkpoints
+from ..tasks import TASKS, get_task, launch_task, run_task
 from . import stats
-from .grid import build_grid, choose_baseline, read_section
+from .grid import plan
 from .report import write_report
 
 COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "diverged",
@@ -130,32 +127,20 @@ def _claim(out: Path, spec: dict) -> None:
     write_text(marker, json.dumps(spec, indent=2) + "\n")
 
 
-def _check_data(grid: list) -> None:
-    """Check the data of every cell before the folder is claimed (each distinct data setting once)."""
-    seen: set = set()
-    for cell in grid:
+def load_data(cells: list) -> dict:
+    """The data of every distinct data setting of the grid (``(task, data section)``), loaded once
+    and checked before the folder is claimed; the fresh runs of a setting share it."""
+    loaded: dict = {}
+    for cell in cells:
         cfg = cell.config
-        key = (cfg.task, get_task(cfg.task).data_signature(cfg))
-        if key not in seen:
-            seen.add(key)
-            check_data(cfg)
+        key = data_key(cfg)
+        if key not in loaded:
+            loaded[key] = get_task(cfg.task).load_data(cfg, None, False)
+    return loaded
 
 
-def _start_run(run_dir: Path) -> bool:
-    """Whether the cell's run resumes (it has a checkpoint). A run directory with neither a finished
-    summary nor a checkpoint (a run killed before its first checkpoint) is emptied, to start afresh."""
-    last = RunDir(run_dir).last_checkpoint
-    if has_checkpoint(last) or older_checkpoints(last):
-        return True
-    if run_dir.is_dir():
-        for child in run_dir.iterdir():
-            if child.name == LOCK_NAME:      # ours: compare holds the run's lock
-                continue
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    return False
+def data_key(cfg) -> tuple:
+    return cfg.task, repr(cfg.data)
 
 
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
@@ -170,17 +155,16 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     ``nproc`` above 1 trains each run across that many processes of this machine, one run after
     the other (:func:`~siamesenorm.tasks.launch_task`).
     """
-    base, spec, grid = build_grid(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
-    baseline = choose_baseline(spec["schemes"], baseline, read_section(preset))
+    p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)
     out = Path(out)
     check_out_dir(out)
     check_free(out, "compare")
-    _check_data(grid)
+    data = load_data(p.cells)
     with folder_lock(out, "compare"):
-        return _compare(out, base, spec, grid, baseline, nproc, log)
+        return _compare(out, p.base, p.spec, p.cells, p.baseline, nproc, data, log)
 
 
-def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,
+def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None, data: dict,
              log) -> list[dict]:
     """:func:`compare` once it holds the experiment folder."""
     _claim(out, {"base": config_to_dict(base), **spec})
@@ -194,10 +178,15 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:
             log(f"[{i}/{len(grid)}] {name}: training")
-            with folder_lock(run_dir, "compare"):   # nobody else writes it while it is emptied
-                resume = _start_run(run_dir)
-                summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume) \
-                    if nproc and nproc > 1 else run_task(cfg, run_dir, resume=resume)
+            # a run with a checkpoint resumes; any other starts afresh, replacing what an earlier
+            # attempt left (the folder is this experiment's)
+            resume = RunDir(run_dir).has_checkpoints()
+            if nproc and nproc > 1:
+                summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume, command="compare",
+                                      restart=not resume)
+            else:
+                summary = run_task(cfg, run_dir, resume=resume, command="compare", restart=not resume,
+                                   data=None if resume else data[data_key(cfg)])
             log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import check_seed, read_preset
+from ..config import check_seed, derive, read_preset
 from ..errors import ConfigError
 from ..schemes import list_schemes
 from ..tasks import load_config
@@ -94,9 +94,12 @@ def _check_list(key: str, value: Any, kind: type) -> list:
 
 def read_section(preset: str | None) -> dict:
     """The preset's ``compare`` section, checked (``{}`` when there is none)."""
-    if not preset:
-        return {}
-    section = read_preset(preset).get("compare") or {}
+    return check_section(read_preset(preset) if preset else {}, preset)
+
+
+def check_section(data: dict, preset: str | None) -> dict:
+    """The ``compare`` section of the preset ``data`` (read from ``preset``), checked."""
+    section = data.get("compare") or {}
     if not isinstance(section, dict):
         raise ConfigError(f"compare section of preset {preset!r} must be a mapping")
     for key in section:
@@ -178,30 +181,51 @@ def resolve_variants(names: list[str], variants: dict[str, Variant],
     return out
 
 
-def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
-               lrs: list[float] | None = None, seeds: list[int] | None = None,
-               ) -> tuple[Any, dict, list[Cell]]:
-    """The base configuration, the grid's spec (for experiment.json) and every cell, all checked."""
-    section = read_section(preset)
-    base = load_config(preset, overrides)
+@dataclass(frozen=True)
+class Plan:
+    """A comparison, resolved once from its preset: the base configuration, the grid's spec (for
+    experiment.json), every cell, and the baseline of the report."""
+
+    base: Any
+    spec: dict
+    cells: list[Cell]
+    baseline: str
+
+
+def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
+         lrs: list[float] | None = None, seeds: list[int] | None = None,
+         baseline: str | None = None) -> Plan:
+    """The comparison of ``preset`` (read once) with ``overrides`` and the command line's lists:
+    the base configuration and each variant's are resolved once, every cell derives from its
+    variant's with the learning rate and seed checked up front, and the baseline is chosen."""
+    data = read_preset(preset) if preset else {}
+    section = check_section(data, preset)
+    base = load_config(preset, overrides, preset_data=data)
     variants = resolve_variants(schemes or section.get("schemes") or list(DEFAULT_SCHEMES),
                                 section.get("variants", {}),
                                 "--schemes" if schemes else "compare.schemes")
     lrs = _check_lrs(lrs or section.get("lrs") or [base.train.lr], "--lrs" if lrs else "compare.lrs")
     seeds = _check_seeds(seeds or section.get("seeds") or [base.seed],
                          "--seeds" if seeds else "compare.seeds")
-    configs = {}  # each cell's train.lr is checked as its config is built (TrainConfig)
+    configs = {}
     for v in variants:  # each variant's settings are checked before any run starts
         keep = v.options is None and v.scheme == base.model.scheme
         options = [] if keep or v.options is not None else [("model.scheme_options", {})]
-        configs[v.label] = load_config(preset, overrides, v.extra() + options)
+        configs[v.label] = load_config(preset, overrides, v.extra() + options, preset_data=data)
     cells = [Cell(run_name(v.label, lr, seed), v, lr, seed,
-                  dataclasses.replace(configs[v.label], seed=seed,
-                                      train=dataclasses.replace(configs[v.label].train, lr=lr)))
+                  derive(configs[v.label], {"train.lr": lr, "seed": seed}))
              for seed in seeds for lr in lrs for v in variants]
     spec = {"schemes": [v.label for v in variants], "lrs": lrs, "seeds": seeds,
             "variants": {v.label: dataclasses.asdict(v) for v in variants}}
-    return base, spec, cells
+    return Plan(base, spec, cells, choose_baseline(spec["schemes"], baseline, section))
+
+
+def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
+               lrs: list[float] | None = None, seeds: list[int] | None = None,
+               ) -> tuple[Any, dict, list[Cell]]:
+    """The base configuration, the grid's spec (for experiment.json) and every cell, all checked."""
+    p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds)
+    return p.base, p.spec, p.cells
 
 
 def choose_baseline(labels: list[str], baseline: str | None = None, section: dict | None = None) -> str:

@@ -23,7 +23,7 @@ DIT_SIZES["digits"] = {"input_size": 8, "patch_size": 2, "in_chans": 1, "num_cla
                        "dim": 64, "n_layers": 4, "n_heads": 4}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiTConfig:
     """DiT with adaLN-Zero blocks (Peebles & Xie 2023, arXiv 2212.09748) over any residual scheme.
 

@@ -26,7 +26,7 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
                           f"{', '.join(choices)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts feed-forward (:class:`~siamesenorm.nn.moe.MoE`, OLMoE arXiv 2409.02060).
 
@@ -79,7 +79,7 @@ class MoEConfig:
         return self.every > 0 and block % self.every == self.every - 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class LMConfig:
     """Decoder-only Transformer language model.
 
@@ -141,7 +141,7 @@ class LMConfig:
             unknown = sorted(set(self.moe) - {f for f in MoEConfig.__dataclass_fields__})
             if unknown:
                 raise ConfigError(f"unknown key 'model.moe.{unknown[0]}'")
-            self.moe = MoEConfig(**self.moe)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if not isinstance(self.moe, MoEConfig):
             raise ConfigError(f"LMConfig.moe must be an MoEConfig, got {self.moe!r}")
         if self.moe.every and self.mlp != "swiglu":

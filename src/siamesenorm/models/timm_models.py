@@ -14,6 +14,7 @@ weights (the library reads no network); ``pretrained=True`` is refused.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any
@@ -74,7 +75,8 @@ class TimmVisionTransformer(VisionTransformer):
         """A fresh head for ``num_classes`` classes (0: no head, the features come out)."""
         if global_pool not in (None, "token"):
             raise ConfigError(f"only the class-token pool is supported, got global_pool={global_pool!r}")
-        self.config.num_classes = num_classes
+        self.config = copy.copy(self.config)   # frozen; 0 (no head) is no ViTConfig value
+        object.__setattr__(self.config, "num_classes", num_classes)
         w = self.head.weight if isinstance(self.head, nn.Linear) else self.cls_token
         if num_classes > 0:
             self.head = nn.Linear(self.config.dim, num_classes, device=w.device, dtype=w.dtype)

@@ -20,7 +20,7 @@ VIT_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ViTConfig:
     """Vision transformer in the DeiT style (arXiv 2012.12877) with a swappable residual scheme.
 

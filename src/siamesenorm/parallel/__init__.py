@@ -11,6 +11,7 @@ from .env import (
     broadcast_object,
     current_world,
     exit_process,
+    gather_objects,
     init_world,
     launched_world_size,
     leave_world,
@@ -20,5 +21,6 @@ from .source import RankSource
 from .wrap import Parallel, autocast_for, parallel_mode, parallelize
 
 __all__ = ["SINGLE", "Parallel", "RankSource", "World", "all_max", "all_mean", "autocast_for",
-           "barrier", "broadcast_object", "current_world", "exit_process", "init_world",
-           "launched_world_size", "leave_world", "on_main", "parallel_mode", "parallelize"]
+           "barrier", "broadcast_object", "current_world", "exit_process", "gather_objects",
+           "init_world", "launched_world_size", "leave_world", "on_main", "parallel_mode",
+           "parallelize"]

@@ -25,7 +25,8 @@ from ..devices import resolve_device
 from ..errors import ConfigError
 
 __all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
-           "exit_process", "init_world", "launched_world_size", "leave_world", "on_main"]
+           "exit_process", "gather_objects", "init_world", "launched_world_size", "leave_world",
+           "on_main"]
 
 T = TypeVar("T")
 
@@ -175,6 +176,15 @@ def broadcast_object(world: World, obj):
     box = [obj if world.main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_objects(world: World, obj) -> list | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
+    if not world.distributed:
+        return [obj]
+    out = [None] * world.size if world.main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
 
 
 def all_mean(world: World, values: torch.Tensor) -> torch.Tensor:

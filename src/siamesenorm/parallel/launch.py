@@ -23,11 +23,10 @@ import uuid
 from pathlib import Path
 
 from ..errors import ConfigError, RankFailed, Terminated
-from ..locks import PARENT_ENV
 
 __all__ = ["ERROR_DIR_ENV", "launch", "report_failure"]
 
-ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"   # cli.ERROR_DIR_ENV: the command line reads it too
+ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"   # where each process reports its failure
 
 
 def report_failure(error: BaseException, user_error: bool) -> bool:
@@ -86,9 +85,8 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
 
     _quiet_agent()
     folder = Path(tempfile.mkdtemp(prefix="siamesenorm-ranks-"))
-    saved = {k: os.environ.get(k) for k in (ERROR_DIR_ENV, "OMP_NUM_THREADS", PARENT_ENV)}
+    saved = {k: os.environ.get(k) for k in (ERROR_DIR_ENV, "OMP_NUM_THREADS")}
     os.environ[ERROR_DIR_ENV] = str(folder)
-    os.environ[PARENT_ENV] = str(os.getpid())      # they work under this process's folder locks
     if saved["OMP_NUM_THREADS"] is None:   # the processes share the cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,

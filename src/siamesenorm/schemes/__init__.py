@@ -14,6 +14,7 @@ from .base import (
                    ResidualScheme,
                    SchemeRequirements,
                    build_scheme,
+                   check_scheme_options,
                    get_scheme_class,
                    list_schemes,
                    register_scheme,
@@ -23,4 +24,5 @@ from .base import (
 del pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, peri_ln, lns, hyper, mhc
 
 __all__ = ["SUBLAYERS_PER_BLOCK", "ResidualScheme", "SchemeRequirements", "build_scheme",
-           "get_scheme_class", "list_schemes", "register_scheme", "scheme_options"]
+           "check_scheme_options", "get_scheme_class", "list_schemes", "register_scheme",
+           "scheme_options"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -51,6 +51,59 @@ class SchemeRequirements:
     branch_gain: float = 1.0
 
 
+# ---- declared option checks ------------------------------------------------------------------
+# Each is called as ``check(scheme_name, option_name, value)``, returns the value and raises
+# :class:`ConfigError` when it is refused; a configuration can run them without building a scheme.
+@dataclass(frozen=True)
+class OneOf:
+    """The value must be one of ``choices``."""
+
+    choices: tuple
+
+    def __call__(self, scheme: str, option: str, value: Any) -> Any:
+        if value not in self.choices:
+            raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is not one of "
+                              f"{', '.join(map(repr, self.choices))}")
+        return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The value must be ``True`` or ``False``."""
+
+    def __call__(self, scheme: str, option: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"scheme {scheme!r}: option {option} must be true or false, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Number:
+    """A number (an integer with ``integer=True``; not a bool) in ``[low, high]``; ``None`` too when
+    ``optional``."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    optional: bool = False
+
+    def __call__(self, scheme: str, option: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return value
+        kind = int if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(f"scheme {scheme!r}: option {option} must be "
+                              f"{'an integer' if self.integer else 'a number'}, got {value!r}")
+        low, high = self.low, self.high
+        if (low is not None and value < low) or (high is not None and value > high):
+            rng = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
+        return value
+
+
+OptionCheck = Callable[[str, str, Any], Any]
+
+
 class ResidualScheme(nn.Module, ABC):
     """Base class: owns every norm and mixing parameter of the residual path of one model.
 
@@ -70,11 +123,14 @@ class ResidualScheme(nn.Module, ABC):
     Attributes:
         dim, n_layers, eps: as given; norm_kind: the ``norm`` given.
         requires: what the scheme asks of its host model (:class:`SchemeRequirements`).
+        option_checks: (class) the check of each keyword-only option the class itself adds;
+            :meth:`all_option_checks` merges them over the class hierarchy.
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one-line equation, shown by ``siamesenorm schemes``
     paper: ClassVar[str] = ""  # citation, e.g. "SiameseNorm, arXiv 2602.08064"
+    option_checks: ClassVar[dict[str, OptionCheck]] = {"branch_affine": Flag(), "final_norm": Flag()}
     dim: int
     n_layers: int
     norm_kind: str
@@ -96,10 +152,22 @@ class ResidualScheme(nn.Module, ABC):
         if not eps > 0:
             raise ConfigError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
         self.dim, self.n_layers, self.norm_kind, self.eps = dim, n_layers, norm, float(eps)
-        self.branch_affine = check_bool(self.name, "branch_affine", branch_affine)
-        self.use_final_norm = check_bool(self.name, "final_norm", final_norm)
+        self.branch_affine = self.checked("branch_affine", branch_affine)
+        self.use_final_norm = self.checked("final_norm", final_norm)
         self._factory = {"device": device, "dtype": dtype}
         self.requires = SchemeRequirements()
+
+    @classmethod
+    def all_option_checks(cls) -> dict[str, OptionCheck]:
+        """The declared check of every option: the base class's first, then each subclass's own."""
+        out: dict[str, OptionCheck] = {}
+        for klass in reversed(cls.__mro__):
+            out.update(vars(klass).get("option_checks", {}))
+        return out
+
+    def checked(self, option: str, value: Any) -> Any:
+        """``value`` passed through the declared check of ``option``."""
+        return self.all_option_checks()[option](self.name, option, value)
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -219,27 +287,30 @@ def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> Residual
     return cls(dim, n_layers, **options)
 
 
-# ---- option checks shared by the schemes ----------------------------------------------------
+def check_scheme_options(name: str, options: Mapping[str, Any]) -> None:
+    """Check ``options`` (a configuration's ``scheme_options``) against the scheme ``name``'s
+    declared checks, without building it: an unknown scheme, an unknown option or a bad value
+    raises :class:`ConfigError`."""
+    cls = get_scheme_class(name)
+    known = scheme_options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {name!r} has no option "
+                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
+    for option, check in cls.all_option_checks().items():  # the order the constructor checks in
+        if option in options:
+            check(name, option, options[option])
+
+
+# ---- option checks as functions (the declared checks above, called directly) -----------------
 def check_choice(scheme: str, option: str, value: Any, choices: tuple) -> Any:
-    if value not in choices:
-        raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is not one of "
-                          f"{', '.join(map(repr, choices))}")
-    return value
+    return OneOf(tuple(choices))(scheme, option, value)
 
 
 def check_bool(scheme: str, option: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"scheme {scheme!r}: option {option} must be true or false, got {value!r}")
-    return value
+    return Flag()(scheme, option, value)
 
 
 def check_number(scheme: str, option: str, value: Any, *, low: float | None = None,
                  high: float | None = None, integer: bool = False) -> Any:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"scheme {scheme!r}: option {option} must be "
-                          f"{'an integer' if integer else 'a number'}, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        rng = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
-        raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
-    return value
+    return Number(low, high, integer)(scheme, option, value)

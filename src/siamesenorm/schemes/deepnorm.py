@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import (
-    Branch,
-    ResidualScheme,
-    SchemeRequirements,
-    check_choice,
-    check_number,
-    register_scheme,
-)
+from .base import Branch, Number, OneOf, ResidualScheme, SchemeRequirements, register_scheme
 
 
 @register_scheme
@@ -33,6 +26,8 @@ class DeepNorm(ResidualScheme):
     name = "deepnorm"
     summary = "h = LN(alpha*h + F(h)), Xavier init x beta"
     paper = "Wang et al. 2022, arXiv 2203.00555"
+    option_checks = {"arch": OneOf(("decoder", "encoder")), "alpha": Number(low=0, optional=True),
+                     "beta": Number(low=0, optional=True)}
 
     def __init__(self, dim: int, n_layers: int, *, arch: str = "decoder",
                  alpha: float | None = None, beta: float | None = None,
@@ -40,12 +35,11 @@ class DeepNorm(ResidualScheme):
                  final_norm: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
-        self.arch = check_choice(self.name, "arch", arch, ("decoder", "encoder"))
+        self.arch = self.checked("arch", arch)
+        alpha, beta = self.checked("alpha", alpha), self.checked("beta", beta)
         # Decoder-only and encoder-only have the same formula, with M or N the layer count.
-        self.alpha = float((2 * n_layers) ** 0.25 if alpha is None
-                           else check_number(self.name, "alpha", alpha, low=0))
-        self.beta = float((8 * n_layers) ** -0.25 if beta is None
-                          else check_number(self.name, "beta", beta, low=0))
+        self.alpha = float((2 * n_layers) ** 0.25 if alpha is None else alpha)
+        self.beta = float((8 * n_layers) ** -0.25 if beta is None else beta)
         self.post_norm = self.make_norms(self.n_sublayers)
         self.requires = SchemeRequirements(init="xavier", branch_gain=self.beta)
 

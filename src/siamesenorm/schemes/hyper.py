@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.fused import lean_region
-from .base import Branch, ResidualScheme, check_bool, check_number, register_scheme
+from .base import Branch, Flag, Number, ResidualScheme, register_scheme
 
 
 class MultiStreamScheme(ResidualScheme):
@@ -52,14 +52,15 @@ class HyperConnections(MultiStreamScheme):
     name = "hyper"
     summary = "mix = A^T H; H = B F(LN(mix[0])) + mix[1:]; out = LN(sum H)"
     paper = "Zhu et al., ICLR 2025, arXiv 2409.19606"
+    option_checks = {"n_streams": Number(low=1, integer=True), "dynamic": Flag()}
 
     def __init__(self, dim: int, n_layers: int, *, n_streams: int = 2, dynamic: bool = True,
                  norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
                  final_norm: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
-        n = self.n_streams = check_number(self.name, "n_streams", n_streams, low=1, integer=True)
-        self.dynamic = check_bool(self.name, "dynamic", dynamic)
+        n = self.n_streams = self.checked("n_streams", n_streams)
+        self.dynamic = self.checked("dynamic", dynamic)
         s, kw = self.n_sublayers, self._factory
         self.norm = self.make_branch_norms(s)
         self.final_norm = self.make_final_norm()

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..nn.fused import lean_region
 from ..nn.norms import RMSNorm
-from .base import Branch, check_number, register_scheme
+from .base import Branch, Number, register_scheme
 from .hyper import MultiStreamScheme
 
 
@@ -45,15 +45,16 @@ class ManifoldHyperConnections(MultiStreamScheme):
     name = "mhc"
     summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
     paper = "DeepSeek-AI 2025, arXiv 2512.24880"
+    option_checks = {"n_streams": Number(low=1, integer=True),
+                     "sinkhorn_iters": Number(low=1, integer=True)}
 
     def __init__(self, dim: int, n_layers: int, *, n_streams: int = 4, sinkhorn_iters: int = 20,
                  norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
                  final_norm: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
-        n = self.n_streams = check_number(self.name, "n_streams", n_streams, low=1, integer=True)
-        self.sinkhorn_iters = check_number(self.name, "sinkhorn_iters", sinkhorn_iters, low=1,
-                                           integer=True)
+        n = self.n_streams = self.checked("n_streams", n_streams)
+        self.sinkhorn_iters = self.checked("sinkhorn_iters", sinkhorn_iters)
         s, kw = self.n_sublayers, self._factory
         self.norm = self.make_branch_norms(s)
         self.final_norm = self.make_final_norm()

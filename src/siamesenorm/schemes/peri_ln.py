@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Branch, ResidualScheme, check_bool, register_scheme
+from .base import Branch, Flag, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -21,6 +21,7 @@ class PeriLN(ResidualScheme):
     name = "peri_ln"
     summary = "h = h + LN(F(LN(h))); out = LN(h)"
     paper = "Kim et al., ICML 2025, arXiv 2502.02732"
+    option_checks = {"embed_norm": Flag()}
 
     def __init__(self, dim: int, n_layers: int, *, embed_norm: bool = False,
                  norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
@@ -30,7 +31,7 @@ class PeriLN(ResidualScheme):
         self.input_norm = self.make_branch_norms(self.n_sublayers)
         self.output_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
-        self.embed_norm = self.make_norm() if check_bool(self.name, "embed_norm", embed_norm) else None
+        self.embed_norm = self.make_norm() if self.checked("embed_norm", embed_norm) else None
 
     def enter(self, h: Tensor) -> Tensor:
         return h if self.embed_norm is None else self.embed_norm(h)

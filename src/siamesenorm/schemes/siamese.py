@@ -8,14 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.fused import stream_entry, stream_update
-from .base import (
-    Branch,
-    ResidualScheme,
-    SchemeRequirements,
-    check_bool,
-    check_choice,
-    register_scheme,
-)
+from .base import Branch, Flag, OneOf, ResidualScheme, SchemeRequirements, register_scheme
 
 FORMS = ("post_pre", "hybrid_pre")
 MERGES = ("normed_sum", "sum")
@@ -64,6 +57,8 @@ class SiameseNorm(ResidualScheme):
     name = "siamese"
     summary = "X = LN(X); O = F(LN(X + LN(Y))); X += O/c; Y += O; out = LN(LN(X) + LN(Y))"
     paper = "Li et al., ICML 2026, arXiv 2602.08064"
+    option_checks = {"form": OneOf(FORMS), "input_norm": Flag(), "depth_scale": Flag(),
+                     "merge": OneOf(MERGES), "topology": OneOf(TOPOLOGIES)}
 
     def __init__(self, dim: int, n_layers: int, *, form: str = "post_pre", input_norm: bool = True,
                  depth_scale: bool = True, merge: str = "normed_sum", topology: str = "siamese",
@@ -71,11 +66,11 @@ class SiameseNorm(ResidualScheme):
                  final_norm: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
-        self.form = check_choice(self.name, "form", form, FORMS)
-        self.merge = check_choice(self.name, "merge", merge, MERGES)
-        self.topology = check_choice(self.name, "topology", topology, TOPOLOGIES)
-        self.depth_scale = check_bool(self.name, "depth_scale", depth_scale)
-        has_input_norm = check_bool(self.name, "input_norm", input_norm)
+        self.form = self.checked("form", form)
+        has_input_norm = self.checked("input_norm", input_norm)
+        self.depth_scale = self.checked("depth_scale", depth_scale)
+        self.merge = self.checked("merge", merge)
+        self.topology = self.checked("topology", topology)
         hybrid = self.form == "hybrid_pre"
         two_streams = self.topology != "single"
 

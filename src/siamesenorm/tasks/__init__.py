@@ -9,8 +9,8 @@ reach the tasks only through these.
 
 from .finished import analyze_run, generate_text, load_trained
 from .registry import TASKS, get_task, load_config, saved_config
-from .runner import check_data, launch_task, run_task
-from .spec import RunData, Task
+from .runner import Run, launch_task, run_task
+from .spec import Task, TaskData
 
-__all__ = ["TASKS", "RunData", "Task", "analyze_run", "check_data", "generate_text",
-           "get_task", "load_config", "launch_task", "load_trained", "run_task", "saved_config"]
+__all__ = ["TASKS", "Run", "Task", "TaskData", "analyze_run", "generate_text", "get_task", "load_config",
+           "launch_task", "load_trained", "run_task", "saved_config"]

@@ -15,26 +15,27 @@ is written (:func:`check_dit_images`, the config's checks).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..config import AnalysisConfig, TrainConfig, check_seed
+from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import ImageSet, check_image_options
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
 from ..diffusion.schedule import linear_betas
 from ..errors import ConfigError
 from ..eval.fid_proxy import get_proxy, sample_quality
+from ..models import config_checks as check
 from ..models.dit import DiT, DiTConfig
 from ..rundir import RunDir
+from ..train import Evaluation
 from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
 from .spec import Task
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiffusionConfig:
     """The DiT diffusion process and how a ``task: dit`` run scores its samples.
 
@@ -87,7 +88,7 @@ def _digits_dit() -> DiTConfig:
     return DiTConfig.from_size("digits", learn_sigma=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiTRunConfig:
     """One class-conditional diffusion run (``task: dit``): a DiT on an image set."""
 
@@ -128,10 +129,11 @@ def load_dit_data(cfg: DiTRunConfig, run_dir: Path | None = None, resume: bool =
     return load_image_data(cfg, check=check_dit_images)
 
 
-def _fit_config(cfg: DiTRunConfig, data: ImageData) -> DiTRunConfig:
-    model = dataclasses.replace(cfg.model, input_size=data.image_size, in_chans=data.in_chans,
-                                num_classes=data.num_classes)
-    return dataclasses.replace(cfg, model=model)
+def _fit(cfg: DiTRunConfig, data: ImageData) -> DiTRunConfig:
+    """The image size, channels and classes from the data; the size must split into patches."""
+    check.divisible("DiTConfig", "input_size", data.image_size, "DiTConfig.patch_size", cfg.model.patch_size)
+    return derive(cfg, {"model.input_size": data.image_size, "model.in_chans": data.in_chans,
+                        "model.num_classes": data.num_classes})
 
 
 def build_objective(cfg: DiTRunConfig, device=None) -> DiffusionObjective:
@@ -142,7 +144,7 @@ def build_objective(cfg: DiTRunConfig, device=None) -> DiffusionObjective:
                               eval_seed=cfg.seed)
 
 
-class SampleEvaluation:
+class SampleEvaluation(Evaluation):
     """The sample grid and the FD-proxy scores of one evaluation (the proxy is loaded once)."""
 
     def __init__(self, cfg: DiTRunConfig, data: ImageData, run_dir: Path, device: torch.device) -> None:
@@ -178,13 +180,12 @@ TASK = Task(
     name="dit",
     config_class=DiTRunConfig,
     load_data=load_dit_data,
-    fit_config=_fit_config,
+    fit=_fit,
     build_model=build_objective,
-    check_data=load_dit_data,
+    evaluation=SampleEvaluation,
     analysis_batches=_analysis_batches,
     headline=("final_fd_proxy", "final FD-proxy, lower is better (not Inception FID)"),
-    extra_eval=SampleEvaluation,
-    head_fn=None,  # a DiT has no logits: no lens
     columns=("final_fd_proxy", "final_sample_acc"),
     higher_is_better=("final_sample_acc",),
+    head_fn=None,  # a DiT has no logits: no lens
 )

@@ -22,7 +22,7 @@ from ..data import (
 from ..errors import ConfigError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ImageDataConfig:
     """Images for ``task: vit`` and ``task: dit``: ``dataset`` is ``digits`` (scikit-learn's 8x8
     handwritten digits, embedded), a folder of class sub-folders, or an ``.npz`` file of ``images``
@@ -52,17 +52,32 @@ class ImageDataConfig:
         check_seed(self.split_seed, "data.split_seed")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ImageData:
-    """An image run's data: the split, the training sampler and the fixed validation batches."""
+    """The data of one ``data`` setting of an image run (shared by the runs of a compare that have
+    it): the split, the fixed validation batches, the sizes, and how the task augments training
+    batches (``augment(cfg)``; the ViT folds its label smoothing into mixed targets)."""
 
     train: ImageSet
     val: ImageSet
-    sampler: ImageBatchSampler
     val_batches: list
     image_size: int
     in_chans: int
     num_classes: int
+    augment: Callable[[Any], ImageAugment]
+
+    def batches(self, cfg: Any) -> ImageBatchSampler:
+        return ImageBatchSampler.from_set(self.train, cfg.data.batch_size, seed=cfg.seed,
+                                          augment=self.augment(cfg))
+
+    def analysis_batches(self, cfg: Any, n: int) -> list:
+        return self.val_batches[:n]
+
+    def info(self, cfg: Any) -> dict:
+        return {"data": {"name": cfg.data.dataset}}
+
+    def save(self, run_dir: Path) -> None:
+        """Nothing to keep: an image set is read again from ``data.dataset``."""
 
 
 def check_training_images(cfg: Any, images: ImageSet) -> None:
@@ -81,11 +96,11 @@ def check_training_images(cfg: Any, images: ImageSet) -> None:
                           "images of at least 2 classes (add another class)")
 
 
-def load_image_data(cfg: Any, *, augment: ImageAugment | None = None,
+def load_image_data(cfg: Any, *, augment: Callable[[Any], ImageAugment] | None = None,
                     check: Callable[[Any, ImageSet], None] | None = None) -> ImageData:
     """Load ``data.dataset``, check it (:func:`check_training_images`, then the task's own
-    ``check``), split it, and build the sampler (seeded by ``seed``, augmenting with ``augment``,
-    default ``data.augment``) and the validation batches."""
+    ``check``), split it, and batch the validation split; training batches are augmented by
+    ``augment(cfg)`` (default ``data.augment``)."""
     d = cfg.data
     full = load_images(d.dataset, **d.dataset_options)
     check_training_images(cfg, full)
@@ -95,12 +110,11 @@ def load_image_data(cfg: Any, *, augment: ImageAugment | None = None,
     train, val = split_images(full, d.val_fraction, d.split_seed)
     if len(val) == 0:
         raise ConfigError(f"{d.dataset}: data.val_fraction={d.val_fraction} leaves no validation images")
-    sampler = ImageBatchSampler.from_set(train, d.batch_size, seed=cfg.seed,
-                                         augment=d.augment if augment is None else augment)
     # Every validation image when they fit in val_batches batches, else evenly spaced full batches.
     few = len(val) <= d.val_batches * d.batch_size
     batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)
-    return ImageData(train, val, sampler, batches, height, chans, full.num_classes)
+    return ImageData(train, val, batches, height, chans, full.num_classes,
+                     augment or (lambda run_cfg: run_cfg.data.augment))
 
 
 def image_analysis_batches(cfg: Any, run_dir: Path, data: str | None, n: int, *, size: int,
@@ -110,7 +124,7 @@ def image_analysis_batches(cfg: Any, run_dir: Path, data: str | None, n: int, *,
     as the run's were), whose images must be what the model takes (``size`` x ``size``, its
     channels) and whose labels must be among its classes."""
     if data is None:
-        return load(cfg).val_batches[:n]
+        return load(cfg, run_dir, True).val_batches[:n]
     images = load_images(data, **cfg.data.dataset_options)
     chans, height, width = images.shape
     if (height, width) != (size, size):

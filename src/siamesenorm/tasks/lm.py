@@ -21,26 +21,22 @@ import torch
 from torch import nn
 
 from ..analysis.adapters import lm_head
-from ..config import AnalysisConfig, TrainConfig, check_seed
+from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import (
     BatchSampler,
-    ByteTokenizer,
     Corpus,
     Tokenizer,
     build_tokenizer,
     check_corpus_options,
-    evaluate_arithmetic,
-    import_tokenizers,
-    lm_answer_fn,
     load_corpus,
     load_tokenizer,
-    train_text,
     train_val_tokens,
     validation_batches,
 )
 from ..errors import ConfigError
 from ..models import LanguageModel, LMConfig
 from ..rundir import RunDir
+from .lm_eval import LMEvaluation
 from .spec import Task
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -49,7 +45,7 @@ from .spec import Task
 UNSET_CORPUS = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """What to train on: ``corpus`` is ``pystdlib``, ``arithmetic``, ``hf:NAME`` or a path; ``""``
     (a preset's way to say that the user names the data) is refused when the data is loaded."""
@@ -75,7 +71,7 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LMRunConfig:
     """One language-model run (``task: lm``): the model, its data, its training, and the seed of
     everything random. The corpus's options are checked against its loader."""
@@ -91,25 +87,47 @@ class LMRunConfig:
         check_seed(self.seed)
         if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
             check_corpus_options(self.data.corpus, self.data.corpus_options)
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len "
+                              f"({self.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
 
 
 # ---- data ---------------------------------------------------------------------------------------
 _DEFAULT_VOCAB = next(f.default for f in dataclasses.fields(LMConfig) if f.name == "vocab_size")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LMData:
-    """What a language-model run trains on: the corpus, its tokenizer (``None`` for token files),
-    the train/validation tokens, the training sampler, the fixed validation batches, and the
-    model's vocabulary size."""
+    """The data of one ``data`` setting of a language-model run (shared by the runs of a compare
+    that have it): the corpus, its tokenizer (``None`` for token files), the train/validation
+    tokens and the fixed validation batches."""
 
     corpus: Corpus
     tokenizer: Tokenizer | None
     train_tokens: np.ndarray
     val_tokens: np.ndarray
-    sampler: BatchSampler
     val_batches: list
-    vocab_size: int
+
+    def vocab_needed(self) -> tuple[int, str]:
+        """The ids the model must cover, and what needs them (for an error)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.vocab_size, f"the {self.tokenizer.kind} tokenizer"
+        needed = int(max(self.train_tokens.max(), self.val_tokens.max())) + 1
+        return needed, f"{self.corpus.name} (largest token id {needed - 1}, over training and validation)"
+
+    def batches(self, cfg: LMRunConfig) -> BatchSampler:
+        return BatchSampler(self.train_tokens, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.seed)
+
+    def analysis_batches(self, cfg: LMRunConfig, n: int) -> list:
+        return analysis_batches(self.val_tokens, cfg, n)
+
+    def info(self, cfg: LMRunConfig) -> dict:
+        return {"data": data_info(self.corpus),
+                "unigram_val_loss": unigram_loss(self.train_tokens, self.val_batches, cfg.model.vocab_size)}
+
+    def save(self, run_dir: Path) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save(RunDir(run_dir).tokenizer)
 
 
 def corpus_options(cfg: LMRunConfig) -> dict:
@@ -141,91 +159,36 @@ def _model_vocab(cfg: LMRunConfig, needed: int, why: str) -> int:
 
 
 def _load_corpus(cfg: LMRunConfig) -> Corpus:
-    """``cfg``'s corpus, after the checks that need no data (and, with BPE and an explicit
-    ``model.vocab_size``, refusing one below ``data.vocab_size``: the tokenizer may use them all)."""
     if cfg.data.corpus == UNSET_CORPUS:
         raise ConfigError("data.corpus is not set: name the training data, e.g. "
                           "data.corpus=PATH/TO/train.bin (a .bin token file, a folder of .bin shards "
                           "or a glob) or data.corpus=hf:NAME")
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
-                          f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
-    corpus = load_corpus(cfg.data.corpus, **corpus_options(cfg))
-    if not corpus.is_tokenized and cfg.data.tokenizer == "bpe":
-        _model_vocab(cfg, cfg.data.vocab_size, f"the BPE tokenizer (data.vocab_size={cfg.data.vocab_size})")
-    return corpus
-
-
-def _token_data(cfg: LMRunConfig, corpus: Corpus, tokenizer: Tokenizer | None) -> LMData:
-    """Split and batch ``corpus`` (encoded with ``tokenizer``); the vocabulary covers both splits."""
-    d = cfg.data
-    train_tokens, val_tokens = train_val_tokens(corpus, tokenizer, d.val_fraction)
-    if tokenizer is not None:
-        vocab = _model_vocab(cfg, tokenizer.vocab_size, f"the {tokenizer.kind} tokenizer")
-    else:
-        needed = int(max(train_tokens.max(), val_tokens.max())) + 1
-        vocab = _model_vocab(cfg, needed, f"{corpus.name} (largest token id {needed - 1}, over training "
-                                          "and validation)")
-    sampler = BatchSampler(train_tokens, d.batch_size, d.seq_len, seed=cfg.seed)
-    val = validation_batches(val_tokens, d.batch_size, d.seq_len, d.val_batches)
-    return LMData(corpus, tokenizer, train_tokens, val_tokens, sampler, val, vocab)
+    return load_corpus(cfg.data.corpus, **corpus_options(cfg))
 
 
 def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = False) -> LMData:
-    """Everything ``cfg`` trains on, checked; writes nothing. A text corpus gets its tokenizer: the
+    """Everything ``cfg.data`` names, checked; writes nothing. A text corpus gets its tokenizer: the
     run's saved one when resuming, else a new one (BPE trained on the training split only)."""
+    d = cfg.data
     corpus = _load_corpus(cfg)
     tokenizer = None
     if not corpus.is_tokenized:
         tok_dir = RunDir(run_dir).tokenizer if run_dir is not None else None
         tokenizer = load_tokenizer(tok_dir) if resume and tok_dir is not None and tok_dir.is_dir() else \
-            build_tokenizer(cfg.data.tokenizer, corpus, cfg.data.vocab_size, cfg.data.val_fraction)
-    return _token_data(cfg, corpus, tokenizer)
-
-
-def check_lm_data(cfg: LMRunConfig) -> None:
-    """The corpus and its options, the split, the batches and the vocabulary. A BPE tokenizer is
-    not trained here: its package and vocabulary bound are checked, and the text split."""
-    corpus = _load_corpus(cfg)
-    if corpus.is_tokenized or cfg.data.tokenizer == "bytes":
-        _token_data(cfg, corpus, None if corpus.is_tokenized else ByteTokenizer())
-        return
-    import_tokenizers()
-    train_text(corpus, cfg.data.val_fraction)
-
-
-def _data_signature(cfg: LMRunConfig) -> tuple:
-    """Cells with equal data settings, vocabulary and context share one data check."""
-    return repr(cfg.data), cfg.model.vocab_size, cfg.model.max_seq_len
+            build_tokenizer(d.tokenizer, corpus, d.vocab_size, d.val_fraction)
+    train_tokens, val_tokens = train_val_tokens(corpus, tokenizer, d.val_fraction)
+    val = validation_batches(val_tokens, d.batch_size, d.seq_len, d.val_batches)
+    return LMData(corpus, tokenizer, train_tokens, val_tokens, val)
 
 
 # ---- a run --------------------------------------------------------------------------------------
-def _fit_config(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.vocab_size))
+def _fit(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
+    """The model's vocabulary from the data (:func:`_model_vocab`): the one value fitting sets."""
+    return derive(cfg, {"model.vocab_size": _model_vocab(cfg, *data.vocab_needed())})
 
 
 def _build_model(cfg: LMRunConfig, device=None) -> nn.Module:
     return LanguageModel(cfg.model, device=device)
-
-
-def _save_tokenizer(run_dir: Path, data: LMData) -> None:
-    if data.tokenizer is not None:
-        data.tokenizer.save(RunDir(run_dir).tokenizer)
-
-
-def _arithmetic_eval(cfg: LMRunConfig, data: LMData, run_dir: Path, device: torch.device):
-    """For arithmetic: ``model -> {"arith_acc": ...}`` on ``data.eval_problems`` held-out problems."""
-    if not data.corpus.heldout:
-        return None
-    problems = data.corpus.heldout[:cfg.data.eval_problems]
-    tokenizer = data.tokenizer
-    longest = max(len(tokenizer.encode(p.answer)) for p in problems) + 1
-
-    def extra_eval(m: nn.Module) -> dict:
-        score = evaluate_arithmetic(lm_answer_fn(m, tokenizer, longest), problems)
-        return {"arith_acc": score["accuracy"]}
-
-    return extra_eval
 
 
 UNIGRAM_SAMPLE = 1 << 24   # training tokens counted for the unigram loss (the first ones)
@@ -244,21 +207,12 @@ def unigram_loss(train_tokens, batches: list, vocab: int) -> float:
     return float(-log_p[targets].mean())
 
 
-def _summary_info(data: LMData) -> dict:
-    return {"data": data_info(data.corpus),
-            "unigram_val_loss": unigram_loss(data.train_tokens, data.val_batches, data.vocab_size)}
-
-
 # ---- analysis -----------------------------------------------------------------------------------
 def analysis_batches(tokens, cfg: LMRunConfig, n: int) -> list:
     """``n`` validation batches of ``tokens`` for an analysis: the first ``n`` of the run's own
     evaluation batches (``data.val_batches`` of them, spread evenly over ``tokens``) when it has
     that many, else ``n`` batches spread evenly."""
     return validation_batches(tokens, cfg.data.batch_size, cfg.data.seq_len, max(n, cfg.data.val_batches))[:n]
-
-
-def _end_batches(cfg: LMRunConfig, data: LMData, n: int) -> list:
-    return analysis_batches(data.val_tokens, cfg, n)
 
 
 def analysis_tokens(run_dir: str | Path, cfg: LMRunConfig, data: str | None = None):
@@ -325,18 +279,13 @@ TASK = Task(
     name="lm",
     config_class=LMRunConfig,
     load_data=load_lm_data,
-    fit_config=_fit_config,
+    fit=_fit,
     build_model=_build_model,
-    check_data=check_lm_data,
+    evaluation=LMEvaluation.for_run,
     analysis_batches=_analyze_batches,
     headline=("final_val_loss", "final validation loss"),
-    save_assets=_save_tokenizer,
-    extra_eval=_arithmetic_eval,
-    summary_info=_summary_info,
-    end_batches=_end_batches,
-    data_signature=_data_signature,
-    head_fn=lm_head,
     columns=("final_arith_acc",),
     higher_is_better=("final_arith_acc",),
+    head_fn=lm_head,
     generate=generate_text,
 )

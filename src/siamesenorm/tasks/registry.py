@@ -29,13 +29,15 @@ def get_task(name: str) -> Task:
 
 
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = ()) -> Any:
+                extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = (),
+                preset_data: dict | None = None) -> Any:
     """The run configuration of a preset (a name in ``configs/`` or a YAML path) with ``key=value``
     ``overrides`` and already parsed ``extra`` pairs, every value checked
     (:func:`siamesenorm.config.build_config`). The ``task`` key (``lm`` by default, ``vit``,
-    ``dit``) picks the task's configuration class, wherever it is set."""
+    ``dit``) picks the task's configuration class, wherever it is set. ``preset_data``: the preset
+    already read (:func:`siamesenorm.config.read_preset`), to resolve several from one reading."""
     classes = {name: task.config_class for name, task in TASKS.items()}
-    return build_config(classes, preset, overrides, extra, default=DEFAULT_TASK)
+    return build_config(classes, preset, overrides, extra, default=DEFAULT_TASK, preset_data=preset_data)
 
 
 def saved_config(run_dir: str | Path, missing: str) -> Any:

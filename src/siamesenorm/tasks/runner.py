@@ -1,16 +1,23 @@
-"""One training run of any task, from a configuration to a finished run directory.
+"""One training run of any task, from a resolved configuration to a finished run folder.
 
-:func:`run_task` is the same for every task: check the run directory, load and check the data,
-fit the configuration to it, write ``config.yaml`` (and the task's assets), build the model from
-``seed``, train it with the engine (:func:`siamesenorm.train.train`), and with the probes on
-(``analysis.every > 0`` and ``analysis.at_end``) analyse the final model. What differs between
-tasks comes from their :class:`~.spec.Task`.
+A :class:`Run` claims its folder once (the lock, then the "already holds a run" refusal or the
+resume checks, then clearing a run stopped before its first checkpoint), prepares it (the data,
+the configuration fitted to it, ``config.yaml`` and the task's assets), and trains: the model built
+from ``seed``, the engine (:func:`siamesenorm.train.train`), and with the probes on
+(``analysis.every > 0`` and ``analysis.at_end``) the analysis of the final model. What differs
+between tasks comes from their :class:`~.spec.Task`.
+
+Across processes: under a launcher that starts the command in every rank (``torchrun``), rank 0
+claims and prepares while the others wait, then every rank trains. ``--nproc`` is thinner: this
+process claims and prepares, then starts the ranks on the prepared folder
+(:mod:`siamesenorm.tasks.worker`), which read its ``config.yaml`` and only train.
 """
 
 from __future__ import annotations
 
-import tempfile
-from contextlib import ExitStack
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,150 +27,179 @@ from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..devices import deterministic, environment
 from ..errors import ConfigError
-from ..locks import check_free, folder_lock
+from ..locks import LOCK_NAME, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.launch import launch
 from ..rundir import RunDir, check_out_dir, read_json, write_text
-from ..train import TrainSettings, train
+from ..train import train
 from .registry import get_task, saved_config
+from .spec import TaskData
 
 # Tasks whose runs may span processes: their evaluations run on every rank and write nothing, or
 # write through rank 0 only. The image tasks' sample grids and FD-proxy cache are not there yet.
 PARALLEL_TASKS = ("lm",)
 
 
-def make_probe(cfg: Any, val_batches: list) -> TrainingProbes | None:
-    """The training probes of ``analysis.every`` (None when off), on the first validation batch."""
-    if cfg.analysis.every <= 0:
-        return None
-    x, y = val_batches[0]
-    n = cfg.analysis.batch_size
-    return TrainingProbes(cfg.analysis.every, (x[:n], y[:n]))
+class Run:
+    """The run folder ``run_dir`` of one run, and what it takes to train into it.
 
-
-def check_data(cfg: Any) -> None:
-    """Refuse what is wrong with ``cfg``'s data before anything is written (the task's
-    ``check_data``: loaded and checked as its run would, without training a tokenizer)."""
-    get_task(cfg.task).check_data(cfg)
-
-
-def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None) -> dict:
-    """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
-    ``config.yaml``; ``cfg`` is then ignored); returns the summary.
-
-    Every check (the run directory, the data, the sizes the data decides) happens before anything
-    is written. A fresh run refuses a folder that already holds one.
-
-    Under a launcher (``torchrun``, ``--nproc``) every process calls it: they join one process
-    group, rank 0 checks the folder and the data and writes the config and the assets, the others
-    then load the data as a resumed run does (the saved tokenizer), and all train one model
-    together (:func:`siamesenorm.train.train`). A refusal on rank 0 is raised on every rank.
+    ``resume``: continue the run there from its own ``config.yaml``. ``command`` names the holder
+    in the lock (``train``, ``compare``). ``restart``: a fresh run may replace what an unfinished
+    earlier attempt left there (compare's own run folders); otherwise a folder that already holds
+    a run is refused.
     """
-    run_dir = Path(run_dir)
-    check_out_dir(run_dir)
-    check_free(run_dir, "train")
+
+    def __init__(self, run_dir: str | Path, *, resume: bool = False, command: str = "train",
+                 restart: bool = False) -> None:
+        self.run_dir, self.folder = Path(run_dir), RunDir(run_dir)
+        self.resume, self.command, self.restart = resume, command, restart
+
+    def saved_config(self) -> Any:
+        return saved_config(self.run_dir, f"cannot resume {self.run_dir}: it holds no config.yaml")
+
+    @contextmanager
+    def claimed(self) -> Iterator[None]:
+        """Hold the folder: take its lock (refused when another process holds it), then refuse
+        what this run cannot do there, then clear what a stopped run left. Nothing is written
+        before the lock, and a refusal leaves the folder as it was."""
+        check_out_dir(self.run_dir)
+        with folder_lock(self.run_dir, self.command):
+            if self.resume and self.folder.stopped_before_first_checkpoint():
+                raise ConfigError(f"cannot resume {self.run_dir}: it stopped before its first "
+                                  "checkpoint; start it again without --resume (the same command "
+                                  "that started it)")
+            if self.resume:
+                self.saved_config()
+            elif self.restart:
+                self._clear_all()
+            else:
+                self.folder.refuse_existing_run()
+                self.folder.clear_stopped_run()       # killed before its first checkpoint
+            yield
+
+    def _clear_all(self) -> None:
+        if self.run_dir.is_dir():
+            for child in self.run_dir.iterdir():
+                if child.name == LOCK_NAME:
+                    continue
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+
+    def prepare(self, cfg: Any, data: TaskData | None = None) -> tuple[Any, TaskData]:
+        """The data (``data``: already loaded for this setting), the configuration fitted to it,
+        and for a fresh run ``config.yaml`` and the task's assets written."""
+        task = get_task(cfg.task)
+        if data is None:
+            data = task.load_data(cfg, self.run_dir, self.resume)
+        cfg = task.fit(cfg, data)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            write_text(self.folder.config, dump_config(cfg))
+            data.save(self.run_dir)
+        return cfg, data
+
+    def train(self, cfg: Any, data: TaskData, world: World, device: torch.device,
+              progress: bool | None) -> dict:
+        """Build the model from ``seed`` and train it (every rank), then analyse it (probes on)."""
+        task = get_task(cfg.task)
+        with deterministic(cfg.train.deterministic):
+            torch.manual_seed(cfg.seed)
+            model = task.build_model(cfg, device)
+            if cfg.train.activation_checkpointing != "none":
+                set_activation_checkpointing(model, cfg.train.activation_checkpointing)
+            probe = None
+            if cfg.analysis.every > 0:
+                x, y = data.val_batches[0]
+                n = cfg.analysis.batch_size
+                probe = TrainingProbes(cfg.analysis.every, (x[:n], y[:n]))
+            info = {**data.info(cfg), "environment": environment(device, world.size)}
+            summary = train(model, data.batches(cfg), cfg.train, self.run_dir, seed=cfg.seed,
+                            eval_batches=data.val_batches, resume=self.resume, device=device,
+                            evaluation=task.evaluation(cfg, data, self.run_dir, device),
+                            progress=progress, probe=probe, info=info)
+            if probe is not None and cfg.analysis.at_end and not summary.get("diverged") \
+                    and not summary.get("interrupted"):
+                batches = [tuple(t.to(device) for t in b)
+                           for b in data.analysis_batches(cfg, cfg.analysis.batches)]
+                result = analyze_model(model, batches, loss_fn=task.loss_fn, head_fn=task.head_fn)
+                write_analysis(self.run_dir, result, source="validation")
+        return summary
+
+
+def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None,
+             data: TaskData | None = None, command: str = "train", restart: bool = False) -> dict:
+    """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
+    ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
+    setting, already loaded (compare loads each setting once). Every refusal comes before anything
+    is written; a fresh run refuses a folder that already holds one (unless ``restart``).
+
+    Under a launcher that runs this in every process, rank 0 claims and prepares the folder while
+    the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
+    train one model together. A refusal on rank 0 is raised on every rank.
+    """
+    run = Run(run_dir, resume=resume, command=command, restart=restart)
     if resume:
-        _check_resumable(run_dir)
-        cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
+        cfg = run.saved_config()
     world, device = init_world(cfg.train.device)
     try:
         with ExitStack() as held:
-            return _run(cfg, run_dir, resume, progress, world, device, held)
+            if world.distributed:
+                check_distributed(cfg, world)
+
+            def claim_and_prepare():
+                held.enter_context(run.claimed())
+                return run.prepare(cfg, data)
+
+            prepared = on_main(world, claim_and_prepare)
+            if world.main:
+                cfg, data = prepared
+            else:       # rank 0 has saved the assets: load the data as a resumed run does
+                data = get_task(cfg.task).load_data(cfg, run.run_dir, True)
+                cfg = get_task(cfg.task).fit(cfg, data)
+            return run.train(cfg, data, world, device, progress)
     finally:
         leave_world(world)
 
 
-def _run(cfg: Any, run_dir: Path, resume: bool, progress: bool | None, world: World,
-         device: torch.device, held: ExitStack) -> dict:
-    task = get_task(cfg.task)
-    if world.distributed:
-        _check_distributed(cfg, world)
-
-    def prepare():
-        if not resume:
-            RunDir(run_dir).refuse_existing_run()
-        data = task.load_data(cfg, run_dir, resume)
-        fitted = task.fit_config(cfg, data)
-        # Everything is checked: take the folder (one writer at a time), then look again, since
-        # another process may have started a run there since the first look.
-        held.enter_context(folder_lock(run_dir, "train"))
-        if not resume:
-            RunDir(run_dir).refuse_existing_run()
-            RunDir(run_dir).clear_stopped_run()       # killed before its first checkpoint
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            write_text(RunDir(run_dir).config, dump_config(fitted))
-            task.save_assets(run_dir, data)
-        return data, fitted
-
-    prepared = on_main(world, prepare)
-    if world.main:
-        data, cfg = prepared
-    else:       # rank 0 has saved the assets: load the data as a resumed run does
-        data = task.load_data(cfg, run_dir, True)
-        cfg = task.fit_config(cfg, data)
-
-    held.enter_context(deterministic(cfg.train.deterministic))
-    torch.manual_seed(cfg.seed)
-    model = task.build_model(cfg, device)
-    if cfg.train.activation_checkpointing != "none":
-        set_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    probe = make_probe(cfg, data.val_batches)
-    settings = TrainSettings.from_config(cfg.train, data.val_batches, cfg.seed)
-    summary = train(model, data.sampler, settings, run_dir, resume=resume, device=device,
-                    extra_eval=task.extra_eval(cfg, data, run_dir, device), progress=progress, probe=probe,
-                    info={**task.summary_info(data),
-                          "environment": environment(device, world.size)})
-    if probe is not None and cfg.analysis.at_end and not summary.get("diverged") \
-            and not summary.get("interrupted"):
-        batches = [tuple(t.to(device) for t in b) for b in task.end_batches(cfg, data, cfg.analysis.batches)]
-        result = analyze_model(model, batches, loss_fn=task.loss_fn, head_fn=task.head_fn)
-        write_analysis(run_dir, result, source="validation")
-    return summary
-
-
-def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False) -> dict:
-    """:func:`run_task` across ``nproc`` processes of this machine, started by torchrun's launcher
-    (:func:`siamesenorm.parallel.launch`); returns rank 0's summary. What can be checked here is
-    checked before a process starts; a failure in any process is one line (ConfigError or
-    RankFailed) after all have stopped."""
-    run_dir = Path(run_dir)
-    check_out_dir(run_dir)
-    check_free(run_dir, "train")
-    if resume:
-        _check_resumable(run_dir)
-        cfg = saved_config(run_dir, f"cannot resume {run_dir}: it holds no config.yaml")
-    else:
-        RunDir(run_dir).refuse_existing_run()
-    if nproc > 1:
-        _check_distributed(cfg, World(0, nproc))
-    with folder_lock(run_dir, "train"), \
-            tempfile.TemporaryDirectory(prefix="siamesenorm-launch-") as tmp:
-        if not resume:
-            RunDir(run_dir).refuse_existing_run()       # again, under the lock
-        args = ["-m", "siamesenorm", "train", "--out", str(run_dir)]
+def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False,
+                command: str = "train", restart: bool = False) -> dict:
+    """:func:`run_task` across ``nproc`` processes of this machine: this process claims and
+    prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
+    ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
+    (ConfigError or RankFailed) after all have stopped."""
+    run = Run(run_dir, resume=resume, command=command, restart=restart)
+    with run.claimed():
         if resume:
-            args.append("--resume")
-        else:
-            preset = Path(tmp) / "config.yaml"
-            preset.write_text(dump_config(cfg))
-            args.append(str(preset))
-        launch(nproc, args, what=f"run {run_dir}")
-    summary = read_json(RunDir(run_dir).summary)
+            cfg = run.saved_config()
+        check_distributed(cfg, World(0, nproc))
+        if not resume:
+            run.prepare(cfg)
+        launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *(["--resume"] if resume else [])],
+               what=f"run {run_dir}")
+    summary = read_json(run.folder.summary)
     if summary.get("interrupted"):
         raise KeyboardInterrupt
     return summary
 
 
-def _check_resumable(run_dir: Path) -> None:
-    """Refuse ``--resume`` of a run that has nothing to resume from, saying what to do instead."""
-    if RunDir(run_dir).stopped_before_first_checkpoint():
-        raise ConfigError(f"cannot resume {run_dir}: it stopped before its first checkpoint; start "
-                          "it again without --resume (the same command that started it)")
+def train_prepared(run_dir: str | Path, resume: bool) -> dict:
+    """What each rank :func:`launch_task` starts does: train the run its launcher prepared (and
+    holds) in ``run_dir``, from its ``config.yaml``."""
+    run = Run(run_dir, resume=resume)
+    cfg = saved_config(run.run_dir, f"{run.run_dir} holds no config.yaml")
+    world, device = init_world(cfg.train.device)
+    try:
+        task = get_task(cfg.task)
+        data = task.load_data(cfg, run.run_dir, True)
+        return run.train(task.fit(cfg, data), data, world, device, progress=None)
+    finally:
+        leave_world(world)
 
 
-def _check_distributed(cfg: Any, world: World) -> None:
+def check_distributed(cfg: Any, world: World) -> None:
     """What a run across processes cannot do yet, refused before anything is written."""
     parallel_mode(cfg.train.parallel, world)
     if cfg.task not in PARALLEL_TASKS:

@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from ..analysis.adapters import vit_head
-from ..config import AnalysisConfig, TrainConfig, check_seed
+from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import ImageAugment, check_image_options
 from ..errors import ConfigError
+from ..models import config_checks as check
 from ..models.vit import VisionTransformer, ViTConfig
+from ..train import Evaluation
 from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
 from .spec import Task
 
@@ -28,7 +30,7 @@ def _digits_vit() -> ViTConfig:
     return ViTConfig.from_size("digits")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ViTRunConfig:
     """One image-classification run (``task: vit``): a DeiT-style ViT on an image set."""
 
@@ -70,13 +72,14 @@ def training_augment(cfg: ViTRunConfig) -> ImageAugment:
 
 def load_vit_data(cfg: ViTRunConfig, run_dir: Path | None = None, resume: bool = False) -> ImageData:
     """The image set of ``cfg``, checked and split, with :func:`training_augment` on its batches."""
-    return load_image_data(cfg, augment=training_augment(cfg))
+    return load_image_data(cfg, augment=training_augment)
 
 
-def _fit_config(cfg: ViTRunConfig, data: ImageData) -> ViTRunConfig:
-    model = dataclasses.replace(cfg.model, image_size=data.image_size, in_chans=data.in_chans,
-                                num_classes=data.num_classes)
-    return dataclasses.replace(cfg, model=model)
+def _fit(cfg: ViTRunConfig, data: ImageData) -> ViTRunConfig:
+    """The image size, channels and classes from the data; the size must split into patches."""
+    check.divisible("ViTConfig", "image_size", data.image_size, "ViTConfig.patch_size", cfg.model.patch_size)
+    return derive(cfg, {"model.image_size": data.image_size, "model.in_chans": data.in_chans,
+                        "model.num_classes": data.num_classes})
 
 
 def _build_model(cfg: ViTRunConfig, device=None) -> nn.Module:
@@ -94,11 +97,14 @@ def top1_accuracy(model: nn.Module, batches: list, device: torch.device) -> floa
     return correct / max(total, 1)
 
 
-def _accuracy_eval(cfg: ViTRunConfig, data: ImageData, run_dir: Path, device: torch.device):
-    def extra_eval(m: nn.Module) -> dict:
-        return {"val_acc": top1_accuracy(m, data.val_batches, device)}
+class AccuracyEvaluation(Evaluation):
+    """``val_acc``: top-1 accuracy on the validation batches."""
 
-    return extra_eval
+    def __init__(self, cfg: ViTRunConfig, data: ImageData, run_dir: Path, device: torch.device) -> None:
+        self.batches, self.device = data.val_batches, device
+
+    def __call__(self, model: nn.Module, step: int) -> dict:
+        return {"val_acc": top1_accuracy(model, self.batches, self.device)}
 
 
 def _analysis_batches(cfg: ViTRunConfig, run_dir: Path, data: str | None, n: int) -> list:
@@ -109,13 +115,12 @@ TASK = Task(
     name="vit",
     config_class=ViTRunConfig,
     load_data=load_vit_data,
-    fit_config=_fit_config,
+    fit=_fit,
     build_model=_build_model,
-    check_data=load_vit_data,
+    evaluation=AccuracyEvaluation,
     analysis_batches=_analysis_batches,
     headline=("final_val_acc", "final validation top-1 accuracy"),
-    extra_eval=_accuracy_eval,
-    head_fn=vit_head,  # the lens reads the class token
     columns=("final_val_acc",),
     higher_is_better=("final_val_acc",),
+    head_fn=vit_head,  # the lens reads the class token
 )

@@ -1,6 +1,11 @@
-"""Checkpoints: a directory written beside its target and renamed into place.
+"""Checkpoints: a directory written beside its target and renamed into place; one contract for one
+process and for many.
 
-Layout of a checkpoint directory (e.g. ``run_dir/checkpoints/last/``)::
+:func:`save_checkpoint` and :func:`load_checkpoint` take what the engine trains (a plain module, a
+DDP-wrapped one, or one sharded by FSDP2's ``fully_shard``) and the world of the run; under several
+processes both are collectives (every rank calls them). The world size decides the layout written.
+
+One process (e.g. ``run_dir/checkpoints/last/``)::
 
     model.safetensors   the model's state_dict; a tensor that shares storage with another entry
                         (tied weights) is stored once, under the first name that holds it
@@ -8,23 +13,33 @@ Layout of a checkpoint directory (e.g. ``run_dir/checkpoints/last/``)::
                         plain containers, numbers, strings and tensors only, so that it loads
                         with ``torch.load(weights_only=True)``
 
+Several processes::
+
+    dcp/        torch.distributed.checkpoint: {"model": ..., "optim": ...} keyed by parameter name,
+                each rank writing its own shards (one file a rank) and rank 0 the metadata
+    state.pt    {"format": 2, "extra": {...}} from rank 0 (no optimizer: it is in dcp/)
+
+Both layouts::
+
     checksums.json      the SHA-256 and size of every other file of the checkpoint, written last;
-                        loading verifies them first and refuses a damaged checkpoint (flipped or
-                        missing bytes) with one line instead of training a corrupted model
-                        (a checkpoint without the file, from an older version, is not verified)
+                        loading verifies them first (under several processes rank 0 verifies once
+                        for every rank) and refuses a damaged checkpoint (flipped or missing bytes)
+                        with one line instead of training a corrupted model (a checkpoint without
+                        the file, from an older version, is not verified)
 
-Atomicity: both files are written and fsynced in a fresh temporary directory
-``.<name>.tmp-*`` next to the target. The swap then renames the old checkpoint to
-``.<name>.old-*``, renames the new one to ``<name>`` and deletes the old one. A crash at any point
-leaves either ``<name>`` complete (old or new) or, in the instant between the two renames, no
-``<name>`` but a complete ``.<name>.old-*``, which :func:`load_checkpoint`, :func:`has_checkpoint`
-and the next :func:`save_checkpoint` move back into place. Hidden ``.tmp-`` directories are never
-read; the next save deletes them. One writer per checkpoint directory at a time.
+Atomicity: the files are written and fsynced in a fresh temporary directory ``.<name>.tmp-*`` next
+to the target (under several processes rank 0 names it and every rank writes into it). Rank 0 then
+swaps it in: it renames the old checkpoint to ``.<name>.old-*``, renames the new one to ``<name>``
+and deletes the old one. A crash at any point leaves either ``<name>`` complete (old or new) or, in
+the instant between the two renames, no ``<name>`` but a complete ``.<name>.old-*``, which
+:func:`load_checkpoint`, :func:`has_checkpoint` and the next :func:`save_checkpoint` move back into
+place. Hidden ``.tmp-`` directories are never read; the next save deletes them. One writer per
+checkpoint directory at a time.
 
-A run across several processes writes the sharded layout instead (:mod:`.sharded`): ``dcp/``, a
-``torch.distributed.checkpoint`` directory of the model and optimizer state, and ``state.pt``
-(format 2, without the optimizer). Both layouts use the same swap; :func:`load_checkpoint` reads
-either into a single-process model, and :func:`~.sharded.load_sharded` either into a spread one.
+Either layout loads at any world size: the names are the model's own (FSDP2 keeps them; DDP's
+``module.`` is removed), ``torch.distributed.checkpoint`` reshards what N ranks saved into M (or into
+one process without a process group), and a single-process checkpoint is read whole by every rank
+of a spread model.
 """
 
 from __future__ import annotations
@@ -33,9 +48,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,13 +62,17 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
+from ..parallel.env import SINGLE, World, barrier, broadcast_object, gather_objects
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -118,9 +140,19 @@ def _write_model(path: Path, model: nn.Module) -> None:
     _fsync(path)
 
 
-def _write_state(path: Path, optimizer: torch.optim.Optimizer, extra: dict) -> None:
-    torch.save({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}, path)
+def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dict) -> None:
+    """``state.pt``: format 1 with ``optimizer``'s state, or format 2 (sharded: it is in dcp/)."""
+    if optimizer is None:
+        torch.save({"format": SHARDED_FORMAT, "extra": extra}, path)
+    else:
+        torch.save({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}, path)
     _fsync(path)
+
+
+def _write_dcp(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank's share of the model and optimizer state into ``folder`` (a collective)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
 
 
 def _hidden(path: Path, kind: str) -> list[Path]:
@@ -138,9 +170,12 @@ def _recover(path: Path, clean: bool) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict, keep_as: Path | None = None) -> None:
-    """Write ``model``, ``optimizer`` and ``extra`` into the checkpoint directory ``path``.
+def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict, *, world: World = SINGLE, keep_as: Path | None = None) -> None:
+    """Write ``module`` (plain, DDP-wrapped or sharded by FSDP2), ``optimizer`` and ``extra`` into
+    the checkpoint directory ``path``: one process writes ``model.safetensors`` and ``state.pt``
+    (format 1), several write ``dcp/`` and rank 0's ``state.pt`` (format 2). A collective when
+    ``world`` is distributed: every rank calls it; ``extra`` is rank 0's.
 
     ``extra`` (step, RNG and sampler states, ...) must hold only dicts, lists, tuples, numbers,
     strings, None and tensors; anything else is a TypeError before a byte is written. An existing
@@ -148,16 +183,25 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     ``keep_as`` when that is given.
     """
     path = Path(path)
-    _check_plain(extra, "extra")
-    tmp = new_temporary(path)
+    if world.main:
+        _check_plain(extra, "extra")
+    tmp = Path(broadcast_object(world, str(new_temporary(path)) if world.main else None))
     try:
-        _write_model(tmp / MODEL_FILE, model)
-        _write_state(tmp / STATE_FILE, optimizer, extra)
-        _fsync(tmp)
+        if world.distributed:
+            _write_dcp(tmp / DCP_DIR, module, optimizer)
+        else:
+            _write_model(tmp / MODEL_FILE, _bare(module))
+        if world.main:
+            _write_state(tmp / STATE_FILE, None if world.distributed else optimizer, extra)
+            _fsync(tmp)
+        barrier(world)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if world.main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    install(tmp, path, keep_as)
+    if world.main:
+        install(tmp, path, keep_as)
+    barrier(world)
 
 
 def new_temporary(path: Path) -> Path:
@@ -271,13 +315,14 @@ def problem(error: BaseException) -> str:
 
 
 def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
-    """The full state_dict for ``model`` from ``file``, checked against the model's own."""
+    """The full state_dict for ``model`` (bare or sharded by FSDP2) from ``file``, checked against
+    the model's own names and full shapes (a sharded model's state is not gathered for it)."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as error:
         raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
-    unique, aliases = _split_aliases(model.state_dict())
+    unique, aliases = _expected(model)
     missing = sorted(set(unique) - set(tensors))
     unexpected = sorted(set(tensors) - set(unique))
     bad = [k for k in unique if k in tensors and tensors[k].shape != unique[k].shape]
@@ -289,6 +334,28 @@ def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
                           "was it written by a model with another configuration?")
     tensors.update({alias: tensors[name] for alias, name in aliases.items()})
     return tensors
+
+
+def _expected(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(unique, aliases)`` of ``model``'s state as :func:`_split_aliases` gives them; for a model
+    sharded by FSDP2, the full shapes on the meta device and the aliases by parameter identity."""
+    state = model.state_dict()
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return _split_aliases(state)
+    ids = {name: id(t) for name, t in model.named_parameters(remove_duplicate=False)}
+    ids.update({name: id(t) for name, t in model.named_buffers(remove_duplicate=False)})
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, t in state.items():
+        key = ids.get(name)
+        if key is not None and key in first:
+            aliases[name] = first[key]
+            continue
+        if key is not None:
+            first[key] = name
+        unique[name] = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")   # global shape
+    return unique, aliases
 
 
 def read_state(file: Path, format: int = FORMAT) -> dict:
@@ -314,25 +381,27 @@ def checkpoint_extra(path: str | os.PathLike) -> dict:
     return read_state(path / STATE_FILE, FORMAT if kind == "single" else SHARDED_FORMAT)["extra"]
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None) -> dict:
-    """Load the checkpoint directory ``path`` into ``model`` (and ``optimizer``); return ``extra``.
+def load_checkpoint(path: str | os.PathLike, module: nn.Module,
+                    optimizer: torch.optim.Optimizer | None, *, world: World = SINGLE) -> dict:
+    """Load the checkpoint directory ``path`` (either layout, saved at any world size) into
+    ``module`` (plain, DDP-wrapped or sharded by FSDP2) and ``optimizer`` (None: the weights only);
+    return ``extra``. A collective when ``world`` is distributed: every rank calls it.
 
-    Both files are read and checked before anything is changed: a missing, unreadable or corrupt
-    checkpoint, or one written by a model of another shape, raises :class:`ConfigError` with the
-    path and the problem on one line, leaving ``model`` and ``optimizer`` as they were.
+    A missing, damaged or unreadable checkpoint, or one written by a model of another shape, raises
+    :class:`ConfigError` with the path and the problem on one line. One process reading a
+    single-process checkpoint checks both files before anything is changed, leaving ``module`` and
+    ``optimizer`` as they were.
     """
     path = Path(path)
-    kind = layout(path)
-    if kind is None:
-        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
-                          f"or {DCP_DIR}/ and {STATE_FILE})")
-    verify_checksums(path)
+    kind = _verified_layout(path, world)
     if kind == "sharded":
         extra = read_state(path / STATE_FILE, SHARDED_FORMAT)["extra"]
-        load_dcp_into(path, model, optimizer)
+        load_dcp_into(path, module, optimizer)
         return extra
-    tensors = read_model(path / MODEL_FILE, model)
+    bare = _bare(module)
+    if world.distributed or _is_sharded(bare):
+        return _load_single_into_spread(path, module, bare, optimizer)
+    tensors = read_model(path / MODEL_FILE, bare)
     state = read_state(path / STATE_FILE)
     if optimizer is not None:
         try:
@@ -340,7 +409,75 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         except Exception as error:
             raise ConfigError(f"checkpoint {path / STATE_FILE} does not fit this optimizer: "
                               f"{problem(error)}") from None
-    model.load_state_dict(tensors, strict=True)
+    bare.load_state_dict(tensors, strict=True)
+    return state["extra"]
+
+
+def _verified_layout(path: Path, world: World) -> str:
+    """:func:`layout` of ``path`` after :func:`verify_checksums`, both by rank 0 once for every
+    rank; a missing or damaged checkpoint raises :class:`ConfigError` on every rank alike."""
+    kind, damaged = None, None
+    if world.main:
+        kind = layout(path)
+        try:
+            if kind is not None:
+                verify_checksums(path)
+        except ConfigError as error:
+            damaged = str(error)
+    kind, damaged = broadcast_object(world, (kind, damaged))
+    if damaged is not None:
+        raise ConfigError(damaged)
+    if kind is None:
+        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
+                          f"or {DCP_DIR}/ and {STATE_FILE})")
+    return kind
+
+
+def _bare(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (the names of its state are the model's own)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its first name`` (a tied parameter answers to its first name)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _optimizer_by_name(saved: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """A single-process ``optimizer.state_dict()`` (parameters numbered in group order) keyed by
+    parameter name instead, for ``set_state_dict``. The numbering is that of ``optimizer``'s own
+    groups: both were built by the same :func:`~.optim.build_optimizer` over the same model."""
+    names = _names(model)
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = saved["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ConfigError("the checkpoint's optimizer has other parameter groups than this model's")
+    by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
+               "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                 "params": [order[i] for i in g["params"]]} for g in groups]}
+    return by_name
+
+
+def _load_single_into_spread(path: Path, module: nn.Module, bare: nn.Module,
+                             optimizer: torch.optim.Optimizer | None) -> dict:
+    """A single-process checkpoint (every rank reads the whole file) into a spread ``module``
+    (``bare`` is the model inside it)."""
+    tensors = read_model(path / MODEL_FILE, bare)
+    state = read_state(path / STATE_FILE)
+    options = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        set_model_state_dict(module, tensors, options=options)
+    else:
+        osd = _optimizer_by_name(state["optimizer"], optimizer, bare)
+        set_state_dict(module, optimizer, model_state_dict=tensors, optim_state_dict=osd,
+                       options=options)
     return state["extra"]
 
 
@@ -368,3 +505,75 @@ def _read_dcp(path: Path, state: dict) -> None:
             dcp.load(state, checkpoint_id=str(path / DCP_DIR))
     except Exception as error:
         raise ConfigError(f"cannot read checkpoint {path / DCP_DIR}: {problem(error)}") from None
+
+
+# ---- the checkpoints of a run --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Saved:
+    """The named stateful parts of a training run besides the model and optimizer, as a checkpoint
+    holds them: the run's counters, the batch source's state, the generators (rank 0's, and every
+    rank's in a run across processes)."""
+
+    run: dict
+    source: dict
+    rng: dict
+    rng_ranks: list | None
+    world_size: int
+
+    def micro_batches_per_rank(self, micro_batches: int) -> int:
+        """Micro-batches per rank that keep a resumed run's global batch of ``micro_batches``."""
+        if micro_batches % self.world_size:
+            raise ConfigError(f"the checkpoint's global batch is {micro_batches} micro-batches, which "
+                              f"{self.world_size} processes cannot split evenly; resume with a "
+                              "number of processes that divides it")
+        return micro_batches // self.world_size
+
+
+class Checkpoints:
+    """A run's checkpoints: the last at ``path`` (``checkpoints/last``), the ``keep - 1`` before it
+    kept beside it as ``step_<N>``; saved and loaded through one path at any world size."""
+
+    def __init__(self, path: Path, keep: int, world: World = SINGLE) -> None:
+        self.path, self.keep, self.world = Path(path), keep, world
+
+    def save(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
+             previous: int | None, run: dict, source: dict, rng: dict) -> None:
+        """Write the checkpoint of ``step`` (a collective across processes); the one of step
+        ``previous`` it replaces is kept as ``step_<previous>`` while ``keep`` allows."""
+        extra = {"run": run, "source": source, "rng": rng}
+        if self.world.distributed:
+            extra["rng_ranks"] = gather_objects(self.world, rng)
+        keep_as = kept_name(self.path, previous) if self.keep > 1 and previous and previous != step else None
+        save_checkpoint(self.path, module, optimizer, extra, world=self.world, keep_as=keep_as)
+        if self.world.main:
+            prune_checkpoints(self.path, self.keep)
+
+    def load_newest_good(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Saved:
+        """Load the newest checkpoint that loads (the last, else the kept ones, newest first). A
+        fallback says so on stderr and moves the last one aside (to ``checkpoints/damaged-<time>``)."""
+        first = None
+        for path in [self.path, *older_checkpoints(self.path)]:
+            try:
+                extra = load_checkpoint(path, module, optimizer, world=self.world)
+                saved = Saved(extra["run"], extra["source"], extra["rng"], extra.get("rng_ranks"),
+                              self.world.size)
+            except KeyError as error:
+                raise ConfigError(f"checkpoint {path} lacks the training state {error}; it was not "
+                                  "written by siamesenorm.train") from None
+            except ConfigError as error:
+                first = first or error
+                continue
+            if first is not None and self.world.main:
+                print(f"warning: {first}; resuming from {path} instead{self._move_aside()}",
+                      file=sys.stderr, flush=True)
+            barrier(self.world)
+            return saved
+        assert first is not None
+        raise first
+
+    def _move_aside(self) -> str:
+        if not self.path.exists():
+            return ""
+        damaged = self.path.with_name(f"damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(self.path, damaged)
+        return f" ({self.path.name} moved to {damaged.name})"

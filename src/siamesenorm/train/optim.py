@@ -61,3 +61,16 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: floa
     span = total - warmup
     progress = min(1.0, (step - warmup) / span) if span > 0 else float(step > warmup)
     return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients to a total 2-norm of at most ``max_norm``; returns the norm before.
+
+    :func:`torch.nn.utils.clip_grad_norm_`'s two halves, with the norm of sharded (FSDP2)
+    gradients made whole in between so that every rank clips by the same number."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(norm, "full_tensor"):    # a DTensor: the norm of this rank's shards, to reduce
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
