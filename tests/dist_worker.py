@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from siamesenorm.config import TrainConfig
 from siamesenorm.data import BatchSampler, validation_batches
 from siamesenorm.models import LanguageModel, LMConfig, MoEConfig
 from siamesenorm.models.checkpointing import set_activation_checkpointing
 from siamesenorm.schemes import list_schemes
-from siamesenorm.train import TrainSettings, train
+from siamesenorm.train import train as train_engine
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 # every registered scheme with its defaults (SiameseNorm's default form is post_pre), and the OLMo form
@@ -59,11 +60,16 @@ def build(scheme: str, options: dict) -> LanguageModel:
                                   scheme=scheme, scheme_options=options, moe=moe))
 
 
-def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainSettings:
-    _, val = tokens()
-    return TrainSettings(steps=steps, lr=1e-2, warmup=1, grad_accum=accum, eval_every=steps,
-                         eval_batches=validation_batches(val, BATCH, SEQ, 3), parallel=parallel,
-                         checkpoint_every=checkpoint_every, seed=0)
+def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainConfig:
+    """``checkpoint_every=0``: only at the last step."""
+    return TrainConfig(steps=steps, lr=1e-2, warmup=1, grad_accum=accum, eval_every=steps,
+                       parallel=parallel, checkpoint_every=checkpoint_every or steps)
+
+
+def train(model, source, cfg: TrainConfig, run_dir, **kwargs) -> dict:
+    """The engine with this file's validation batches and seed 0."""
+    return train_engine(model, source, cfg, run_dir, seed=0,
+                        eval_batches=validation_batches(tokens()[1], BATCH, SEQ, 3), **kwargs)
 
 
 def source() -> BatchSampler:

@@ -33,8 +33,7 @@ from siamesenorm.errors import ConfigError
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.schemes.base import ResidualScheme
 from siamesenorm.tasks import load_config
-from siamesenorm.train import train
-from test_train import RandomWindows, make_model, rows, settings
+from test_train import RandomWindows, make_model, rows, settings, train
 
 VOCAB, DIM, LAYERS, SEQ = 32, 16, 3, 8
 F64 = torch.float64

@@ -310,3 +310,45 @@ def test_runs_that_learn_nothing_beyond_token_frequencies_are_reported_at_the_pl
     data = json.loads((out / "summary.json").read_text())
     assert data["aggregate"][0]["plateau"] == 2 and data["aggregate"][0]["diverged"] == 0
     assert "2 of 2 at the unigram plateau" in (out / "report.md").read_text()
+
+
+def test_a_twelve_run_compare_reads_its_preset_and_loads_its_corpus_once_per_distinct_setting(
+        tmp_path, monkeypatch):
+    import siamesenorm.config as config
+    import siamesenorm.experiments.grid as grid
+    import siamesenorm.tasks.lm as lm
+    from siamesenorm.experiments import compare
+
+    counts = {"preset": 0, "corpus": []}
+
+    def counted(module, name, key):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            if key == "preset":
+                counts["preset"] += 1
+            else:
+                counts["corpus"].append(args[0])
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(config, "read_preset", "preset")
+    counted(grid, "read_preset", "preset")
+    counted(lm, "load_corpus", "corpus")
+    preset = tmp_path / "grid.yaml"
+    preset.write_text(yaml.safe_dump({
+        "model": {"dim": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
+        "data": {"batch_size": 2, "seq_len": 16, "max_bytes": 20000, "val_batches": 1},
+        "train": {"steps": 1, "warmup": 0, "eval_every": 1, "checkpoint_every": 1},
+        "compare": {"schemes": ["pre", "post", "short"], "lrs": [1e-3, 2e-3], "seeds": [0, 1],
+                    "variants": {"short": {"scheme": "siamese",
+                                           "overrides": {"data.seq_len": 8}}}}}))
+    rows = compare(str(preset), [], tmp_path / "exp", log=lambda *_: None)
+    assert len(rows) == 12 and all(r["steps"] == 1 for r in rows)
+    assert counts["preset"] == 1
+    # two data settings (seq_len 16 for pre and post, 8 for the variant), each loaded once
+    assert counts["corpus"] == ["pystdlib", "pystdlib"]
+    counts["corpus"].clear()
+    counts["preset"] = 0
+    compare(str(preset), [], tmp_path / "exp", log=lambda *_: None)     # all done: nothing trains
+    assert counts["preset"] == 1 and len(counts["corpus"]) == 2          # the data is still checked

@@ -472,8 +472,9 @@ class FailingSource:
 def test_a_resumed_diffusion_run_repeats_the_uninterrupted_one(tmp_path):
     import json
 
+    from siamesenorm.config import TrainConfig
     from siamesenorm.data import ImageAugment, ImageBatchSampler, image_validation_batches
-    from siamesenorm.train.loop import TrainSettings, train
+    from siamesenorm.train import train
 
     images = np.random.default_rng(0).integers(0, 256, (40, 1, 4, 4), dtype=np.uint8)
     labels = np.arange(40) % 3
@@ -483,8 +484,9 @@ def test_a_resumed_diffusion_run_repeats_the_uninterrupted_one(tmp_path):
         torch.manual_seed(seed)
         objective = DiffusionObjective(tiny_dit(), create_diffusion(num_timesteps=50))
         sampler = ImageBatchSampler(images, labels, 8, seed=seed, augment=ImageAugment(hflip=True))
-        settings = TrainSettings(steps=6, lr=1e-2, checkpoint_every=3, eval_every=3, eval_batches=val)
-        train(objective, FailingSource(sampler, fail_at), settings, directory, resume=resume)
+        settings = TrainConfig(steps=6, lr=1e-2, warmup=0, checkpoint_every=3, eval_every=3)
+        train(objective, FailingSource(sampler, fail_at), settings, directory, resume=resume,
+              eval_batches=val)
         return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
 
     straight = run(tmp_path / "a", seed=0)

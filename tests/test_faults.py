@@ -370,7 +370,7 @@ def test_a_run_whose_gradient_stays_zero_stops_as_stalled(tmp_path):
     from types import SimpleNamespace
 
     import dist_worker as w
-    from siamesenorm.train import train
+
 
     class Dead(torch.nn.Module):
         def __init__(self, inner):
@@ -381,13 +381,13 @@ def test_a_run_whose_gradient_stays_zero_stops_as_stalled(tmp_path):
             return SimpleNamespace(loss=self.inner(x, y).loss * 0.0 + 5.5)
 
     settings = dataclasses.replace(w.settings(30, "none", 1), stall_steps=5)
-    summary = train(Dead(w.build("pre", {})), w.source(), settings, tmp_path / "run", progress=False)
+    summary = w.train(Dead(w.build("pre", {})), w.source(), settings, tmp_path / "run", progress=False)
     assert summary["stalled"] and summary["failed"] and not summary["diverged"]
     assert summary["stalled_at"] == 1 and summary["steps"] == 5
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert rows[-1] == {"step": 5, "stalled": True, "stalled_at": 1}
     # a live model's gradient is never exactly zero: the same settings train to the end
-    summary = train(w.build("pre", {}), w.source(), settings, tmp_path / "live", progress=False)
+    summary = w.train(w.build("pre", {}), w.source(), settings, tmp_path / "live", progress=False)
     assert not summary["stalled"] and summary["steps"] == 30
 
 

@@ -19,7 +19,6 @@ import dist_worker as w
 from siamesenorm.errors import ConfigError, RankFailed
 from siamesenorm.parallel import RankSource
 from siamesenorm.parallel.launch import launch
-from siamesenorm.train import train
 
 WORKER = str(Path(w.__file__).resolve())
 TINY = ["train.steps=4", "train.eval_every=4", "train.warmup=1", "train.checkpoint_every=2",
@@ -35,7 +34,7 @@ def reference(name: str, tmp_path: Path) -> tuple[list[float], float]:
     """One process, ``grad_accum=2``: the global batch of 2 ranks with one micro-batch each."""
     scheme, options = w.SCHEMES[name]
     run_dir = tmp_path / f"ref-{name}"
-    train(w.build(scheme, options), w.source(), w.settings(5, "none", 2), run_dir, progress=False)
+    w.train(w.build(scheme, options), w.source(), w.settings(5, "none", 2), run_dir, progress=False)
     return w.losses(run_dir)
 
 
@@ -74,7 +73,7 @@ def test_ddp_and_fsdp_match_one_process_with_accumulation(tmp_path):
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_resume_at_another_world_size_continues_the_same_run(tmp_path, first, then):
     ref = tmp_path / "ref"
-    train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
+    w.train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
           progress=False)
     want, _ = w.losses(ref)
 
@@ -100,7 +99,7 @@ def test_resume_at_another_world_size_continues_the_same_run(tmp_path, first, th
 
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
     ref = tmp_path / "ref"
-    train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
+    w.train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
           progress=False)
     want, _ = w.losses(ref)
     run_dir = tmp_path / "run"
@@ -153,7 +152,7 @@ def test_divergence_stops_every_rank_at_the_step_one_process_stops(tmp_path):
 
     ref = tmp_path / "ref"
     settings = dataclasses.replace(w.settings(6, "none", 2, checkpoint_every=2), lr=50.0)
-    train(w.build("pre", {}), w.source(), settings, ref, progress=False)
+    w.train(w.build("pre", {}), w.source(), settings, ref, progress=False)
     want = json.loads((ref / "summary.json").read_text())
     assert want["diverged"], "the reference did not diverge: raise the learning rate"
     run_dir = tmp_path / "run"

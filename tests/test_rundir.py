@@ -12,8 +12,7 @@ import pytest
 from siamesenorm.errors import ConfigError
 from siamesenorm.experiments.compare import grad_norm_peak
 from siamesenorm.rundir import RunDir, check_out_dir, open_jsonl, read_jsonl
-from siamesenorm.train import train
-from test_train import RandomWindows, make_model, rows, settings
+from test_train import RandomWindows, make_model, rows, settings, train
 
 ROWS = [{"step": 1, "loss": 2.5, "grad_norm": 1.0}, {"step": 2, "loss": 2.25, "grad_norm": 4.0},
         {"step": 3, "loss": 2.0, "grad_norm": 0.5}]
@@ -89,11 +88,13 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
     assert sorted(p.name for p in run.path.iterdir()) == ["notes.txt"]
 
 
-def test_the_engine_refuses_a_used_folder_with_the_one_message(tmp_path):
+def test_a_run_refuses_a_used_folder_with_the_one_message(tmp_path):
+    from siamesenorm.tasks import Run
+
     train(make_model(), RandomWindows(), settings(steps=1), tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    with pytest.raises(ConfigError) as error:
-        train(make_model(), RandomWindows(), settings(steps=1), tmp_path)
+    with pytest.raises(ConfigError) as error, Run(tmp_path).claimed():
+        pass
     assert str(error.value) == (f"{tmp_path} already holds a run; resume it with --resume or choose "
                                 "another --out")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -218,7 +218,7 @@ def _first_targets(preset, *overrides):
 
     cfg = load_config(preset, ["data.dataset=digits", "data.dataset_options={}", "data.batch_size=32",
                                "data.val_batches=1", *overrides])
-    x, y = load_vit_data(cfg).sampler.next_batch()
+    x, y = load_vit_data(cfg).batches(cfg).next_batch()
     assert y.shape == (32, 10) and y.dtype.is_floating_point   # mixed soft targets
     torch.testing.assert_close(y.sum(1), torch.ones(32))
     return y

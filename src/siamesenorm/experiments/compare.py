@@ -129,13 +129,15 @@ def _claim(out: Path, spec: dict) -> None:
 
 def load_data(cells: list) -> dict:
     """The data of every distinct data setting of the grid (``(task, data section)``), loaded once
-    and checked before the folder is claimed; the fresh runs of a setting share it."""
+    and checked before the folder is claimed, with every cell's model fitted to it (the vocabulary,
+    the context); the fresh runs of a setting share it."""
     loaded: dict = {}
     for cell in cells:
-        cfg = cell.config
+        cfg, task = cell.config, get_task(cell.config.task)
         key = data_key(cfg)
         if key not in loaded:
-            loaded[key] = get_task(cfg.task).load_data(cfg, None, False)
+            loaded[key] = task.load_data(cfg, None, False)
+        task.fit(cfg, loaded[key])
     return loaded
 
 

@@ -87,9 +87,6 @@ class LMRunConfig:
         check_seed(self.seed)
         if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
             check_corpus_options(self.data.corpus, self.data.corpus_options)
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len "
-                              f"({self.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -183,7 +180,13 @@ def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = F
 
 # ---- a run --------------------------------------------------------------------------------------
 def _fit(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
-    """The model's vocabulary from the data (:func:`_model_vocab`): the one value fitting sets."""
+    """The model's vocabulary from the data (:func:`_model_vocab`): the one value fitting sets;
+    and the model's context must hold the data's sequences."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
+                          f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
+    if data.tokenizer is not None and data.tokenizer.kind == "bpe":     # it may use all it was allowed
+        _model_vocab(cfg, cfg.data.vocab_size, f"the BPE tokenizer (data.vocab_size={cfg.data.vocab_size})")
     return derive(cfg, {"model.vocab_size": _model_vocab(cfg, *data.vocab_needed())})
 
 

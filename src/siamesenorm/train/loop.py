@@ -10,7 +10,6 @@ and the run's counters, and evaluation never moves a generator the training draw
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 import sys
@@ -45,26 +44,17 @@ from .optim import build_optimizer, clip_gradients, lr_at
 from .probe_hook import StepProbe
 from .progress import ProgressLine
 from .rng import preserved_rng, rng_state, set_rng_state
-from .state import RunState
+from .state import Phase, RunState
 from .summary import build_summary, perplexity
-
-
-class Phase(enum.Enum):
-    """Where a step is, for what an interrupt may save."""
-
-    IDLE = "idle"           # between steps: everything on disk or in memory is consistent
-    COMPUTE = "compute"     # gradients of a step: the step can be taken back
-    UPDATE = "update"       # inside optimizer.step: half-updated weights, nothing is saved
 
 
 class Trainer:
     """One training session of a model in its run folder: the objects it drives and the state it
     carries. The run folder was claimed by the caller (:class:`siamesenorm.tasks.runner.Run`)."""
 
-    def __init__(self, model: nn.Module, source: BatchSource, cfg: Any, run_dir: Path, *,
-                 seed: int | None, eval_batches: Sequence, evaluation: Evaluation | None,
-                 device: torch.device, probe: StepProbe | None, info: dict[str, Any] | None,
-                 world: World) -> None:
+    def __init__(self, model: nn.Module, source: BatchSource, cfg: Any, run_dir: Path, *, seed: int | None,
+                 eval_batches: Sequence, evaluation: Evaluation | None, device: torch.device,
+                 probe: StepProbe | None, info: dict[str, Any] | None, world: World) -> None:
         self.cfg, self.run_dir, self.world, self.device, self.seed = cfg, run_dir, world, device, seed
         self.eval_batches, self.evaluation, self.probe = list(eval_batches), evaluation, probe
         self.info = dict(info or {})
@@ -104,30 +94,24 @@ class Trainer:
         self.state.micro_batches = self.world.size * self.cfg.grad_accum
         if self.seed is not None:
             # every rank draws its own dropout and noise; rank 0 draws what a single process would
-            self.reseed(self.seed + 1_000_003 * self.world.rank)
+            _reseed(self.seed + 1_000_003 * self.world.rank)
         return None
 
-    @staticmethod
-    def reseed(seed: int) -> None:
-        torch.manual_seed(seed)
-        random.seed(seed)
-
     def restore_rng(self, rng: dict, per_rank: list | None) -> None:
-        """Every rank's generators as saved; at another world size rank 0 takes the saved rank 0's
-        and the others start from a seed of the step (exact resumption needs the same ranks only
-        where the forward pass itself draws random numbers: dropout, diffusion noise)."""
+        """Every rank's generators as saved; at another world size the others than rank 0 start from
+        a seed of the step (exact only where the forward draws no random numbers)."""
         world = self.world
         if per_rank is not None and len(per_rank) == world.size:
             set_rng_state(per_rank[world.rank])
         elif world.main or per_rank is None:
             set_rng_state(rng)
         else:
-            self.reseed((self.seed or 0) + 1_000_003 * world.rank + 7919 * self.state.step)
+            _reseed((self.seed or 0) + 1_000_003 * world.rank + 7919 * self.state.step)
 
     # ---- one step ----------------------------------------------------------------------------
     def compute(self, probe_step: int | None) -> tuple[float, float, int]:
-        """Accumulate the gradient of one step; returns ``(loss, pre-clip grad norm, tokens)``.
-        With ``probe_step``, the probe reads the accumulated gradients before they are clipped."""
+        """Accumulate one step's gradient (the probe reads it before clipping, at ``probe_step``);
+        returns ``(loss, pre-clip grad norm, tokens)``."""
         n, total, tokens, parts = self.micro_batches, None, 0, {}
         for i in range(n):
             x, y = self.source.next_batch()
@@ -185,7 +169,7 @@ class Trainer:
         return step == self.cfg.steps or step % every == 0
 
     def loop(self, log: MetricsLog | None, bar: ProgressLine, ctrl_c: DeferredInterrupt) -> None:
-        cfg, state, throughput = self.cfg, self.state, [0, 0.0]    # tokens and seconds since the last row
+        cfg, state = self.cfg, self.state
         while state.step < cfg.steps:
             if all_max(self.world, ctrl_c.requested, self.device):   # every rank stops together
                 raise Terminated if all_max(self.world, ctrl_c.terminated, self.device) else KeyboardInterrupt
@@ -203,27 +187,26 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - began
-            self.phase = Phase.COMPUTE if diverged else Phase.IDLE
+            self.phase = Phase.AFTER
             if probing:
                 with preserved_rng():
                     self.probe.after_update(self.model, step, diverged)
             row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, **self.loss_parts}
+            row["tokens_per_s"] = tokens / max(seconds, 1e-9)
             if diverged:
                 self.diverged_at = step
-                _write(log, {**row, "tokens_per_s": tokens / max(seconds, 1e-9), "diverged": True})
+                _write(log, {**row, "diverged": True})
                 return
             state.step, state.last_loss, state.best_loss = step, loss, min(state.best_loss, loss)
             state.tokens_seen += tokens
             state.train_time_s += seconds
-            throughput = [throughput[0] + tokens, throughput[1] + seconds]
-            row["tokens_per_s"] = throughput[0] / max(throughput[1], 1e-9)
             bar.update(step, loss, lr, row["tokens_per_s"])
             if self.is_due(cfg.eval_every, step):
                 row.update(self.evaluate(step))
             _write(log, row)
-            throughput = [0, 0.0]
             if self.is_due(cfg.checkpoint_every, step):
                 self.save()
+            self.phase = Phase.IDLE
             self.zero_grad_steps = self.zero_grad_steps + 1 if norm == 0.0 else 0
             if self.zero_grad_steps >= cfg.stall_steps:
                 self.stalled_at = step - self.zero_grad_steps + 1
@@ -258,30 +241,25 @@ def _write(log: MetricsLog | None, row: dict[str, Any]) -> None:
         log.write(row)
 
 
+def _reseed(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
 def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, *,
           seed: int | None = 0, eval_batches: Sequence[tuple[Tensor, Tensor]] = (),
           evaluation: Evaluation | None = None, resume: bool = False,
           device: str | torch.device = "cpu", progress: bool | None = None,
           probe: StepProbe | None = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train ``model`` on batches from ``source`` as ``cfg`` (a :class:`~siamesenorm.config.TrainConfig`)
-    says, into ``run_dir``; returns the summary.
-
-    ``model(x, y)`` must return an object with a scalar ``.loss``; it is moved to ``device`` and
-    trained in float32 (bf16 autocast on CUDA by default). ``seed`` (None: leave the generators
-    alone) seeds Python's and torch's generators at the start of a fresh run; the caller builds
-    the model. At every ``cfg.eval_every`` steps and the last, the validation loss over the fixed
-    ``eval_batches`` and ``evaluation``'s figures are logged (:class:`~.hooks.Evaluation`).
-    ``progress=None`` shows a progress line only when stderr is a terminal. ``probe`` records
-    diagnostics on the steps it wants without changing what the run computes; ``info`` (plain JSON
-    data) is added to the summary.
-
-    The caller owns ``run_dir`` (:class:`~siamesenorm.tasks.runner.Run` claims it). ``resume``
-    continues from its newest good checkpoint and truncates ``metrics.jsonl`` to its step. A run
-    stops as diverged at the first non-finite loss or gradient norm, or (after the warm-up) a loss
-    above ``divergence_factor`` times the lowest so far; the checkpoint on disk stays the last good
-    one. It stops as stalled after ``stall_steps`` steps in a row of exactly zero gradient. Ctrl-C
-    finishes the step in flight, checkpoints the last completed step, writes ``summary.json`` with
-    ``"interrupted": true`` and re-raises :class:`KeyboardInterrupt` (SIGTERM: :class:`Terminated`).
+    """Train ``model`` (``model(x, y).loss``) on ``source``'s batches as ``cfg`` (a
+    :class:`~siamesenorm.config.TrainConfig`) says, into ``run_dir``, which the caller has claimed;
+    returns the summary. ``seed`` (None: leave the generators alone) seeds a fresh run's generators;
+    every ``cfg.eval_every`` steps and at the last, the loss on ``eval_batches`` and
+    ``evaluation``'s figures are logged. ``resume`` continues from the newest good checkpoint.
+    A run stops as diverged at a non-finite loss or gradient norm, or after the warm-up at a loss
+    above ``divergence_factor`` times the lowest so far, and as stalled after ``stall_steps`` steps
+    of zero gradient. Ctrl-C or SIGTERM finishes the step, checkpoints it, writes ``summary.json``
+    (``"interrupted": true``) and re-raises. ``progress=None``: a progress line on a terminal only.
     """
     run_dir, world = Path(run_dir), current_world()
     if world.main:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ class RunState:
     last_val_loss: float | None = None
     best_val_loss: float | None = None
     best_val_step: int | None = None
-    last_extra: dict[str, Any] = field(default_factory=dict)   # what extra_eval last returned
+    last_extra: dict[str, Any] = field(default_factory=dict)   # what the evaluation last returned
     tokens_seen: int = 0
     train_time_s: float = 0.0             # time inside training steps (no eval, no checkpoints)
     wall_time_s: float = 0.0              # of the sessions before this one
@@ -41,3 +42,11 @@ class RunState:
     def from_dict(cls, data: dict[str, Any]) -> RunState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class Phase(enum.Enum):
+    """Where a step is, for what an interrupt may save."""
+    IDLE = "idle"           # between steps: everything on disk or in memory is consistent
+    COMPUTE = "compute"     # gradients of a step: the step can be taken back
+    UPDATE = "update"       # inside optimizer.step: half-updated weights, nothing is saved
+    AFTER = "after"         # updated, the step not yet recorded: one process saves, many do not

@@ -26,7 +26,7 @@ def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, dive
     run diverged or stalled; ``final_*`` are the last
     evaluation's figures, ``best_val_*`` the lowest validation loss and its step; ``tokens_per_s``
     is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
-    model's, at the training sequence length. ``extra_eval``'s last numbers follow as ``final_<name>``.
+    model's, at the training sequence length. the evaluation's last figures follow as ``final_<name>``.
     """
     # Any module trains (the loop's contract is only ``model(x, y).loss``); a scheme host gives its
     # own counts, other modules every parameter and no FLOPs.
