@@ -74,7 +74,8 @@ class ImageData:
         return self.val_batches[:n]
 
     def info(self, cfg: Any) -> dict:
-        return {"data": {"name": cfg.data.dataset}}
+        """Nothing yet: an image run's summary records no data fingerprint."""
+        return {}
 
     def save(self, run_dir: Path) -> None:
         """Nothing to keep: an image set is read again from ``data.dataset``."""
