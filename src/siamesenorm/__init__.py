@@ -6,6 +6,7 @@ with, behind one interface (:class:`ResidualScheme`) and one registry.
 """
 
 from .errors import ConfigError
+from .models.stack import ResidualStack
 from .schemes import (
                       ResidualScheme,
                       SchemeRequirements,
@@ -17,5 +18,5 @@ from .schemes import (
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "ResidualScheme", "SchemeRequirements", "__version__", "build_scheme",
-           "list_schemes", "register_scheme", "scheme_options"]
+__all__ = ["ConfigError", "ResidualScheme", "ResidualStack", "SchemeRequirements", "__version__",
+           "build_scheme", "list_schemes", "register_scheme", "scheme_options"]

@@ -6,8 +6,9 @@ from .dit import DiT
 from .dit_config import DIT_SIZES, DiTConfig
 from .lm import LanguageModel, LMOutput
 from .lm_config import LMConfig, MoEConfig
+from .stack import ResidualStack
 from .vit import VisionTransformer, ViTOutput
 from .vit_config import VIT_SIZES, ViTConfig
 
 __all__ = ["DIT_SIZES", "VIT_SIZES", "DiT", "DiTConfig", "LMConfig", "LMOutput", "LanguageModel",
-           "MoEConfig", "ViTConfig", "ViTOutput", "VisionTransformer"]
+           "MoEConfig", "ResidualStack", "ViTConfig", "ViTOutput", "VisionTransformer"]

@@ -56,7 +56,7 @@ from ..config import CHECKPOINTING_MODES
 from .host import SchemeHost
 
 __all__ = ["activation_checkpointing", "activation_memory", "saved_activation_bytes",
-           "set_activation_checkpointing"]
+           "set_activation_checkpointing", "set_scheme_checkpointing"]
 
 _aten = torch.ops.aten
 # What ``selective`` keeps: matrix products and attention kernels (whatever SDPA dispatches to; the
@@ -159,10 +159,14 @@ def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Make ``model`` (a scheme host: language model, ViT, DiT or its diffusion objective) run each
     scheme step with activation checkpointing ``mode`` (see the module docstring). Setting a mode
     again replaces the previous one; ``none`` restores the plain step."""
+    set_scheme_checkpointing(_host(model).scheme, mode)
+
+
+def set_scheme_checkpointing(scheme: nn.Module, mode: str) -> None:
+    """Run every ``scheme.step`` with activation checkpointing ``mode`` (whoever runs the loop)."""
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(f"activation checkpointing must be one of {', '.join(CHECKPOINTING_MODES)}, "
                          f"got {mode!r}")
-    scheme = _host(model).scheme
     vars(scheme).pop("step", None)
     if mode != "none":
         vars(scheme)["step"] = _CheckpointedStep(scheme, mode)

@@ -41,6 +41,7 @@ from .host import (
     reset_sublayer_norms,
     rng_devices,
 )
+from .stack import ResidualStack
 
 __all__ = ["DIT_SIZES", "DiT", "DiTConfig", "modulate", "sincos_pos_embed_2d", "timestep_features"]
 
@@ -160,7 +161,7 @@ def fused_qkv_bound(attn: Attention) -> float:
     return math.sqrt(6.0 / (projections[0].in_features + fan_out))
 
 
-class DiT(nn.Module, SchemeHost):
+class DiT(ResidualStack, SchemeHost):
     """Class-conditional diffusion transformer built from a :class:`DiTConfig`.
 
     Attributes:
@@ -283,14 +284,15 @@ class DiT(nn.Module, SchemeHost):
         self._check_inputs(x, t, y)
         h = self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)
-        state = self.scheme.enter(h)
-        mods: tuple[Tensor, ...] = ()
-        for i, sublayer in enumerate(self.sublayers):
+        block: list[tuple[Tensor, ...]] = []     # the block's adaLN shift, scale, gate x 2
+
+        def modulated(i: int, sublayer: nn.Module):
             if i % 2 == 0:
-                mods = self.modulation[i // 2](c).chunk(6, dim=-1)
-            shift, scale, gate = mods[:3] if i % 2 == 0 else mods[3:]
-            state = self.scheme.step(state, i, partial(_modulated, sublayer, shift, scale, gate))
-        return self.unpatchify(self.final_layer(self.scheme.exit(state), c))
+                block[:] = [self.modulation[i // 2](c).chunk(6, dim=-1)]
+            shift, scale, gate = block[0][:3] if i % 2 == 0 else block[0][3:]
+            return partial(_modulated, sublayer, shift, scale, gate)
+
+        return self.unpatchify(self.final_layer(self.run(h, wrap=modulated), c))
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         """Prediction ``(B, out_channels, H, W)`` for noisy inputs ``x`` ``(B, C, H, W)`` at

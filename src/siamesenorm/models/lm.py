@@ -1,6 +1,6 @@
 """Decoder-only language model: embedding, a residual scheme over attention/MLP sublayers, a head.
 
-The forward pass is the one loop every model in the library runs::
+The forward pass is the one loop every model in the library runs (:class:`~.stack.ResidualStack`)::
 
     state = scheme.enter(embed(input_ids))
     for i, sublayer in enumerate(sublayers):      # even i: attention of block i // 2; odd i: MLP
@@ -35,6 +35,7 @@ from .host import (
     rng_devices,
 )
 from .lm_config import LMConfig
+from .stack import ResidualStack
 
 __all__ = ["LMConfig", "LMOutput", "LanguageModel"]
 
@@ -53,7 +54,7 @@ def _normal(weight: Tensor, std: float, truncated: bool) -> None:
         nn.init.normal_(weight, 0.0, std)
 
 
-class LanguageModel(nn.Module, SchemeHost):
+class LanguageModel(ResidualStack, SchemeHost):
     """Causal language model built from an :class:`LMConfig`.
 
     Attributes:
@@ -203,16 +204,8 @@ class LanguageModel(nn.Module, SchemeHost):
             if positions is None:
                 positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos:]
         attend = {"cache": cache, "pos": pos, "positions": positions, "key_mask": attention_mask}
-        h = F.dropout(self.embed(input_ids), self.config.dropout, self.training)
-        state = self.scheme.enter(h)
-        if states is not None:
-            states.append(state)
-        for i, sublayer in enumerate(self.sublayers):
-            branch = partial(sublayer, **attend) if isinstance(sublayer, Attention) else sublayer
-            state = self.scheme.step(state, i, branch)
-            if states is not None and i % 2:
-                states.append(state)
-        h = self.scheme.exit(state)
+        h = self.run(F.dropout(self.embed(input_ids), self.config.dropout, self.training),
+                     attention_kwargs=attend, states=states)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, head)
         if cache is not None:

@@ -36,6 +36,7 @@ from .host import (
     reset_sublayer_norms,
     rng_devices,
 )
+from .stack import ResidualStack
 from .vit_config import VIT_SIZES, ViTConfig
 
 __all__ = ["VIT_SIZES", "ViTConfig", "ViTOutput", "VisionTransformer", "drop_path"]
@@ -67,7 +68,7 @@ def _trunc_normal(weight: Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, 0.0, std, -2.0, 2.0)
 
 
-class VisionTransformer(nn.Module, SchemeHost):
+class VisionTransformer(ResidualStack, SchemeHost):
     """Image classifier built from a :class:`ViTConfig`.
 
     Attributes:
@@ -145,12 +146,11 @@ class VisionTransformer(nn.Module, SchemeHost):
 
     def forward_tokens(self, images: Tensor) -> Tensor:
         """``scheme.exit`` of the final state, every token: ``(B, 1 + num_patches, dim)``."""
-        state = self.scheme.enter(self.embed(images))
-        for i, sublayer in enumerate(self.sublayers):
-            rate = self.drop_path_rates[i // 2]
-            branch = partial(_dropped, sublayer, rate) if self.training and rate > 0 else sublayer
-            state = self.scheme.step(state, i, branch)
-        return self.scheme.exit(state)
+        return self.run(self.embed(images), wrap=self._stochastic_depth)
+
+    def _stochastic_depth(self, i: int, sublayer: nn.Module):
+        rate = self.drop_path_rates[i // 2]
+        return partial(_dropped, sublayer, rate) if self.training and rate > 0 else sublayer
 
     def features(self, images: Tensor) -> Tensor:
         """The pre-head vector ``(B, dim)``: the class token of ``scheme.exit(state)``."""

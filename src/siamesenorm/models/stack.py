@@ -1,0 +1,117 @@
+"""The residual loop, once: a scheme's ``enter``, its ``step`` over every sublayer, its ``exit``.
+
+:class:`ResidualStack` is what every model of the package runs (the language model, the ViT and the
+DiT subclass it) and what anyone can put around their own blocks::
+
+    stack = ResidualStack("siamese", [attn_0, mlp_0, attn_1, mlp_1], dim=512)
+    h = stack(x)                          # (batch, tokens, dim) in and out
+
+The sublayers are bare: an attention and an MLP (or an MoE) alternating, each mapping a normalised
+``(..., dim)`` tensor to its update, with no norm and no residual add of its own; the scheme puts
+every norm and every add around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..schemes.base import SUBLAYERS_PER_BLOCK, ResidualScheme, build_scheme
+from .checkpointing import set_scheme_checkpointing
+
+__all__ = ["ResidualStack"]
+
+Wrap = Callable[[int, Callable[..., Tensor]], Callable[[Tensor], Tensor]]
+
+
+class _Function(nn.Module):
+    """A plain callable as a sublayer module (it holds no parameters of its own)."""
+
+    def __init__(self, fn: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.fn(*args, **kwargs)
+
+
+class ResidualStack(nn.Module):
+    """A residual scheme around a list of bare sublayers.
+
+    Args:
+        scheme: a :class:`~siamesenorm.schemes.ResidualScheme` (its ``n_layers`` blocks take two
+            sublayers each), or a scheme's name, built with ``dim`` (required then), ``norm``,
+            ``eps`` and ``options`` for ``len(sublayers) // 2`` blocks.
+        sublayers: modules or callables, attention at even indices and MLP at odd ones.
+        checkpointing: ``none``, ``sublayer`` or ``selective``: activation checkpointing of each
+            step (see :mod:`~siamesenorm.models.checkpointing`).
+
+    A scheme may ask for something the sublayers must do (``scheme.requires``): HybridNorm and
+    SiameseNorm's ``hybrid_pre`` form need attention that normalises q, k and v per head on the
+    blocks in ``requires.qkv_norm_blocks``. The package's models honour it; attention of your own
+    must do it itself.
+
+    The models of the package subclass it: they build ``scheme`` and ``sublayers`` in their own
+    order (``ResidualStack()`` with no arguments) and call :meth:`run` from their ``forward``.
+    """
+
+    def __init__(self, scheme: ResidualScheme | str | None = None,
+                 sublayers: Sequence[nn.Module | Callable[..., Tensor]] | None = None, *,
+                 dim: int | None = None, norm: str = "layernorm", eps: float = 1e-5,
+                 checkpointing: str = "none", **options: Any) -> None:
+        super().__init__()
+        if scheme is None and sublayers is None:
+            return       # a subclass sets both itself
+        if scheme is None or sublayers is None:
+            raise ValueError("ResidualStack needs a scheme and its sublayers")
+        if len(sublayers) == 0 or len(sublayers) % SUBLAYERS_PER_BLOCK:
+            raise ValueError(f"sublayers must alternate attention and MLP, {SUBLAYERS_PER_BLOCK} per "
+                             f"block; got {len(sublayers)}")
+        if isinstance(scheme, str):
+            if dim is None:
+                raise ValueError(f"ResidualStack({scheme!r}, ...) needs dim= to build the scheme")
+            scheme = build_scheme(scheme, dim, len(sublayers) // SUBLAYERS_PER_BLOCK, norm=norm,
+                                  eps=eps, **options)
+        elif options or dim is not None:
+            raise ValueError("dim and scheme options go with a scheme's name; this scheme is built")
+        if scheme.n_sublayers != len(sublayers):
+            raise ValueError(f"the scheme has {scheme.n_layers} blocks ({scheme.n_sublayers} sublayers), "
+                             f"got {len(sublayers)} sublayers")
+        self.scheme = scheme
+        self.sublayers = nn.ModuleList(s if isinstance(s, nn.Module) else _Function(s) for s in sublayers)
+        self.set_checkpointing(checkpointing)
+
+    def set_checkpointing(self, mode: str) -> None:
+        """Activation checkpointing of every step from now on (``none`` turns it off)."""
+        set_scheme_checkpointing(self.scheme, mode)
+
+    def run(self, h: Tensor, *, attention_kwargs: dict[str, Any] | None = None,
+            wrap: Wrap | None = None, states: list | None = None) -> Tensor:
+        """The loop: ``state = scheme.enter(h)``, ``state = scheme.step(state, i, branch_i)`` for
+        every sublayer, then ``scheme.exit(state)``, the hidden state for a head.
+
+        ``attention_kwargs`` go to every attention sublayer (a mask, a KV cache, positions).
+        ``wrap(i, sublayer) -> branch`` makes the branch of sublayer ``i`` (called in order, once
+        per sublayer: DiT's conditioning, stochastic depth). ``states`` receives the state after
+        ``enter`` and after every block.
+        """
+        scheme = self.scheme
+        state = scheme.enter(h)
+        if states is not None:
+            states.append(state)
+        for i, sublayer in enumerate(self.sublayers):
+            branch = partial(sublayer, **attention_kwargs) if attention_kwargs and scheme.is_attention(i) \
+                else sublayer
+            if wrap is not None:
+                branch = wrap(i, branch)
+            state = scheme.step(state, i, branch)
+            if states is not None and not scheme.is_attention(i):
+                states.append(state)
+        return scheme.exit(state)
+
+    def forward(self, h: Tensor, **kwargs: Any) -> Tensor:
+        """:meth:`run`."""
+        return self.run(h, **kwargs)
