@@ -65,12 +65,11 @@ class Run:
         before the lock, and a refusal leaves the folder as it was."""
         check_out_dir(self.run_dir)
         with folder_lock(self.run_dir, self.command):
-            if self.resume and self.folder.stopped_before_first_checkpoint():
-                raise ConfigError(f"cannot resume {self.run_dir}: it stopped before its first "
-                                  "checkpoint; start it again without --resume (the same command "
-                                  "that started it)")
-            if self.resume:
-                self.saved_config()
+            if self.resume:     # (the caller reads its config.yaml)
+                if self.folder.stopped_before_first_checkpoint():
+                    raise ConfigError(f"cannot resume {self.run_dir}: it stopped before its first "
+                                      "checkpoint; start it again without --resume (the same "
+                                      "command that started it)")
             elif self.restart:
                 self._clear_all()
             else:
