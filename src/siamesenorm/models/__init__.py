@@ -4,11 +4,12 @@ it is installed (import it explicitly)."""
 
 from .dit import DiT
 from .dit_config import DIT_SIZES, DiTConfig
+from .dit_official import DiT_models
 from .lm import LanguageModel, LMOutput
 from .lm_config import LMConfig, MoEConfig
 from .stack import ResidualStack
 from .vit import VisionTransformer, ViTOutput
 from .vit_config import VIT_SIZES, ViTConfig
 
-__all__ = ["DIT_SIZES", "VIT_SIZES", "DiT", "DiTConfig", "LMConfig", "LMOutput", "LanguageModel",
-           "MoEConfig", "ResidualStack", "ViTConfig", "ViTOutput", "VisionTransformer"]
+__all__ = ["DIT_SIZES", "VIT_SIZES", "DiT", "DiTConfig", "DiT_models", "LMConfig", "LMOutput",
+           "LanguageModel", "MoEConfig", "ResidualStack", "ViTConfig", "ViTOutput", "VisionTransformer"]

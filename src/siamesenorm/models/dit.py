@@ -175,6 +175,10 @@ class DiT(ResidualStack, SchemeHost):
         final_layer: :class:`FinalLayer`.
     """
 
+    #: Output channels that :meth:`forward_with_cfg` guides: ``None`` means the ``in_chans`` noise
+    #: channels; the official DiT code guides the first 3 (:class:`~.dit_official.OfficialDiT`).
+    guided_channels: int | None = None
+
     def __init__(self, config: DiTConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.config = cfg = config
@@ -306,16 +310,18 @@ class DiT(ResidualStack, SchemeHost):
 
         The first half of the batch is conditional (``y`` its labels), the second unconditional
         (``y`` the null label, ``num_classes``); only the first half of ``x`` is read, and both
-        halves run on it. The first ``in_chans`` output channels (the noise) become
-        ``uncond + cfg_scale * (cond - uncond)`` in both halves; the others (the learned variance)
-        are returned as predicted. Labels are never dropped at random here.
+        halves run on it. The first ``in_chans`` output channels (the noise; the first
+        :attr:`guided_channels` when set) become ``uncond + cfg_scale * (cond - uncond)`` in both
+        halves; the others (the learned variance) are returned as predicted. Labels are never
+        dropped at random here.
         """
         if x.shape[0] % 2:
             raise ValueError(f"forward_with_cfg needs an even batch (conditional half, then "
                               f"unconditional half), got {x.shape[0]}")
         half = x[: x.shape[0] // 2]
         out = self._forward(torch.cat((half, half)), t, y, drop_labels=False)
-        eps, rest = out[:, : self.config.in_chans], out[:, self.config.in_chans:]
+        n = self.config.in_chans if self.guided_channels is None else self.guided_channels
+        eps, rest = out[:, :n], out[:, n:]
         cond, uncond = eps.chunk(2)
         guided = uncond + cfg_scale * (cond - uncond)
         return torch.cat((torch.cat((guided, guided)), rest), dim=1)
