@@ -17,6 +17,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised without the extra
     raise ImportError("siamesenorm.hf needs transformers: pip install 'siamesenorm[hf]'") from error
 
+from .adapt import adapt, adapt_from_pretrained
 from .modeling import (
     MODEL_TYPE,
     SiameseNormCausalLMOutput,
@@ -35,4 +36,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM"]
+__all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM",
+           "adapt", "adapt_from_pretrained"]

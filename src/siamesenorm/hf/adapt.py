@@ -1,0 +1,545 @@
+"""Any scheme inside a Hugging Face causal LM of a supported family: :func:`adapt`.
+
+``adapt(config_or_model, scheme="siamese", **scheme_options)`` returns a causal LM of the model's
+own family (a subclass of its ``...ForCausalLM``, e.g. ``Qwen3SchemeForCausalLM``) whose residual
+path is the scheme, run by :class:`~siamesenorm.ResidualStack`:
+
+- given a configuration (``Qwen3Config(...)``), a fresh model, initialised as the family
+  initialises it (the family's own ``__init__`` builds it);
+- given a model (``Qwen3ForCausalLM``), the same built from that model's own embedding,
+  attention, MLP or MoE modules and head, sharing their weights: ``adapt(m, "pre")`` and
+  ``adapt(m, "siamese")`` start from the same weights. The model itself is left as it was and
+  keeps working (its decoder layers still hold the shared modules; training one trains both).
+
+Everything of the family stays: its attention (``config._attn_implementation``: eager, sdpa, ...),
+RoPE and its scaling, GQA, QK-norm, sliding windows and their masks, the MoE block with its router
+(``output_router_logits`` gives ``router_logits`` and ``aux_loss``, added to the loss as the family
+adds it), the KV cache and ``generate``, ``labels``, left-padded ``attention_mask``,
+``output_attentions``, ``resize_token_embeddings``; the family's ``ForCausalLM.forward`` is the
+one that runs. Replaced are the norms and the residual wiring only: each decoder layer's
+``input_layernorm`` and ``post_attention_layernorm`` and the model's final ``norm`` are gone, and
+the scheme owns every norm (of the family's kind: RMSNorm with the config's ``rms_norm_eps``, or
+for OLMo a LayerNorm without parameters). A scheme norm with the role of a model norm starts as a
+copy of it (:data:`SAME_ROLE`: for ``pre`` ``pre_norm[2b]`` <- layer ``b``'s ``input_layernorm``,
+``pre_norm[2b+1]`` <- its ``post_attention_layernorm``, ``final_norm`` <- ``model.norm``); the
+others keep the scheme's own initialisation. So ``adapt(model, "pre")`` computes what ``model``
+computes.
+
+What a scheme requires of its host (``scheme.requires``) is honoured: per-head QKV-norm on the
+blocks that need it (HybridNorm, SiameseNorm's ``hybrid_pre``; a per-head norm after ``v_proj``,
+and after ``q_proj`` and ``k_proj`` unless the family's attention normalises q and k already), and
+DeepNorm's Xavier initialisation with its ``branch_gain``, applied to a fresh model only
+(``adapt(model)`` keeps the model's weights as they are).
+
+Parameter names: ``model.embed_tokens``, ``model.stack.scheme.*`` (the scheme's norms),
+``model.stack.sublayers.{2b}`` (block ``b``'s attention), ``model.stack.sublayers.{2b+1}`` (its
+MLP or MoE block), ``lm_head``.
+
+Hidden states (``output_hidden_states=True``): one per block boundary, the embedding output first,
+as the family gives them; for a scheme with several streams (SiameseNorm) a boundary's entry is the
+scheme's exit applied there, as in :mod:`siamesenorm.hf.modeling`. The last is the head's input.
+
+Activation checkpointing: ``gradient_checkpointing_enable()`` (or
+``activation_checkpointing_enable()``) checkpoints every scheme step
+(``train.activation_checkpointing=sublayer``), which keeps all streams consistent;
+``every_n_layers`` and ``offload`` are not supported.
+
+Saving and loading: the configuration records the scheme (``config.siamesenorm = {"scheme": ...,
+"scheme_options": {...}}``; the family is its ``model_type``), so ``model.save_pretrained(path)``
+then :func:`adapt_from_pretrained` ``(path)`` gives the model back. (The family's own
+``from_pretrained`` would load such a folder as a model of the family, without its scheme.)
+
+Needs transformers 5 (``masking_utils``, ``output_capturing``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, PreTrainedModel
+
+try:                                    # transformers 5 names it PreTrainedConfig
+    from transformers import PreTrainedConfig as _BaseConfig
+except ImportError:                     # pragma: no cover - transformers 4
+    from transformers import PretrainedConfig as _BaseConfig
+
+try:
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
+    from transformers.utils.generic import merge_with_config_defaults
+    from transformers.utils.output_capturing import capture_outputs, maybe_install_capturing_hooks
+
+    # the cache's keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
+    _CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters \
+        else "past_key_values"
+except ImportError:                     # pragma: no cover - transformers 4
+    capture_outputs = None
+
+from ..errors import ConfigError
+from ..models.stack import ResidualStack
+from ..nn.norms import LayerNorm, build_norm
+from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
+from .modeling import _merged
+
+__all__ = ["FAMILIES", "SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What :func:`adapt` needs to know of a model family.
+
+    Attributes:
+        module: ``transformers.models.<module>.modeling_<module>``.
+        causal_lm: the name of its causal-LM class.
+        masks: how its base model builds attention masks: ``"full"`` (one causal mask),
+            ``"window"`` (a sliding-window mask for every layer when ``config.sliding_window`` is
+            set), ``"layer_types"`` (per ``config.layer_types``: full or sliding).
+        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``) or ``"olmo"`` (LayerNorm without
+            parameters, eps 1e-5).
+        moe: whether its base model returns router logits (``MoeModelOutputWithPast``).
+    """
+
+    module: str
+    causal_lm: str
+    masks: str
+    norm: str = "rmsnorm"
+    moe: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", "full"),
+    "mistral": Family("mistral", "MistralForCausalLM", "window"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "layer_types"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "layer_types"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True),
+    "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True),
+    "olmo": Family("olmo", "OlmoForCausalLM", "full", norm="olmo"),
+}
+
+# The scheme norms that play the role of a model norm, by scheme: the attribute holding the norm
+# that normalises the (Pre-Norm) residual stream into sublayer ``i`` (the role of
+# ``input_layernorm`` / ``post_attention_layernorm``) and the attribute holding the norm that feeds
+# the head (the role of ``model.norm``). SiameseNorm's ``pre_norm`` is LN^Y, the norm of its
+# Pre-Norm stream Y before each sublayer. Schemes not listed (post, deepnorm, resi_dual, spannorm)
+# have no such norm; a norm absent from a built scheme (``None``) is skipped.
+SAME_ROLE: dict[str, tuple[str | None, str | None]] = {
+    "pre": ("pre_norm", "final_norm"),
+    "lns": ("pre_norm", "final_norm"),
+    "siamese": ("pre_norm", "final_norm"),
+    "peri_ln": ("input_norm", "final_norm"),
+    "hyper": ("norm", "final_norm"),
+    "mhc": ("norm", "final_norm"),
+    "mix_ln": ("norm", "final_norm"),           # only its Pre-LN blocks (see _sublayer_role_norms)
+    "hybridnorm": ("attn_norm", "final_norm"),  # block 0's attention norm, with pre0
+}
+
+_CLASSES: dict[str, type] = {}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _need_transformers5() -> None:
+    if capture_outputs is None:                    # pragma: no cover - transformers 4
+        raise ImportError("siamesenorm.hf.adapt needs transformers>=5: pip install -U transformers")
+
+
+def _family(model_type: str | None) -> Family:
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ConfigError(f"adapt supports the model types {', '.join(FAMILIES)}; "
+                          f"got {model_type!r}") from None
+
+
+# ---- the pieces ----------------------------------------------------------------------------------
+class _HeadNorm(nn.Module):
+    """A projection followed by a norm over each head's slice of its output (QKV-norm)."""
+
+    def __init__(self, proj: nn.Module, norm: nn.Module, head_dim: int) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head_dim = proj, norm, head_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.proj(x)
+        return self.norm(out.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+
+
+def _own_copy(module: nn.Module, config: Any = None) -> nn.Module:
+    """A shallow copy of ``module``: the same parameters and child modules, its own registries (so
+    children and parameters set on it, and hooks, are its own) and ``config`` if given, so that
+    the copy follows the adapted model's configuration (``_attn_implementation``) and the original
+    is left alone."""
+    new = copy.copy(module)
+    state = vars(new)
+    for key, value in list(state.items()):
+        if isinstance(value, (dict, set)):
+            state[key] = copy.copy(value)
+    if config is not None and "config" in state:
+        state["config"] = config
+    return new
+
+
+def _own_tree(module: nn.Module, config: Any) -> nn.Module:
+    """:func:`_own_copy` of ``module`` and of every submodule that holds a configuration (attention,
+    MLP, an MoE block's experts): the same parameters, the adapted model's ``config``."""
+    new = _own_copy(module, config)
+    for name, child in module.named_children():
+        if any("config" in vars(m) for m in child.modules()):
+            setattr(new, name, _own_tree(child, config))
+    return new
+
+
+def _own_parameters(module: nn.Module) -> nn.Module:
+    """:func:`_own_copy` of ``module`` with parameters of its own, on the same data (until
+    something replaces their data, as ``resize_token_embeddings`` does)."""
+    new = _own_copy(module)
+    for name, p in list(new.named_parameters(recurse=False)):
+        setattr(new, name, nn.Parameter(p.data, requires_grad=p.requires_grad))
+    return new
+
+
+def _make_norm(family: Family, dim: int, eps: float, ref: Tensor) -> nn.Module:
+    kw = {"device": ref.device, "dtype": ref.dtype}
+    if family.norm == "olmo":
+        return LayerNorm(dim, 1e-5, affine=False, **kw)
+    return build_norm("rmsnorm", dim, eps, **kw)
+
+
+def _drop_norm_parameters(scheme: ResidualScheme) -> None:
+    """OLMo's norms have no parameters: every LayerNorm of the scheme becomes one without."""
+    for module in list(scheme.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LayerNorm) and child.weight is not None:
+                w = child.weight
+                setattr(module, name, LayerNorm(child.dim, child.eps, affine=False, device=w.device,
+                                                dtype=w.dtype))
+
+
+def _sublayer_role_norms(scheme: ResidualScheme) -> tuple[dict[int, nn.Module], nn.Module | None]:
+    """The scheme norms with a model norm's role (:data:`SAME_ROLE`): by sublayer, and the one
+    feeding the head."""
+    per, final = SAME_ROLE.get(scheme.name, (None, None))
+    norms: dict[int, nn.Module] = {}
+    held = getattr(scheme, per, None) if per else None
+    if isinstance(held, nn.ModuleList) and len(held) == scheme.n_sublayers:
+        n_post = getattr(scheme, "n_post", 0)       # mix_ln: its first blocks are Post-LN
+        norms = {i: m for i, m in enumerate(held) if scheme.block_of(i) >= n_post}
+    elif isinstance(held, nn.Module):               # hybridnorm's attn_norm: block 0's attention
+        norms = {0: held}
+    head = getattr(scheme, final, None) if final else None
+    return norms, head if isinstance(head, nn.Module) else None
+
+
+@torch.no_grad()
+def _copy_norm(dst: nn.Module, src: nn.Module) -> None:
+    for name in ("weight", "bias"):
+        d, s = getattr(dst, name, None), getattr(src, name, None)
+        if isinstance(d, Tensor) and isinstance(s, Tensor) and d.shape == s.shape:
+            d.copy_(s)
+
+
+@torch.no_grad()
+def _honour_init(sublayers: nn.ModuleList, requires: SchemeRequirements) -> None:
+    """DeepNorm's initialisation on a fresh model: Xavier-normal weights (gain ``branch_gain``, 1 on
+    q and k, zero biases), or the family's weights times ``branch_gain``. Routers keep theirs."""
+    xavier, gain = requires.init == "xavier", requires.branch_gain
+    if not xavier and gain == 1.0:
+        return
+    for i, sub in enumerate(sublayers):
+        for path, module in sub.named_modules():
+            if "Router" in type(module).__name__ or path.rsplit(".", 1)[-1] == "gate":
+                continue          # an MoE's router scores experts, it is no branch
+            g = 1.0 if i % 2 == 0 and any(p in path for p in ("q_proj", "k_proj")) else gain
+            for name, p in module.named_parameters(recurse=False):
+                if name == "bias":
+                    if xavier:
+                        p.zero_()
+                elif p.dim() >= 2 and xavier:
+                    for w in (p if p.dim() == 3 else [p]):       # 3-D: one matrix per expert
+                        nn.init.xavier_normal_(w, gain=g)
+                elif p.dim() >= 2:
+                    p.mul_(g)
+
+
+def _mark_initialised(module: nn.Module) -> None:
+    """Keep transformers' ``post_init`` from initialising these modules again."""
+    for m in module.modules():
+        m._is_hf_initialized = True
+
+
+# ---- the base model ------------------------------------------------------------------------------
+class _SchemeModel:
+    """The family's base model with its decoder layers replaced by a :class:`ResidualStack`
+    (mixed into the family's ``PreTrainedModel``; see :func:`adapted_class`)."""
+
+    family: Family
+
+    def __init__(self, config: Any, embed_tokens: nn.Module, rotary_emb: nn.Module,
+                 stack: ResidualStack) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = embed_tokens
+        self.rotary_emb = rotary_emb
+        self.stack = stack
+        self.layer_types = _layer_types(self.family, config)
+        self.gradient_checkpointing = False
+
+    def _masks(self, attention_mask: Any, inputs_embeds: Tensor, cache: Any,
+               position_ids: Tensor) -> dict[str, Any]:
+        if isinstance(attention_mask, dict):            # prepared already (by generate)
+            return attention_mask
+        kw = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+              _CACHE_ARG: cache, "position_ids": position_ids}
+        return {kind: (create_sliding_window_causal_mask if kind == "sliding_attention"
+                       else create_causal_mask)(**kw) for kind in sorted(set(self.layer_types))}
+
+    def _forward(self, input_ids: Tensor | None = None, attention_mask: Any = None,
+                 position_ids: Tensor | None = None, cache: Any = None,
+                 inputs_embeds: Tensor | None = None, use_cache: bool | None = None,
+                 output_hidden_states: bool | None = None, past_key_values: Any = None,
+                 **kwargs: Any) -> Any:
+        if past_key_values is not None:
+            if cache is not None and cache is not past_key_values:
+                raise ValueError("give cache or past_key_values, not both")
+            cache = past_key_values
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        scheme = self.stack.scheme
+        if self.gradient_checkpointing and scheme.training and torch.is_grad_enabled():
+            cache, use_cache = None, False      # a checkpointed step would update it again
+        if use_cache and cache is None:
+            from transformers import DynamicCache
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+                            + past).unsqueeze(0)
+        masks = self._masks(attention_mask, inputs_embeds, cache, position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        states: list | None = [] if output_hidden_states else None
+        attention_kwargs = {"position_embeddings": position_embeddings, "position_ids": position_ids,
+                            _CACHE_ARG: cache, "use_cache": use_cache, **kwargs}
+        layer_types = self.layer_types
+
+        def wrap(i: int, branch: Any) -> Any:
+            if not scheme.is_attention(i):
+                return branch
+            mask = masks[layer_types[scheme.block_of(i)]]
+            return lambda u: branch(u, attention_mask=mask)[0]   # the family's attention: (out, w)
+
+        h = self.stack.run(inputs_embeds, attention_kwargs=attention_kwargs, wrap=wrap,
+                           states=states)
+        hidden = None
+        if states is not None:
+            hidden = tuple(_merged(scheme, s) for s in states[:-1]) + (h,)
+        out_class = MoeModelOutputWithPast if self.family.moe else BaseModelOutputWithPast
+        field = _CACHE_ARG if _CACHE_ARG in out_class.__dataclass_fields__ else "past_key_values"
+        return out_class(last_hidden_state=h, hidden_states=hidden,
+                         **{field: cache if use_cache else None})
+
+
+def _layer_types(family: Family, config: Any) -> list[str]:
+    n = config.num_hidden_layers
+    if family.masks == "layer_types":
+        types = list(config.layer_types[:n])
+        unknown = sorted(set(types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"adapt: layer type {unknown[0]!r} of {config.model_type} is not "
+                              f"supported; supported: {', '.join(_LAYER_TYPES)}")
+        return types
+    if family.masks == "window" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+# ---- the causal LM -------------------------------------------------------------------------------
+class _SchemeCausalLM:
+    """The family's causal LM whose ``model`` is a :class:`_SchemeModel` (mixed into the family's
+    ``...ForCausalLM``; see :func:`adapted_class`). Its ``forward`` is the family's."""
+
+    _base_class: type
+    _family_class: type
+
+    def __init__(self, config: Any, *args: Any, source: PreTrainedModel | None = None,
+                 **kwargs: Any) -> None:
+        spec = _spec_of(config)
+        if source is None:        # fresh (or, under from_pretrained, on the meta device)
+            super().__init__(config, *args, **kwargs)
+            src_model, lm_head = self.model, self.lm_head
+        else:                     # from a model: build the family's parts on meta, then drop them
+            with torch.device("meta"):
+                super().__init__(config, *args, **kwargs)
+            src_model, lm_head = source.model, source.lm_head
+        family = self._base_class.family
+        # the source's output hooks (attentions, router logits) on the modules shared with it, so
+        # that no module gets a second set (which would record everything twice)
+        maybe_install_capturing_hooks(src_model)
+        ref = src_model.embed_tokens.weight
+        meta = ref.device.type == "meta"
+        layers = src_model.layers[:config.num_hidden_layers]
+        norm, eps = ("layernorm", 1e-5) if family.norm == "olmo" else ("rmsnorm", config.rms_norm_eps)
+        scheme = build_scheme(spec["scheme"], config.hidden_size, len(layers), norm=norm, eps=eps,
+                              device=ref.device, dtype=ref.dtype, **spec["scheme_options"])
+        if family.norm == "olmo":
+            _drop_norm_parameters(scheme)
+        qkv = scheme.requires.qkv_norm_blocks
+        sublayers: list[nn.Module] = []
+        for b, layer in enumerate(layers):
+            attn = _own_tree(layer.self_attn, config)
+            if b in qkv:
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    if name != "v_proj" and getattr(attn, f"{name[0]}_norm", None) is not None:
+                        continue          # the family normalises q and k already (QK-norm)
+                    proj = getattr(attn, name)
+                    setattr(attn, name, _HeadNorm(proj, _make_norm(family, attn.head_dim, eps, ref),
+                                                  attn.head_dim))
+            sublayers += [attn, _own_tree(layer.mlp, config)]
+        stack = ResidualStack(scheme, sublayers)
+        if not meta:              # initialised already: the family's or the scheme's own values
+            for module in (stack, src_model.embed_tokens, src_model.rotary_emb, lm_head):
+                _mark_initialised(module)
+        base = self._base_class(config, src_model.embed_tokens, src_model.rotary_emb, stack)
+        base.post_init()
+        base._output_capturing_hooks_installed = True     # the shared modules carry them
+        self.model, self.lm_head = base, lm_head
+        self.post_init()
+        # norms with a model norm's role start as copies of it (after post_init, which would reset)
+        per, head = _sublayer_role_norms(scheme)
+        for i, dst in per.items():
+            layer = layers[scheme.block_of(i)]
+            _copy_norm(dst, layer.input_layernorm if scheme.is_attention(i)
+                       else layer.post_attention_layernorm)
+        if head is not None:
+            _copy_norm(head, src_model.norm)
+        if source is None and not meta:
+            _honour_init(stack.sublayers, scheme.requires)
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """``PreTrainedModel.resize_token_embeddings``, on an embedding and a head of this model's
+        own: it resizes them in place, and the model adapted from keeps its own (unresized)."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        self.model.embed_tokens = _own_parameters(self.model.embed_tokens)
+        self.lm_head = _own_parameters(self.lm_head)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return super().resize_token_embeddings(*args, **kwargs)
+
+    @property
+    def scheme(self) -> ResidualScheme:
+        """The residual scheme (``model.stack.scheme``)."""
+        return self.model.stack.scheme
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = None,
+                                    every_n_layers: int = 1, **kwargs: Any) -> None:
+        """Checkpoint every scheme step (sublayer) with our own mechanism, which keeps the streams
+        of multi-stream schemes consistent (``train.activation_checkpointing=sublayer``)."""
+        if enable and every_n_layers != 1:
+            raise ValueError("adapted models checkpoint every scheme step; every_n_layers must be 1")
+        self.model.stack.set_checkpointing("sublayer" if enable else "none")
+        self.model.gradient_checkpointing = enable
+
+
+def _spec_of(config: Any) -> dict:
+    spec = getattr(config, "siamesenorm", None)
+    if not isinstance(spec, dict) or not isinstance(spec.get("scheme"), str):
+        raise ConfigError("this configuration records no scheme (config.siamesenorm); build the model "
+                          "with siamesenorm.hf.adapt(config, scheme=...)")
+    return {"scheme": spec["scheme"], "scheme_options": dict(spec.get("scheme_options") or {})}
+
+
+def adapted_class(model_type: str) -> type:
+    """The adapted causal-LM class of a family (``"qwen3"`` -> ``Qwen3SchemeForCausalLM``), built
+    once; its ``__init__(config)`` reads the scheme from ``config.siamesenorm``."""
+    _need_transformers5()
+    family = _family(model_type)
+    if model_type in _CLASSES:
+        return _CLASSES[model_type]
+    module = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    causal = getattr(module, family.causal_lm)
+    pretrained = next(c for c in causal.__mro__[1:]
+                      if issubclass(c, PreTrainedModel) and c is not PreTrainedModel)
+    prefix = family.causal_lm.removesuffix("ForCausalLM")
+    record = {k: v for k, v in pretrained._can_record_outputs.items() if k != "hidden_states"}
+    forward = merge_with_config_defaults(capture_outputs(_SchemeModel._forward))
+    # what transformers finds by reading a model's source file, as the family's file says
+    found = {"_can_set_attn_implementation_cached_value": causal._can_set_attn_implementation(),
+             "_can_set_experts_implementation_cached_value": causal._can_set_experts_implementation()}
+    base = type(f"{prefix}SchemeModel", (_SchemeModel, pretrained),
+                {"__module__": __name__, "family": family, "_can_record_outputs": record,
+                 "forward": forward, "__doc__": _SchemeModel.__doc__, **found})
+    lm = type(f"{prefix}SchemeForCausalLM", (_SchemeCausalLM, causal),
+              {"__module__": __name__, "_base_class": base, "_family_class": causal,
+               "__doc__": _SchemeCausalLM.__doc__, **found})
+    globals()[base.__name__], globals()[lm.__name__] = base, lm      # importable by name
+    _CLASSES[model_type] = lm
+    return lm
+
+
+# ---- the API -------------------------------------------------------------------------------------
+def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) -> PreTrainedModel:
+    """A causal LM of the family of ``config_or_model`` whose residual path is ``scheme``.
+
+    Args:
+        config_or_model: a configuration of a supported family (:data:`FAMILIES`: Llama,
+            Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, OLMo): a fresh model; or a causal LM of one:
+            the same built from its own modules, sharing their weights (see the module docstring).
+        scheme: a scheme's name (``siamesenorm schemes`` lists them).
+        scheme_options: the scheme's own options (e.g. ``form="hybrid_pre"``); the norm and its
+            eps come from the family.
+
+    Raises:
+        ConfigError: an unsupported family, an unknown scheme, an option the scheme lacks or a bad
+            value (one line each).
+    """
+    _need_transformers5()
+    if isinstance(config_or_model, _BaseConfig):
+        config, source = copy.deepcopy(config_or_model), None
+    elif isinstance(config_or_model, PreTrainedModel):
+        source = config_or_model
+        if isinstance(source, _SchemeCausalLM):
+            raise ConfigError("this model runs a scheme already; adapt the family's model it was "
+                              "built from")
+        config = copy.deepcopy(source.config)
+    else:
+        raise TypeError(f"adapt takes a transformers configuration or causal LM, got "
+                        f"{type(config_or_model).__name__}")
+    family = _family(getattr(config, "model_type", None))
+    cls = adapted_class(config.model_type)
+    if source is not None and not isinstance(source, cls._family_class):
+        raise ConfigError(f"adapt takes a {family.causal_lm} (or its configuration); got "
+                          f"{type(source).__name__}")
+    taken = sorted({"norm", "eps", "device", "dtype"} & set(scheme_options))
+    if taken:
+        raise ConfigError(f"adapt: {', '.join(taken)} come(s) from the {config.model_type} "
+                          f"configuration, not from scheme options")
+    # every check of the scheme and its options (one-line ConfigErrors), on the meta device
+    build_scheme(scheme, config.hidden_size, config.num_hidden_layers, device="meta",
+                 **scheme_options)
+    config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
+    if source is None:
+        return cls(config)
+    out = cls(config, source=source)
+    return out.train(source.training)
+
+
+def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
+    """The adapted model that ``save_pretrained`` wrote to ``path`` (its configuration records the
+    family and the scheme); ``kwargs`` go to the class's ``from_pretrained`` (``dtype``, ...)."""
+    _need_transformers5()
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
+    if getattr(config, "siamesenorm", None) is None:
+        raise ConfigError(f"{path}: not saved from siamesenorm.hf.adapt (its config has no "
+                          f"'siamesenorm' entry); load it with its family's from_pretrained and "
+                          f"call siamesenorm.hf.adapt on it")
+    _spec_of(config)
+    return adapted_class(config.model_type).from_pretrained(path, config=config, **kwargs)
