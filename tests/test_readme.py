@@ -20,9 +20,10 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
-def test_readme_example_runs(code):
+def test_readme_example_runs(code, tmp_path, monkeypatch):
     if "transformers" in code:
         pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)         # what an example writes stays out of the checkout
     exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
 
 
