@@ -118,12 +118,12 @@ LAYERS = [
     {"nn", "data"},
     {"schemes", "config"},
     {"models"},
-    {"diffusion", "eval"},
+    {"diffusion", "eval", "families"},   # families: transformers decoder families with any scheme
     {"analysis"},               # a library below the tasks and the engine
     {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
     {"train"},
     {"tasks"},
-    {"run", "experiments", "demo", "hf"},   # hf: transformers classes and the export of a run
+    {"run", "experiments", "demo", "hf", "olmo_core"},   # integrations: transformers, OLMo-core
     {"cli", "__main__"},
 ]
 

@@ -17,7 +17,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised without the extra
     raise ImportError("siamesenorm.hf needs transformers: pip install 'siamesenorm[hf]'") from error
 
-from .adapt import adapt, adapt_from_pretrained
+from ..families.adapt import adapt, adapt_from_pretrained
 from .modeling import (
     MODEL_TYPE,
     SiameseNormCausalLMOutput,

@@ -38,6 +38,7 @@ except ImportError:                     # pragma: no cover - transformers 4
 from ..models.checkpointing import set_activation_checkpointing
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig, MoEConfig
+from ..models.stack import hidden_at
 from ..nn.rope import RotaryEmbedding
 
 MODEL_TYPE = "siamesenorm"
@@ -242,7 +243,7 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         if states is not None:
             scheme = self.model.scheme
             streams = tuple(scheme.streams(s) for s in states)
-            hidden_states = tuple(_merged(scheme, s) for s in states[:-1]) + (
+            hidden_states = tuple(hidden_at(scheme, s) for s in states[:-1]) + (
                 _head_input(self.model, states[-1]),)
         if not return_dict:
             return tuple(v for v in (out.loss, logits, past_key_values, hidden_states)
@@ -250,16 +251,6 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         return SiameseNormCausalLMOutput(loss=out.loss, logits=logits,
                                          hidden_states=hidden_states, streams=streams,
                                          **{_CACHE_FIELD: past_key_values})
-
-
-def _merged(scheme: Any, state: Any) -> Tensor:
-    """One tensor for a block boundary: the stream of a one-stream scheme, else the merge."""
-    streams = scheme.streams(state)
-    if len(streams) == 1:
-        (only,) = streams.values()
-        if isinstance(state, Tensor) and only is state:
-            return only
-    return scheme.exit(state)
 
 
 def _head_input(model: LanguageModel, state: Any) -> Tensor:

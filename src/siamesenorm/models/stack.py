@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..schemes.base import SUBLAYERS_PER_BLOCK, ResidualScheme, build_scheme
 from .checkpointing import set_scheme_checkpointing
 
-__all__ = ["ResidualStack"]
+__all__ = ["ResidualStack", "hidden_at"]
 
 Wrap = Callable[[int, Callable[..., Tensor]], Callable[[Tensor], Tensor]]
 
@@ -115,3 +115,14 @@ class ResidualStack(nn.Module):
     def forward(self, h: Tensor, **kwargs: Any) -> Tensor:
         """:meth:`run`."""
         return self.run(h, **kwargs)
+
+
+def hidden_at(scheme: ResidualScheme, state: Any) -> Tensor:
+    """One tensor for the state at a block boundary (a model's ``hidden_states``): the stream of a
+    one-stream scheme, else the scheme's exit applied there (SiameseNorm's merge)."""
+    streams = scheme.streams(state)
+    if len(streams) == 1:
+        (only,) = streams.values()
+        if isinstance(state, Tensor) and only is state:
+            return only
+    return scheme.exit(state)

@@ -82,10 +82,9 @@ except ImportError:                     # pragma: no cover - transformers 4
     capture_outputs = None
 
 from ..errors import ConfigError
-from ..models.stack import ResidualStack
+from ..models.stack import ResidualStack, hidden_at
 from ..nn.norms import LayerNorm, build_norm
 from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
-from .modeling import _merged
 
 __all__ = ["FAMILIES", "SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
 
@@ -341,7 +340,7 @@ class _SchemeModel:
                            states=states)
         hidden = None
         if states is not None:
-            hidden = tuple(_merged(scheme, s) for s in states[:-1]) + (h,)
+            hidden = tuple(hidden_at(scheme, s) for s in states[:-1]) + (h,)
         out_class = MoeModelOutputWithPast if self.family.moe else BaseModelOutputWithPast
         field = _CACHE_ARG if _CACHE_ARG in out_class.__dataclass_fields__ else "past_key_values"
         return out_class(last_hidden_state=h, hidden_states=hidden,
