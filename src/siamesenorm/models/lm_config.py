@@ -88,6 +88,11 @@ class LMConfig:
     ``scheme_options`` name the residual scheme and its options; ``init`` is ``"normal"`` (GPT-2
     style, ``init_std``) or ``"mitchell"`` (OLMo's depth-scaled truncated normal). ``moe`` turns
     the MLPs of some or all blocks into mixtures of experts (:class:`MoEConfig`; dense by default).
+    ``family`` (``qwen3``, ``llama``, ``olmoe``, ...: :data:`siamesenorm.families.FAMILY_NAMES`)
+    builds that Hugging Face family's model with the scheme instead
+    (:mod:`siamesenorm.families.model`): these fields give its configuration, ``family_options``
+    any other field of it in the family's names; the family decides its norm kind, initialisation,
+    QK-norm and MLP.
     """
 
     vocab_size: int = 256
@@ -110,6 +115,8 @@ class LMConfig:
     init_std: float = 0.02
     dropout: float = 0.0
     moe: MoEConfig = field(default_factory=MoEConfig)
+    family: str = ""
+    family_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -147,6 +154,14 @@ class LMConfig:
         if self.moe.every and self.mlp != "swiglu":
             raise ConfigError(f"model.moe needs model.mlp=swiglu (its experts are SwiGLU), got "
                               f"{self.mlp!r}")
+        if not isinstance(self.family, str):
+            raise ConfigError(f"LMConfig.family must be a family name or empty, got {self.family!r}")
+        if not isinstance(self.family_options, dict):
+            raise ConfigError("LMConfig.family_options must be a mapping of the family's configuration "
+                              f"fields, got {self.family_options!r}")
+        if self.family and self.mlp != "swiglu":
+            raise ConfigError(f"model.family={self.family} has its own gated SiLU MLP; model.mlp must "
+                              f"be swiglu, got {self.mlp!r}")
         if not isinstance(self.scheme_options, dict):
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")

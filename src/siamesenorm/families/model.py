@@ -1,0 +1,146 @@
+"""A Hugging Face family model as a language model of our commands (``model.family``).
+
+``model.family=qwen3`` (any of :data:`~siamesenorm.families.FAMILY_NAMES`) makes a run's model the
+family's causal LM, adapted to ``model.scheme`` by :func:`siamesenorm.hf.adapt`, instead of our
+:class:`~siamesenorm.models.LanguageModel`. The ``model`` section's fields give the family's
+configuration (:func:`family_config`); ``model.family_options`` adds or overrides any field of it
+in the family's own names (``head_dim``, ``sliding_window``, ``clip_qkv``, ...). The data,
+training, probes, analysis, comparison and report are ours and unchanged: :class:`FamilyLM`
+offers what our engine and diagnostics use of a language model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..models.host import SchemeHost
+from .adapt import FAMILIES, adapt
+
+__all__ = ["FamilyLM", "family_config"]
+
+
+class FamilyOutput(NamedTuple):
+    logits: Tensor
+    loss: Tensor | None
+
+
+def family_config(cfg: Any) -> Any:
+    """The transformers configuration of ``cfg`` (an :class:`~siamesenorm.models.LMConfig` with
+    ``family`` set): our fields in the family's names, then ``family_options`` on top."""
+    import transformers
+
+    family = FAMILIES[cfg.family]
+    cls = getattr(transformers, family.causal_lm.replace("ForCausalLM", "Config"))
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    values: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std, "attention_dropout": cfg.dropout,
+        "attention_bias": cfg.bias, "hidden_act": "silu", "use_cache": False,
+    }
+    if family.moe:
+        moe = cfg.moe
+        values.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+                      norm_topk_prob=moe.normalize, router_aux_loss_coef=moe.aux_loss,
+                      decoder_sparse_step=max(moe.every, 1), mlp_only_layers=[],
+                      moe_intermediate_size=moe.expert_hidden(cfg.dim))
+        if cfg.family == "olmoe":       # OLMoE's experts are intermediate_size wide
+            values["intermediate_size"] = moe.expert_hidden(cfg.dim)
+    values = {k: v for k, v in values.items() if k in accepted or k == "rope_theta"}
+    options = dict(cfg.family_options)      # checked with the configuration (check_family)
+    attn = options.pop("attn_implementation", "sdpa")
+    config = cls(**{**values, **options})
+    config._attn_implementation = attn
+    return config
+
+
+class FamilyLM(nn.Module, SchemeHost):
+    """The adapted family model (``hf``) behind the interface our engine, probes and analysis use:
+    ``model(x, y)`` with already shifted targets ``y`` (``-100`` ignored) returns ``(logits,
+    loss)``; in training an MoE family's loss adds its router's auxiliary loss, weighted by
+    ``model.moe.aux_loss`` (``loss_parts`` keeps the parts). ``scheme`` and ``sublayers`` are the
+    adapted model's own, ``embed`` and ``lm_head`` its embedding and head."""
+
+    def __init__(self, cfg: Any, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        with torch.device(device if device is not None else torch.get_default_device()):
+            self.hf = adapt(family_config(cfg), cfg.scheme, **cfg.scheme_options)
+        self.moe = FAMILIES[cfg.family].moe
+        self.loss_parts: dict[str, Tensor] = {}
+
+    @property
+    def scheme(self):
+        return self.hf.model.stack.scheme
+
+    @property
+    def sublayers(self) -> nn.ModuleList:
+        return self.hf.model.stack.sublayers
+
+    @property
+    def embed(self) -> nn.Module:
+        return self.hf.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module | None:
+        return None if self.config.tie_embeddings else self.hf.lm_head
+
+    def moe_layers(self) -> list:
+        return []       # the family's router statistics are its own (the aux loss is logged)
+
+    def forward(self, x: Tensor, y: Tensor | None = None) -> FamilyOutput:
+        router = self.moe and self.training and y is not None
+        out = self.hf(input_ids=x, output_router_logits=router) if router else self.hf(input_ids=x)
+        loss = None
+        if y is not None:
+            wide = torch.promote_types(out.logits.dtype, torch.float32)
+            loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).to(wide), y.reshape(-1),
+                                   ignore_index=-100)
+            if router and out.aux_loss is not None:
+                self.loss_parts = {"ce_loss": loss.detach(), "aux_loss": out.aux_loss.detach()}
+                loss = loss + self.config.moe.aux_loss * out.aux_loss
+        return FamilyOutput(out.logits, loss)
+
+    @torch.no_grad()
+    def generate(self, x: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, greedy: bool = False, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """``x`` and ``max_new_tokens`` more tokens, as our language model's ``generate``, through the
+        family's own ``generate`` (sampling seeded from ``generator``)."""
+        sample = not (greedy or temperature == 0)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else None
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            options = {"temperature": temperature, "top_k": top_k or 0} if sample else {}
+            return self.hf.generate(x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                    do_sample=sample, use_cache=use_cache, pad_token_id=0,
+                                    eos_token_id=None, **options)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def tokens_in(self, x: Tensor) -> int:
+        return x.numel()
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """``6 * N + 12 * n_layers * dim * seq_len`` as for our language model, with ``N`` the
+        parameters but the embedding (the head counted once when tied); an MoE counts every
+        expert (an upper bound: a token uses ``top_k`` of them)."""
+        cfg = self.config
+        seq_len = cfg.max_seq_len if seq_len is None else seq_len
+        n = self.num_parameters() - self.embed.weight.numel()
+        if cfg.tie_embeddings:
+            n += cfg.vocab_size * cfg.dim
+        return float(6 * n + 12 * cfg.n_layers * cfg.dim * seq_len)
+
+    def reset_parameters(self) -> None:
+        self.hf.init_weights()

@@ -1,0 +1,106 @@
+"""Hugging Face decoder families in our own commands (``model.family``): train, compare, analyze,
+generate and the dry run on a family model with any scheme."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.masking_utils", reason="model.family needs transformers 5")
+
+from siamesenorm.families import FAMILY_NAMES  # noqa: E402
+from siamesenorm.families.model import FamilyLM, family_config  # noqa: E402
+from siamesenorm.run import run_training  # noqa: E402
+from siamesenorm.tasks import load_config  # noqa: E402
+from test_cli import run  # noqa: E402
+
+SHORT = ["train.steps=3", "train.eval_every=3", "train.checkpoint_every=3", "data.max_bytes=60000"]
+
+
+def test_the_model_section_gives_the_family_configuration():
+    cfg = load_config("tiny", ["model.family=qwen3", "model.n_kv_heads=1", "model.mlp_hidden=48",
+                               "model.family_options={sliding_window: 16, use_sliding_window: true}"])
+    c = family_config(cfg.model)
+    assert isinstance(c, transformers.Qwen3Config)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.intermediate_size, c.max_position_embeddings, c.vocab_size) == \
+        (32, 2, 2, 1, 16, 48, 32, 256)
+    assert c.tie_word_embeddings and c.sliding_window == 16 and c.rms_norm_eps == cfg.model.norm_eps
+    moe = family_config(load_config("moe-tiny", ["model.family=qwen3_moe"]).model)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 64)
+
+
+def test_with_pre_the_family_model_is_the_familys_own():
+    cfg = load_config("tiny", ["model.family=qwen3", "model.scheme=pre"]).model
+    torch.manual_seed(0)
+    ours = FamilyLM(cfg).eval()
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3ForCausalLM(family_config(cfg)).eval()
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-6)
+    assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_family_trains_with_siamesenorm_in_our_engine(family, tmp_path):
+    cfg = load_config("tiny", ["model.scheme=siamese", f"model.family={family}", "model.moe.n_experts=4",
+                               "model.moe.top_k=2", *SHORT])
+    summary = run_training(cfg, tmp_path / "run", progress=False)
+    assert summary["steps"] == 3 and summary["final_val_loss"] is not None and not summary["failed"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    moe = family in ("qwen3_moe", "olmoe")
+    assert all(("aux_loss" in r) == moe for r in rows)       # the router's loss is logged
+    saved = yaml_of(tmp_path / "run" / "config.yaml")
+    assert saved["model"]["family"] == family and saved["model"]["scheme"] == "siamese"
+
+
+def yaml_of(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_train_analyze_generate_and_dry_run_from_the_command_line(tmp_path):
+    args = ("tiny", "model.family=llama", "model.scheme=siamese", "analysis.every=2", *SHORT)
+    res = run("train", *args, "--out", str(tmp_path / "full"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "full" / "probes.jsonl").exists() and (tmp_path / "full" / "analysis.json").exists()
+    res = run("analyze", str(tmp_path / "full"))
+    assert res.returncode == 0 and "logit lens agrees" in res.stdout, res.stderr
+    res = run("generate", str(tmp_path / "full"), "--prompt", "def ", "--max-new-tokens", "5", "--greedy")
+    assert res.returncode == 0 and res.stdout.startswith("def "), res.stderr
+    res = run("train", "tiny", "model.family=qwen3", "--dry-run")
+    assert res.returncode == 0 and "parameters" in res.stdout, res.stderr
+
+
+def test_compare_on_the_qwen3_preset(tmp_path):
+    out = tmp_path / "exp"
+    res = run("compare", "qwen3-tiny", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=4",
+              "data.max_bytes=60000", "--seeds", "0", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    rows = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["scheme"] for r in rows] == ["pre", "siamese"] and all(r["steps"] == 4 for r in rows)
+    assert "siamese" in res.stdout and (out / "report.md").exists()
+
+
+def test_the_gpu_preset_is_the_papers_shape_through_the_olmo_family():
+    res = run("train", "olmo-1b-hf", "--dry-run", "--nproc", "8")
+    assert res.returncode == 0, res.stderr
+    assert "16 layers x 2048" in res.stdout and "1,279,819,776" in res.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.family_options={}", "model.family: unknown value 'qwen4'; choose one of llama, mistral"),
+    ("model.family_options.nope=1", "model.family_options.nope: Qwen3Config has no field 'nope'"),
+    ("model.mlp=gelu", "has its own gated SiLU MLP; model.mlp must be swiglu"),
+    ("model.scheme=nosuch", "unknown scheme 'nosuch'"),
+    ("model.scheme_options.form=x", "scheme 'pre' has no option 'form'"),
+])
+def test_bad_family_settings_are_one_line_and_exit_2(override, message, tmp_path):
+    family = "qwen4" if "qwen4" in message else "qwen3"
+    res = run("train", "tiny", f"model.family={family}", override, "--out", str(tmp_path / "run"))
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
