@@ -74,6 +74,11 @@ def test_train_analyze_generate_and_dry_run_from_the_command_line(tmp_path):
     assert res.returncode == 0 and res.stdout.startswith("def "), res.stderr
     res = run("train", "tiny", "model.family=qwen3", "--dry-run")
     assert res.returncode == 0 and "parameters" in res.stdout, res.stderr
+    res = run("export", str(tmp_path / "full"), "--out", str(tmp_path / "weights.safetensors"))
+    assert res.returncode == 0, res.stderr
+    res = run("export", str(tmp_path / "full"), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert res.returncode == 2 and "trained a model of the llama family" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 
 
 def test_compare_on_the_qwen3_preset(tmp_path):

@@ -82,6 +82,10 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     if cfg.task != "lm":
         raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
                           "--format hf exports language-model runs (task: lm)")
+    if cfg.model.family:
+        raise ConfigError(f"{run_dir} trained a model of the {cfg.model.family} family; --format hf "
+                          "exports this package's own language model (for a family model: the "
+                          ".safetensors export, or save_pretrained of siamesenorm.hf.adapt)")
     _check_out(out, run_dir, force)
     model, cfg = load_trained(run_dir, "cpu")
     step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step

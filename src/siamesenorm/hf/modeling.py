@@ -44,7 +44,9 @@ from ..nn.rope import RotaryEmbedding
 MODEL_TYPE = "siamesenorm"
 # the output's cache field: ``cache`` from transformers 5.2x, ``past_key_values`` before
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-_LM_FIELDS = [f.name for f in dataclasses.fields(LMConfig)]
+# every field of our own language model's configuration (a Hugging Face family, model.family, is
+# exported as that family, not as this model)
+_LM_FIELDS = [f.name for f in dataclasses.fields(LMConfig) if f.name not in ("family", "family_options")]
 
 __all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM"]
 
