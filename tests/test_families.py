@@ -109,3 +109,15 @@ def test_bad_family_settings_are_one_line_and_exit_2(override, message, tmp_path
     res = run("train", "tiny", f"model.family={family}", override, "--out", str(tmp_path / "run"))
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_fsdp2_across_two_processes_trains_a_qwen3_to_the_losses_of_one_with_accumulation(tmp_path):
+    args = ("tiny", "model.family=qwen3", "model.scheme=siamese", "train.steps=3", "train.eval_every=3",
+            "data.max_bytes=60000")
+    one = run("train", *args, "train.grad_accum=2", "--out", str(tmp_path / "one"))    # one thread each
+    two = run("train", *args, "train.parallel=fsdp", "--nproc", "2", "--out", str(tmp_path / "two"))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+
+    def losses(run_dir):
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)

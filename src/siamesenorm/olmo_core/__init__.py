@@ -1,0 +1,44 @@
+"""OLMo-core integration (the ``olmo`` extra): every residual scheme of the package as an OLMo-core
+``Transformer``, and the map of configuration and parameters between it and our ``LanguageModel``::
+
+    from siamesenorm.models import LMConfig
+    from siamesenorm.olmo_core import olmo_config
+
+    config = olmo_config(LMConfig(dim=256, n_layers=4, n_heads=4, scheme="siamese",
+                                  scheme_options={"form": "hybrid_pre"}))
+    model = config.build(init_device="meta")          # an olmo_core Transformer
+    # TransformerTrainModuleConfig(...).build(model) trains it like any OLMo-core model
+
+OLMo-core builds the attention and feed-forward of every block; the scheme (``model.scheme``) puts
+every norm and residual add around them. See docs/olmo-core.md. The core package never imports
+this one.
+"""
+
+from __future__ import annotations
+
+try:
+    import olmo_core  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised without the extra
+    raise ImportError("siamesenorm.olmo_core needs OLMo-core: pip install 'siamesenorm[olmo]'") from error
+
+from .convert import (
+    from_language_model,
+    from_siamesenorm_state_dict,
+    lm_config,
+    olmo_config,
+    to_language_model,
+    to_siamesenorm_state_dict,
+)
+from .model import (
+    QKVNormAttention,
+    SchemeBlock,
+    SchemeBlockConfig,
+    SchemeTransformer,
+    SchemeTransformerConfig,
+    head_norm_config,
+)
+
+__all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
+           "SchemeTransformerConfig", "from_language_model", "from_siamesenorm_state_dict",
+           "head_norm_config", "lm_config", "olmo_config", "to_language_model",
+           "to_siamesenorm_state_dict"]
