@@ -76,9 +76,6 @@ def test_train_analyze_generate_and_dry_run_from_the_command_line(tmp_path):
     assert res.returncode == 0 and "parameters" in res.stdout, res.stderr
     res = run("export", str(tmp_path / "full"), "--out", str(tmp_path / "weights.safetensors"))
     assert res.returncode == 0, res.stderr
-    res = run("export", str(tmp_path / "full"), "--format", "hf", "--out", str(tmp_path / "hf"))
-    assert res.returncode == 2 and "trained a model of the llama family" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 
 
 def test_compare_on_the_qwen3_preset(tmp_path):
@@ -121,3 +118,57 @@ def test_fsdp2_across_two_processes_trains_a_qwen3_to_the_losses_of_one_with_acc
     def losses(run_dir):
         return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+
+_REMOTE = r'''
+import importlib.abc, json, sys
+
+class NoSiameseNorm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "siamesenorm" or name.startswith("siamesenorm."):
+            raise ImportError(f"{name} is hidden in this test")
+
+sys.meta_path.insert(0, NoSiameseNorm())
+sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[3]))).logits
+model.save_pretrained(sys.argv[2] + "-resaved")
+again = AutoModelForCausalLM.from_pretrained(sys.argv[2] + "-resaved", trust_remote_code=True).eval()
+with torch.no_grad():
+    resaved = (again(torch.tensor(json.loads(sys.argv[3]))).logits - logits).abs().max().item()
+print(json.dumps({"logits": logits.tolist(), "scheme": model.config.siamesenorm, "resaved": resaved,
+                  "class": type(model).__name__}))
+'''
+
+
+def test_a_family_run_exports_as_a_folder_that_loads_where_siamesenorm_cannot_be_imported(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from siamesenorm.run import load_trained
+
+    run_dir = tmp_path / "run"
+    res = run("train", "tiny", "model.family=qwen3", "model.scheme=siamese", *SHORT, "--out", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    res = run("export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert res.returncode == 0, res.stderr
+    ids = [[1, 5, 9, 33, 70, 2], [4, 4, 8, 100, 3, 7]]
+    model, _ = load_trained(run_dir)
+    with torch.no_grad():
+        ours = model(torch.tensor(ids)).logits
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", _REMOTE, src, str(tmp_path / "hf"), json.dumps(ids)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["scheme"] == {"scheme": "siamese", "scheme_options": {}}
+    assert got["class"] == "Qwen3SchemeForCausalLM" and got["resaved"] <= 1e-6
+    torch.testing.assert_close(torch.tensor(got["logits"]), ours, rtol=0, atol=1e-5)

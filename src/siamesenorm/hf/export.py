@@ -82,10 +82,6 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     if cfg.task != "lm":
         raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
                           "--format hf exports language-model runs (task: lm)")
-    if cfg.model.family:
-        raise ConfigError(f"{run_dir} trained a model of the {cfg.model.family} family; --format hf "
-                          "exports this package's own language model (for a family model: the "
-                          ".safetensors export, or save_pretrained of siamesenorm.hf.adapt)")
     _check_out(out, run_dir, force)
     model, cfg = load_trained(run_dir, "cpu")
     step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
@@ -99,7 +95,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write_folder(tmp, model, cfg, tokenizer)
+        (_write_family_folder if cfg.model.family else _write_folder)(tmp, model, cfg, tokenizer)
         (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
         _move_into_place(tmp, out)
     finally:
@@ -146,6 +142,28 @@ def _run_tokenizer(run_dir: Path):
     return load_tokenizer(folder) if folder.is_dir() else None
 
 
+def _write_family_folder(folder: Path, model, cfg, tokenizer) -> None:
+    """As :func:`_write_folder` for a run of a transformers family (``model.family``): the adapted
+    family model as it saves itself (its family's config with ``siamesenorm``: the scheme), and
+    modelling code that builds the adapted class of that family."""
+    from transformers import GenerationConfig
+
+    adapted = model.hf
+    name = type(adapted).__name__
+    hf_tok = hf_tokenizer(tokenizer, cfg.model.max_seq_len) if tokenizer is not None else None
+    end = hf_tok.eos_token_id if hf_tok is not None else None
+    adapted.config.eos_token_id = adapted.config.pad_token_id = end
+    adapted.config.use_cache = True
+    adapted.config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{name}"
+                               for auto in ("AutoModel", "AutoModelForCausalLM")}
+    adapted.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
+    with _quiet_progress():
+        adapted.save_pretrained(folder)
+    _save_tokenizer(folder, hf_tok)
+    tail = _FAMILY_TAIL.format(name=name, model_type=adapted.config.model_type)
+    (folder / MODELING_FILE).write_text(modeling_source(root="families.adapt", tail=tail), encoding="utf-8")
+
+
 def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
     """config.json, the weights, generation_config.json, the tokenizer and the modelling file."""
     import torch
@@ -163,14 +181,19 @@ def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
     wrapper.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
     with _quiet_progress():
         wrapper.save_pretrained(folder)
-    if hf_tok is not None:
-        hf_tok.save_pretrained(folder)
-        # the class's name of transformers 4 and 5 alike (5 writes its new name, TokenizersBackend)
-        path = folder / "tokenizer_config.json"
-        settings = json.loads(path.read_text(encoding="utf-8"))
-        settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _save_tokenizer(folder, hf_tok)
     (folder / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
+
+
+def _save_tokenizer(folder: Path, hf_tok) -> None:
+    if hf_tok is None:
+        return
+    hf_tok.save_pretrained(folder)
+    # the class's name of transformers 4 and 5 alike (5 writes its new name, TokenizersBackend)
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -291,16 +314,19 @@ def _check_third_party(path: str, source: str) -> None:
                                    f"may import only the standard library and {sorted(VENDOR_ALLOWED)}")
 
 
-def modeling_source(date: datetime.date | None = None) -> str:
+def modeling_source(date: datetime.date | None = None, *, root: str = "hf.modeling",
+                    tail: str | None = None) -> str:
     """The text of ``modeling_siamesenorm.py`` (see the module docstring), dated ``date``
-    (default today)."""
-    files = vendored_modules()
+    (default today): the modules ``root`` needs, then ``tail`` (default: our model's two classes;
+    a family run's names its adapted class, :data:`_FAMILY_TAIL`)."""
+    files = vendored_modules(root)
     blob = json.dumps(files, sort_keys=True).encode("utf-8")
     package = "_siamesenorm_export_" + hashlib.sha256(blob).hexdigest()[:12]
     sources = "\n".join(f"_SOURCES[{path!r}] = {_literal(source)}\n" for path, source in files.items())
     listing = "\n".join(f"    siamesenorm/{path}" for path in files)
-    return _MODELING_TEMPLATE.format(version=__version__, date=(date or datetime.date.today()).isoformat(),
+    text = _MODELING_TEMPLATE.format(version=__version__, date=(date or datetime.date.today()).isoformat(),
                                      n=len(files), listing=listing, package=package, sources=sources)
+    return text if tail is None else text[:text.index(_OWN_TAIL)] + tail
 
 
 def _literal(source: str) -> str:
@@ -410,6 +436,7 @@ def _source(text):
 
 
 _install()
+# ---- the classes ----
 _modeling = importlib.import_module(_PACKAGE + ".hf.modeling")
 
 
@@ -509,3 +536,17 @@ def _training_lines(cfg, summary: dict[str, Any] | None) -> list[str]:
     if summary.get("diverged"):
         lines.append(f"- The run diverged at step {summary.get('diverged_at')}.")
     return lines
+
+
+# Where the generated file's class definitions start (a family run's file replaces them).
+_OWN_TAIL = '_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")'
+
+# The classes of a family run's file: the family's adapted causal LM (siamesenorm.hf.adapt), which
+# builds the scheme that config.json's "siamesenorm" entry names.
+_FAMILY_TAIL = '''_adapt = importlib.import_module(_PACKAGE + ".families.adapt")
+
+
+class {name}(_adapt.adapted_class("{model_type}")):
+    """transformers' {model_type} causal LM with the residual scheme config.json's "siamesenorm"
+    entry names (siamesenorm.hf.adapt)."""
+'''
