@@ -46,3 +46,18 @@ def raises_value_error(match: str) -> Iterator[pytest.ExceptionInfo]:
     with pytest.raises(ValueError, match=match) as info:
         yield info
     assert not isinstance(info.value, ConfigError), info.value
+
+
+# The start of a script (``python -c``) that runs where siamesenorm cannot be imported: ``sys.argv[1]``
+# is the source folder to drop from the path (an editable install's).
+HIDE_SIAMESENORM = r'''
+import importlib.abc, json, sys
+
+class NoSiameseNorm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "siamesenorm" or name.startswith("siamesenorm."):
+            raise ImportError(f"{name} is hidden in this test")
+
+sys.meta_path.insert(0, NoSiameseNorm())
+sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
+'''

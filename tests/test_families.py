@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.masking_utils", reason="model.family needs transformers 5")
 
+from helpers import HIDE_SIAMESENORM  # noqa: E402
 from siamesenorm.families import FAMILY_NAMES  # noqa: E402
 from siamesenorm.families.model import FamilyLM, family_config  # noqa: E402
 from siamesenorm.run import run_training  # noqa: E402
@@ -120,16 +121,7 @@ def test_fsdp2_across_two_processes_trains_a_qwen3_to_the_losses_of_one_with_acc
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
 
 
-_REMOTE = r'''
-import importlib.abc, json, sys
-
-class NoSiameseNorm(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "siamesenorm" or name.startswith("siamesenorm."):
-            raise ImportError(f"{name} is hidden in this test")
-
-sys.meta_path.insert(0, NoSiameseNorm())
-sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
+_REMOTE = HIDE_SIAMESENORM + r'''
 import torch
 from transformers import AutoModelForCausalLM
 

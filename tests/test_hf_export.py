@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers import HIDE_SIAMESENORM  # noqa: E402
 from siamesenorm.cli import main  # noqa: E402
 from siamesenorm.config import dump_config  # noqa: E402
 from siamesenorm.data import ByteTokenizer, load_tokenizer  # noqa: E402
@@ -99,16 +100,7 @@ def test_the_model_card_says_what_the_model_is_and_how_it_did(runs):
 
 
 # ---- loading it ---------------------------------------------------------------------------------
-_HIDDEN = r'''
-import importlib.abc, json, sys
-
-class NoSiameseNorm(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "siamesenorm" or name.startswith("siamesenorm."):
-            raise ImportError(f"{name} is hidden in this test")
-
-sys.meta_path.insert(0, NoSiameseNorm())
-sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
+_HIDDEN = HIDE_SIAMESENORM + r'''
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline
 
