@@ -380,3 +380,114 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ---- the training entry point (siamesenorm.olmo_core.train) ----------------------------------
+TRAIN_STEPS = 4
+
+
+def _entry_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+
+
+def _entry(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                    str(nproc)]
+    cmd = [sys.executable, *launch, "-m", "siamesenorm.olmo_core.train", *args]
+    return subprocess.run(cmd, env=_entry_env(), capture_output=True, text=True, timeout=600)
+
+
+def _losses(save_folder: Path) -> list[float]:
+    rows = [json.loads(line) for line in (save_folder / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/CE loss"] for r in rows if "train/CE loss" in r]
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory):
+    """Two OLMo-core numpy token files: raw uint16 token ids (no header), as OLMo's data."""
+    import numpy as np
+    folder = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    for i in range(2):   # a learnable stream: repeated runs of ids below the tiny vocabulary
+        ids = np.tile(rng.integers(0, 255, size=32, dtype=np.uint16), 96)
+        ids.tofile(folder / f"part-{i}.npy")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_process_run(token_files, tmp_path_factory):
+    save = tmp_path_factory.mktemp("run1") / "run"
+    proc = _entry(["tiny", "--data", str(token_files / "*.npy"), "--save-folder", str(save),
+                   "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return save
+
+
+def test_the_tiny_config_trains_and_writes_olmo_core_checkpoints(one_process_run):
+    losses = _losses(one_process_run)
+    assert len(losses) == TRAIN_STEPS and all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    final = one_process_run / f"step{TRAIN_STEPS}"
+    assert (final / "model_and_optim" / ".metadata").is_file()
+    assert (final / "train" / "rank0.pt").is_file()
+    saved = json.loads((final / "config.json").read_text())
+    assert saved["siamesenorm"] == {"config": "tiny", "scheme": "siamese",
+                                    "scheme_options": {"form": "hybrid_pre"}}
+    # the checkpoint holds our model's parameters under OLMo-core's names
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(final / "model_and_optim")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.scheme.") for k in keys)
+    assert "model.blocks.0.attention.v_norm.weight" in keys
+
+
+def test_fsdp_over_two_processes_matches_one_process(token_files, one_process_run, tmp_path):
+    save = tmp_path / "run"
+    proc = _entry(["tiny", "--data", str(token_files / "*.npy"), "--save-folder", str(save),
+                   "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1"],
+                  nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "Applied FSDP" in proc.stdout + proc.stderr
+    assert (save / f"step{TRAIN_STEPS}" / "model_and_optim" / "__1_0.distcp").is_file()  # rank 1's shard
+    got, want = _losses(save), _losses(one_process_run)
+    assert len(got) == len(want) == TRAIN_STEPS
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i + 1}: {got} vs {want}"
+
+
+def test_dry_run_of_olmo_1b_needs_no_data(capsys):
+    from siamesenorm.olmo_core.train import main
+    assert main(["olmo-1b", "--dry-run", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 1,279,963,136 " in out
+    assert "scheme siamese {\"form\": \"hybrid_pre\"}" in out
+    assert "2048 sequences x 2048 = 4,194,304 tokens per step" in out
+    assert "8 ranks x micro-batch 8 x 32 accumulation" in out
+    assert "total: 2.38 GiB" in out and "not counted" in out
+    assert main(["olmo-1b", "--dry-run", "--scheme", "pre"]) == 0
+    assert "scheme pre {}" in capsys.readouterr().out
+    assert main(["olmo-400m", "--dry-run", "--world-size", "8"]) == 0
+    assert "parameters: 388,328,640 " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["olmo-1b", "--scheme", "nope"], "unknown scheme"),
+    (["olmo-1b", "--scheme", "siamese", "--scheme-options", "form=bogus"], "form='bogus'"),
+    (["olmo-1b", "--scheme-options", "nonsense"], "KEY=VALUE"),
+    (["olmo-1b", "--tp", "2"], "tensor parallelism"),
+    (["olmo-1b", "--pp", "2"], "pipeline parallelism"),
+    (["olmo-2b"], "invalid choice"),
+    (["tiny", "--save-folder", "x"], "--data is required"),
+    (["olmo-1b", "--dry-run", "--world-size", "3"], "not a multiple"),
+])
+def test_bad_inputs_end_with_one_line_and_status_2(args, says, capsys):
+    from siamesenorm.olmo_core.train import main
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_bad_input_from_the_command_line_prints_one_line():
+    proc = _entry(["olmo-1b", "--dry-run", "--tp", "2"])
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "tensor parallelism" in proc.stderr, proc.stderr

@@ -16,12 +16,26 @@ this one.
 
 from __future__ import annotations
 
+import logging
+
 try:
     import olmo_core  # noqa: F401
 except ImportError as error:  # pragma: no cover - exercised without the extra
     raise ImportError("siamesenorm.olmo_core needs OLMo-core: pip install 'siamesenorm[olmo]'") from error
 
-from .convert import (
+# OLMo-core warns on import, through logging's last-resort stderr handler where logging is not
+# configured, that the optional transformer_engine is absent; keep that off a bare process's stderr
+# (a configured root logger still shows it)
+_TE_LOG = logging.getLogger("olmo_core.nn.attention.te_attn_api")
+_QUIET = logging.NullHandler()
+if not logging.getLogger().handlers:
+    _TE_LOG.addHandler(_QUIET)
+try:
+    import olmo_core.nn.attention  # noqa: F401,E402
+finally:
+    _TE_LOG.removeHandler(_QUIET)
+
+from .convert import (  # noqa: E402
     from_language_model,
     from_siamesenorm_state_dict,
     lm_config,
@@ -29,7 +43,7 @@ from .convert import (
     to_language_model,
     to_siamesenorm_state_dict,
 )
-from .model import (
+from .model import (  # noqa: E402
     QKVNormAttention,
     SchemeBlock,
     SchemeBlockConfig,

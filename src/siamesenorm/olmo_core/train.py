@@ -1,0 +1,403 @@
+"""Paper-shaped OLMo-core training runs of our schemes, launched with ``torchrun``::
+
+    torchrun --nproc_per_node 8 -m siamesenorm.olmo_core.train olmo-1b --scheme siamese \\
+        --data '/data/*.npy' --save-folder runs/1b
+    python -m siamesenorm.olmo_core.train olmo-1b --dry-run --world-size 8   # sizes, no data
+
+Configs (``CONFIGS``): ``olmo-1b`` and ``olmo-400m`` take the model, optimizer, schedule and batch
+of our presets ``configs/olmo-1b.yaml`` and ``configs/olmo-400m.yaml``; ``tiny`` is a CPU model for
+tests. The data are OLMo-core numpy token files (raw ``uint16`` token ids, no ``.npy`` header, as
+OLMo's own data; ``--data-dtype`` for others) read by its ``NumpyFSLDatasetConfig``; OLMo-core's
+``Trainer`` trains with its ``TransformerTrainModule`` (FSDP across the ranks by default) and
+writes its checkpoints to ``--save-folder``, and every step's metrics to
+``<save-folder>/metrics.jsonl`` (rank 0). A bad argument ends with one line on stderr, status 2.
+See docs/olmo-core.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from ..models.lm_config import LMConfig
+
+# Global batches in sequences: not in the paper; our presets' ranks x batch_size x grad_accum at 8
+# ranks (olmo-1b.yaml: 8 x 32 x 8 = 2048, upstream OLMo-1B's; olmo-400m.yaml: 16 x 4 x 8 = 512).
+PRESET_RANKS = 8
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a config fixes: the model (our ``LMConfig``), the sequence length, the global batch and
+    the rank micro-batch (sequences), and the optimizer and schedule."""
+
+    model: LMConfig
+    seq_len: int
+    global_batch: int
+    microbatch: int
+    steps: int
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    warmup: int
+    min_lr_ratio: float
+    grad_clip: float | None
+    checkpoint_every: int
+    tokenizer: str          # "gpt_neox" (OLMo-1B's, ids < 50280) or "bytes" (ids < vocab_size)
+
+
+def _from_preset(name: str) -> RunShape:
+    from ..tasks.registry import load_config  # our preset reader, checks every value
+    run = load_config(name)
+    data, train = run.data, run.train
+    return RunShape(
+        model=run.model, seq_len=data.seq_len, microbatch=data.batch_size,
+        global_batch=data.batch_size * train.grad_accum * PRESET_RANKS, steps=train.steps,
+        lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, warmup=train.warmup,
+        min_lr_ratio=train.min_lr_ratio, grad_clip=train.grad_clip or None,
+        checkpoint_every=train.checkpoint_every, tokenizer="gpt_neox")
+
+
+def _tiny() -> RunShape:
+    model = LMConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, mlp_hidden=128, max_seq_len=64,
+                     qk_norm=True, tie_embeddings=False, scheme="siamese",
+                     scheme_options={"form": "hybrid_pre"})
+    return RunShape(model=model, seq_len=64, global_batch=4, microbatch=2, steps=10, lr=1e-3,
+                    betas=(0.9, 0.95), weight_decay=0.1, warmup=2, min_lr_ratio=0.1, grad_clip=1.0,
+                    checkpoint_every=1000, tokenizer="bytes")
+
+
+CONFIGS = {"olmo-1b": lambda: _from_preset("olmo-1b"), "olmo-400m": lambda: _from_preset("olmo-400m"),
+           "tiny": _tiny}
+# SiameseNorm's form in the paper's OLMo runs; other schemes start from their own defaults
+DEFAULT_OPTIONS = {"siamese": {"form": "hybrid_pre"}}
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:   # one line, not argparse's usage block
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m siamesenorm.olmo_core.train",
+                description="Train one of our schemes as an OLMo-core Transformer (launch with torchrun).")
+    p.add_argument("config", choices=sorted(CONFIGS), help="the run's shape and recipe")
+    p.add_argument("--scheme", help="residual scheme (default: the config's, siamese)")
+    p.add_argument("--scheme-options", action="append", default=[], metavar="K=V[,K=V]",
+                   help="scheme options (siamese defaults to form=hybrid_pre)")
+    p.add_argument("--data", nargs="+", default=[], metavar="PATH_OR_GLOB",
+                   help="OLMo-core numpy token files (raw token ids)")
+    p.add_argument("--data-dtype", default="uint16", choices=["uint8", "uint16", "uint32", "uint64"])
+    p.add_argument("--save-folder", help="OLMo-core checkpoints and metrics.jsonl")
+    p.add_argument("--work-dir", help="dataset cache (default: <save-folder>/work)")
+    p.add_argument("--steps", type=int, help="train steps (default: the config's)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
+    p.add_argument("--microbatch", type=int, help="sequences per rank per forward (default: the config's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the config's)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default: the config's)")
+    p.add_argument("--save-interval", type=int, help="checkpoint every N steps (default: the config's)")
+    p.add_argument("--metrics-interval", type=int, default=10, help="OLMo-core's metrics_collect_interval")
+    p.add_argument("--seed", type=int, default=0, help="init and data order seed")
+    p.add_argument("--dp", choices=["fsdp", "hsdp", "ddp", "none"],
+                   help="data parallelism (default: fsdp with several ranks)")
+    p.add_argument("--precision", choices=["bf16", "fp32"],
+                   help="bf16: FSDP bf16 params, fp32 reductions (default on CUDA); fp32 otherwise")
+    p.add_argument("--ac", choices=["none", "full", "selected_ops"], default="none",
+                   help="OLMo-core activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile the blocks")
+    for flag in ("tp", "pp", "cp", "ep"):
+        p.add_argument(f"--{flag}", type=int, default=1, help=f"{flag} degree (only 1 is supported)")
+    p.add_argument("--world-size", type=int, help="dry run: ranks to shard over (default: $WORLD_SIZE or 1)")
+    p.add_argument("--dry-run", action="store_true", help="print sizes, FLOPs and memory; build on meta only")
+    return p
+
+
+def _parse_options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        for part in filter(None, (s.strip() for s in item.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key:
+                raise UsageError(f"--scheme-options: expected KEY=VALUE, got {part!r}")
+            options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return options
+
+
+def resolve(args: argparse.Namespace) -> RunShape:
+    """The config with the command line's scheme and overrides, every value checked."""
+    from ..schemes import check_scheme_options
+    shape = CONFIGS[args.config]()
+    scheme = args.scheme or shape.model.scheme
+    if args.scheme_options:
+        options = _parse_options(args.scheme_options)
+    elif scheme == shape.model.scheme:
+        options = dict(shape.model.scheme_options)
+    else:
+        options = dict(DEFAULT_OPTIONS.get(scheme, {}))
+    try:
+        check_scheme_options(scheme, options)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    for flag in ("tp", "pp", "cp", "ep"):
+        degree = getattr(args, flag)
+        if degree < 1:
+            raise UsageError(f"--{flag} must be at least 1, got {degree}")
+        if degree > 1:
+            why = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}[flag]
+            raise UsageError(f"--{flag} {degree}: {why} parallelism is not supported for scheme models "
+                             "yet; use data parallelism (--dp fsdp|hsdp|ddp)")
+    shape = dataclasses.replace(shape, model=dataclasses.replace(shape.model, scheme=scheme,
+                                                                 scheme_options=options))
+    over = {k: getattr(args, a) for k, a in (("steps", "steps"), ("global_batch", "global_batch"),
+                                            ("microbatch", "microbatch"), ("lr", "lr"),
+                                            ("warmup", "warmup"), ("checkpoint_every", "save_interval"))
+            if getattr(args, a) is not None}
+    for key, value in over.items():
+        if value < (0 if key == "warmup" else 1e-12 if key == "lr" else 1):
+            raise UsageError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    return dataclasses.replace(shape, **over)
+
+
+def world_size(args: argparse.Namespace) -> int:
+    n = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if n < 1:
+        raise UsageError(f"--world-size must be at least 1, got {n}")
+    return n
+
+
+def _check_batch(shape: RunShape, world: int) -> None:
+    if shape.global_batch % (world * shape.microbatch):
+        raise UsageError(f"global batch {shape.global_batch} sequences is not a multiple of {world} ranks x "
+                         f"micro-batch {shape.microbatch}; set --global-batch or --microbatch")
+
+
+def model_config(shape: RunShape, seed: int = 0):
+    from .convert import olmo_config
+    # OLMo-core's "normal" init (truncated normal, std 0.02): OLMo-1's Mitchell init has no
+    # OLMo-core counterpart (docs/olmo-core.md)
+    return olmo_config(shape.model, init_method="normal", init_std=0.02, init_seed=seed)
+
+
+# ---- dry run -------------------------------------------------------------------------------
+def dry_run_report(shape: RunShape, world: int, dp: str) -> dict[str, Any]:
+    """Sizes and costs of the run, from the model built on ``meta`` (no memory, no data)."""
+    config = model_config(shape)
+    model = config.build(init_device="meta")
+    total = model.num_params
+    embedding = model.embeddings.weight.numel()
+    head = 0 if shape.model.tie_embeddings else model.lm_head.w_out.weight.numel()
+    shards = world if dp in ("fsdp", "hsdp") and world > 1 else 1
+    per_param = {"parameters (fp32)": 4, "gradients (fp32)": 4, "AdamW state (fp32 exp_avg, exp_avg_sq)": 8}
+    memory = {k: v * total / shards for k, v in per_param.items()}
+    tokens = shape.global_batch * shape.seq_len
+    return {
+        "config": shape, "world": world, "dp": dp, "shards": shards,
+        "params": total, "non_embedding": total - embedding,
+        "non_embedding_no_head": total - embedding - head,
+        "flops_per_token": model.num_flops_per_token(shape.seq_len), "tokens_per_step": tokens,
+        "memory": memory, "memory_total": sum(memory.values()),
+    }
+
+
+def format_dry_run(r: dict[str, Any]) -> str:
+    s: RunShape = r["config"]
+    gib = 2 ** 30
+    per_pass = r["world"] * s.microbatch
+    accum = s.global_batch // per_pass if s.global_batch % per_pass == 0 else float("nan")
+    lines = [
+        f"model: {s.model.n_layers} layers, width {s.model.dim}, {s.model.n_heads} heads, SwiGLU "
+        f"{s.model.hidden_dim}, vocab {s.model.vocab_size}, context {s.seq_len}, scheme {s.model.scheme} "
+        f"{json.dumps(s.model.scheme_options)}",
+        f"parameters: {r['params']:,} (non-embedding {r['non_embedding']:,}; without the head too "
+        f"{r['non_embedding_no_head']:,})",
+        f"FLOPs per token (OLMo-core, forward+backward, seq {s.seq_len}): {r['flops_per_token']:.4g}",
+        f"batch: {s.global_batch} sequences x {s.seq_len} = {r['tokens_per_step']:,} tokens per step; "
+        f"{r['world']} ranks x micro-batch {s.microbatch} x {accum} accumulation; {s.steps:,} steps "
+        f"= {r['tokens_per_step'] * s.steps / 1e9:.1f}B tokens",
+        f"FLOPs per step: {r['flops_per_token'] * r['tokens_per_step']:.4g}",
+        f"optimizer: AdamW lr {s.lr:g} betas {s.betas} wd {s.weight_decay:g}, cosine with {s.warmup} "
+        f"warm-up steps to {s.min_lr_ratio:g} of the peak, clip {s.grad_clip}",
+        f"memory per rank ({r['dp']}, parameters sharded over {r['shards']}):",
+    ]
+    lines += [f"  {k}: {v / gib:.2f} GiB" for k, v in r["memory"].items()]
+    lines += [f"  total: {r['memory_total'] / gib:.2f} GiB",
+              "  not counted: activations, FSDP's all-gathered bf16 block parameters and gradients, "
+              "temporaries, the CUDA context and allocator caching"]
+    return "\n".join(lines)
+
+
+# ---- training ------------------------------------------------------------------------------
+def _metrics_callback():
+    from olmo_core.distributed.utils import get_rank
+    from olmo_core.train.callbacks import Callback
+
+    @dataclass
+    class MetricsFileCallback(Callback):
+        """Every logged step's metrics, one JSON line each, in ``<save_folder>/metrics.jsonl``
+        (rank 0); OLMo-core reduces them over the ranks before ``log_metrics``."""
+
+        name: str = "metrics.jsonl"
+
+        def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            if get_rank() != 0:
+                return
+            path = Path(self.trainer.save_folder) / self.name
+            with path.open("a") as f:
+                f.write(json.dumps({"step": step} | {k: float(v) for k, v in metrics.items()}) + "\n")
+
+    return MetricsFileCallback()
+
+
+def _data_paths(patterns: list[str]) -> list[str]:
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else \
+            [os.path.expanduser(pattern)]
+        found = [p for p in found if os.path.isfile(p)]
+        if not found:
+            raise UsageError(f"--data {pattern}: no such token file")
+        paths += found
+    return paths
+
+
+def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> dict[str, Any]:
+    """OLMo-core's configs of the run: model, dataset, data loader, train module and trainer."""
+    import torch
+    from olmo_core.config import DType
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.data.types import NumpyDatasetDType
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import (
+        CheckpointerCallback,
+        ConfigSaverCallback,
+        GarbageCollectorCallback,
+        SpeedMonitorCallback,
+    )
+    from olmo_core.train.train_module import (
+        TransformerActivationCheckpointingConfig,
+        TransformerDataParallelConfig,
+        TransformerTrainModuleConfig,
+    )
+    from olmo_core.train.train_module.transformer.config import (
+        TransformerActivationCheckpointingMode,
+        TransformerDataParallelWrappingStrategy,
+    )
+
+    cuda = torch.cuda.is_available()
+    precision = args.precision or ("bf16" if cuda else "fp32")
+    dp = args.dp or ("fsdp" if world > 1 else "none")
+    model = model_config(shape, args.seed)
+    if shape.tokenizer == "gpt_neox":
+        tokenizer = TokenizerConfig.gpt_neox_olmo_dolma_v1_5()
+    else:
+        vocab = shape.model.vocab_size
+        tokenizer = TokenizerConfig(vocab_size=vocab, eos_token_id=vocab - 1, pad_token_id=0)
+    work_dir = args.work_dir or str(Path(args.save_folder) / "work")
+    dataset = NumpyFSLDatasetConfig(
+        tokenizer=tokenizer, paths=_data_paths(args.data), sequence_length=shape.seq_len,
+        dtype=NumpyDatasetDType(args.data_dtype), work_dir=work_dir)
+    data_loader = NumpyDataLoaderConfig(global_batch_size=shape.global_batch * shape.seq_len,
+                                        seed=args.seed, num_workers=0, work_dir=work_dir)
+    dp_config = None
+    if dp != "none":
+        dp_config = TransformerDataParallelConfig(
+            name=DataParallelType(dp), reduce_dtype=DType.float32,
+            param_dtype=DType.bfloat16 if precision == "bf16" and dp != "ddp" else None,
+            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
+    ac = None if args.ac == "none" else TransformerActivationCheckpointingConfig(
+        mode=TransformerActivationCheckpointingMode(args.ac))
+    train_module = TransformerTrainModuleConfig(
+        rank_microbatch_size=shape.microbatch * shape.seq_len, max_sequence_length=shape.seq_len,
+        optim=AdamWConfig(lr=shape.lr, betas=shape.betas, weight_decay=shape.weight_decay,
+                          # no decay on embeddings, as OLMo-core's own configs
+                          group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
+                                                              opts=dict(weight_decay=0.0))]),
+        scheduler=CosWithWarmup(warmup=shape.warmup, alpha_f=shape.min_lr_ratio),
+        max_grad_norm=shape.grad_clip, dp_config=dp_config, ac_config=ac, compile_model=args.compile,
+        autocast_precision=DType.bfloat16 if precision == "bf16" and dp_config is None and cuda else None)
+    config = model.build(init_device="meta")
+    flops = config.num_flops_per_token(shape.seq_len)
+    del config
+    trainer = TrainerConfig(
+        save_folder=args.save_folder, work_dir=work_dir, save_overwrite=True,
+        metrics_collect_interval=args.metrics_interval, cancel_check_interval=10,
+        max_duration=Duration.steps(shape.steps),
+        callbacks={
+            "checkpointer": CheckpointerCallback(save_interval=shape.checkpoint_every, save_async=False),
+            "speed_monitor": SpeedMonitorCallback(num_flops_per_token=flops),
+            "config_saver": ConfigSaverCallback(),
+            "garbage_collector": GarbageCollectorCallback(),
+            "metrics_file": _metrics_callback(),
+        })
+    return {"model": model, "dataset": dataset, "data_loader": data_loader, "train_module": train_module,
+            "trainer": trainer}
+
+
+def train(args: argparse.Namespace, shape: RunShape) -> None:
+    from olmo_core.train import prepare_training_environment, teardown_training_environment
+    from olmo_core.utils import seed_all
+
+    distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+    if args.world_size is not None and args.world_size != world:
+        raise UsageError(f"--world-size {args.world_size} is for dry runs; torchrun gave {world} ranks")
+    _check_batch(shape, world)
+    if not args.data:
+        raise UsageError("--data is required (OLMo-core numpy token files, e.g. --data '/data/*.npy')")
+    if not args.save_folder:
+        raise UsageError("--save-folder is required (where OLMo-core writes its checkpoints)")
+    parts = build_experiment(args, shape, world)
+    import torch
+    backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if distributed else None
+    prepare_training_environment(seed=args.seed, backend=backend)
+    try:
+        seed_all(args.seed)
+        model = parts["model"].build(init_device="meta")
+        train_module = parts["train_module"].build(model)
+        dataset = parts["dataset"].build()
+        data_loader = parts["data_loader"].build(dataset, dp_process_group=train_module.dp_process_group)
+        trainer = parts["trainer"].build(train_module, data_loader)
+        trainer.callbacks["config_saver"].config = {
+            "siamesenorm": {"config": args.config, "scheme": shape.model.scheme,
+                            "scheme_options": shape.model.scheme_options},
+            **{k: v.as_config_dict() for k, v in parts.items() if k != "trainer"}}
+        trainer.fit()
+    finally:
+        teardown_training_environment()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        shape = resolve(args)
+        if args.dry_run:
+            world = world_size(args)
+            _check_batch(shape, world)
+            dp = args.dp or ("fsdp" if world > 1 else "none")
+            print(format_dry_run(dry_run_report(shape, world, dp)))
+            return 0
+        train(args, shape)
+        return 0
+    except (UsageError, ConfigError) as err:
+        print(f"siamesenorm.olmo_core.train: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
