@@ -19,7 +19,8 @@ Reported per variant, with its ratio to Pre-Norm's at the same size:
 
 Sizes: ``tiny`` (the entry point's ``tiny`` config: dim 64, 2 blocks, 4 heads, SwiGLU 128, vocab
 256, batch 4 x 64), ``256`` (dim 256, 12 blocks, 4 heads, SwiGLU 683 -> our LMConfig's default,
-vocab 256, batch 8 x 256). Needs the ``olmo`` extra.
+vocab 256, batch 8 x 256). Every variant has QK-norm and untied embeddings, as the OLMo presets
+(``hybrid_pre`` adds the v norm to it). Needs the ``olmo`` extra.
 
     python benchmarks/olmo_core_step.py                                  # tiny and 256, CPU
     python benchmarks/olmo_core_step.py --sizes 256 --rounds 31 --threads 2
@@ -64,7 +65,8 @@ def lm_config(variant: str, size: str) -> LMConfig:
     dim, blocks, heads, hidden, _, seq = SIZES[size]
     extra = {} if hidden is None else {"mlp_hidden": hidden}
     return LMConfig(vocab_size=VOCAB, dim=dim, n_layers=blocks, n_heads=heads, max_seq_len=seq,
-                    scheme=scheme, scheme_options=dict(options), tie_embeddings=False, **extra)
+                    scheme=scheme, scheme_options=dict(options), tie_embeddings=False, qk_norm=True,
+                    **extra)
 
 
 def build(variant: str, size: str, device: torch.device):

@@ -156,8 +156,9 @@ def test_the_map_names_every_parameter_and_refuses_unknown_ones():
     assert sorted(to_siamesenorm_state_dict(theirs)) == sorted(lm.state_dict())
     with pytest.raises(KeyError, match="blocks.0.attention_norm.weight"):
         to_siamesenorm_state_dict(theirs | {"blocks.0.attention_norm.weight": torch.ones(32)})
-    with pytest.raises(KeyError, match="sublayers.1.router.weight"):
-        from_siamesenorm_state_dict(lm.state_dict() | {"sublayers.1.router.weight": torch.ones(2, 32)})
+    shared = "sublayers.1.shared.gate_proj.weight"   # an MoE's shared expert (MoE: test_olmo_core_moe)
+    with pytest.raises(KeyError, match=shared):
+        from_siamesenorm_state_dict(lm.state_dict() | {shared: torch.ones(2, 32)})
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -175,8 +176,8 @@ def test_configs_without_a_counterpart_are_refused():
         olmo_config(tiny("pre", mlp="gelu"))
     with pytest.raises(ConfigError, match="dropout"):
         olmo_config(tiny("pre", dropout=0.1))
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        olmo_config(tiny("pre", moe={"every": 1, "n_experts": 4, "top_k": 2}))
+    with pytest.raises(ConfigError, match="shared"):   # the MoE map: tests/test_olmo_core_moe.py
+        olmo_config(tiny("pre", moe={"every": 1, "n_experts": 4, "top_k": 2, "shared_hidden": 8}))
     if "family" in LMConfig.__dataclass_fields__:
         with pytest.raises(ConfigError, match="family"):
             olmo_config(tiny("pre", family="qwen3"))
@@ -242,12 +243,10 @@ def test_deepnorm_branch_weights_are_xavier_with_its_gain():
     assert abs(float(att.w_v.weight.detach().std()) / (beta * xavier) - 1) < 0.15
 
 
-def test_pipeline_and_tensor_parallelism_are_refused():
+def test_pipeline_parallelism_is_refused():   # tensor parallelism: test_olmo_core_parallel.py
     model = olmo_config(tiny("siamese")).build(init_device="meta")
     with pytest.raises(NotImplementedError, match="pipeline"):
         model.apply_pp(None)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        model.apply_tp(None)
 
 
 # ---- training ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from .convert import (  # noqa: E402
     from_siamesenorm_state_dict,
     lm_config,
     olmo_config,
+    olmo_moe_config,
     to_language_model,
     to_siamesenorm_state_dict,
 )
@@ -51,8 +52,15 @@ from .model import (  # noqa: E402
     SchemeTransformerConfig,
     head_norm_config,
 )
+from .moe import (  # noqa: E402
+    CheckpointSafeRouter,
+    PortableDroplessMLP,
+    SchemeMoEBlock,
+    SchemeMoETransformer,
+)
 
-__all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
+__all__ = ["CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention", "SchemeBlock",
+           "SchemeBlockConfig", "SchemeMoEBlock", "SchemeMoETransformer", "SchemeTransformer",
            "SchemeTransformerConfig", "from_language_model", "from_siamesenorm_state_dict",
-           "head_norm_config", "lm_config", "olmo_config", "to_language_model",
+           "head_norm_config", "lm_config", "olmo_config", "olmo_moe_config", "to_language_model",
            "to_siamesenorm_state_dict"]

@@ -12,18 +12,25 @@ Parameter names (``b`` a block, ``*`` ``weight`` or ``bias``)::
     sublayers.{2b+1}.up_proj.*           blocks.{b}.feed_forward.w3.*
     sublayers.{2b+1}.down_proj.*         blocks.{b}.feed_forward.w2.*
     scheme.<anything>                    scheme.<anything>               (the same scheme object)
+  mixture of experts (E experts of hidden size H, width d; OLMo-core's dropless MoE):
+    sublayers.{2b+1}.router.weight (E,d) blocks.{b}.feed_forward_moe.router.weight (E*d,)
+    sublayers.{2b+1}.w_gate (E,d,H)      blocks.{b}.feed_forward_moe.experts.mlp.w1 (E*H,d), transposed
+    sublayers.{2b+1}.w_up (E,d,H)        blocks.{b}.feed_forward_moe.experts.mlp.w3 (E*H,d), transposed
+    sublayers.{2b+1}.w_down (E,H,d)      blocks.{b}.feed_forward_moe.experts.mlp.w2 (E*H,d)
     lm_head.weight                       lm_head.w_out.weight            (untied)
     (tied: none)                         lm_head.w_out.weight = embeddings.weight
 
 Tied embeddings: OLMo-core ties by making ``lm_head.w_out.weight`` the embedding's parameter, so
 its state dict lists it twice; ours has ``embed.weight`` alone. The maps pass tensors through
-(no copy); an unknown name raises ``KeyError``.
+(no copy; the experts' gate and up matrices are transposed, a copy one way); an unknown name
+raises ``KeyError``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,17 +38,21 @@ from olmo_core.config import DType
 from olmo_core.nn.attention import AttentionConfig
 from olmo_core.nn.feed_forward import ActivationFunction, FeedForwardConfig
 from olmo_core.nn.lm_head import LMHeadConfig
+from olmo_core.nn.moe import MoEConfig, MoELoadBalancingLossGranularity, MoERouterConfig, MoEType
+from olmo_core.nn.moe.router import MoERouterGatingFunction, MoERouterType
 from olmo_core.nn.rope import RoPEConfig, RoPEType
+from olmo_core.nn.transformer.config import resolve_block_configs
 from torch import Tensor
 
 from ..errors import ConfigError
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig
+from ..models.lm_config import MoEConfig as OurMoEConfig
 from ..nn.mlp import default_mlp_hidden
 from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config
 
 __all__ = ["from_language_model", "from_siamesenorm_state_dict", "lm_config", "olmo_config",
-           "to_language_model", "to_siamesenorm_state_dict"]
+           "olmo_moe_config", "to_language_model", "to_siamesenorm_state_dict"]
 
 _ATTN = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out_proj": "w_out",
          "q_norm": "q_norm", "k_norm": "k_norm", "v_norm": "v_norm"}
@@ -50,6 +61,11 @@ _ATTN_BACK = {v: k for k, v in _ATTN.items()}
 _MLP_BACK = {v: k for k, v in _MLP.items()}
 _OURS = re.compile(r"sublayers\.(\d+)\.(\w+)\.(weight|bias)")
 _THEIRS = re.compile(r"blocks\.(\d+)\.(attention|feed_forward)\.(\w+)\.(weight|bias)")
+_MOE = {"router.weight": "router.weight", "w_gate": "experts.mlp.w1", "w_up": "experts.mlp.w3",
+        "w_down": "experts.mlp.w2"}
+_MOE_BACK = {v: k for k, v in _MOE.items()}
+_OURS_MOE = re.compile(r"sublayers\.(\d+)\.(router\.weight|w_gate|w_up|w_down)")
+_THEIRS_MOE = re.compile(r"blocks\.(\d+)\.feed_forward_moe\.(router\.weight|experts\.mlp\.w[123])")
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -60,8 +76,11 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     vocabulary, tied or untied embeddings, scheme (with its options, ``norm`` and ``norm_eps``).
     ``kwargs`` go to the config (``init_method``, ``init_std``, ``init_seed``, ...).
 
+    Mixture-of-experts blocks (``cfg.moe.every``) get OLMo-core's dropless MoE
+    (:func:`olmo_moe_config`); with ``every`` > 1 the others are dense (``block_overrides``).
+
     Refused: GELU MLPs (OLMo-core's feed-forward is gated), dropout (OLMo-core drops other
-    things than we do), mixture-of-experts blocks (not implemented yet), a Hugging Face
+    things than we do), a shared expert (see :func:`olmo_moe_config`), a Hugging Face
     ``family``. ``cfg.init`` and
     ``cfg.max_seq_len`` have no counterpart: OLMo-core initialises by its ``init_method``, and
     takes the sequence length from its train module.
@@ -70,8 +89,6 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
         raise ConfigError(f"OLMo-core's feed-forward is gated: model.mlp must be swiglu, got {cfg.mlp!r}")
     if cfg.dropout:
         raise ConfigError("model.dropout must be 0 for the OLMo-core model (its dropout differs)")
-    if cfg.moe.every:
-        raise NotImplementedError("mixture-of-experts models are not mapped to OLMo-core yet")
     if getattr(cfg, "family", ""):
         raise ConfigError(f"model.family={cfg.family} builds a Hugging Face family model, not our "
                           "LanguageModel: it has no OLMo-core counterpart here")
@@ -87,23 +104,113 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
         sequence_mixer=attention,
         feed_forward=FeedForwardConfig(hidden_size=cfg.hidden_dim, bias=cfg.bias, dtype=dtype,
                                        activation=ActivationFunction.silu))
+    overrides = None
+    if cfg.moe.every:
+        moe_block = replace(block, feed_forward=None, feed_forward_moe=olmo_moe_config(cfg, dtype))
+        if cfg.moe.every == 1:
+            block = moe_block
+        else:
+            overrides = {b: moe_block for b in range(cfg.n_layers) if cfg.moe.is_moe(b)}
     return SchemeTransformerConfig(
         d_model=cfg.dim, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, block=block,
+        block_overrides=overrides,
         lm_head=LMHeadConfig(layer_norm=None, bias=False, dtype=dtype), dtype=dtype,
         tie_word_embeddings=cfg.tie_embeddings, scheme=cfg.scheme,
         scheme_options=dict(cfg.scheme_options), norm=cfg.norm, norm_eps=cfg.norm_eps, **kwargs)
 
 
+def olmo_moe_config(cfg: LMConfig, dtype: DType | str = DType.float32) -> MoEConfig:
+    """OLMo-core's ``MoEConfig`` of ``cfg.moe``: dropless (``MoEType.dropless``), ``n_experts``
+    SwiGLU experts of hidden size ``expert_hidden(dim)``, a linear softmax router choosing
+    ``top_k``, renormalised over them when ``normalize`` (``normalize_expert_weights=1``: divided
+    by their sum). The losses as ours add them to the training loss, per MoE layer:
+    OLMo-core's load-balancing loss is ``E / k * sum_i f_i P_i`` against our ``E * sum_i f_i P_i``,
+    so ``lb_loss_weight = aux_loss * top_k``; ``z_loss_weight = z_loss`` (the same mean squared
+    log-sum-exp); neither divided by the depth (``scale_loss_by_num_layers=False``); a z-loss
+    weight of 0 is none (``None``). Both are computed over each rank's micro-batch
+    (``local_batch``).
+
+    Refused: a shared expert (``shared_hidden`` > 0). OLMo-core averages it with the routed
+    output, ``shared / (k + 1) + routed * k / (k + 1)``, where ours adds them; no weight-for-weight
+    map gives both the same function.
+    """
+    moe = cfg.moe
+    if moe.shared_hidden:
+        raise ConfigError("model.moe.shared_hidden must be 0 for OLMo-core: it averages a shared expert "
+                          "with the routed experts (shared/(k+1) + routed*k/(k+1)), ours adds them")
+    return MoEConfig(
+        name=MoEType.dropless, num_experts=moe.n_experts, hidden_size=moe.expert_hidden(cfg.dim),
+        router=MoERouterConfig(top_k=moe.top_k, normalize_expert_weights=1.0 if moe.normalize else None),
+        lb_loss_weight=moe.aux_loss * moe.top_k,       # 0, not None: None reloads as 0.01
+        z_loss_weight=moe.z_loss if moe.z_loss else None, scale_loss_by_num_layers=False,
+        dtype=DType(dtype))
+
+
+def _our_moe(moe: MoEConfig, every: int, d_model: int, n_layers: int) -> OurMoEConfig:
+    """Our ``MoEConfig`` of OLMo-core's ``moe`` on every ``every``-th block (the inverse of
+    :func:`olmo_moe_config`), or a ``ConfigError`` naming what has no counterpart."""
+    router = moe.router
+    problems = [what for what, bad in (
+        ("a capacity-factor MoE (ours is dropless)", moe.name != MoEType.dropless),
+        ("a shared expert (OLMo-core averages it, ours adds it)", moe.shared_mlp is not None),
+        ("a latent MoE", moe.latent_moe is not None),
+        ("a router other than the linear softmax top-k one (jitter, bias, sigmoid, uniform or "
+         "random assignment)", router.name != MoERouterType.default or router.jitter_eps is not None
+         or router.bias_gamma is not None or router.uniform_expert_assignment
+         or router.random_expert_assignment or router.gating_function != MoERouterGatingFunction.softmax),
+        ("expert weights normalised other than by their sum",
+         router.normalize_expert_weights not in (None, 1.0)),
+        ("a per-instance load-balancing loss (ours is over the batch)",
+         moe.lb_loss_granularity != MoELoadBalancingLossGranularity.local_batch)) if bad]
+    if problems:
+        raise ConfigError("the OLMo-core MoE has no counterpart in our MoE: " + "; ".join(problems))
+    depth = n_layers if moe.scale_loss_by_num_layers else 1
+
+    def weight(w: float | None, per: int) -> float:   # ours, rounded off the float noise of * and /
+        return 0.0 if w is None else float(f"{w / depth / per:.15g}")
+
+    return OurMoEConfig(
+        every=every, n_experts=moe.num_experts, top_k=router.top_k,
+        hidden=None if moe.hidden_size == OurMoEConfig().expert_hidden(d_model) else moe.hidden_size,
+        normalize=router.normalize_expert_weights is not None,
+        aux_loss=weight(moe.lb_loss_weight, router.top_k), z_loss=weight(moe.z_loss_weight, 1))
+
+
+def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, FeedForwardConfig | None,
+                                                          OurMoEConfig]:
+    """One attention for every block, one dense feed-forward (or none) and one MoE (on every
+    ``every``-th block, ours; ``every=0``: none), read off the block configs and overrides."""
+    if not isinstance(config.block, SchemeBlockConfig) or config.block_pattern:
+        raise ConfigError("lm_config maps SchemeBlockConfig blocks (no named block patterns)")
+    blocks = resolve_block_configs(config.n_layers, config.block,
+                                   block_overrides=config.block_overrides)
+    if not all(isinstance(b, SchemeBlockConfig) for b in blocks):
+        raise ConfigError("lm_config maps SchemeBlockConfig blocks only")
+    moe_at = [i for i, b in enumerate(blocks) if b.feed_forward_moe is not None]
+    every = moe_at[0] + 1 if moe_at else 0
+    dense = [b.feed_forward for b in blocks if b.feed_forward is not None]
+    def rest(b: SchemeBlockConfig) -> dict:
+        return {k: v for k, v in vars(b).items() if k not in ("feed_forward", "feed_forward_moe")}
+
+    if (any(rest(b) != rest(blocks[0]) for b in blocks) or any(d != dense[0] for d in dense)
+            or any(blocks[i].feed_forward_moe != blocks[moe_at[0]].feed_forward_moe for i in moe_at)
+            or moe_at != [b for b in range(config.n_layers) if every and b % every == every - 1]):
+        raise ConfigError("lm_config maps blocks that differ only in an MoE on every n-th block "
+                          "(blocks n-1, 2n-1, ...) with one MoE config")
+    moe = OurMoEConfig() if not moe_at else _our_moe(
+        blocks[moe_at[0]].feed_forward_moe, every, config.d_model, config.n_layers)
+    return blocks[0], dense[0] if dense else None, moe
+
+
 def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwargs: Any) -> LMConfig:
     """Our ``LMConfig`` of the model ``config`` describes (the inverse of :func:`olmo_config`);
     ``max_seq_len`` and ``kwargs`` (``init``, ...) are ours alone. A feed-forward of the default
-    SwiGLU size gives ``mlp_hidden=None``; kv heads left unset stay unset."""
-    block = config.block
-    if not isinstance(block, SchemeBlockConfig) or config.block_overrides or config.block_pattern:
-        raise ConfigError("lm_config maps one SchemeBlockConfig for every block")
-    att, ff = block.sequence_mixer, block.feed_forward
-    if not isinstance(att, AttentionConfig) or ff is None:
-        raise ConfigError("lm_config needs an attention and a feed-forward")
+    SwiGLU size gives ``mlp_hidden=None``, and so does a model with no dense block; experts of the
+    default hidden size (``dim // 2``) give ``moe.hidden=None``; kv heads left unset stay unset."""
+    block, ff, moe = _split_blocks(config)
+    att = block.sequence_mixer
+    if not isinstance(att, AttentionConfig):
+        raise ConfigError("lm_config needs an attention")
     head_dim = config.d_model // att.n_heads
     problems = [
         what for what, bad in (
@@ -117,8 +224,8 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
              att.qk_norm is not None and not att.use_head_qk_norm),
             ("a QK-norm kind other than the scheme's norm", att.qk_norm is not None
              and att.qk_norm != head_norm_config(config.norm, config.norm_eps)),
-            ("a feed-forward other than SwiGLU", ff.activation != ActivationFunction.silu),
-            ("biases on some linears and not others", bool(att.bias) != bool(ff.bias)),
+            ("a feed-forward other than SwiGLU", ff is not None and ff.activation != ActivationFunction.silu),
+            ("biases on some linears and not others", ff is not None and bool(att.bias) != bool(ff.bias)),
             ("an LM head with a bias or a norm", bool(config.lm_head.bias)
              or config.lm_head.layer_norm is not None),
             ("an embedding norm or scale", config.embedding_norm is not None
@@ -130,8 +237,8 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
     return LMConfig(
         vocab_size=config.vocab_size, dim=config.d_model, n_layers=config.n_layers,
         n_heads=att.n_heads, n_kv_heads=att.n_kv_heads, mlp="swiglu",
-        mlp_hidden=None if ff.hidden_size == default_mlp_hidden("swiglu", config.d_model)
-        else ff.hidden_size,
+        mlp_hidden=None if ff is None or ff.hidden_size == default_mlp_hidden("swiglu", config.d_model)
+        else ff.hidden_size, moe=moe,
         max_seq_len=max_seq_len, rope_theta=float(att.rope.theta), qk_norm=att.qk_norm is not None,
         tie_embeddings=config.tie_word_embeddings, bias=bool(att.bias), norm=config.norm,
         norm_eps=config.norm_eps, scheme=config.scheme,
@@ -148,6 +255,31 @@ def _tied(state: Mapping[str, Tensor]) -> bool:
     if head.device == embed.device and head.data_ptr() == embed.data_ptr() and head.shape == embed.shape:
         return True
     return head.shape == embed.shape and torch.equal(head, embed)
+
+
+def _olmo_moe_tensor(ours: str, tensor: Tensor) -> Tensor:
+    """Our MoE tensor ``ours`` in OLMo-core's layout: the router flat, the experts' matrices
+    stacked along the rows as ``(experts * hidden, width)`` (gate and up transposed)."""
+    if ours == "router.weight":
+        return tensor.reshape(-1)
+    if ours == "w_down":
+        return tensor.reshape(-1, tensor.shape[-1])
+    return tensor.transpose(1, 2).reshape(-1, tensor.shape[1])
+
+
+def _ours_moe_tensor(olmo_state: Mapping[str, Tensor], block: int, theirs: str, tensor: Tensor) -> Tensor:
+    """OLMo-core's MoE tensor ``theirs`` of ``block`` in our layout; the number of experts is read
+    off the block's router (``experts * width`` values) and the embedding's width."""
+    width = olmo_state["embeddings.weight"].shape[1]
+    router = olmo_state.get(f"blocks.{block}.feed_forward_moe.router.weight")
+    if router is None:
+        raise KeyError(f"blocks.{block}.feed_forward_moe.router.weight: missing, needed to map the "
+                       "block's experts")
+    experts = router.numel() // width
+    if theirs == "router.weight":
+        return tensor.view(experts, width)
+    stacked = tensor.view(experts, -1, width)                  # (experts, hidden, width)
+    return stacked if theirs == "experts.mlp.w2" else stacked.transpose(1, 2)
 
 
 def to_siamesenorm_state_dict(olmo_state: Mapping[str, Tensor], *,
@@ -169,6 +301,9 @@ def to_siamesenorm_state_dict(olmo_state: Mapping[str, Tensor], *,
                 out["lm_head.weight"] = tensor
         elif name.startswith("scheme."):
             out[name] = tensor
+        elif m := _THEIRS_MOE.fullmatch(name):
+            out[f"sublayers.{2 * int(m[1]) + 1}.{_MOE_BACK[m[2]]}"] = _ours_moe_tensor(
+                olmo_state, int(m[1]), m[2], tensor)
         elif m := _THEIRS.fullmatch(name):
             block, kind, module, param = int(m[1]), m[2], m[3], m[4]
             table = _ATTN_BACK if kind == "attention" else _MLP_BACK
@@ -193,11 +328,13 @@ def from_siamesenorm_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor
             out["lm_head.w_out.weight"] = tensor
         elif name.startswith("scheme."):
             out[name] = tensor
+        elif (m := _OURS_MOE.fullmatch(name)) and int(m[1]) % 2 == 1:
+            out[f"blocks.{int(m[1]) // 2}.feed_forward_moe.{_MOE[m[2]]}"] = _olmo_moe_tensor(m[2], tensor)
         elif m := _OURS.fullmatch(name):
             sub, module, param = int(m[1]), m[2], m[3]
             kind, table = ("attention", _ATTN) if sub % 2 == 0 else ("feed_forward", _MLP)
             if module not in table:
-                raise KeyError(f"{name}: no counterpart in the OLMo-core model (MoE is not mapped yet)")
+                raise KeyError(f"{name}: no counterpart in the OLMo-core model")
             out[f"blocks.{sub // 2}.{kind}.{table[module]}.{param}"] = tensor
         else:
             raise KeyError(f"{name}: no counterpart in the OLMo-core model")

@@ -20,19 +20,22 @@ from outside, so the pieces are subclasses: :class:`SchemeBlockConfig` builds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from functools import partial
 from typing import Any, cast
 
 import torch
+from olmo_core.distributed.utils import distribute_like, get_local_tensor
 from olmo_core.nn.attention import Attention, AttentionConfig
 from olmo_core.nn.buffer_cache import BufferCache
 from olmo_core.nn.feed_forward import FeedForwardConfig
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
-from olmo_core.nn.lm_head import LMHeadConfig
+from olmo_core.nn.lm_head import LMHeadConfig, LMLossImplementation
 from olmo_core.nn.transformer import Transformer, TransformerBlockBase, TransformerBlockConfig
 from olmo_core.nn.transformer.config import (
+    TransformerActivationCheckpointingMode,
     TransformerConfig,
     TransformerDataParallelWrappingStrategy,
     resolve_block_configs,
@@ -42,12 +45,24 @@ from olmo_core.utils import mark_dynamic
 from torch import Tensor, nn
 from torch.distributed import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
 from ..errors import ConfigError
 from ..schemes import ResidualScheme, build_scheme
 
 __all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
            "SchemeTransformerConfig", "head_norm_config"]
+
+# The mixture-of-experts pieces, which .moe (imported with the package) registers here: "check"
+# (an MoEConfig), "block" (SchemeMoEBlock) and "model" (SchemeMoETransformer). A dict, not an import,
+# since .moe subclasses this module's block and model.
+MOE: dict[str, Any] = {}
+
+# Pipeline parallelism is refused (docs/olmo-core.md, "Parallelism").
+PP_REFUSAL = ("pipeline parallelism of a SchemeTransformer is not supported: OLMo-core's stages pass one "
+              "tensor (a scheme's state may be several) and its pipeline schedules need CUDA, so a "
+              "packed state could not be tested")
 
 
 def head_norm_config(norm: str, eps: float) -> LayerNormConfig:
@@ -83,8 +98,48 @@ class QKVNormAttention(Attention):
         q, k, v = super()._prepare_qkv(x, **kwargs)
         return q, k, self.v_norm(v)
 
-    def apply_tp(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("tensor parallelism of QKV-norm attention is not implemented")
+    def apply_tp(self, tp_mesh: DeviceMesh, input_layout: Placement | None = None,
+                 output_layout: Placement | None = None, use_local_output: bool = True,
+                 float8_enabled: bool = False) -> None:
+        """OLMo-core's plan (q, k, v projections column-parallel, so each rank holds whole heads,
+        ``n_heads / tp`` of them), and ``v_norm`` on the local heads: v arrives as a local
+        ``(B, T, local heads, head_dim)`` tensor, is read as a DTensor sharded over the heads
+        (``Shard(2)``) and normalised over ``head_dim`` with ``v_norm``'s weight replicated over
+        the TP group, so the weight's gradient (a sum over every head) is reduced over the group."""
+        super().apply_tp(tp_mesh, input_layout=input_layout, output_layout=output_layout,
+                         use_local_output=use_local_output, float8_enabled=float8_enabled)
+        parallelize_module(self.v_norm, device_mesh=tp_mesh, parallelize_plan=SequenceParallel(
+            sequence_dim=2, use_local_output=True))
+
+
+def check_tp_degree(block: nn.Module, degree: int) -> None:
+    """Refuse a TP degree that does not divide the block's heads, kv heads or SwiGLU width."""
+    att, ff = block.attention, getattr(block, "feed_forward", None)
+    sizes = [("heads", att.n_heads), ("kv heads", att.n_kv_heads)]
+    if ff is not None:
+        sizes.append(("feed-forward hidden size", ff.hidden_size))
+    for what, n in sizes:
+        if n % degree:
+            raise ConfigError(f"tensor parallelism of degree {degree} does not divide the {n} {what}")
+
+
+def map_state(fn: Callable[[Tensor], Tensor], state: Any) -> Any:
+    """``fn`` on every tensor of a scheme's state (a tensor, or a tuple of tensors and Nones)."""
+    if isinstance(state, tuple):
+        return tuple(fn(t) if isinstance(t, Tensor) else t for t in state)
+    return fn(state) if isinstance(state, Tensor) else state
+
+
+def replicated(mesh: DeviceMesh | None, t: Tensor) -> Tensor:
+    """``t`` (the same on every rank of ``mesh``) as a DTensor replicated over ``mesh``."""
+    if mesh is None or isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+
+
+def local(t: Tensor) -> Tensor:
+    """A replicated DTensor's whole tensor (a plain tensor as it is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class SchemeBlock(TransformerBlockBase):
@@ -93,11 +148,15 @@ class SchemeBlock(TransformerBlockBase):
     (:meth:`bind_scheme`); it is not a submodule of the block, so FSDP shards the block's own
     attention and feed-forward with it and the scheme's parameters with the model's root.
 
-    ``forward(state, **attention_kwargs) -> state``: the scheme's state in and out.
+    ``forward(state, **attention_kwargs) -> state``: the scheme's state in and out. Under tensor
+    parallelism (:meth:`apply_tp`) the state enters and leaves as plain tensors, the same on every
+    rank of the TP group, and is a replicated DTensor inside.
     """
 
+    _tp_mesh: DeviceMesh | None = None
+
     def __init__(self, *, d_model: int, block_idx: int, n_layers: int,
-                 sequence_mixer: AttentionConfig, feed_forward: FeedForwardConfig,
+                 sequence_mixer: AttentionConfig, feed_forward: FeedForwardConfig | None,
                  qkv_norm: LayerNormConfig | None = None, dropout: float = 0.0,
                  init_device: str = "cpu", cache: BufferCache | None = None) -> None:
         super().__init__(n_layers=n_layers)
@@ -108,7 +167,8 @@ class SchemeBlock(TransformerBlockBase):
                                               init_device=init_device, cache=cache)
         if qkv_norm is not None:
             self.attention = QKVNormAttention.from_attention(self.attention, qkv_norm, init_device)
-        self.feed_forward = feed_forward.build(d_model=d_model, init_device=init_device)
+        if feed_forward is not None:   # None: an MoE block (.moe.SchemeMoEBlock) builds its own
+            self.feed_forward = feed_forward.build(d_model=d_model, init_device=init_device)
         self.dropout = nn.Dropout(dropout) if dropout > 0.0 else None
         self._scheme: tuple[ResidualScheme, ...] = ()
 
@@ -132,12 +192,32 @@ class SchemeBlock(TransformerBlockBase):
 
     def forward(self, x: Any, *, loss_div_factor: Tensor | float | None = None, **kwargs: Any) -> Any:
         del loss_div_factor
-        scheme, i = self.scheme, 2 * self.block_idx
-        state = scheme.step(x, i, self._branch(self.attention, kwargs))
-        return scheme.step(state, i + 1, self._branch(self.feed_forward, {}))
+        scheme, i, mesh = self.scheme, 2 * self.block_idx, self._tp_mesh
+        state = x if mesh is None else map_state(partial(replicated, mesh), x)
+        state = scheme.step(state, i, self._branch(self.attention, kwargs))
+        state = scheme.step(state, i + 1, self._branch(self.feed_forward, {}))
+        return state if mesh is None else map_state(local, state)
 
-    def apply_tp(self, tp_mesh: DeviceMesh, *, input_layout: Any, float8_enabled: bool = False):
-        raise NotImplementedError("tensor parallelism of scheme blocks is not implemented yet")
+    def apply_tp(self, tp_mesh: DeviceMesh, *, input_layout: Placement | None = None,
+                 float8_enabled: bool = False) -> None:
+        """Tensor parallelism of the attention and the feed-forward; the scheme's state stays
+        replicated (see :meth:`SchemeTransformer.apply_tp`). Each sublayer reads the replicated
+        state as it is (its first projections are column-parallel) and returns a replicated
+        DTensor (its row-parallel output projection ends in an all-reduce). Between blocks the
+        state travels as plain tensors: FSDP's hooks and activation checkpointing then see the
+        tensors they expect (FSDP hands a zero gradient, as a plain tensor, to a stream that a
+        block passes on unused, which a DTensor could not take)."""
+        if input_layout not in (None, Replicate()):
+            raise ConfigError(f"a scheme block takes the scheme's state replicated over the TP group, "
+                              f"not {input_layout}")
+        if self.dropout is not None:
+            raise ConfigError("tensor parallelism of scheme blocks with dropout is not supported: "
+                              "the replicated streams would need one mask on every rank")
+        check_tp_degree(self, tp_mesh.size())
+        for sublayer in (self.attention, self.feed_forward):
+            sublayer.apply_tp(tp_mesh, input_layout=Replicate(), output_layout=Replicate(),
+                              use_local_output=False, float8_enabled=float8_enabled)
+        self._tp_mesh = tp_mesh
 
     def apply_cp(self, cp_mesh: DeviceMesh, ring: Any = None, uly: Any = None):
         self.attention.apply_cp(cp_mesh, ring=ring, uly=uly)
@@ -174,10 +254,10 @@ class SchemeBlockConfig(TransformerBlockConfig):
         super().__post_init__(attention)
         if self.layer_norm is not None:
             raise ConfigError("SchemeBlockConfig.layer_norm must be None: the scheme owns the norms")
+        if (self.feed_forward is None) == (self.feed_forward_moe is None):
+            raise ConfigError("SchemeBlockConfig needs feed_forward or feed_forward_moe (one of them)")
         if self.feed_forward_moe is not None:
-            raise NotImplementedError("mixture-of-experts scheme blocks are not implemented yet")
-        if self.feed_forward is None:
-            raise ConfigError("SchemeBlockConfig needs feed_forward")
+            MOE["check"](self.feed_forward_moe)
         if not isinstance(self.sequence_mixer, AttentionConfig):
             raise ConfigError("SchemeBlockConfig needs an AttentionConfig as sequence_mixer, got "
                               f"{type(self.sequence_mixer).__name__}")
@@ -187,7 +267,11 @@ class SchemeBlockConfig(TransformerBlockConfig):
 
     def build(self, *, d_model: int, block_idx: int, n_layers: int, init_device: str = "cpu",
               cache: BufferCache | None = None) -> SchemeBlock:
-        assert self.feed_forward is not None
+        if self.feed_forward_moe is not None:
+            return MOE["block"](d_model=d_model, block_idx=block_idx, n_layers=n_layers,
+                                  sequence_mixer=cast(AttentionConfig, self.sequence_mixer),
+                                  feed_forward_moe=self.feed_forward_moe, qkv_norm=self.qkv_norm,
+                                  dropout=self.dropout or 0.0, init_device=init_device, cache=cache)
         return SchemeBlock(d_model=d_model, block_idx=block_idx, n_layers=n_layers,
                            sequence_mixer=cast(AttentionConfig, self.sequence_mixer),
                            feed_forward=self.feed_forward, qkv_norm=self.qkv_norm,
@@ -199,11 +283,14 @@ class SchemeBlockConfig(TransformerBlockConfig):
         if self.qkv_norm is not None:
             mixer = replace(mixer, qk_norm=self.qkv_norm, use_head_qk_norm=True)
             extra = self.qkv_norm.num_params(mixer.head_dim or d_model // mixer.n_heads)
-        assert self.feed_forward is not None
-        return mixer.num_params(d_model) + extra + self.feed_forward.num_params(d_model)
+        ff = self.feed_forward if self.feed_forward is not None else self.feed_forward_moe
+        assert ff is not None
+        return mixer.num_params(d_model) + extra + ff.num_params(d_model)
 
     def num_active_params(self, d_model: int) -> int:
-        return self.num_params(d_model)
+        moe = self.feed_forward_moe    # the experts a token is not routed to are inactive
+        inactive = 0 if moe is None else moe.num_params(d_model) - moe.num_active_params(d_model)
+        return self.num_params(d_model) - inactive
 
 
 def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | None,
@@ -233,8 +320,11 @@ class SchemeTransformer(Transformer):
     Weight init is OLMo-core's (``init_method``, ``init_std``) for the embedding, attention,
     feed-forward and head, and the scheme's own ``reset_parameters`` for its norms and mixing
     parameters; where the scheme requires it (DeepNorm) the branch weights are then Xavier-normal
-    with its ``branch_gain``. Not supported: pipeline and tensor parallelism (the pipeline stages of
-    OLMo-core pass one tensor; a scheme's state may be several), MoE blocks, named block patterns.
+    with its ``branch_gain``. Parallelism: FSDP/HSDP, DDP, tensor parallelism (the state
+    replicated over the TP group, :meth:`apply_tp`), context parallelism (the attention's; the
+    scheme works token by token on each rank's part of the sequence) and OLMo-core's activation
+    checkpointing. Not supported: pipeline parallelism (``PP_REFUSAL``), DDP together with TP,
+    named block patterns.
     """
 
     def __init__(self, *, scheme: str = "pre", scheme_options: dict[str, Any] | None = None,
@@ -255,6 +345,8 @@ class SchemeTransformer(Transformer):
                          block_overrides={i: c for i, c in configs.items() if c is not block} or None,
                          **kwargs)
         self.scheme = scheme_module
+        self._scheme_build = partial(build_scheme, scheme, d_model, n_layers, norm=norm, eps=norm_eps,
+                                     dtype=dtype, **(scheme_options or {}))
         for b in self.blocks.values():
             cast(SchemeBlock, b).bind_scheme(scheme_module)
         # Transformer caches its parameter counts before the scheme was attached.
@@ -271,15 +363,29 @@ class SchemeTransformer(Transformer):
     def init_weights(self, **kwargs: Any) -> torch.Generator:
         """OLMo-core's ``init_weights`` (which also resets the scheme), then the scheme's
         requirements on the branch weights (DeepNorm: Xavier-normal, gain ``branch_gain`` on v,
-        out and the feed-forward; any other ``branch_gain`` != 1 multiplies those weights)."""
-        generator = super().init_weights(**kwargs)
+        out and the feed-forward; any other ``branch_gain`` != 1 multiplies those weights).
+
+        Once FSDP or TP has made the scheme's parameters DTensors, a scheme's own
+        ``reset_parameters`` may not run on them (hyper-connections write plain tensors into
+        slices); the scheme is then reset by giving each DTensor its part of a freshly built
+        scheme's tensors."""
+        scheme = self.scheme
+        if any(isinstance(t, DTensor) for t in (*scheme.parameters(), *scheme.buffers())):
+            # shadows the method during OLMo-core's reset of every module
+            scheme.reset_parameters = partial(self._reset_distributed_scheme, kwargs.get("device"))
+        try:
+            generator = super().init_weights(**kwargs)
+        finally:
+            scheme.__dict__.pop("reset_parameters", None)
         requires = self.scheme.requires
         if requires.init != "xavier" and requires.branch_gain == 1.0:
             return generator
         for block in self.blocks.values():
-            att, ff = block.attention, block.feed_forward
-            for linear, gained in ((att.w_q, False), (att.w_k, False), (att.w_v, True),
-                                   (att.w_out, True), (ff.w1, True), (ff.w3, True), (ff.w2, True)):
+            att, ff = block.attention, getattr(block, "feed_forward", None)   # MoE: .moe
+            linears = [(att.w_q, False), (att.w_k, False), (att.w_v, True), (att.w_out, True)]
+            if ff is not None:
+                linears += [(ff.w1, True), (ff.w3, True), (ff.w2, True)]
+            for linear, gained in linears:
                 gain = requires.branch_gain if gained else 1.0
                 if requires.init == "xavier":
                     _apply_init(nn.init.xavier_normal_, linear.weight, gain=gain, generator=generator)
@@ -288,6 +394,17 @@ class SchemeTransformer(Transformer):
                 elif gain != 1.0:
                     linear.weight.mul_(gain)
         return generator
+
+    @torch.no_grad()
+    def _reset_distributed_scheme(self, device: torch.device | None) -> None:
+        fresh = self._scheme_build(device=device or self.device)
+        values = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+        for name, t in (*self.scheme.named_parameters(), *self.scheme.named_buffers()):
+            value = values[name].to(t.dtype)
+            if isinstance(t, DTensor):
+                get_local_tensor(t).copy_(get_local_tensor(distribute_like(t, value)))
+            else:
+                t.copy_(value)
 
     # ---- forward -----------------------------------------------------------------------------
     def _mark_dynamic(self, state: Any) -> None:
@@ -304,8 +421,7 @@ class SchemeTransformer(Transformer):
         blocks carry its state, ``exit`` before the LM head. Returns what ``Transformer``
         returns (logits, or an ``LMOutputWithLoss`` with ``labels``)."""
         if self.embeddings is None or self.lm_head is None:
-            raise NotImplementedError("a SchemeTransformer runs whole: pipeline stages carry one "
-                                      "tensor, a scheme's state may be several")
+            raise NotImplementedError(PP_REFUSAL)
         if input_embeddings is not None and self._cp_load_balancer is not None:
             raise RuntimeError("`input_embeddings` is not supported with context parallelism")
         input_ids, labels, all_block_kwargs, per_block_kwargs, lm_head_kwargs = self._prepare_inputs(
@@ -313,19 +429,19 @@ class SchemeTransformer(Transformer):
             z_loss_multiplier=z_loss_multiplier, loss_div_factor=loss_div_factor,
             return_logits=return_logits, logits_to_keep=logits_to_keep, **kwargs)
         if input_embeddings is not None:
-            h = input_embeddings.to(self.device)
+            h = replicated(self._tp_mesh, input_embeddings.to(self.device))
         else:
-            h = self.embeddings(input_ids)
+            h = replicated(self._tp_mesh, self.embeddings(input_ids))
             if self.embed_scale is not None:
                 h = h * self.embed_scale
             if self.embedding_norm is not None:
                 h = self.embedding_norm(h)
-        state = self.scheme.enter(h)
+        state = map_state(local, self.scheme.enter(h))    # plain tensors between blocks (apply_tp)
         for key, block in self.blocks.items():
             if self.compile_enabled:
                 self._mark_dynamic(state)
             state = block(state, **all_block_kwargs, **per_block_kwargs.get(int(key), {}))
-        h = self.scheme.exit(state)
+        h = self.scheme.exit(map_state(partial(replicated, self._tp_mesh), state))
         if self.compile_enabled:
             mark_dynamic(h, (0, 1), strict=False)
             if labels is not None:
@@ -334,12 +450,77 @@ class SchemeTransformer(Transformer):
             lm_head_kwargs["labels"] = labels
         return self.lm_head(h, **lm_head_kwargs)
 
+    # ---- parallelism -------------------------------------------------------------------------
     def apply_pp(self, pp_mesh: DeviceMesh):
-        raise NotImplementedError("pipeline parallelism of a SchemeTransformer is not implemented: "
-                                  "OLMo-core's stages pass one tensor, a scheme's state may be several")
+        raise NotImplementedError(PP_REFUSAL)
 
-    def apply_tp(self, tp_mesh: DeviceMesh, float8_enabled: bool | None = None):
-        raise NotImplementedError("tensor parallelism of a SchemeTransformer is not implemented yet")
+    def apply_tp(self, tp_mesh: DeviceMesh, float8_enabled: bool | None = None) -> None:
+        """Tensor parallelism over ``tp_mesh``, with the scheme's state **replicated** over it.
+
+        OLMo-core's own blocks keep the residual stream sequence-sharded between blocks
+        (``Shard(1)``) and gather it inside each sublayer. Here every stream of the state (one
+        tensor, SiameseNorm's two, hyper-connections' stacked ones) is whole on every rank: a
+        ``Replicate()`` DTensor wherever the scheme computes (plain tensors between blocks, see
+        :meth:`SchemeBlock.apply_tp`):
+        the embedding's row-parallel lookup ends in an all-reduce, the scheme's norms and mixing
+        parameters are replicated DTensors, so ``enter``, ``step`` and ``exit`` run unchanged (and
+        whatever their layout of the streams) on whole tensors on every rank; each attention and
+        feed-forward takes the replicated input as it is and returns a replicated output (its
+        row-parallel projection all-reduces), and the LM head starts from the replicated
+        ``exit``. The price against sequence sharding: the scheme's elementwise work and the
+        state's memory are not divided by the TP degree, and each sublayer ends in an all-reduce
+        instead of a reduce-scatter (the matmuls, the bulk of the work, are split all the same).
+        The gain: no scheme needs a sharding rule of its own, and every parameter is a DTensor of
+        the TP mesh, as OLMo-core's gradient clipping, FSDP and checkpoints expect.
+        """
+        if self.embeddings is None or self.lm_head is None:
+            raise NotImplementedError(PP_REFUSAL)
+        if self.tie_word_embeddings and self.lm_head.loss_implementation == LMLossImplementation.fused_linear:
+            raise ConfigError("tensor parallelism with tied embeddings needs the default loss, not "
+                              "fused_linear (OLMo-core shards the embedding over the vocabulary)")
+        if float8_enabled is None:
+            float8_enabled = self.fp8_enabled
+        for block in self.blocks.values():   # every refusal before anything is distributed
+            check_tp_degree(block, tp_mesh.size())
+        # The lookup's output is local and made a replicated DTensor in forward: the gradient then
+        # reaches the vocabulary-sharded table whole (a DTensor output would hand it a partial sum,
+        # which the table's masked partial placement cannot take).
+        parallelize_module(self.embeddings, device_mesh=tp_mesh, parallelize_plan=RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True))
+        if self.embedding_norm is not None:
+            distribute_module(self.embedding_norm, tp_mesh)
+        distribute_module(self.scheme, tp_mesh)     # its parameters and buffers, replicated
+        for block in self.blocks.values():
+            cast(SchemeBlock, block).apply_tp(tp_mesh, input_layout=Replicate(),
+                                              float8_enabled=float8_enabled)
+        self.lm_head.apply_tp(tp_mesh, input_layouts=(Replicate(), Replicate()))
+        if self.tie_word_embeddings:   # both are sharded over the vocabulary: tie them again
+            self._tie_weights()
+        self._tp_enabled = True
+        self._tp_mesh = tp_mesh
+
+    def apply_ddp(self, *args: Any, **kwargs: Any) -> None:
+        if self._tp_enabled:
+            raise ConfigError("DDP of a tensor-parallel model is not supported (OLMo-core's own "
+                              "Transformer trains to wrong losses that way); use FSDP or HSDP")
+        super().apply_ddp(*args, **kwargs)
+
+    def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
+                                       block_interval: int | None = None,
+                                       modules: list[str] | None = None, **kwargs: Any) -> None:
+        """OLMo-core's activation checkpointing; the wrapped blocks take and return the scheme's
+        state (a tensor or a tuple), which torch's non-reentrant checkpoint passes through.
+        ``selected_modules`` may name blocks or modules inside them, not the scheme: its norms
+        are read by ``scheme.step`` (fused), never called as modules, so wrapping them would
+        change the parameter names and checkpoint nothing."""
+        if mode == TransformerActivationCheckpointingMode.selected_modules:
+            scheme_names = [n for n, _ in self.named_modules() if n == "scheme" or n.startswith("scheme.")]
+            hit = sorted({p for p in modules or () for n in scheme_names if fnmatch(n, p)})
+            if hit:
+                raise ConfigError(f"activation checkpointing modules {hit} match the scheme's modules; "
+                                  "name blocks or their attention/feed_forward instead")
+        super().apply_activation_checkpointing(mode, block_interval=block_interval, modules=modules,
+                                               **kwargs)
 
 
 @dataclass
@@ -379,7 +560,8 @@ class SchemeTransformerConfig(TransformerConfig):
         return super().num_active_params + self.num_scheme_params
 
     def build(self, *, init_device: str = "cpu") -> SchemeTransformer:
-        model = SchemeTransformer(
+        moe = any(c.feed_forward_moe is not None for c in self.resolved_block_configs)
+        model = (MOE["model"] if moe else SchemeTransformer)(
             scheme=self.scheme, scheme_options=dict(self.scheme_options), norm=self.norm,
             norm_eps=self.norm_eps, d_model=self.d_model, vocab_size=self.vocab_size,
             n_layers=self.n_layers, block=cast(SchemeBlockConfig, self.block),

@@ -77,8 +77,16 @@ def _tiny() -> RunShape:
                     checkpoint_every=1000, tokenizer="bytes")
 
 
+def _tiny_moe() -> RunShape:
+    """``tiny`` with an OLMoE-shaped feed-forward: every block an MoE of 8 experts, 2 per token."""
+    shape = _tiny()
+    model = dataclasses.replace(shape.model, moe={"every": 1, "n_experts": 8, "top_k": 2, "hidden": 32,
+                                                  "aux_loss": 0.01, "z_loss": 0.001})
+    return dataclasses.replace(shape, model=model)
+
+
 CONFIGS = {"olmo-1b": lambda: _from_preset("olmo-1b"), "olmo-400m": lambda: _from_preset("olmo-400m"),
-           "tiny": _tiny}
+           "olmoe-15b-a2b": lambda: _from_preset("olmoe-15b-a2b"), "tiny": _tiny, "tiny-moe": _tiny_moe}
 # SiameseNorm's form in the paper's OLMo runs; other schemes start from their own defaults
 DEFAULT_OPTIONS = {"siamese": {"form": "hybrid_pre"}}
 
@@ -119,8 +127,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", choices=["none", "full", "selected_ops"], default="none",
                    help="OLMo-core activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks")
-    for flag in ("tp", "pp", "cp", "ep"):
-        p.add_argument(f"--{flag}", type=int, default=1, help=f"{flag} degree (only 1 is supported)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism degree (the scheme's streams replicated over the group; "
+                        "with --dp fsdp or hsdp)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism degree (Ulysses: each rank holds 1/cp of the sequence)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallelism: not supported (1 only)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism degree (MoE configs; runs over HSDP's shard dimension)")
     p.add_argument("--world-size", type=int, help="dry run: ranks to shard over (default: $WORLD_SIZE or 1)")
     p.add_argument("--dry-run", action="store_true", help="print sizes, FLOPs and memory; build on meta only")
     return p
@@ -152,14 +166,8 @@ def resolve(args: argparse.Namespace) -> RunShape:
         check_scheme_options(scheme, options)
     except ConfigError as err:
         raise UsageError(str(err)) from None
-    for flag in ("tp", "pp", "cp", "ep"):
-        degree = getattr(args, flag)
-        if degree < 1:
-            raise UsageError(f"--{flag} must be at least 1, got {degree}")
-        if degree > 1:
-            why = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}[flag]
-            raise UsageError(f"--{flag} {degree}: {why} parallelism is not supported for scheme models "
-                             "yet; use data parallelism (--dp fsdp|hsdp|ddp)")
+    _check_tp_cp_pp(args, shape)
+    _check_ep(args, shape)
     shape = dataclasses.replace(shape, model=dataclasses.replace(shape.model, scheme=scheme,
                                                                  scheme_options=options))
     over = {k: getattr(args, a) for k, a in (("steps", "steps"), ("global_batch", "global_batch"),
@@ -170,6 +178,84 @@ def resolve(args: argparse.Namespace) -> RunShape:
         if value < (0 if key == "warmup" else 1e-12 if key == "lr" else 1):
             raise UsageError(f"--{key.replace('_', '-')} must be positive, got {value}")
     return dataclasses.replace(shape, **over)
+
+
+def _check_tp_cp_pp(args: argparse.Namespace, shape: RunShape) -> None:
+    """``--tp``, ``--cp`` and ``--pp`` against the model and the other options
+    (docs/olmo-core.md, "Parallelism")."""
+    from .model import PP_REFUSAL
+    for flag in ("tp", "cp", "pp"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.pp > 1:
+        raise UsageError(f"--pp {args.pp}: {PP_REFUSAL}")
+    m = shape.model
+    if args.tp > 1:
+        if args.dp in ("ddp", "none"):
+            raise UsageError(f"--tp with --dp {args.dp}: tensor parallelism runs with --dp fsdp or hsdp "
+                             "(OLMo-core needs a data-parallel config, and its DDP of a TP model is wrong)")
+        if m.moe.every or args.ep > 1:
+            raise UsageError("--tp: tensor parallelism of MoE scheme models is not supported "
+                             "(OLMo-core has no TP with EP); use --ep")
+        for what, n in (("heads", m.n_heads), ("kv heads", m.n_kv_heads or m.n_heads),
+                        ("feed-forward hidden size", m.hidden_dim)):
+            if n % args.tp:
+                raise UsageError(f"--tp {args.tp}: tensor parallelism of degree {args.tp} does not divide "
+                                 f"the {n} {what}")
+    if args.cp > 1:
+        if args.dp == "none":
+            raise UsageError("--cp with --dp none: OLMo-core's context parallelism needs a data-parallel "
+                             "config (--dp fsdp|hsdp|ddp)")
+        for what, n in (("heads", m.n_heads), ("kv heads", m.n_kv_heads or m.n_heads)):
+            if n % (args.tp * args.cp):
+                inner = args.tp * args.cp
+                raise UsageError(f"--cp {args.cp}: Ulysses context parallelism splits the {n} {what} over "
+                                 f"tp x cp = {inner} ranks, and {inner} does not divide {n}")
+
+
+def _parallel_world(args: argparse.Namespace, world: int, gloo: bool) -> int:
+    """The data-parallel ranks of ``world`` ranks under ``--tp`` and ``--cp``."""
+    inner = args.tp * args.cp
+    if world % inner:
+        used = [(f, kind) for f, kind in (("tp", "tensor"), ("cp", "context")) if getattr(args, f) > 1]
+        flags = " x ".join(f"--{f} {getattr(args, f)}" for f, _ in used)
+        kinds = " and ".join(kind for _, kind in used)
+        raise UsageError(f"{flags}: {kinds} parallelism needs a multiple of {inner} ranks "
+                         f"(torchrun --nproc_per_node), got {world}")
+    if gloo and 1 < args.cp < world:
+        raise UsageError(f"--cp {args.cp} of {world} ranks on CPU: torch's gloo all_to_all fails in a "
+                         "sub-group, so on CPU --cp must span every rank (no --tp, no data parallelism)")
+    return world // inner
+
+
+def _check_ep(args: argparse.Namespace, shape: RunShape) -> None:
+    """``--ep N``: an MoE config whose experts N divides, over HSDP (OLMo-core's EP shards the
+    experts over HSDP's shard dimension, N ranks wide)."""
+    if args.ep < 1:
+        raise UsageError(f"--ep must be at least 1, got {args.ep}")
+    if args.ep == 1:
+        return
+    moe = shape.model.moe
+    if not moe.every:
+        raise UsageError(f"--ep {args.ep}: expert parallelism needs an MoE config (olmoe-15b-a2b, tiny-moe)")
+    if moe.n_experts % args.ep:
+        raise UsageError(f"--ep {args.ep} does not divide the {moe.n_experts} experts")
+    if args.dp not in (None, "hsdp"):
+        raise UsageError(f"--ep with --dp {args.dp}: OLMo-core runs expert parallelism over HSDP's shard "
+                         "dimension; use --dp hsdp (the default with --ep)")
+    if args.cp > 1:
+        raise UsageError("--ep with --cp: expert and context parallelism together are not supported here")
+
+
+def _check_ep_world(args: argparse.Namespace, world: int) -> None:
+    if world % args.ep:
+        raise UsageError(f"--ep {args.ep} does not divide the {world} ranks")
+
+
+def default_dp(args: argparse.Namespace, world: int) -> str:
+    if args.dp:
+        return args.dp
+    return "hsdp" if args.ep > 1 else "fsdp" if world > 1 else "none"
 
 
 def world_size(args: argparse.Namespace) -> int:
@@ -193,20 +279,27 @@ def model_config(shape: RunShape, seed: int = 0):
 
 
 # ---- dry run -------------------------------------------------------------------------------
-def dry_run_report(shape: RunShape, world: int, dp: str) -> dict[str, Any]:
-    """Sizes and costs of the run, from the model built on ``meta`` (no memory, no data)."""
+def dry_run_report(shape: RunShape, world: int, dp: str, ep: int = 1) -> dict[str, Any]:
+    """Sizes and costs of the run, from the model built on ``meta`` (no memory, no data). With
+    expert parallelism (HSDP, shard degree ``ep``) the experts' weights are split over the ``ep``
+    ranks of a shard group and FSDP-sharded over the replicas (so over every rank), the other
+    parameters over the ``ep`` ranks of the shard group."""
     config = model_config(shape)
     model = config.build(init_device="meta")
     total = model.num_params
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     embedding = model.embeddings.weight.numel()
     head = 0 if shape.model.tie_embeddings else model.lm_head.w_out.weight.numel()
     shards = world if dp in ("fsdp", "hsdp") and world > 1 else 1
+    other_shards = ep if ep > 1 else shards
+    sharded = experts / shards + (total - experts) / other_shards    # parameters held by a rank
     per_param = {"parameters (fp32)": 4, "gradients (fp32)": 4, "AdamW state (fp32 exp_avg, exp_avg_sq)": 8}
-    memory = {k: v * total / shards for k, v in per_param.items()}
+    memory = {k: v * sharded for k, v in per_param.items()}
     tokens = shape.global_batch * shape.seq_len
     return {
-        "config": shape, "world": world, "dp": dp, "shards": shards,
-        "params": total, "non_embedding": total - embedding,
+        "config": shape, "world": world, "dp": dp, "shards": shards, "ep": ep,
+        "other_shards": other_shards, "params": total, "active": config.num_active_params,
+        "experts": experts, "non_embedding": total - embedding,
         "non_embedding_no_head": total - embedding - head,
         "flops_per_token": model.num_flops_per_token(shape.seq_len), "tokens_per_step": tokens,
         "memory": memory, "memory_total": sum(memory.values()),
@@ -216,23 +309,38 @@ def dry_run_report(shape: RunShape, world: int, dp: str) -> dict[str, Any]:
 def format_dry_run(r: dict[str, Any]) -> str:
     s: RunShape = r["config"]
     gib = 2 ** 30
-    per_pass = r["world"] * s.microbatch
+    dp_world = r.get("dp_world", r["world"])   # the ranks that read different data
+    per_pass = dp_world * s.microbatch
     accum = s.global_batch // per_pass if s.global_batch % per_pass == 0 else float("nan")
+    moe = s.model.moe
+    experts = (f"MoE of {moe.n_experts} SwiGLU experts of hidden {moe.expert_hidden(s.model.dim)}, "
+               f"top-{moe.top_k}")
+    mlp = (experts if moe.every == 1 else f"SwiGLU {s.model.hidden_dim}"
+           + (f" and every {moe.every}th block an {experts}" if moe.every else ""))
     lines = [
-        f"model: {s.model.n_layers} layers, width {s.model.dim}, {s.model.n_heads} heads, SwiGLU "
-        f"{s.model.hidden_dim}, vocab {s.model.vocab_size}, context {s.seq_len}, scheme {s.model.scheme} "
+        f"model: {s.model.n_layers} layers, width {s.model.dim}, {s.model.n_heads} heads, {mlp}, "
+        f"vocab {s.model.vocab_size}, context {s.seq_len}, scheme {s.model.scheme} "
         f"{json.dumps(s.model.scheme_options)}",
         f"parameters: {r['params']:,} (non-embedding {r['non_embedding']:,}; without the head too "
         f"{r['non_embedding_no_head']:,})",
+    ]
+    if moe.every:
+        lines.append(f"active parameters per token: {r['active']:,} (experts {r['experts']:,} in all)")
+    lines += [
         f"FLOPs per token (OLMo-core, forward+backward, seq {s.seq_len}): {r['flops_per_token']:.4g}",
         f"batch: {s.global_batch} sequences x {s.seq_len} = {r['tokens_per_step']:,} tokens per step; "
-        f"{r['world']} ranks x micro-batch {s.microbatch} x {accum} accumulation; {s.steps:,} steps "
+        f"{dp_world} ranks x micro-batch {s.microbatch} x {accum} accumulation; {s.steps:,} steps "
         f"= {r['tokens_per_step'] * s.steps / 1e9:.1f}B tokens",
         f"FLOPs per step: {r['flops_per_token'] * r['tokens_per_step']:.4g}",
         f"optimizer: AdamW lr {s.lr:g} betas {s.betas} wd {s.weight_decay:g}, cosine with {s.warmup} "
         f"warm-up steps to {s.min_lr_ratio:g} of the peak, clip {s.grad_clip}",
-        f"memory per rank ({r['dp']}, parameters sharded over {r['shards']}):",
+        f"memory per rank ({r['dp']}, parameters sharded over {r['shards']}):" if r["ep"] == 1 else
+        f"memory per rank ({r['dp']} with expert parallelism {r['ep']}: experts sharded over "
+        f"{r['shards']} ranks, the other parameters over {r['other_shards']}):",
     ]
+    if r.get("tp", 1) > 1 or r.get("cp", 1) > 1:
+        lines.insert(-1, f"parallelism: tensor {r['tp']} x context {r['cp']} x data {dp_world} ranks "
+                         "(a TP/CP group shares one micro-batch; FSDP shards over data x context)")
     lines += [f"  {k}: {v / gib:.2f} GiB" for k, v in r["memory"].items()]
     lines += [f"  total: {r['memory_total'] / gib:.2f} GiB",
               "  not counted: activations, FSDP's all-gathered bf16 block parameters and gradients, "
@@ -287,11 +395,15 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
         CheckpointerCallback,
         ConfigSaverCallback,
         GarbageCollectorCallback,
+        GPUMemoryMonitorCallback,
         SpeedMonitorCallback,
     )
     from olmo_core.train.train_module import (
         TransformerActivationCheckpointingConfig,
+        TransformerContextParallelConfig,
         TransformerDataParallelConfig,
+        TransformerExpertParallelConfig,
+        TransformerTensorParallelConfig,
         TransformerTrainModuleConfig,
     )
     from olmo_core.train.train_module.transformer.config import (
@@ -301,7 +413,7 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
 
     cuda = torch.cuda.is_available()
     precision = args.precision or ("bf16" if cuda else "fp32")
-    dp = args.dp or ("fsdp" if world > 1 else "none")
+    dp = default_dp(args, world)
     model = model_config(shape, args.seed)
     if shape.tokenizer == "gpt_neox":
         tokenizer = TokenizerConfig.gpt_neox_olmo_dolma_v1_5()
@@ -319,7 +431,9 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
         dp_config = TransformerDataParallelConfig(
             name=DataParallelType(dp), reduce_dtype=DType.float32,
             param_dtype=DType.bfloat16 if precision == "bf16" and dp != "ddp" else None,
-            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
+            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks,
+            # expert parallelism runs over HSDP's shard dimension: args.ep ranks wide
+            **({"shard_degree": args.ep, "num_replicas": world // args.ep} if args.ep > 1 else {}))
     ac = None if args.ac == "none" else TransformerActivationCheckpointingConfig(
         mode=TransformerActivationCheckpointingMode(args.ac))
     train_module = TransformerTrainModuleConfig(
@@ -330,6 +444,9 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
                                                               opts=dict(weight_decay=0.0))]),
         scheduler=CosWithWarmup(warmup=shape.warmup, alpha_f=shape.min_lr_ratio),
         max_grad_norm=shape.grad_clip, dp_config=dp_config, ac_config=ac, compile_model=args.compile,
+        ep_config=TransformerExpertParallelConfig(degree=args.ep) if args.ep > 1 else None,
+        tp_config=TransformerTensorParallelConfig(degree=args.tp) if args.tp > 1 else None,
+        cp_config=TransformerContextParallelConfig.ulysses(args.cp) if args.cp > 1 else None,
         autocast_precision=DType.bfloat16 if precision == "bf16" and dp_config is None and cuda else None)
     config = model.build(init_device="meta")
     flops = config.num_flops_per_token(shape.seq_len)
@@ -344,7 +461,7 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
             "config_saver": ConfigSaverCallback(),
             "garbage_collector": GarbageCollectorCallback(),
             "metrics_file": _metrics_callback(),
-        })
+        } | ({"gpu_memory": GPUMemoryMonitorCallback()} if cuda else {}))
     return {"model": model, "dataset": dataset, "data_loader": data_loader, "train_module": train_module,
             "trainer": trainer}
 
@@ -357,7 +474,9 @@ def train(args: argparse.Namespace, shape: RunShape) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     if args.world_size is not None and args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} is for dry runs; torchrun gave {world} ranks")
-    _check_batch(shape, world)
+    import torch
+    _check_batch(shape, _parallel_world(args, world, gloo=not torch.cuda.is_available()))
+    _check_ep_world(args, world)
     if not args.data:
         raise UsageError("--data is required (OLMo-core numpy token files, e.g. --data '/data/*.npy')")
     if not args.save_folder:
@@ -388,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         shape = resolve(args)
         if args.dry_run:
             world = world_size(args)
-            _check_batch(shape, world)
-            dp = args.dp or ("fsdp" if world > 1 else "none")
-            print(format_dry_run(dry_run_report(shape, world, dp)))
+            dp_world = _parallel_world(args, world, gloo=False)   # a plan for a GPU run
+            _check_batch(shape, dp_world)
+            _check_ep_world(args, world)
+            report = dry_run_report(shape, world, default_dp(args, world), args.ep)
+            report |= {"dp_world": dp_world, "tp": args.tp, "cp": args.cp}
+            print(format_dry_run(report))
             return 0
         train(args, shape)
         return 0

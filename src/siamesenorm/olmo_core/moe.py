@@ -1,0 +1,320 @@
+"""Mixture-of-experts scheme blocks: OLMo-core's MoE as the feed-forward sublayer, run by the scheme.
+
+A block whose ``SchemeBlockConfig`` has ``feed_forward_moe`` (an OLMo-core ``MoEConfig``, dropless)
+is a :class:`SchemeMoEBlock`: OLMo-core's attention (sublayer ``2b``) and OLMo-core's dropless MoE
+(sublayer ``2b + 1``: its linear router, its experts, its load-balancing and router z-losses and
+its metrics), both bare, both run by ``scheme.step`` exactly as the dense block runs its
+feed-forward. A model with at least one such block is a :class:`SchemeMoETransformer`, which is
+also an OLMo-core ``MoETransformer``: OLMo-core's train module treats it as one.
+
+The auxiliary losses travel as OLMo-core's do. They are never added to the returned loss: the
+router attaches its weighted load-balancing and z-losses to the MoE's input with an autograd
+function (``attach_auxiliary_loss``), so the backward of the language-model loss also
+back-propagates them, divided by the train module's ``loss_div_factor`` (the rank's tokens per
+batch). The router accumulates their unweighted values and its expert loads, and the train module
+reads them after every batch through ``compute_auxiliary_metrics`` ("load balancing loss", "router
+Z loss", "load imbalance", summed over the blocks, and per block as ``block NN/...``).
+
+OLMo-core permutes tokens to experts with Triton kernels, which need a GPU.
+:class:`PortableDroplessMLP` (the experts' dispatcher of every MoE block here) runs OLMo-core's own
+path where those kernels run, and the same permutation in plain PyTorch elsewhere (CPU), with or
+without expert parallelism: there the tokens cross ranks with ``all_to_all_single`` (gloo has it).
+Its router is a :class:`CheckpointSafeRouter`, so that activation checkpointing, which recomputes
+the forward in backward, does not count the router's losses and loads twice; the blocks can then
+be checkpointed whole, which OLMo-core refuses for its own MoE blocks. See docs/olmo-core.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, cast
+
+import torch
+from olmo_core.nn.attention import AttentionConfig
+from olmo_core.nn.buffer_cache import BufferCache
+from olmo_core.nn.layer_norm import LayerNormConfig
+from olmo_core.nn.moe import DroplessMoE, MoEBase, MoEConfig, MoEType
+from olmo_core.nn.moe.parallel_mlp import ParallelDroplessMLP
+from olmo_core.nn.moe.router import MoELinearRouter
+from olmo_core.nn.transformer import MoETransformer
+from olmo_core.nn.transformer.config import (
+    TransformerActivationCheckpointingMode,
+    TransformerDataParallelWrappingStrategy,
+)
+from olmo_core.nn.transformer.init import _apply_init
+from olmo_core.ops import moe as moe_ops
+from torch import Tensor, nn
+from torch.distributed import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import ConfigError
+from .model import MOE, SchemeBlock, SchemeTransformer
+
+__all__ = ["CheckpointSafeRouter", "PortableDroplessMLP", "SchemeMoEBlock", "SchemeMoETransformer",
+           "check_moe_config"]
+
+
+def check_moe_config(config: MoEConfig) -> None:
+    """Refuse an MoE config a scheme block cannot run (one line each)."""
+    if not isinstance(config, MoEConfig):
+        raise ConfigError(f"feed_forward_moe must be an OLMo-core MoEConfig, got {type(config).__name__}")
+    if config.name != MoEType.dropless:
+        raise ConfigError(f"MoE scheme blocks are dropless (MoEType.dropless), got {config.name!r}: "
+                          "the capacity-factor MoE drops tokens and needs OLMo-core's Triton kernels")
+
+
+# ---- the router -------------------------------------------------------------------------------
+class CheckpointSafeRouter(MoELinearRouter):
+    """OLMo-core's linear router, whose running sums (tokens per expert, the load-balancing and
+    z-losses the metrics report) do not count a forward pass twice when activation checkpointing
+    recomputes it inside the backward pass. OLMo-core's own router does (its MoE blocks then
+    report twice the losses under ``selected_ops``); routing, losses and gradients are unchanged."""
+
+    @classmethod
+    def adopt(cls, moe: MoEBase) -> MoEBase:
+        if type(moe.router) is not MoELinearRouter:
+            raise ConfigError(f"expected OLMo-core's linear router, got {type(moe.router).__name__}")
+        moe.router.__class__ = cls
+        return moe
+
+    def _running_sums(self) -> list[Tensor]:
+        sums = (self.batch_size_per_expert, self.load_balancing_loss, self.z_loss,
+                self.score_bias_batch_size_per_expert)
+        return [t for t in sums if t is not None]
+
+    def forward(self, x: Tensor, **kwargs: Any):
+        if torch._C._current_graph_task_id() == -1:     # a forward pass, not a recomputation
+            return super().forward(x, **kwargs)
+        # kept and restored out of sight of selective checkpointing, which replays the forward's ops
+        with torch.no_grad(), _disable_current_modes():
+            kept = [t.clone() for t in self._running_sums()]
+        out = super().forward(x, **kwargs)
+        with torch.no_grad(), _disable_current_modes():
+            for t, k in zip(self._running_sums(), kept):
+                t.copy_(k)
+        return out
+
+
+# ---- the experts' dispatcher -----------------------------------------------------------------
+class PortableDroplessMLP(ParallelDroplessMLP):
+    """OLMo-core's dropless expert dispatcher with a plain-PyTorch token permutation where its
+    Triton kernels cannot run.
+
+    The router hands over each token's ``top_k`` experts and weights, ``indices`` (the positions
+    of the ``tokens * top_k`` assignments, sorted by expert) and the tokens per expert. Here:
+    ``rows = x[indices // top_k]`` (each assignment's token, grouped by expert), the experts
+    (OLMo-core's ``DroplessMoEMLP`` on its groups), then each output row times its assignment's
+    weight, summed back onto its token. With expert parallelism the groups of the experts another
+    rank holds go there and come back by ``all_to_all_single`` (token counts first, then rows);
+    a rank sorts what it receives by its local expert before running them.
+    """
+
+    @staticmethod
+    def kernels_run(x: Tensor) -> bool:
+        """Whether OLMo-core's own (Triton) permutation runs for ``x``."""
+        return x.is_cuda and moe_ops.kernels is not None
+
+    @classmethod
+    def adopt(cls, moe: MoEBase) -> MoEBase:
+        """Make ``moe``'s dispatcher (an OLMo-core ``ParallelDroplessMLP``) this class."""
+        if type(moe.experts) is not ParallelDroplessMLP:
+            raise ConfigError(f"expected OLMo-core's ParallelDroplessMLP experts, got "
+                              f"{type(moe.experts).__name__}")
+        moe.experts.__class__ = cls
+        return moe
+
+    def _combine(self, out: Tensor, assignment: Tensor, weights: Tensor, tokens: int) -> Tensor:
+        """Sum each expert output row, times its assignment's weight, onto its token."""
+        out = out * weights[assignment].unsqueeze(-1).to(out.dtype)
+        total = out.new_zeros(tokens, out.shape[-1])
+        return total.index_add(0, torch.div(assignment, self.top_k, rounding_mode="floor"), out)
+
+    def forward_once(self, x: Tensor, *, expert_weights: Tensor, expert_indices: Tensor,
+                     indices: Tensor, bin_ids: Tensor, bins: Tensor,
+                     batch_size_per_expert: Tensor) -> Tensor:
+        if self.kernels_run(x):
+            return super().forward_once(x, expert_weights=expert_weights,
+                                        expert_indices=expert_indices, indices=indices,
+                                        bin_ids=bin_ids, bins=bins,
+                                        batch_size_per_expert=batch_size_per_expert)
+        assignment = indices.long()
+        rows = x[torch.div(assignment, self.top_k, rounding_mode="floor")]
+        out = self.mlp(rows, batch_size_per_expert)
+        return self._combine(out, assignment, expert_weights, x.shape[0])
+
+    def parallel_forward_once(self, x: Tensor, *, expert_weights: Tensor, expert_indices: Tensor,
+                              indices: Tensor, bin_ids: Tensor, bins: Tensor,
+                              batch_size_per_expert: Tensor) -> Tensor:
+        if self.kernels_run(x):
+            return super().parallel_forward_once(
+                x, expert_weights=expert_weights, expert_indices=expert_indices, indices=indices,
+                bin_ids=bin_ids, bins=bins, batch_size_per_expert=batch_size_per_expert)
+        if self.hidden_sharding_degree != 1:
+            raise NotImplementedError("experts sharded over their hidden size are not supported here")
+        world, local = self.ep_world_size, self.num_local_experts
+        assignment = indices.long()
+        rows = x[torch.div(assignment, self.top_k, rounding_mode="floor")]
+        # Rank r holds experts r * local .. (r + 1) * local - 1, so the rows, sorted by expert, are
+        # already grouped by the rank they go to. Counts first: received[s, e] = the rows rank s
+        # sends to local expert e.
+        with torch.no_grad():
+            sent = batch_size_per_expert.to(torch.long)
+            received = torch.empty_like(sent)
+            torch.distributed.all_to_all_single(received, sent, group=self.ep_pg)
+            sent, received = sent.view(world, local), received.view(world, local)
+            send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+            # the received rows come grouped by source rank, then expert: sort them by expert
+            expert_of_row = torch.arange(local, device=x.device).repeat(world).repeat_interleave(
+                received.flatten(), output_size=sum(recv_splits))
+            order = expert_of_row.argsort(stable=True)
+            unorder = order.argsort()
+        incoming, handle = moe_ops.all_to_all(rows, recv_splits, send_splits, group=self.ep_pg,
+                                              async_op=True)
+        handle.wait()
+        out = self.mlp(incoming[order], received.sum(0))[unorder]
+        back, handle = moe_ops.all_to_all(out, send_splits, recv_splits, group=self.ep_pg,
+                                          async_op=True)
+        handle.wait()
+        return self._combine(back, assignment, expert_weights, x.shape[0])
+
+
+# ---- the block -------------------------------------------------------------------------------
+class SchemeMoEBlock(SchemeBlock):
+    """Block ``block_idx`` with OLMo-core's dropless MoE (``feed_forward_moe``) as sublayer
+    ``2 * block_idx + 1``; attention, the scheme, dropout and the rest as :class:`SchemeBlock`.
+    ``forward(state, loss_div_factor=..., **attention_kwargs) -> state``; the MoE gets the train
+    module's ``loss_div_factor`` for its auxiliary losses."""
+
+    def __init__(self, *, d_model: int, block_idx: int, n_layers: int,
+                 sequence_mixer: AttentionConfig, feed_forward_moe: MoEConfig,
+                 qkv_norm: LayerNormConfig | None = None, dropout: float = 0.0,
+                 init_device: str = "cpu", cache: BufferCache | None = None) -> None:
+        check_moe_config(feed_forward_moe)
+        super().__init__(d_model=d_model, block_idx=block_idx, n_layers=n_layers,
+                         sequence_mixer=sequence_mixer, feed_forward=None, qkv_norm=qkv_norm,
+                         dropout=dropout, init_device=init_device, cache=cache)
+        with warnings.catch_warnings():
+            if not torch.cuda.is_available():   # grouped_gemm is a CUDA kernel: no loss on CPU
+                warnings.filterwarnings("ignore", message="Grouped GEMM not available")
+            moe = feed_forward_moe.build(d_model, n_layers=n_layers, init_device=init_device,
+                                         cache=cache)
+        self.feed_forward_moe = cast(DroplessMoE, CheckpointSafeRouter.adopt(PortableDroplessMLP.adopt(moe)))
+        self._ep_enabled = False
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self._ep_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return False
+
+    def compute_metrics(self, reset: bool = True) -> dict[str, tuple[Tensor, Any]]:
+        return self.feed_forward_moe.compute_metrics(reset=reset)
+
+    def reset_metrics(self) -> None:
+        self.feed_forward_moe.reset_metrics()
+
+    def forward(self, x: Any, *, loss_div_factor: Tensor | float | None = None, **kwargs: Any) -> Any:
+        scheme, i = self.scheme, 2 * self.block_idx
+        state = scheme.step(x, i, self._branch(self.attention, kwargs))
+        moe_kwargs = {} if loss_div_factor is None else {"loss_div_factor": loss_div_factor}
+        return scheme.step(state, i + 1, self._branch(self.feed_forward_moe, moe_kwargs))
+
+    def apply_ep(self, ep_mesh: DeviceMesh, **kwargs: Any) -> None:
+        """OLMo-core's expert parallelism: the experts' weights become DTensors sharded over
+        ``ep_mesh`` (``num_experts / ep`` whole experts a rank); the router stays replicated."""
+        self.feed_forward_moe.apply_ep(ep_mesh, **kwargs)
+        self._ep_enabled = True
+
+    def apply_tp(self, tp_mesh: DeviceMesh, *, input_layout: Any = None, float8_enabled: bool = False):
+        raise NotImplementedError("tensor parallelism of MoE scheme blocks is not supported; use "
+                                  "expert parallelism (OLMo-core has no TP together with EP)")
+
+    def apply_cp(self, cp_mesh: DeviceMesh, ring: Any = None, uly: Any = None):
+        self.attention.apply_cp(cp_mesh, ring=ring, uly=uly)
+        self.feed_forward_moe.apply_cp(cp_mesh)
+
+    def apply_fsdp(self, dp_mesh: DeviceMesh | None = None, prefetch_factor: int = 0,
+                   wrapping_strategy: TransformerDataParallelWrappingStrategy = (
+                       TransformerDataParallelWrappingStrategy.full),
+                   **fsdp_kwargs: Any) -> None:
+        if wrapping_strategy == TransformerDataParallelWrappingStrategy.fine_grained:
+            att = cast(FSDPModule, fully_shard(self.attention, mesh=dp_mesh, **fsdp_kwargs))
+            moe = cast(FSDPModule, fully_shard(self.feed_forward_moe, mesh=dp_mesh, **fsdp_kwargs))
+            root = cast(FSDPModule, fully_shard(self, mesh=dp_mesh, **fsdp_kwargs))
+            if prefetch_factor > 0:
+                root.set_modules_to_forward_prefetch([att])
+                att.set_modules_to_forward_prefetch([moe])
+        else:
+            fully_shard(self, mesh=dp_mesh, **fsdp_kwargs)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        return (self.attention.num_flops_per_token(seq_len)
+                + self.feed_forward_moe.num_flops_per_token(seq_len))
+
+
+# ---- the model -------------------------------------------------------------------------------
+class SchemeMoETransformer(SchemeTransformer, MoETransformer):
+    """A :class:`SchemeTransformer` with MoE blocks; also an OLMo-core ``MoETransformer``, whose
+    methods collect the blocks' metrics (``compute_auxiliary_metrics``), apply expert
+    parallelism (``apply_ep``: each :class:`SchemeMoEBlock`'s experts over the EP mesh), prepare
+    the experts for FSDP/DDP and run the router's ``post_batch``. The forward pass, the scheme and
+    the init are :class:`SchemeTransformer`'s; under DeepNorm's Xavier init (or a
+    ``branch_gain``) the router is Xavier-normal with gain 1 and each expert's three matrices
+    Xavier-normal with the gain, as our ``LanguageModel`` draws them."""
+
+    @torch.no_grad()
+    def init_weights(self, **kwargs: Any) -> torch.Generator:
+        generator = super().init_weights(**kwargs)
+        requires = self.scheme.requires
+        if requires.init != "xavier" and requires.branch_gain == 1.0:
+            return generator
+        gain = requires.branch_gain
+        for block in self.blocks.values():
+            if not isinstance(block, SchemeMoEBlock):
+                continue
+            moe = block.feed_forward_moe
+            router, mlp = moe.router, moe.experts.mlp
+            mats = (mlp.w1, mlp.w3, mlp.w2)
+            if requires.init == "xavier":
+                def xavier(full: Tensor, rows: int, cols: int, gain: float) -> None:
+                    for matrix in full.view(-1, rows, cols):
+                        nn.init.xavier_normal_(matrix, gain=gain, generator=generator)
+                _apply_init(xavier, router.weight, router.num_experts, router.d_model, 1.0)
+                for w in mats:
+                    _apply_init(xavier, w, mlp.hidden_size, mlp.d_model, gain)
+            else:
+                for w in mats:
+                    w.mul_(gain)
+        return generator
+
+    def apply_tp(self, tp_mesh: DeviceMesh, float8_enabled: bool | None = None) -> None:
+        raise NotImplementedError("tensor parallelism of MoE scheme models is not supported; use "
+                                  "expert parallelism (OLMo-core has no TP together with EP)")
+
+    def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
+                                       block_interval: int | None = None,
+                                       modules: list[str] | None = None, **kwargs: Any) -> None:
+        """OLMo-core's activation checkpointing, MoE blocks included (``full``, ``selected_blocks``,
+        ``selected_ops``): OLMo-core refuses to wrap its own MoE blocks whole, but the
+        :class:`CheckpointSafeRouter` of a scheme block counts a recomputed forward once.
+        ``selected_modules`` must not name a whole MoE module (OLMo-core's rule); modules inside
+        it (``blocks.*.feed_forward_moe.experts``) are fine."""
+        if mode == TransformerActivationCheckpointingMode.selected_modules:
+            from fnmatch import fnmatch
+            names = [n for n, m in self.named_modules() if isinstance(m, MoEBase)]
+            hit = sorted({p for p in modules or () for n in names if fnmatch(n, p)})
+            if hit:
+                raise ConfigError(f"activation checkpointing modules {hit} match whole MoE modules, "
+                                  "which OLMo-core does not wrap; name modules inside them")
+        super().apply_activation_checkpointing(mode, block_interval=block_interval, modules=modules,
+                                               **kwargs)
+
+
+MOE.update(check=check_moe_config, block=SchemeMoEBlock, model=SchemeMoETransformer)
