@@ -340,7 +340,8 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     path, model, opt = _saved(tmp_path, 1)
 
     def disk_full(obj, file, *args, **kwargs):
-        assert (Path(file).parent / MODEL_FILE).exists()   # the new weights are already written
+        written = Path(getattr(file, "name", file)).parent / MODEL_FILE     # (file: a path or an open file)
+        assert written.exists()   # the new weights are already written
         raise OSError("No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
@@ -430,12 +431,17 @@ def test_metric_rows_and_summary_keys(tmp_path):
     assert saved_step(tmp_path) == 6
 
 
-def test_progress_line_only_when_asked_or_on_a_terminal(tmp_path, capsys):
-    train(make_model(), RandomWindows(), settings(steps=3), tmp_path / "quiet")
-    assert capsys.readouterr().err == ""             # pytest's stderr is not a terminal
+def test_progress_is_a_bar_when_asked_plain_lines_off_a_terminal_and_nothing_when_off(tmp_path, capsys):
+    train(make_model(), RandomWindows(), settings(steps=3), tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
+    train(make_model(), RandomWindows(), settings(steps=3), tmp_path / "lines")
+    err = capsys.readouterr().err.splitlines()       # pytest's stderr is not a terminal
+    assert [line.split(" | ")[0] for line in err[:-1]] == [f"[train] step {i}/3" for i in (1, 2, 3)]
+    assert err[-1].startswith("[train] done: 3/3 steps") and "\r" not in "".join(err)
     train(make_model(), RandomWindows(), settings(steps=3), tmp_path / "shown", progress=True)
     err = capsys.readouterr().err
-    assert "\rstep 3/3  loss " in err and "tok/s" in err and err.endswith("\n")
+    assert "\r" in err and "| 3/3 [" in err and "loss " in err and "tok/s" in err
+    assert err.endswith("\n") and err.splitlines()[-1].startswith("[train] done: 3/3 steps")
 
 
 def test_tensorboard_scalars(tmp_path):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 
 from ..errors import Terminated
+from ..parallel.launch import ERROR_DIR_ENV
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,7 +39,11 @@ class DeferredInterrupt:
         else:
             note = "interrupt: stopping after this step and saving a checkpoint (Ctrl-C again to " \
                    "stop at once)"
-        print(f"\n{note}", file=sys.stderr, flush=True)
+        if os.environ.get(ERROR_DIR_ENV):
+            return      # a rank of --nproc: its launcher reports the stop, once for all ranks
+        isatty = getattr(sys.stderr, "isatty", None)
+        lead = "\n" if isatty is not None and isatty() else ""     # below a live progress bar
+        print(f"{lead}{note}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> DeferredInterrupt:
         if threading.current_thread() is threading.main_thread():

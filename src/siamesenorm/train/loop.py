@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import random
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -42,10 +42,11 @@ from .interrupt import DeferredInterrupt
 from .metrics import MetricsLog
 from .optim import build_optimizer, clip_gradients, lr_at
 from .probe_hook import StepProbe
-from .progress import ProgressLine
+from .progress import RunLog, log_interval
 from .rng import preserved_rng, rng_state, set_rng_state
 from .state import Phase, RunState
 from .summary import build_summary, perplexity
+from .throughput import Throughput, device_name, find_peak, model_flops_per_token
 
 
 class Trainer:
@@ -76,10 +77,18 @@ class Trainer:
         self.interrupted = False
         self.phase = Phase.IDLE
         self.step_snapshot: tuple[dict, dict] | None = None   # source and RNG before the step
-        self.started = time.perf_counter()
+        self.throughput = Throughput(find_peak(device, cfg.precision, cfg.peak_tflops), world.size)
+        self.started = perf_counter()
 
     def wall_time(self) -> float:
-        return self.state.wall_time_s + time.perf_counter() - self.started
+        return self.state.wall_time_s + perf_counter() - self.started
+
+    def mfu_note(self) -> str | None:
+        """Why a GPU run shows no MFU: its device is not in the table of peaks."""
+        if self.throughput.peak is not None or self.device.type != "cuda":
+            return None
+        return (f"MFU unknown: no peak TFLOP/s known for {device_name(self.device)!r}; "
+                "set train.peak_tflops")
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, resume: bool) -> int | None:
@@ -168,7 +177,7 @@ class Trainer:
     def is_due(self, every: int, step: int) -> bool:
         return step == self.cfg.steps or step % every == 0
 
-    def loop(self, log: MetricsLog | None, bar: ProgressLine, ctrl_c: DeferredInterrupt) -> None:
+    def loop(self, log: MetricsLog | None, display: RunLog, ctrl_c: DeferredInterrupt) -> None:
         cfg, state = self.cfg, self.state
         while state.step < cfg.steps:
             if all_max(self.world, ctrl_c.requested, self.device):   # every rank stops together
@@ -179,20 +188,23 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             probing = self.probe is not None and self.probe.wants(step)
-            began = time.perf_counter()
+            began = perf_counter()
             loss, norm, tokens = self.compute(step if probing else None)
             diverged = self.diverges(step, loss, norm)
             if not diverged:
                 self.phase = Phase.UPDATE
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            seconds = time.perf_counter() - began
+            seconds = perf_counter() - began
             self.phase = Phase.AFTER
             if probing:
                 with preserved_rng():
                     self.probe.after_update(self.model, step, diverged)
             row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, **self.loss_parts}
             row["tokens_per_s"] = tokens / max(seconds, 1e-9)
+            if self.throughput.flops_per_token is None:
+                self.throughput.flops_per_token = model_flops_per_token(self.model, state.seq_len)
+            row.update(self.throughput.figures(row["tokens_per_s"]))
             if diverged:
                 self.diverged_at = step
                 _write(log, {**row, "diverged": True})
@@ -200,10 +212,11 @@ class Trainer:
             state.step, state.last_loss, state.best_loss = step, loss, min(state.best_loss, loss)
             state.tokens_seen += tokens
             state.train_time_s += seconds
-            bar.update(step, loss, lr, row["tokens_per_s"])
-            if self.is_due(cfg.eval_every, step):
-                row.update(self.evaluate(step))
+            evaluated = self.evaluate(step) if self.is_due(cfg.eval_every, step) else None
+            row.update(evaluated or {})
             _write(log, row)
+            display.step(step, loss=loss, lr=lr, tokens=tokens, seconds=seconds, elapsed=self.wall_time(),
+                         session_s=perf_counter() - self.started, evaluated=evaluated)
             if self.is_due(cfg.checkpoint_every, step):
                 self.save()
             self.phase = Phase.IDLE
@@ -218,7 +231,8 @@ class Trainer:
         figures = build_summary(self.model, self.state, self.cfg.steps, diverged_at=self.diverged_at,
                                 stalled_at=self.stalled_at, interrupted=self.interrupted,
                                 wall_time_s=self.wall_time())
-        return {**figures, **self.info}
+        self.throughput.flops_per_token = figures["flops_per_token"]
+        return {**figures, **self.throughput.summary(figures["tokens_per_s"]), **self.info}
 
     def on_interrupt(self) -> None:
         """Checkpoint the last completed step, unless an optimizer update was cut in half."""
@@ -259,7 +273,10 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     A run stops as diverged at a non-finite loss or gradient norm, or after the warm-up at a loss
     above ``divergence_factor`` times the lowest so far, and as stalled after ``stall_steps`` steps
     of zero gradient. Ctrl-C or SIGTERM finishes the step, checkpoints it, writes ``summary.json``
-    (``"interrupted": true``) and re-raises. ``progress=None``: a progress line on a terminal only.
+    (``"interrupted": true``) and re-raises. Rank 0 shows the run on stderr (:mod:`.progress`):
+    ``progress=None`` a bar on a terminal and plain lines every ``cfg.log_every`` steps elsewhere,
+    ``True`` a bar, ``False`` nothing; then a final line. Each logged row and the summary carry the
+    achieved TFLOP/s per device and, where the device's peak is known, the MFU (:mod:`.throughput`).
     """
     run_dir, world = Path(run_dir), current_world()
     if world.main:
@@ -273,26 +290,32 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     log = MetricsLog(run_dir, keep_until) if world.main else None
     if probe is not None:
         probe.start(run_dir, keep_until)
-    bar = ProgressLine(cfg.steps, progress if world.main else False)
+    every = log_interval(cfg.log_every, cfg.steps)
+    display = RunLog(cfg.steps, trainer.state.step, every,
+                     RunLog.choose(progress if world.main else False, every),
+                     trainer.throughput, trainer.mfu_note())
     try:
         try:
             with DeferredInterrupt() as ctrl_c:
-                trainer.loop(log, bar, ctrl_c)
+                trainer.loop(log, display, ctrl_c)
                 if trainer.diverged_at is None and trainer.state.checkpoint_step != trainer.state.step:
                     trainer.save()
         except KeyboardInterrupt:
-            bar.close()
+            display.close()
             trainer.on_interrupt()
+            summary = trainer.summary()
             if world.main:
-                write_json(RunDir(run_dir).summary, trainer.summary())
+                write_json(RunDir(run_dir).summary, summary)
+            display.finish(summary)
             raise
-        bar.close()
+        display.close()
         summary = trainer.summary()
         if world.main:
             write_json(RunDir(run_dir).summary, summary)
+        display.finish(summary)
         return summary
     finally:
-        bar.close()
+        display.close()
         if log is not None:
             log.close()
         if probe is not None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..models.host import SchemeHost
 from .state import RunState
+from .throughput import model_flops_per_token
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -26,14 +27,15 @@ def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, dive
     run diverged or stalled; ``final_*`` are the last
     evaluation's figures, ``best_val_*`` the lowest validation loss and its step; ``tokens_per_s``
     is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
-    model's, at the training sequence length. the evaluation's last figures follow as ``final_<name>``.
+    model's, at the training sequence length (the loop adds ``tflops``, ``mfu``, ``peak_tflops``
+    and ``peak_tflops_source`` from it, see :mod:`.throughput`). The evaluation's last figures
+    follow as ``final_<name>``.
     """
     # Any module trains (the loop's contract is only ``model(x, y).loss``); a scheme host gives its
     # own counts, other modules every parameter and no FLOPs.
-    if isinstance(model, SchemeHost):
-        count, flops = model.num_parameters(), model.flops_per_token(state.seq_len or None)
-    else:
-        count, flops = sum(p.numel() for p in model.parameters()), None
+    count = model.num_parameters() if isinstance(model, SchemeHost) else \
+        sum(p.numel() for p in model.parameters())
+    flops = model_flops_per_token(model, state.seq_len)
     out = {
         "steps": state.step, "steps_planned": steps_planned,
         "diverged": diverged_at is not None, "diverged_at": diverged_at,
