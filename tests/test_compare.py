@@ -100,11 +100,13 @@ def test_a_run_killed_before_its_first_checkpoint_starts_afresh(tmp_path):
     shutil.rmtree(run_dir / "checkpoints")
     (run_dir / "summary.json").unlink()
     (run_dir / "metrics.jsonl").write_text(rows[0] + "\n")
-    (run_dir / "stray.tmp").write_text("left by the killed run")
+    (run_dir / ".summary.json.tmp-4242").write_text("left by the killed run's atomic write")
+    (run_dir / "notes.txt").write_text("a user's file: not the run's to delete")
     again = run(*args)
     assert again.returncode == 0, again.stderr
     assert "pre-lr0.001-s0: training" in again.stdout
-    assert not (run_dir / "stray.tmp").exists()
+    assert not (run_dir / ".summary.json.tmp-4242").exists()
+    assert (run_dir / "notes.txt").exists()
     assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
 

@@ -18,14 +18,15 @@ import yaml
 
 from siamesenorm.errors import ConfigError
 from siamesenorm.locks import LOCK_NAME, folder_lock, held_by
+from siamesenorm.train.progress import LOG_PREFIX
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["train.steps=2", "train.eval_every=2", "train.warmup=0", "data.max_bytes=40000"]
 # A run that goes on until it is stopped: never diverging (at lr 1e-3 with no warm-up the tiny model's
 # loss jumps above 3x its best after ~1,700 steps, a few seconds on a quiet machine, and the "live"
-# command would then end before a test looks at it).
+# command would then end before a test looks at it). No log lines: its stderr is read only at the end.
 LONG = ["train.steps=100000", "train.eval_every=100000", "train.warmup=0", "data.max_bytes=40000",
-        "train.checkpoint_every=100000", "train.divergence_factor=1e9"]
+        "train.checkpoint_every=100000", "train.divergence_factor=1e9", "train.log_every=0"]
 
 
 def _env() -> dict:
@@ -207,11 +208,15 @@ def test_sigterm_checkpoints_writes_the_summary_exits_143_and_resumes_exactly(tm
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     assert "Traceback" not in err
-    assert err.strip().splitlines() == [
+    lines = err.strip().splitlines()
+    assert [line for line in lines if not line.startswith(LOG_PREFIX)] == [
         "SIGTERM: stopping after this step and saving a checkpoint",
         "siamesenorm train: terminated (SIGTERM)"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and 5 <= summary["steps"] < 300
+    # the run's log (every 3 steps) ends with where it stopped
+    final = [line for line in lines if line.startswith(LOG_PREFIX)][-1]
+    assert final.startswith(f"{LOG_PREFIX} interrupted at step {summary['steps']}/300 after "), final
     assert not (run_dir / LOCK_NAME).exists()
     res = cli("train", "--resume", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
@@ -474,7 +479,10 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes_exactly(tmp_path, m
     run_dir = tmp_path / "run"
     assert cli_module.main(["train", "tiny", *six, "--out", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["siamesenorm train: error: No space left on device: metrics.jsonl"]
+    logged = [line.split(" | ")[0] for line in err if line.startswith(LOG_PREFIX)]
+    assert logged == [f"{LOG_PREFIX} step 1/6", f"{LOG_PREFIX} step 2/6"]   # the steps recorded
+    assert [line for line in err if not line.startswith(LOG_PREFIX)] == [
+        "siamesenorm train: error: No space left on device: metrics.jsonl"]
     assert not (run_dir / LOCK_NAME).exists()
     monkeypatch.setattr(MetricsLog, "write", real)
     assert cli("train", "--resume", "--out", str(run_dir)).returncode == 0

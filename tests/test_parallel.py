@@ -181,7 +181,7 @@ def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path):
     res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(tmp_path / "run"), env=env)
     assert time.monotonic() - began < 120        # not a hang (the agent stops rank 0 at once)
     assert res.returncode == 1, res.stderr
-    lines = res.stderr.strip().splitlines()
+    lines = [line for line in res.stderr.strip().splitlines() if not line.startswith("[train] ")]
     assert len(lines) == 1, res.stderr
     assert "rank 1" in lines[0] and "RuntimeError: disk on fire" in lines[0]
     traceback_file = Path(lines[0].split("traceback: ")[1].rstrip(")"))
@@ -196,7 +196,8 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
     assert res.stdout.strip().splitlines() == [f"{run_dir}: 4 steps, final val loss {final:.4f}"]
     assert (run_dir / "checkpoints" / "last" / "dcp" / ".metadata").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == \
-        sorted(["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb", "tokenizer"])
+        sorted([".siamesenorm-run.json", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb",
+                "tokenizer"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
 

@@ -58,8 +58,12 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
     assert not run.holds_run()                    # missing
     run.refuse_existing_run()
     run.path.mkdir()
-    run.config.write_text("seed: 0\n")            # written before training starts: not yet a run
-    assert not run.holds_run()
+    run.refuse_existing_run()                     # empty
+    run.config.write_text("seed: 0\n")            # not marked by a run of ours: a user's file
+    with pytest.raises(ConfigError, match="holds other files .config.yaml. and no run of siamesenorm"):
+        run.refuse_existing_run()
+    run.mark()                                    # a run of ours, written before training starts
+    assert not run.holds_run() and run.stopped_before_first_checkpoint()
     run.refuse_existing_run()
     run.metrics.write_text("")
     assert run.holds_run()
@@ -82,7 +86,9 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
         run.refuse_existing_run()
     run.summary.unlink()
     run.tokenizer.mkdir()
-    run.clear_stopped_run()             # only the run's own files go
+    run.clear_stopped_run()             # only the run's own files go, the marker last
+    assert not run.path.exists() or sorted(p.name for p in run.path.iterdir()) == []
+    run.mark()
     (run.path / "notes.txt").write_text("mine")
     run.clear_stopped_run()
     assert sorted(p.name for p in run.path.iterdir()) == ["notes.txt"]

@@ -67,14 +67,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     if args.resume and (preset or overrides):
         raise ConfigError("--resume takes the run's own config.yaml; give no preset or overrides")
+    if args.allow_data_change and not args.resume:
+        raise ConfigError("--allow-data-change goes with --resume (a new run records its data)")
     cfg = None if args.resume else load_config(preset, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
 
-        summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume)
+        summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume,
+                              allow_data_change=args.allow_data_change)
     else:
-        summary = run_training(cfg, args.out, resume=args.resume)
-    if os.environ.get("RANK", "0") != "0":
+        summary = run_training(cfg, args.out, resume=args.resume,
+                               allow_data_change=args.allow_data_change)
+    if _other_rank():
         return 0        # one line per run: rank 0's
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
         f"stalled: zero gradient from step {summary['stalled_at']} on" if summary.get("stalled") \
@@ -82,6 +86,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     val = summary.get("final_val_loss")
     print(f"{args.out}: {state}, final val loss {val if val is None else f'{val:.4f}'}")
     return 0
+
+
+def _other_rank() -> bool:
+    """Whether this process is a rank other than 0 of a launcher's world (a ``RANK`` without a
+    ``WORLD_SIZE`` above 1 is a stray variable: the run was a single process, and reports)."""
+    from .parallel.env import launched_world_size
+
+    return launched_world_size() > 1 and os.environ.get("RANK", "0") != "0"
+
+
+def _nproc(text: str) -> int:
+    """``--nproc``: a whole number of processes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of processes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (processes to train across), got {value}")
+    return value
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -120,8 +143,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .run import generate_text
 
     _path_arg(args.run_dir, "RUN_DIR")
+
+    def note(line: str) -> None:        # a long generation's notice, before it runs
+        print(f"siamesenorm generate: {line}", file=sys.stderr, flush=True)
+
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, greedy=args.greedy, seed=args.seed, device=args.device))
+                        top_k=args.top_k, greedy=args.greedy, seed=args.seed, device=args.device,
+                        note=note))
     return 0
 
 
@@ -172,6 +200,23 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_olmo_core(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    _path_arg(args.checkpoint, "CKPT")
+    _path_arg(args.out, "--out")
+    if importlib.util.find_spec("olmo_core") is None:
+        raise ConfigError("import-olmo-core reads the checkpoint's model config with OLMo-core: "
+                          "pip install 'siamesenorm[olmo]'")
+    from .olmo_core.to_run import import_olmo_core
+
+    info = import_olmo_core(args.checkpoint, args.out, data=args.data)
+    data = info["data"] or "none (give analyze --data token files)"
+    print(f"{args.out}: step {info['step']} of {info['checkpoint']}, {info['scheme']}, "
+          f"{info['parameters']:,} parameters, {info['metrics']} metrics rows; analysis data: {data}")
+    return 0
+
+
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
     """``[PRESET] key=value ...``: the first item without ``=`` is the preset."""
     if items and "=" not in items[0]:
@@ -202,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset name or YAML file, then dotted overrides (model.n_layers=12)")
     p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: go on although the run's data (its corpus fingerprint) "
+                        "changed since it started; summary.json keeps both records")
+    p.add_argument("--nproc", type=_nproc, default=None, metavar="N",
                    help="train across N processes on this machine (torchrun's launcher; default 1)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the model's parameters, FLOPs, tokens per step and memory per rank "
@@ -225,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the report (default: compare.baseline, else pre when compared, else "
                         "the first)")
     p.add_argument("--out", default="experiments/compare", help="experiment directory")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=_nproc, default=None, metavar="N",
                    help="train each run across N processes on this machine (default 1)")
     p.set_defaults(func=_cmd_compare)
 
@@ -263,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="with --format hf, replace a non-empty --out folder (once the new one is written)")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("import-olmo-core", help="an OLMo-core checkpoint of a scheme model (from "
+                                                "siamesenorm.olmo_core.train) as a run directory that "
+                                                "export and analyze take")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a checkpoint folder stepN/, or a save folder (its latest stepN/)")
+    p.add_argument("--out", required=True, metavar="RUN", help="the new run directory (absent or empty)")
+    p.add_argument("--data", default=None, metavar="TOKENS",
+                   help="token files (.bin, a folder or glob of them) for analyze to read by default "
+                        "(default: none; analyze then needs --data)")
+    p.set_defaults(func=_cmd_import_olmo_core)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")
@@ -310,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"siamesenorm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     except OSError as err:
         problem = environment_problem(err)
         if problem is None:
@@ -318,13 +379,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+# The exit status of a command whose reader went away: a shell's for a process ended by SIGPIPE.
+READER_GONE = 128 + 13
+
+
+def _reader_gone() -> int:
+    """Standard output's reader has gone (``siamesenorm schemes -v | head -1``): end quietly, as
+    Unix tools do. What is still buffered for it is dropped: standard output becomes /dev/null,
+    so that flushing it at exit fails no more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return READER_GONE
+
+
 def entry() -> None:
     """The ``siamesenorm`` command: :func:`main`, then the process ends with its exit status
     (without the interpreter's teardown after a distributed run: see
-    :func:`siamesenorm.parallel.exit_process`)."""
+    :func:`siamesenorm.parallel.exit_process`). Output is flushed here, so that a reader gone
+    before the end is met as in :func:`main`."""
     from .parallel.env import exit_process
 
-    exit_process(main())
+    try:
+        try:
+            code = main()
+        except SystemExit as done:          # argparse's --help, --version and usage errors
+            code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+            if not isinstance(done.code, (int, type(None))):
+                print(done.code, file=sys.stderr)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_gone()
+    exit_process(code)
 
 
 if __name__ == "__main__":

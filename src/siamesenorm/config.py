@@ -29,6 +29,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from .devices import check_device_name
 from .errors import ConfigError
 from .schemes import check_scheme_options
 
@@ -59,7 +60,12 @@ class TrainConfig:
     gradient is exactly zero for that many steps in a row stops as stalled (failed).
     ``deterministic``: PyTorch's deterministic algorithms for the run (an operation without one
     raises), so that a run repeats bit for bit on the same machine; ``summary.json`` records the
-    environment (torch, device and its name, threads) either way.
+    environment (torch, device and its name, threads) either way. ``log_every``: steps between the
+    plain log lines a run writes when stderr is not a terminal (also at every evaluation); ``null``
+    (the default) gives at most a hundred per run, every ``ceil(steps / 100)`` steps; 0 only the
+    final line.
+    ``peak_tflops``: the device's peak dense TFLOP/s that MFU is measured against; ``null`` looks
+    the GPU up in :data:`siamesenorm.train.throughput.PEAK_TFLOPS` (a CPU then has no MFU).
     """
 
     steps: int = 200
@@ -81,6 +87,8 @@ class TrainConfig:
     precision: str = "auto"
     activation_checkpointing: str = "none"
     deterministic: bool = False
+    log_every: int | None = None
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),
@@ -105,6 +113,13 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.divergence_factor > 1:
             raise ConfigError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
+        if self.log_every is not None and self.log_every < 0:
+            raise ConfigError(f"train.log_every must not be negative (0: only the final line; null: "
+                              f"at most 100 lines per run), got {self.log_every}")
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
+            raise ConfigError(f"train.peak_tflops must be a positive number (the device's peak "
+                              f"TFLOP/s), got {self.peak_tflops}")
+        check_device_name(self.device)      # its presence is checked where the run starts
 
 
 @dataclass(frozen=True)
@@ -198,6 +213,8 @@ def _assign(cls: type, raw: dict, path: list[str], value: Any, full_key: str) ->
     name, rest, tp = path[0], path[1:], _hints(cls).get(path[0])
     if name not in {f.name for f in dataclasses.fields(cls)}:
         raise _unknown_key(cls, name, full_key, rest)
+    if isinstance(value, Override) and not (dataclasses.is_dataclass(tp) and rest):
+        value = value.text if tp is str and not rest else value.value
     if dataclasses.is_dataclass(tp):
         section = raw.setdefault(name, {})
         if rest:
@@ -258,10 +275,39 @@ def _build(cls: type, raw: dict, base: Any = None) -> Any:
     return cls(**kwargs)
 
 
+# How deeply a preset or an override may nest mappings and lists. Real presets nest four or five
+# levels (compare.variants.NAME.overrides.KEY); PyYAML builds its tree recursively and fails with
+# a RecursionError near a thousand.
+MAX_YAML_DEPTH = 64
+
+
+def _refuse_deep_or_cyclic(text: str, where: str) -> None:
+    """Walk the events of ``text`` (PyYAML's parser is a state machine, not recursive) and refuse
+    nesting deeper than :data:`MAX_YAML_DEPTH`, and an alias inside the node its anchor names (a
+    structure that contains itself, which no configuration value can be)."""
+    depth, open_anchors = 0, []
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            open_anchors.append(event.anchor)
+            if depth > MAX_YAML_DEPTH:
+                line = event.start_mark.line + 1
+                raise ConfigError(f"{where} nests mappings or lists more than {MAX_YAML_DEPTH} levels "
+                                  f"deep (line {line}); no configuration needs that many")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+            open_anchors.pop()
+        elif isinstance(event, yaml.AliasEvent) and event.anchor in open_anchors:
+            raise ConfigError(f"{where}: the alias *{event.anchor} (line {event.start_mark.line + 1}) "
+                              f"is inside the node &{event.anchor} names; a value cannot contain itself")
+
+
 def load_yaml(text: str, where: str, path: str = "") -> Any:
     """``text`` read as YAML (safe tags only), refusing a mapping that gives a key twice, at any
-    depth (PyYAML would keep the last silently); ``where`` names the text in the error, ``path``
-    is the dotted key the text is the value of."""
+    depth (PyYAML would keep the last silently), nesting deeper than :data:`MAX_YAML_DEPTH`, and
+    a value that contains itself; ``where`` names the text in the error, ``path`` is the dotted
+    key the text is the value of."""
+    _refuse_deep_or_cyclic(text, where)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -299,6 +345,17 @@ def _refuse_repeated_keys(root: yaml.Node, where: str, path: str) -> None:
                 stack.append((value, name))
 
 
+@dataclass(frozen=True)
+class Override:
+    """A ``key=value`` override's value: ``value`` as YAML reads it, ``text`` as the user typed it.
+    A field typed ``str`` (a path, a name) takes the text, so that ``data.corpus=data/a #b`` is
+    that path and not ``data/a`` (YAML would read `` #b`` as a comment, and ``yes`` as true);
+    every other field takes the YAML value."""
+
+    value: Any
+    text: str
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"model.n_layers=24"`` -> ``("model.n_layers", 24)``; the value is read as YAML (a mapping
     that gives a key twice is refused), or kept as the text when it is not YAML."""
@@ -307,7 +364,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.lr=2e-3)")
     key = key.strip()
     try:
-        value = load_yaml(raw, f"override {text!r}", key) if raw.strip() else ""
+        shown = text if len(text) <= 80 else f"{text[:60]}...({len(text)} characters)"
+        value = load_yaml(raw, f"override {shown!r}", key) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -411,10 +469,12 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     """
     data = preset_data if preset_data is not None else read_preset(preset) if preset else {}
     data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
-    parsed = [parse_override(o) for o in overrides]
+    parsed = [(key, Override(value, text.partition("=")[2]))
+              for text, (key, value) in zip(overrides, map(parse_override, overrides))]
     _refuse_repeated_overrides(overrides, parsed)
     later = parsed + list(extra)
-    task = next((v for k, v in reversed(later) if k == "task"), data.get("task", default))
+    task = next((v.text if isinstance(v, Override) else v for k, v in reversed(later) if k == "task"),
+                data.get("task", default))
     if task not in classes:
         raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
     cls, raw = classes[task], {}

@@ -17,14 +17,31 @@ from pathlib import Path
 import torch
 
 from .analysis.probes import block_grad_norms, stream_rms
+from .devices import machine_memory
 from .errors import ConfigError
 from .models import LanguageModel, LMConfig
 from .schemes import list_schemes
+from .tasks.dryrun import refuse_beyond_memory
 
 
 def embedded_text() -> bytes:
     """The bytes of the standard library's ``argparse.py`` (present in every CPython)."""
     return Path(argparse.__file__).read_bytes()
+
+
+def _refuse_beyond_memory(configs: list[LMConfig], batch: int, seq: int) -> None:
+    """Refuse, before anything is built, models that cannot fit this machine's memory by far: the
+    demo holds every scheme's model, gradients and AdamW state at once (16 bytes a parameter) and
+    each one's activations (at least every sublayer's input, and the logits)."""
+    available = machine_memory(torch.device("cpu"))
+    if available is None:
+        return
+    params = sum(c.estimated_parameters() for c in configs)
+    activations = sum(batch * seq * (2 * c.n_layers * c.dim + c.vocab_size) * 4 for c in configs)
+    refuse_beyond_memory(16 * params + activations, available, torch.device("cpu"),
+                         f"{len(configs)} models of {params / len(configs):.3g} parameters with their "
+                         "gradients, AdamW state and activations",
+                         fix="lower --dim or --layers, or give fewer --schemes")
 
 
 def run_demo(schemes: list[str], n_layers: int = 12, dim: int = 64, steps: int = 60,
@@ -39,12 +56,13 @@ def run_demo(schemes: list[str], n_layers: int = 12, dim: int = 64, steps: int =
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
     heads = max(1, dim // 32)
+    configs = {name: LMConfig(vocab_size=256, dim=dim, n_layers=n_layers, n_heads=heads, max_seq_len=seq,
+                              scheme=name) for name in schemes}       # sizes checked before any is built
+    _refuse_beyond_memory(list(configs.values()), batch, seq)
     models, optims = {}, {}
     for name in schemes:
         torch.manual_seed(seed)
-        cfg = LMConfig(vocab_size=256, dim=dim, n_layers=n_layers, n_heads=heads,
-                       max_seq_len=seq, scheme=name)
-        models[name] = LanguageModel(cfg)
+        models[name] = LanguageModel(configs[name])
         optims[name] = torch.optim.AdamW(models[name].parameters(), lr=lr, betas=(0.9, 0.95),
                                          weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)

@@ -13,27 +13,82 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["deterministic", "environment", "resolve_device"]
+__all__ = ["check_device_name", "deterministic", "environment", "machine_memory", "resolve_device"]
+
+# The kinds of device a run or a command can use. ``meta`` (shapes without data) builds models for
+# ``--dry-run`` but cannot train or generate; other backends (xpu, hpu, ...) are not supported.
+DEVICE_KINDS = ("auto", "cpu", "cuda", "mps")
+
+
+def _setting(option: str, value: str) -> str:
+    return f"{option} {value}" if option.startswith("-") else f"{option}={value}"
+
+
+def check_device_name(name: Any, option: str = "train.device") -> None:
+    """Refuse a device name that no run can use, whatever this machine has: not a string, not a
+    torch device, or a kind other than :data:`DEVICE_KINDS` (``meta``: no data to compute with).
+    Whether the device is present is :func:`resolve_device`'s to check, where it is used."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{_setting(option, repr(name))}: give auto, cpu, cuda, cuda:N or mps")
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda") from None
+    if device.type == "meta":
+        raise ConfigError(f"{_setting(option, name)}: the meta device holds shapes, not numbers, and "
+                          "cannot train or generate; use cpu or cuda (train --dry-run sizes a model "
+                          "without memory)")
+    if device.type not in DEVICE_KINDS:
+        raise ConfigError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda")
 
 
 def resolve_device(name: str, option: str = "train.device") -> torch.device:
-    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda[:N]`` or ``mps``, present on this
+    machine (:func:`check_device_name` first).
 
     ``option`` is how the user set it (``train.device`` in a configuration, ``--device`` on the
     command line); the error that refuses an unknown or absent device names it in that form.
     """
-    def setting(value: str) -> str:
-        return f"{option} {value}" if option.startswith("-") else f"{option}={value}"
-
+    check_device_name(name, option)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"{setting(repr(name))}: unknown device; use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{setting(name)} but no CUDA device is available; use {setting('cpu')}")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{_setting(option, name)} but no CUDA device is available; use "
+                              f"{_setting(option, 'cpu')}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{_setting(option, name)} but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                              f"cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{_setting(option, name)} but no MPS device (Apple GPU) is available; use "
+                          f"{_setting(option, 'cpu')}")
     return device
+
+
+def machine_memory(device: torch.device) -> int | None:
+    """The bytes of memory ``device`` has: a CUDA device's own; for the CPU, the machine's RAM or
+    this process's cgroup limit (a container's), whichever is smaller; ``None`` when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:       # "max", or the v1 "unlimited" number
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
 
 
 def _cpu_name() -> str:

@@ -5,6 +5,9 @@ holds its experiment folder's and, while it trains a run, that run's. A second p
 held folder (another ``train --out`` into it, a ``--resume`` of a run still training, a second
 ``compare``) is refused with one line naming the folder and the process that holds it.
 
+The lock file is opened without following a symbolic link and must be a regular file: a link or
+anything else planted under its name is refused with one line (never written through).
+
 The lock is ``.siamesenorm.lock`` in the folder: the holder keeps it open under an exclusive
 ``flock``, which the operating system drops when the process ends in any way (``kill -9``, a crash,
 a power cut of the node), so a lock left by a dead process is simply taken. The file also records
@@ -22,6 +25,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,10 +62,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def held_by(folder: str | os.PathLike) -> dict | None:
-    """What the lock file of ``folder`` says of its holder (``None``: no readable lock file)."""
+# Opening a lock file: never through a symbolic link, never blocking on a FIFO.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_lock(path: Path, flags: int) -> int:
+    """``os.open`` of the lock file ``path`` without following a link; a link, a folder, a device
+    or a FIFO under its name is a :class:`ConfigError` (one line), and is left as it is."""
     try:
-        info = json.loads((Path(folder) / LOCK_NAME).read_text(encoding="utf-8"))
+        fd = os.open(path, flags | _NOFOLLOW, 0o644)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            _not_a_lock(path)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _not_a_lock(path)
+    return fd
+
+
+def _not_a_lock(path: Path) -> None:
+    raise ConfigError(f"{path} is not a regular file (a symbolic link, a folder or a device), so it "
+                      "is not siamesenorm's lock and is not written through; remove it and try again")
+
+
+def held_by(folder: str | os.PathLike) -> dict | None:
+    """What the lock file of ``folder`` says of its holder (``None``: no readable lock file, or
+    one that is not a regular file)."""
+    try:
+        fd = _open_lock(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except (OSError, ConfigError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            info = json.loads(f.read(65536).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
@@ -108,7 +142,7 @@ class FolderLock:
     def _flock(self) -> bool:
         """Take the lock with ``flock``; ``False`` where the filesystem does not support it."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -134,8 +168,10 @@ class FolderLock:
         """The lock without ``flock``: create the file exclusively; take over a dead holder's."""
         for _ in range(3):
             try:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             except FileExistsError:
+                if self.path.is_symlink() or not self.path.is_file():
+                    _not_a_lock(self.path)
                 info = held_by(self.folder)
                 pid = info.get("pid") if info else None
                 if (isinstance(pid, int) and info.get("host") == socket.gethostname()
@@ -194,7 +230,7 @@ def check_free(folder: str | os.PathLike, command: str) -> None:
         return
     if fcntl is not None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = _open_lock(path, os.O_RDWR)
         except OSError:
             return
         try:

@@ -1,7 +1,7 @@
 """The run directory: where each file of a run lives, and how its JSON-lines files are read.
 
 Every layer names a run's files through :class:`RunDir` (so this module imports nothing of the
-package but :mod:`.errors`)::
+package but :mod:`.errors` and the version)::
 
     config.yaml        the fully resolved configuration          RunDir.config
     metrics.jsonl      one JSON object per logged step            RunDir.metrics
@@ -16,10 +16,16 @@ package but :mod:`.errors`)::
     samples/           a DiT's sample grids, step_<N>.png         RunDir.samples
     tb/                TensorBoard scalars (when installed)       RunDir.tensorboard
 
+    .siamesenorm-run.json  the mark of a folder this tool created a run in, and the run's data  RunDir.marker
+
 A folder *holds a run* once it has ``metrics.jsonl`` or ``checkpoints/``; a fresh run refuses such
-a folder (:meth:`RunDir.refuse_existing_run`) and ``--resume`` continues it, except a run stopped
-before its first checkpoint (nothing to resume), which a fresh run starts again. Single files are
-written atomically (:func:`write_text`, :func:`write_json`).
+a folder (:meth:`RunDir.refuse_existing_run`) and ``--resume`` continues it. A fresh run also
+refuses any other folder that is not empty, unless it is a run this tool marked and that stopped
+before its first checkpoint (nothing to resume): that one is started again, after deleting the
+files the run wrote, and those alone (:meth:`RunDir.clear_run_files`). A folder without the mark
+(a user's, a repository, an experiment) is never cleaned. Single files are written atomically
+(:func:`write_text`, :func:`write_json`, :func:`replacing`), each through a fresh temporary file
+that a symbolic link planted under its name cannot redirect.
 
 JSON-lines files (``metrics.jsonl``, ``probes.jsonl``) are read by :func:`read_jsonl` alone, with
 one policy: a missing file reads as no rows; blank lines are ignored; a last line without its
@@ -30,17 +36,27 @@ and the line. :func:`open_jsonl` reopens such a file for a (resumed) writer.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import ConfigError
+from .errors import ENVIRONMENT_ERRNOS, ConfigError
 
-__all__ = ["RunDir", "check_out_dir", "open_jsonl", "plain", "read_json", "read_jsonl", "write_json",
-           "write_text"]
+__all__ = ["MARKER_NAME", "RunDir", "check_out_dir", "library_os_error", "open_jsonl", "plain",
+           "read_json", "read_jsonl", "replacing", "save_figure", "write_json", "write_text"]
+
+MARKER_NAME = ".siamesenorm-run.json"
+_LOCK_NAME = ".siamesenorm.lock"        # siamesenorm.locks.LOCK_NAME (which imports this module's peers)
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,10 @@ class RunDir:
     def tensorboard(self) -> Path:
         return self.path / "tb"
 
+    @property
+    def marker(self) -> Path:
+        return self.path / MARKER_NAME
+
     def sample_grid(self, step: int) -> Path:
         """Where the sample grid of evaluation step ``step`` goes."""
         return self.samples / f"step_{step}.png"
@@ -129,30 +149,134 @@ class RunDir:
             p.name == "last" or p.name.startswith(".last.old-")
             or (p.name.startswith("step_") and p.name[5:].isdigit())))
 
-    def stopped_before_first_checkpoint(self) -> bool:
-        """A run that was started here and stopped (killed) before its first checkpoint: it has a
-        log or a config but neither a checkpoint nor a summary. Nothing of it can be resumed."""
-        return (self.holds_run() or self.config.exists()) and not self.has_checkpoints() \
-            and not self.summary.exists()
+    def marked(self) -> bool:
+        """Whether this tool created a run here (:meth:`mark`): its marker is a regular file."""
+        try:
+            return stat.S_ISREG(os.lstat(self.marker).st_mode)
+        except OSError:
+            return False
 
-    def refuse_existing_run(self) -> None:
-        """The check of a fresh run: a :class:`ConfigError` when the folder already holds a run
-        (one stopped before its first checkpoint does not count: it is started again)."""
-        if self.holds_run() and not self.stopped_before_first_checkpoint():
-            raise ConfigError(f"{self} already holds a run; resume it with --resume or choose "
+    def mark(self) -> None:
+        """Mark the folder as a run this tool created (the first file a fresh run writes)."""
+        from . import __version__
+
+        write_json(self.marker, {"created_by": f"siamesenorm {__version__}",
+                                 "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+    def stopped_before_first_checkpoint(self) -> bool:
+        """A run this tool started here (marked) that stopped (killed) before its first checkpoint:
+        neither a checkpoint nor a summary. Nothing of it can be resumed."""
+        return self.marked() and not self.has_checkpoints() and not self.summary.exists()
+
+    def _foreign(self) -> list[str]:
+        """The names in the folder besides its lock (``[]``: missing or empty)."""
+        try:
+            return sorted(p.name for p in self.path.iterdir() if p.name != _LOCK_NAME)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def refuse_existing_run(self, restart: bool = False) -> None:
+        """The check of a fresh run (:class:`ConfigError`, one line): the folder must be missing,
+        empty, or a run this tool marked that stopped before its first checkpoint (``restart``: any
+        run this tool marked: compare's own, started again). Anything else is not ours to replace:
+        a run, a compare experiment, the root folder, a repository, a folder of a user's files."""
+        names = self._foreign()
+        if not names:
+            return
+        if self.marked() and (restart or self.stopped_before_first_checkpoint()):
+            return
+        where = str(self)
+        if self.holds_run() and (self.marked() or self.has_checkpoints() or self.summary.exists()):
+            raise ConfigError(f"{where} already holds a run; resume it with --resume or choose "
                               "another --out")
+        if self.holds_run():
+            raise ConfigError(f"{where} already holds a run without a checkpoint that siamesenorm "
+                              "did not mark as its own (an older version's?); delete it or choose "
+                              "another --out")
+        if (self.path / "experiment.json").exists():
+            raise ConfigError(f"{where} is a compare experiment folder (its runs are inside it); "
+                              "choose another --out")
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        full = self.path.resolve()
+        what = "the root folder" if full == Path(full.anchor) else "a folder"
+        raise ConfigError(f"{where} is {what} that holds other files ({shown}) and no run of "
+                          "siamesenorm; train into a new or empty folder (choose another --out)")
 
     def clear_stopped_run(self) -> None:
-        """Delete the files of a run stopped before its first checkpoint (and only the run's own
-        files, by name), so that it starts again from nothing."""
+        """Delete the files of a run stopped before its first checkpoint (and only those the run
+        writes, by name), so that it starts again from nothing."""
+        if self.stopped_before_first_checkpoint():
+            self.clear_run_files()
+
+    def clear_run_files(self) -> None:
+        """Delete what a run of this tool writes here, by name: its files (and their temporary
+        versions), its checkpoints, and the known files of its tokenizer, TensorBoard, sample and
+        plot folders, which go once empty; a user's files among them stay. The marker goes last.
+        Only for a marked folder (a :class:`ConfigError` otherwise)."""
         import shutil
 
-        if not self.stopped_before_first_checkpoint():
-            return
-        for file in (self.metrics, self.config, self.probes, self.analysis):
+        if not self.marked():
+            raise ConfigError(f"{self} was not created by siamesenorm as a run; nothing is deleted")
+        for file in (self.metrics, self.config, self.summary, self.probes, self.analysis):
             file.unlink(missing_ok=True)
-        for folder in (self.tokenizer, self.tensorboard, self.samples, self.plots, self.checkpoints):
-            shutil.rmtree(folder, ignore_errors=True)
+            for tmp in self.path.glob(f".{file.name}.tmp-*"):
+                tmp.unlink(missing_ok=True)
+        owned = {
+            self.checkpoints: r"last|step_\d+|\.last\.(tmp|old)-.*|damaged-.*",
+            self.tokenizer: r"tokenizer_kind\.json|bpe\.json|\.(tokenizer_kind|bpe)\.json\.tmp-.*",
+            self.tensorboard: r"events\.out\.tfevents\..*",
+            self.samples: r"step_\d+\.png|\.step_\d+\.png\..*\.tmp",
+            self.plots: r"(hidden_rms|grad_norm|gains|pruning|logit_lens|angular)\.png|\..*\.png\..*tmp.*",
+        }
+        for folder, pattern in owned.items():
+            if folder.is_symlink() or not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if re.fullmatch(pattern, entry.name):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink(missing_ok=True)
+            try:
+                folder.rmdir()
+            except OSError:         # a user's file left in it
+                pass
+        self.marker.unlink(missing_ok=True)
+
+    # ---- the data a run trained on -------------------------------------------------------------
+    def recorded_data(self) -> dict | None:
+        """The data record of the run (its ``data`` entry, e.g. corpus name and fingerprint):
+        from the marker, else from ``summary.json`` (runs of older versions); ``None``: none."""
+        for file in (self.marker, self.summary):
+            try:
+                found = json.loads(file.read_bytes()).get("data") if file.is_file() else None
+            except (OSError, ValueError, AttributeError):
+                continue
+            if found is not None:
+                return found
+        return None
+
+    def data_history(self) -> list:
+        """The data records a resumed run replaced (``--allow-data-change``), oldest first."""
+        try:
+            found = json.loads(self.marker.read_bytes()).get("data_history")
+        except (OSError, ValueError, AttributeError):
+            return []
+        return found if isinstance(found, list) else []
+
+    def record_data(self, data: Any, replaced: Any = None) -> list:
+        """Record ``data`` in the marker (of a marked run) as what the run trains on; ``replaced``:
+        the record it replaces, kept in ``data_history``. Returns the history."""
+        try:
+            record = json.loads(self.marker.read_bytes())
+            record = record if isinstance(record, dict) else {}
+        except (OSError, ValueError):
+            record = {}
+        history = self.data_history()
+        if replaced is not None:
+            history = [*history, {"data": replaced, "until": time.strftime("%Y-%m-%d %H:%M:%S")}]
+        write_json(self.marker, {**record, "data": data, **({"data_history": history} if history else {})})
+        return history
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> None:
@@ -217,10 +341,9 @@ def open_jsonl(path: str | os.PathLike, keep_until: int | None = None) -> TextIO
         [text for _, text, row in _lines(path)
          if isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
          and row["step"] <= keep_until]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-    return open(path, "a", encoding="utf-8")
+    write_text(path, "".join(line + "\n" for line in kept))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def plain(value: Any) -> Any:
@@ -239,21 +362,99 @@ def plain(value: Any) -> Any:
     return value
 
 
+def _create_new(path: Path) -> int:
+    """A file descriptor of ``path`` created afresh for writing (exclusively: a file or symbolic
+    link already there under that name, a leftover of a killed writer, is removed first, never
+    followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        path.unlink()
+        return os.open(path, flags, 0o644)
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file beside it, flushed to disk,
-    then renamed over it. A reader sees the old file or the new one, never half of one; a failed
-    write (a full disk) leaves no partial or empty file behind."""
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file beside it, created afresh
+    (a symbolic link under its name is not followed), flushed to disk, then renamed over ``path``
+    (which replaces a link there rather than writing through it). A reader sees the old file or
+    the new one, never half of one; a failed write (a full disk) leaves no partial or empty file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
+        with os.fdopen(_create_new(tmp), "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None and error.errno is not None:
+            raise OSError(error.errno, error.strerror, str(path)) from None    # name the file
         raise
+
+
+@contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """For a writer that takes a path (a library's ``save(path)``): yields a fresh temporary file
+    beside ``path`` (created exclusively, so nothing planted under its name is followed) for it to
+    write, then renames it over ``path``; on failure the temporary file goes and ``path`` is as it
+    was. A library's failure on a full or read-only disk is raised as its OSError, naming ``path``
+    (see :func:`library_os_error`)."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        found = library_os_error(error, path)
+        if found is not None and found is not error:
+            raise found from None
+        raise
+
+
+def save_figure(fig: Any, path: str | os.PathLike, **options: Any) -> None:
+    """``fig.savefig`` (matplotlib) to ``path`` through :func:`replacing`; the format is the
+    suffix's (``.png``)."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **options)
+
+
+_OS_ERROR_TEXT = re.compile(r"os error (\d+)|\[Errno (\d+)\]")
+
+
+def library_os_error(error: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The operating system's refusal (a full disk, a read-only one, a quota: one of
+    :data:`~.errors.ENVIRONMENT_ERRNOS`) behind ``error``, a library writer's failure, as an
+    :class:`OSError` naming ``path``; ``None`` when there is none (a bug stays loud).
+
+    Libraries wrap it: torch's writers in a ``RuntimeError`` whose chain holds it,
+    ``torch.distributed.checkpoint`` in a ``CheckpointException`` (per rank), safetensors and
+    tokenizers in their own error whose text says ``(os error 28)``."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        exc = todo.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if not isinstance(exc, Exception) and not hasattr(exc, "failures"):
+            continue        # KeyboardInterrupt, SystemExit: not a write failure
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code is None and not isinstance(exc, OSError):
+            found = _OS_ERROR_TEXT.search(str(exc).split("\n", 1)[0])
+            code = int(found.group(1) or found.group(2)) if found else None
+        if code in ENVIRONMENT_ERRNOS and code != errno.ENOENT:
+            return OSError(code, os.strerror(code), str(path))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+        todo += [exc.__cause__, exc.__context__]
+    return None
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..rundir import save_figure
+
 
 def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend."""
@@ -18,7 +20,7 @@ def pyplot():
 
 def save(fig, path: Path) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)      # never through a link planted under its name
     pyplot().close(fig)
     return path.name
 

@@ -16,24 +16,28 @@ from typing import Any
 
 import yaml
 
-from ..rundir import RunDir, read_jsonl
+from ..rundir import RunDir
+from ..shapes import ANALYSIS, METRICS_ROW, PROBE_ROW, mismatch, read_rows
 from .plots import pyplot, save
 
 SPIKE_FACTOR = 5.0   # a gradient norm above this multiple of the run's median after warm-up is a spike
 
 
-def _json(path: Path) -> Any:
+def _analysis(path: Path) -> dict | None:
+    """``analysis.json`` when it is readable and of its shape (:data:`~siamesenorm.shapes.ANALYSIS`);
+    otherwise ``None``, as when there is none: the report shows what it can."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):      # ValueError: not UTF-8, not JSON
         return None
+    return data if mismatch(data, ANALYSIS) is None else None
 
 
 def _warmup(run_dir: RunDir) -> int:
     try:
         cfg = yaml.safe_load(run_dir.config.read_text()) or {}
         return int(cfg.get("train", {}).get("warmup", 0))
-    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
+    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError, RecursionError):
         return 0
 
 
@@ -42,14 +46,14 @@ def collect(out: Path, rows: list[dict]) -> list[dict]:
     runs = []
     for row in rows:
         run_dir = RunDir(out / row["run"])
-        analysis = _json(run_dir.analysis)
-        probes = [p for p in read_jsonl(run_dir.probes) if isinstance(p.get("rms"), dict)]
+        analysis = _analysis(run_dir.analysis)
+        probes = [p for p in read_rows(run_dir.probes, PROBE_ROW) if isinstance(p.get("rms"), dict)]
         rms, per = None, 2
         if isinstance(analysis, dict):
             rms, per = analysis["probes"]["rms"], analysis.get("sublayers_per_block", 2)
         elif probes:
             rms = probes[-1]["rms"]
-        grads = [(r["step"], r["grad_norm"]) for r in read_jsonl(run_dir.metrics)
+        grads = [(r["step"], r["grad_norm"]) for r in read_rows(run_dir.metrics, METRICS_ROW)
                  if isinstance(r.get("grad_norm"), (int, float))]
         runs.append({"run": row["run"], "scheme": row.get("scheme"), "lr": row.get("lr"),
                      "seed": row.get("seed"), "rms": rms, "per": per,

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..rundir import RunDir, open_jsonl, plain, read_jsonl
+from ..rundir import RunDir, open_jsonl, plain
+from ..shapes import PROBE_ROW, read_rows
 from .adapters import LossFn, lm_loss
 from .probes import grad_norms, norm_gains, sublayer_rms
 
@@ -42,10 +43,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def read_probes(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/probes.jsonl``, read by :func:`~siamesenorm.rundir.read_jsonl`
+    """The records of ``run_dir/probes.jsonl``, read by :func:`~siamesenorm.shapes.read_rows`
     (``[]`` when there is none; a last line a killed run cut short is skipped; a damaged line
     elsewhere is a ConfigError)."""
-    return read_jsonl(RunDir(run_dir).probes)
+    return read_rows(RunDir(run_dir).probes, PROBE_ROW)
 
 
 class TrainingProbes:

@@ -26,7 +26,8 @@ from pathlib import Path
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..locks import LOCK_NAME, check_free, folder_lock
-from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_text
+from ..rundir import RunDir, check_out_dir, read_json, write_text
+from ..shapes import EXPERIMENT_ROWS, METRICS_ROW, check, read_rows, read_summary
 from ..tasks import TASKS, get_task, launch_task, run_task
 from . import stats
 from .grid import plan
@@ -40,7 +41,7 @@ COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "di
 def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
     """The largest logged gradient norm (before clipping) after step ``after``, and its step."""
     best: tuple[float | None, int | None] = (None, None)
-    for row in read_jsonl(RunDir(run_dir).metrics):
+    for row in read_rows(RunDir(run_dir).metrics, METRICS_ROW):
         g = row.get("grad_norm")
         if row.get("step", 0) > after and isinstance(g, (int, float)) and \
                 (best[0] is None or g > best[0]):
@@ -68,9 +69,9 @@ def read_runs(path: str | Path) -> list[dict]:
     it is the plain list of rows that versions before the aggregate wrote."""
     data = read_json(path)
     if isinstance(data, list):
-        return data
+        return check(data, EXPERIMENT_ROWS, str(path))
     if isinstance(data, dict) and isinstance(data.get("runs"), list):
-        return data["runs"]
+        return check(data["runs"], EXPERIMENT_ROWS, f"{path} (its runs)")
     raise ConfigError(f"{path} is not a comparison's summary (no list of runs); run compare again")
 
 
@@ -175,7 +176,7 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         name, cfg = cell.name, cell.config
         run_dir = out / name
         summary_path = RunDir(run_dir).summary
-        summary = read_json(summary_path) if summary_path.exists() else None
+        summary = read_summary(summary_path) if summary_path.exists() else None
         if summary is not None and not summary.get("interrupted"):
             log(f"[{i}/{len(grid)}] {name}: done before, skipped")
         else:

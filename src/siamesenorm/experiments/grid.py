@@ -120,8 +120,22 @@ def check_section(data: dict, preset: str | None) -> dict:
     variants = section.get("variants") or {}
     if not isinstance(variants, dict):
         raise ConfigError("compare.variants must map a label to {scheme, options, overrides}")
-    out["variants"] = {str(label): _variant(str(label), spec) for label, spec in variants.items()}
+    out["variants"] = {check_label(label): _variant(str(label), spec) for label, spec in variants.items()}
     return out
+
+
+def check_label(label: Any) -> str:
+    """A variant's label, which names its runs' folders (``<label>-lr<lr>-s<seed>``) and the rows
+    of the report: a name, refused (:class:`ConfigError`) when empty, ``.`` or ``..``, or when it
+    holds a path separator or a control character (a newline, a tab, ...)."""
+    text = str(label)
+    bad = next((c for c in text if c in "/\\" or not c.isprintable() or c.isspace() and c != " "),
+               None)
+    if not text.strip() or text in (".", "..") or bad is not None:
+        why = "is empty" if not text.strip() else f"holds {bad!r}" if bad is not None else "is a path"
+        raise ConfigError(f"compare.variants: the label {text!r} {why}; a label names its runs' folders, "
+                          "so it is a name without path separators or control characters")
+    return text
 
 
 def _variant(label: str, spec: Any) -> Variant:

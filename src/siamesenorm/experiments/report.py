@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 
 from ..analysis.report_section import diagnostics_section
-from ..rundir import RunDir, read_jsonl, write_text
+from ..rundir import RunDir, save_figure, write_text
+from ..shapes import METRICS_ROW, read_rows
 from . import stats
 
 
@@ -26,7 +27,7 @@ def _fmt(value, digits: int = 4) -> str:
 def _curve(run_dir: Path, key: str = "val_loss") -> tuple[list[int], list[float]]:
     """``(steps, values)`` of ``key`` over the evaluation rows of a run's metrics.jsonl."""
     steps, values = [], []
-    for row in read_jsonl(RunDir(run_dir).metrics):
+    for row in read_rows(RunDir(run_dir).metrics, METRICS_ROW):
         if row.get(key) is not None:
             steps.append(row["step"])
             values.append(row[key])
@@ -49,7 +50,7 @@ def _plot_expert_load(out: Path, rows: list[dict]) -> str | None:
     over its MoE layers), one line per run; ``None`` when no run has mixture-of-experts layers."""
     loads = []
     for row in rows:
-        last = [r["expert_load"] for r in read_jsonl(RunDir(out / row["run"]).metrics)
+        last = [r["expert_load"] for r in read_rows(RunDir(out / row["run"]).metrics, METRICS_ROW)
                 if isinstance(r.get("expert_load"), list) and r["expert_load"]]
         if last:
             layers = last[-1]
@@ -70,7 +71,7 @@ def _plot_expert_load(out: Path, rows: list[dict]) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "expert_load.png", dpi=120)
+    save_figure(fig, out / "expert_load.png", dpi=120)
     plt.close(fig)
     return "expert_load.png"
 
@@ -117,7 +118,7 @@ def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / filename, dpi=120)
+    save_figure(fig, out / filename, dpi=120)
     plt.close(fig)
     return filename
 
@@ -164,7 +165,7 @@ def _plot_grid(out: Path, aggregate: list[dict], schemes: list[str], lrs: list[f
     ax.set_title("Final validation loss (mean over the seeds that did not fail)")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(out / "lr_grid.png", dpi=120)
+    save_figure(fig, out / "lr_grid.png", dpi=120)
     plt.close(fig)
     return "lr_grid.png"
 

@@ -50,7 +50,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError
-from ..rundir import RunDir, check_out_dir, read_json
+from ..rundir import RunDir, check_out_dir, library_os_error
+from ..shapes import read_summary
 from ..tasks.finished import _RUN_KINDS, load_trained
 from ..tasks.registry import saved_config
 from ..train.checkpoint import checkpoint_extra
@@ -86,7 +87,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     model, cfg = load_trained(run_dir, "cpu")
     step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
     tokenizer = _run_tokenizer(run_dir)
-    summary = read_json(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
+    summary = read_summary(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
     info = {"folder": str(out), "parameters": sum(p.numel() for p in model.parameters()),
             "step": step, "tokenizer": tokenizer.kind if tokenizer is not None else None}
 
@@ -98,20 +99,31 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
         (_write_family_folder if cfg.model.family else _write_folder)(tmp, model, cfg, tokenizer)
         (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
         _move_into_place(tmp, out)
+    except Exception as error:      # a full or read-only disk under transformers' or tokenizers'
+        found = library_os_error(error, out)        # writers: their OSError, naming --out
+        if found is not None:
+            raise found from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
-    """Refuse an ``--out`` that is a file, a non-empty folder (unless ``force``), or a folder that
-    holds the run or the current folder (it is replaced by a rename; ``--force`` deletes it)."""
+    """Refuse an ``--out`` that is a file, a non-empty folder (unless ``force``), a folder inside
+    the run or one that holds the run or the current folder (it is replaced by a rename;
+    ``--force`` deletes it), whether it exists yet or not, links resolved."""
     check_out_dir(out)
+    target, run = out.resolve(), run_dir.resolve()
+    if run in target.parents:
+        raise ConfigError(f"--out {out} lies inside the run {run_dir} (its files would be replaced); "
+                          "write the model folder outside the run")
+    for inside, what in ((run_dir, f"the run {run_dir}"), (Path.cwd(), "the current folder")):
+        if (out.exists() or inside == run_dir) and \
+                (target == inside.resolve() or target in inside.resolve().parents):
+            raise ConfigError(f"--out {out} holds {what}; choose another folder")
     if not out.exists():
         return
-    for inside, what in ((run_dir, f"the run {run_dir}"), (Path.cwd(), "the current folder")):
-        if out.resolve() == inside.resolve() or out.resolve() in inside.resolve().parents:
-            raise ConfigError(f"--out {out} holds {what}; choose another folder")
     if any(out.iterdir()) and not force:
         raise ConfigError(f"--out {out} is a folder that is not empty; add --force to replace it, or "
                           "choose another folder")

@@ -61,3 +61,31 @@ def size_preset(owner: str, sizes: dict[str, dict[str, Any]], size: str) -> dict
         return dict(sizes[size])
     except KeyError:
         raise ConfigError(f"{owner}: unknown size {size!r}; choose one of {', '.join(sizes)}") from None
+
+
+# ---- sizes that are refused before anything is built -------------------------------------------
+# Building a model costs time per module even on the meta device (a billion-layer ModuleList never
+# finishes), so these bounds are checked from the configuration alone. The deepest Transformers
+# published have about 1,000 layers (DeepNet, arXiv 2203.00555); the largest models about 2e12
+# parameters; mixtures of experts at most a few hundred experts per layer.
+MAX_LAYERS = 1024
+MAX_PARAMETERS = 10**15
+MAX_EXPERTS = 1024
+MAX_EXPERT_LAYERS = 1 << 16      # MoE layers x experts: the MoE forward runs each expert in turn
+
+
+def buildable(owner: str, n_layers: int, parameters: int) -> None:
+    """Refuse a model no machine builds: more than :data:`MAX_LAYERS` blocks, or an estimate of
+    more than :data:`MAX_PARAMETERS` parameters (``parameters``, from the sizes alone)."""
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(f"{owner}.n_layers={n_layers:,} is beyond what this library builds (at most "
+                          f"{MAX_LAYERS:,}; the deepest published Transformers have about 1,000 layers)")
+    if parameters > MAX_PARAMETERS:
+        raise ConfigError(f"{owner}: these sizes make about {parameters:.3g} parameters, beyond what "
+                          f"this library builds (at most {MAX_PARAMETERS:.0e}, 500 times the largest "
+                          "models trained); check dim, n_layers and the vocabulary or class count")
+
+
+def linear(n_in: int, n_out: int, bias: bool) -> int:
+    """The parameters of ``nn.Linear(n_in, n_out, bias)``."""
+    return n_in * n_out + (n_out if bias else 0)

@@ -247,7 +247,9 @@ class DiT(ResidualStack, SchemeHost):
             elif isinstance(module, nn.Linear) and not name.startswith(("scheme.", "sublayers.")):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-        self.pos_embed.copy_(sincos_pos_embed_2d(cfg.dim, cfg.grid_size).unsqueeze(0))
+        # on the meta device (a dry run) nothing is computed: no memory the model's size needs
+        where = "meta" if self.pos_embed.is_meta else None
+        self.pos_embed.copy_(sincos_pos_embed_2d(cfg.dim, cfg.grid_size, device=where).unsqueeze(0))
         nn.init.xavier_uniform_(self.x_embedder.weight.view(cfg.dim, -1))
         nn.init.zeros_(self.x_embedder.bias)
         self.y_embedder.reset_parameters()

@@ -68,6 +68,18 @@ class DiTConfig:
         check.divisible(_OWNER, "frequency_dim", self.frequency_dim, "2 (cos and sin halves)", 2)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
         check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
+
+    def estimated_parameters(self) -> int:
+        """The parameters of the patch, timestep and label embeddings, every block's attention,
+        MLP and adaLN modulation, and the final layer, from the sizes alone (norms and the
+        scheme's own parameters left out): what :func:`~.config_checks.buildable` bounds."""
+        d, h, lin = self.dim, int(self.dim * self.mlp_ratio), check.linear
+        block = 4 * lin(d, d, True) + lin(d, h, True) + lin(h, d, True) + lin(d, 6 * d, True)
+        out = self.patch_size ** 2 * (2 * self.in_chans if self.learn_sigma else self.in_chans)
+        return (self.in_chans * self.patch_size ** 2 * d + d
+                + lin(self.frequency_dim, d, True) + lin(d, d, True) + (self.num_classes + 1) * d
+                + self.n_layers * block + lin(d, 2 * d, True) + lin(d, out, True))
 
     @classmethod
     def from_size(cls, size: str, **overrides: Any) -> DiTConfig:

@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..nn.mlp import MLP_KINDS, default_mlp_hidden
 from ..nn.norms import NORM_KINDS
+from .config_checks import MAX_EXPERT_LAYERS, MAX_EXPERTS, buildable, linear
 
 INIT_KINDS = ("normal", "mitchell")
 
@@ -165,6 +166,37 @@ class LMConfig:
         if not isinstance(self.scheme_options, dict):
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
+        buildable("LMConfig", self.n_layers, self.estimated_parameters())
+        moe_layers = self.moe_layers
+        if moe_layers and self.moe.n_experts > MAX_EXPERTS:
+            raise ConfigError(f"model.moe.n_experts={self.moe.n_experts:,} is beyond what this library "
+                              f"builds (at most {MAX_EXPERTS:,} per layer; the largest published "
+                              "mixtures have a few hundred)")
+        if moe_layers * self.moe.n_experts > MAX_EXPERT_LAYERS:
+            raise ConfigError(f"{moe_layers} MoE layers of {self.moe.n_experts} experts are beyond what "
+                              f"this library builds (at most {MAX_EXPERT_LAYERS:,} experts in all: each "
+                              "runs in turn); fewer layers, experts, or a larger model.moe.every")
+
+    def estimated_parameters(self) -> int:
+        """The parameters of the embedding, every block's attention and MLP (or mixture of
+        experts), and an untied head, from the sizes alone (norms and the scheme's own
+        parameters, which are few, left out; a family's ``family_options`` not read): what
+        :func:`~.config_checks.buildable` bounds. Pure arithmetic, for any size."""
+        d, kv, bias, moe = self.dim, self.kv_heads * self.head_dim, self.bias, self.moe
+        attention = 2 * linear(d, d, bias) + 2 * linear(d, kv, bias)
+        per_hidden = 3 if self.mlp == "swiglu" else 2
+        dense = per_hidden * d * self.hidden_dim + ((2 if per_hidden == 3 else 1) * self.hidden_dim + d
+                                                     if bias else 0)
+        experts = d * moe.n_experts + 3 * moe.n_experts * d * moe.expert_hidden(d) \
+            + 3 * d * moe.shared_hidden
+        moe_layers = self.moe_layers
+        blocks = self.n_layers * attention + (self.n_layers - moe_layers) * dense + moe_layers * experts
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + blocks
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks have a mixture of experts (blocks ``every-1, 2*every-1, ...``)."""
+        return self.n_layers // self.moe.every if self.moe.every else 0
 
     @property
     def head_dim(self) -> int:

@@ -64,6 +64,16 @@ class ViTConfig:
         check.divisible(_OWNER, "dim", self.dim, f"{_OWNER}.n_heads", self.n_heads)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
         check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
+
+    def estimated_parameters(self) -> int:
+        """The parameters of the patch embedding, class token, position embedding, every block's
+        attention and MLP, and the head, from the sizes alone (norms and the scheme's own
+        parameters, which are few, left out): what :func:`~.config_checks.buildable` bounds."""
+        d, h, lin = self.dim, int(self.dim * self.mlp_ratio), check.linear
+        block = 4 * lin(d, d, True) + lin(d, h, True) + lin(h, d, True)
+        return (self.in_chans * self.patch_size ** 2 * d + d + d + (self.num_patches + 1) * d
+                + self.n_layers * block + lin(d, self.num_classes, True))
 
     @classmethod
     def from_size(cls, size: str, **overrides: Any) -> ViTConfig:

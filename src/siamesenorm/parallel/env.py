@@ -26,7 +26,7 @@ from ..errors import ConfigError
 
 __all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
            "exit_process", "gather_objects", "init_world", "launched_world_size", "leave_world",
-           "on_main"]
+           "local_world_size", "on_main"]
 
 T = TypeVar("T")
 
@@ -73,7 +73,37 @@ def _env_int(name: str, default: int) -> int:
 
 def launched_world_size() -> int:
     """The world size a launcher asked for (``WORLD_SIZE``; 1 when not launched by one)."""
-    return _env_int("WORLD_SIZE", 1)
+    size = _env_int("WORLD_SIZE", 1)
+    if size < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={size} is not a world size (at least 1); "
+                          "unset it to run in one process")
+    return size
+
+
+# What torchrun gives every process of a world besides WORLD_SIZE, and ``init_process_group``
+# needs (its env:// rendezvous).
+_WORLD_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _check_launched_world(size: int) -> None:
+    """Refuse, in one line, a ``WORLD_SIZE`` above 1 without the rest of a launcher's variables
+    (torch.distributed would raise its own ValueError), or a ``RANK`` outside the world."""
+    missing = [name for name in _WORLD_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={size} says this process is part of a torchrun world, but "
+                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; start "
+                          f"it with torchrun (or --nproc {size}), or unset WORLD_SIZE to run in one "
+                          "process")
+    rank = _env_int("RANK", 0)
+    if not 0 <= rank < size:
+        raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={size} processes "
+                          f"(0 to {size - 1})")
+
+
+def local_world_size(world: World) -> int:
+    """How many processes of ``world`` run on this machine (torchrun's ``LOCAL_WORLD_SIZE``;
+    the whole world when it does not say)."""
+    return max(1, min(world.size, _env_int("LOCAL_WORLD_SIZE", world.size)))
 
 
 def current_world() -> World:
@@ -93,6 +123,8 @@ def init_world(device_name: str) -> tuple[World, torch.device]:
     device = resolve_device(device_name)
     if size <= 1:
         return World(), device
+    if not dist.is_initialized():
+        _check_launched_world(size)
     rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -66,9 +67,11 @@ def _first_report(folder: Path) -> tuple[int, str, str] | None:
 def _quiet_agent() -> None:
     """The agent logs every start and, on a failure, a report per process: the failure's one line
     is ours to print."""
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher",
-                 "torch.distributed.run"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+    # the agent's modules set their own loggers' level (WARNING), so each one is set, not only these
+    for name in [*prefixes, *list(logging.root.manager.loggerDict)]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
@@ -99,7 +102,11 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     except ChildFailedError as error:
         failed = error
     except SignalException as error:    # the processes got it too and saved their checkpoint
+        _remove(folder)
         raise (Terminated() if error.sigval == signal.SIGTERM else KeyboardInterrupt()) from None
+    except BaseException:
+        _remove(folder)
+        raise
     finally:
         for key, value in saved.items():
             if value is None:
@@ -130,8 +137,9 @@ def _died_silently(failed, folder: Path) -> tuple[int, int] | None:
     SIGTERM (which stops the others once one failed). Such a death (a SIGKILL, the kernel's
     out-of-memory killer, a segfault) is the cause: the errors the surviving ranks then report
     (a peer's connection reset) are its consequence."""
+    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM, 128 + signal.SIGINT)   # 143, 130: our handler's
     dead = [(rank, f.exitcode) for rank, f in failed.failures.items()
-            if f.exitcode != -signal.SIGTERM and not (folder / f"rank{rank}.error").exists()]
+            if f.exitcode not in stopped and not (folder / f"rank{rank}.error").exists()]
     return min(dead) if dead else None
 
 
@@ -145,6 +153,5 @@ def _death(code: int) -> str:
 
 
 def _remove(folder: Path) -> None:
-    for file in folder.iterdir():
-        file.unlink(missing_ok=True)
-    folder.rmdir()
+    """Remove the launcher's folder of reports (nothing in it is wanted any more)."""
+    shutil.rmtree(folder, ignore_errors=True)

@@ -34,6 +34,13 @@ from ..train import Evaluation
 from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
 from .spec import Task
 
+# Counts that make the process's tables or every evaluation's samples, bounded so that a slip of
+# the keyboard is refused at once rather than filling memory or running for days.
+DIFFUSION_LIMITS = {"timesteps": 100_000, "eval_samples": 100_000, "grid_per_class": 100}
+DIFFUSION_LIMIT_REASONS = {"timesteps": "DDPM and DiT use 1,000",
+                           "eval_samples": "FID is reported on 50,000 samples",
+                           "grid_per_class": "the sample grid has that many per class"}
+
 
 @dataclass(frozen=True)
 class DiffusionConfig:
@@ -64,6 +71,10 @@ class DiffusionConfig:
         for name in ("timesteps", "sample_steps", "eval_samples", "grid_per_class"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"diffusion.{name} must be positive, got {getattr(self, name)}")
+        for name, most in DIFFUSION_LIMITS.items():
+            if getattr(self, name) > most:
+                raise ConfigError(f"diffusion.{name}={getattr(self, name):,} is more than a run uses "
+                                  f"(at most {most:,}: {DIFFUSION_LIMIT_REASONS[name]})")
         if self.schedule not in ("linear", "cosine"):
             raise ConfigError(f"diffusion.schedule: unknown value {self.schedule!r}; choose linear or cosine")
         if self.sampler not in ("ddim", "ddpm"):

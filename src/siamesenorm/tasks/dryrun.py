@@ -5,7 +5,13 @@ no data, no memory and nothing written.
 the ``meta`` device (shapes only, no storage), with the sizes the configuration gives (for a
 language model ``model.vocab_size`` as set, though a real run takes it from its data; for images
 ``model.image_size``, ``in_chans``, ``num_classes``). It returns plain numbers; :func:`format_dry_run`
-prints them as a table.
+prints them as a table, and the memory of this machine's device when it is present.
+
+Building costs time per module even on ``meta``, so sizes no machine builds are refused before,
+from the configuration alone (the model configurations' ``estimated_parameters`` and
+:func:`~siamesenorm.models.config_checks.buildable`). A real run is refused up front by
+:func:`check_fits` when a floor of its memory, :func:`memory_floor` (arithmetic on the sizes,
+nothing built), exceeds the device's memory :data:`MEMORY_MARGIN` times over.
 
 The figures, with ``P`` the parameters (a tied weight once), ``N`` ranks (``--nproc``, else the
 ``WORLD_SIZE`` environment variable, else 1; at ``N = 1`` the table also shows ``N = 8``):
@@ -217,7 +223,94 @@ def dry_run(cfg: Any, nproc: int | None = None) -> dict[str, Any]:
         "configured": {"parallel": engine, "activation_checkpointing": cfg.train.activation_checkpointing,
                        "total": mine["total"][cfg.train.activation_checkpointing]},
         "model": _describe(cfg),
+        "machine": _machine(cfg),
     }
+
+
+def _machine(cfg: Any) -> dict[str, Any] | None:
+    """The device this machine would run ``cfg`` on and its memory in bytes (``None``: the
+    configured device is not here, or its memory is unknown)."""
+    from ..devices import machine_memory
+
+    name = cfg.train.device
+    cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+    if (cuda and not torch.cuda.is_available()) or name.startswith("mps"):
+        return None
+    device = torch.device(name if cuda and name != "auto" else "cuda" if cuda else "cpu")
+    memory = machine_memory(device)
+    return None if memory is None else {"device": str(device), "memory": memory}
+
+
+# ---- a floor under a real run's memory, from the configuration alone ------------------------------
+# A real run is refused when even this floor exceeds the machine's memory this many times over:
+# the estimate leaves out much (see memory_floor), so only a run that cannot fit by far is refused.
+MEMORY_MARGIN = 2
+
+
+def _tokens_per_sample(cfg: Any) -> int:
+    m = cfg.model
+    if cfg.task == "lm":
+        return cfg.data.seq_len
+    return m.seq_len if hasattr(m, "seq_len") else m.num_patches
+
+
+def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
+    """A lower bound on the bytes one process of the run ``cfg`` needs, from its sizes alone
+    (nothing is built, so it costs nothing at any size): ``parameters`` (the estimate of the
+    model configuration's ``estimated_parameters``), ``states`` (fp32 weights, gradients and two
+    AdamW moments: 16 bytes a parameter, sharded over the ranks under FSDP2), ``buffers`` (a
+    language model's rotary tables, ``max_seq_len x head_dim`` fp32 per layer), ``activations``
+    (each sublayer keeps at least its input for backward, one micro-batch in the compute dtype,
+    and a language model its fp32 logits) and ``total``. Left out: norms, the scheme's own
+    parameters, every other saved tensor, the framework's own memory."""
+    m = cfg.model
+    params = m.estimated_parameters()
+    engine = parallel_mode(cfg.train.parallel, World(size=world_size))
+    states = 16 * params // (world_size if engine == "fsdp" else 1)
+    b = 2 if _precision(cfg) == "bf16" else 4
+    tokens = cfg.data.batch_size * _tokens_per_sample(cfg)
+    activations = SUBLAYERS_PER_BLOCK * m.n_layers * tokens * m.dim * b
+    buffers = 0
+    if cfg.task == "lm":
+        activations += 4 * tokens * m.vocab_size
+        buffers = 4 * m.n_layers * m.max_seq_len * m.head_dim
+    return {"parameters": params, "states": states, "buffers": buffers, "activations": activations,
+            "total": states + buffers + activations}
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def check_fits(cfg: Any, device: torch.device, world_size: int = 1, local_processes: int = 1) -> None:
+    """Refuse, in one line and before anything is built or written, a run whose
+    :func:`memory_floor` exceeds the memory of ``device`` by :data:`MEMORY_MARGIN` times or more
+    (on the CPU the ``local_processes`` ranks of this machine share it; a GPU is each rank's)."""
+    from ..devices import machine_memory
+
+    available = machine_memory(device)
+    if available is None:
+        return
+    floor = memory_floor(cfg, world_size)
+    sharing = local_processes if device.type == "cpu" else 1
+    need = floor["total"] * sharing
+    refuse_beyond_memory(need, available, device, f"{floor['parameters']:.3g} parameters: "
+                         f"{_bytes(floor['states'] * sharing)} of weights, gradients and AdamW state, "
+                         f"{_bytes((floor['activations'] + floor['buffers']) * sharing)} of activations "
+                         f"and buffers{f' over {sharing} processes' if sharing > 1 else ''}")
+
+
+def refuse_beyond_memory(need: int, available: int, device: torch.device, detail: str,
+                         fix: str = "shrink the model or the batch (train --dry-run prints the "
+                                    "estimate)") -> None:
+    """The one-line refusal of :func:`check_fits`, for any estimate ``need`` (``detail``: what it
+    is made of; ``fix``: what to do)."""
+    if need > MEMORY_MARGIN * available:
+        raise ConfigError(f"this run needs at least {_bytes(need)} ({detail}) but {device.type} memory "
+                          f"here is {_bytes(available)}; {fix}")
 
 
 def _describe(cfg: Any) -> str:
@@ -302,7 +395,15 @@ def format_dry_run(result: dict[str, Any], name: str = "") -> str:
     dtype = "bf16, as FSDP2 computes (DDP's autocast keeps the streams in fp32: more there)" \
         if r["precision"] == "bf16" else "fp32"
     lines += ["", f"this run: train.parallel -> {conf['parallel']} at {ranks}, {r['precision']}, "
-                  f"activation_checkpointing={mode}: {_gib(conf['total'])} GiB per rank",
-              f"activations: bytes saved for backward by one micro-batch, measured in {dtype}",
+                  f"activation_checkpointing={mode}: {_gib(conf['total'])} GiB per rank"]
+    machine = r.get("machine")
+    if machine is not None:
+        here = machine["memory"] * (1 if machine["device"].startswith("cuda") else 1 / r["nproc"])
+        verdict = "" if conf["total"] is None else \
+            "; fits" if conf["total"] <= here else "; does NOT fit: shrink the model or the batch"
+        lines.append(f"this machine: {_gib(machine['memory'])} GiB of {machine['device']} memory"
+                     f"{' shared by the ranks' if r['nproc'] > 1 and machine['device'] == 'cpu' else ''}"
+                     f"{verdict}")
+    lines += [f"activations: bytes saved for backward by one micro-batch, measured in {dtype}",
               "not counted: CUDA context, allocator fragmentation, kernel temporaries, compile workspace"]
     return "\n".join(lines)

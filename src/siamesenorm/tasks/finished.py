@@ -7,7 +7,7 @@ with the weights of the last checkpoint.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..analysis.training_probes import to_device
 from ..config import check_seed, dump_config
 from ..devices import resolve_device
 from ..errors import ConfigError
-from ..rundir import RunDir, check_out_dir
+from ..rundir import RunDir, check_out_dir, replacing
 from ..train import load_checkpoint
 from ..train.checkpoint import checkpoint_extra, unique_tensors
 from ..train.state import RunState
@@ -58,10 +58,9 @@ def export_run(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
     tensors = {k: v.detach().contiguous() for k, v in unique_tensors(model.state_dict()).items()}
     step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "siamesenorm_config": dump_config(cfg),
-                                            "step": str(step)})
-    os.replace(tmp, out)
+    with replacing(out) as tmp:     # a fresh file: a full disk leaves nothing, names --out
+        save_file(tensors, str(tmp), metadata={"format": "pt", "siamesenorm_config": dump_config(cfg),
+                                                "step": str(step)})
     return {"tensors": len(tensors), "parameters": sum(p.numel() for p in model.parameters()),
             "step": step}
 
@@ -95,12 +94,23 @@ def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | 
     return result
 
 
-def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *,
+def check_finite_weights(model: nn.Module, source: Path) -> None:
+    """Refuse, in one line, a model whose weights (``source``: the checkpoint they came from) hold
+    NaN or infinity: nothing computed from them means anything."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ConfigError(f"{source} holds non-finite weights (NaN or infinity in {name}): the run "
+                              "diverged before this checkpoint; train it again (a lower train.lr, "
+                              "more train.warmup)")
+
+
+def generate_text(run_dir: str | Path, prompt: str | bytes, max_new_tokens: int = 200, *,
                   temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
-                  seed: int = 0, device: str = "cpu") -> str:
+                  seed: int = 0, device: str = "cpu", note: Callable[[str], None] | None = None) -> str:
     """Continue ``prompt`` with the model of ``run_dir`` (a task that generates: the language
     model); returns the prompt and its continuation. ``temperature`` is a finite number from 0
-    (0 takes the most likely token, as ``greedy``); ``seed`` an integer from 0 to 2**63-1."""
+    (0 takes the most likely token, as ``greedy``); ``seed`` an integer from 0 to 2**63-1.
+    ``note`` receives a one-line notice before a long generation (the task's)."""
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
     if not math.isfinite(temperature):
@@ -110,6 +120,7 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *
     if top_k is not None and top_k <= 0:
         raise ConfigError(f"--top-k must be positive, got {top_k}")
     check_seed(seed, "--seed")
+    resolve_device(device, "--device")
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     task = get_task(cfg.task)
@@ -117,5 +128,6 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, *
         raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
                           "generate continues text prompts and is for language-model runs (task: lm)")
     model, _ = load_trained(run_dir, device)
+    check_finite_weights(model, RunDir(run_dir).last_checkpoint)
     return task.generate(run_dir, model, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                         greedy=greedy, seed=seed)
+                         greedy=greedy, seed=seed, note=note)

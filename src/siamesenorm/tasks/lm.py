@@ -12,6 +12,8 @@ it is at least that large, and is refused when smaller.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +234,9 @@ def analysis_tokens(run_dir: str | Path, cfg: LMRunConfig, data: str | None = No
     tok_dir = RunDir(run_dir).tokenizer
     tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
     if data is None:
+        if cfg.data.corpus == UNSET_CORPUS:     # e.g. a run imported from OLMo-core without --data
+            raise ConfigError(f"{run_dir} names no data to analyse (its data.corpus is unset); give --data "
+                              "token files of its vocabulary")
         corpus = load_corpus(cfg.data.corpus, **corpus_options(cfg))
         if not corpus.is_tokenized and tokenizer is None:
             raise ConfigError(f"{run_dir} has no tokenizer/ to encode its corpus; give --data a token file")
@@ -269,20 +274,78 @@ def run_tokenizer(run_dir: str | Path) -> Tokenizer:
     return load_tokenizer(tok_dir)
 
 
-def generate_text(run_dir: Path, model: LanguageModel, prompt: str, max_new_tokens: int = 200, *,
+def prompt_ids(tokenizer: Tokenizer, prompt: str | bytes) -> list[int]:
+    """The token ids of ``prompt``: bytes, or text whose undecodable bytes are surrogate escapes
+    (how Python hands over command-line bytes that are not UTF-8). A byte-level tokenizer takes
+    any bytes; a tokenizer of text (BPE) refuses bytes that are not UTF-8 text in one line."""
+    try:
+        raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as err:          # a lone surrogate that stands for no byte
+        raise ConfigError(f"the prompt holds {prompt[err.start]!r} at character {err.start}, which is "
+                          "no character nor byte; give the prompt as UTF-8 text") from None
+    if tokenizer.kind == "bytes":
+        return list(raw)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"the prompt is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset "
+                          f"{err.start}); this run's {tokenizer.kind} tokenizer reads text: give the "
+                          "prompt as UTF-8 (a byte-level run, data.tokenizer=bytes, takes any "
+                          "bytes)") from None
+    return tokenizer.encode(text)
+
+
+# Generation past the model's context: how many tokens are timed before saying how long the rest
+# takes, and from how many seconds on that is said.
+SLIDE_TIMED_TOKENS = 8
+SLIDE_NOTE_SECONDS = 5.0
+
+
+def generate_text(run_dir: Path, model: LanguageModel, prompt: str | bytes, max_new_tokens: int = 200, *,
                   temperature: float = 0.8, top_k: int | None = None, greedy: bool = False,
-                  seed: int = 0) -> str:
-    """Continue ``prompt`` with ``model``, the trained model of ``run_dir``; returns the prompt and
-    its continuation (through the run's tokenizer)."""
+                  seed: int = 0, note: Callable[[str], None] | None = None) -> str:
+    """Continue ``prompt`` (text, or bytes: see :func:`prompt_ids`) with ``model``, the trained
+    model of ``run_dir``; returns the prompt and its continuation (through the run's tokenizer).
+
+    Within the model's context (``model.max_seq_len`` tokens, prompt included) a KV cache makes
+    each token cheap. Past it the window slides: each new token re-reads the last
+    ``max_seq_len`` tokens without a cache, so long continuations take long; when the rest would
+    take more than :data:`SLIDE_NOTE_SECONDS` (timed on the first tokens) ``note`` is told so, in
+    one line, before it runs."""
     tokenizer = run_tokenizer(run_dir)
-    ids = tokenizer.encode(prompt)
+    ids = prompt_ids(tokenizer, prompt)
     if not ids:
         raise ConfigError("the prompt is empty; give at least one character")
     x = torch.tensor([ids], device=model.embed.weight.device)
-    fits = len(ids) + max_new_tokens <= model.config.max_seq_len
-    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, greedy=greedy,
-                         use_cache=fits, generator=torch.Generator(x.device).manual_seed(seed))
+    context = model.config.max_seq_len
+    gen = torch.Generator(x.device).manual_seed(seed)
+    options = dict(temperature=temperature, top_k=top_k, greedy=greedy, generator=gen)
+    if len(ids) + max_new_tokens <= context:
+        return tokenizer.decode(model.generate(x, max_new_tokens, use_cache=True, **options)[0].tolist())
+    timed = min(max_new_tokens, SLIDE_TIMED_TOKENS)
+    start = time.perf_counter()
+    out = model.generate(x, timed, use_cache=False, **options)      # the same draws as one call
+    per_token = (time.perf_counter() - start) / max(timed, 1)
+    rest = max_new_tokens - timed
+    if note is not None and rest * per_token > SLIDE_NOTE_SECONDS:
+        tokens = f"{len(ids)} token{'' if len(ids) == 1 else 's'}"
+        note(f"the prompt ({tokens}) and {max_new_tokens:,} new tokens exceed the model's "
+             f"context of {context} tokens: past it each new token re-reads the last {context} "
+             f"(a sliding window, no cache), about {_duration(rest * per_token)} at "
+             f"{1000 * per_token:.1f} ms a token; Ctrl-C stops it, a smaller --max-new-tokens "
+             "shortens it")
+    out = model.generate(out, rest, use_cache=False, **options)
     return tokenizer.decode(out[0].tolist())
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 TASK = Task(

@@ -1,8 +1,9 @@
 """One training run of any task, from a resolved configuration to a finished run folder.
 
 A :class:`Run` claims its folder once (the lock, then the "already holds a run" refusal or the
-resume checks, then clearing a run stopped before its first checkpoint), prepares it (the data,
-the configuration fitted to it, ``config.yaml`` and the task's assets), and trains: the model built
+resume checks, then clearing a run this tool marked that stopped before its first checkpoint, then
+marking a fresh run's folder as its own), prepares it (the data, the configuration fitted to it,
+``config.yaml`` and the task's assets), and trains: the model built
 from ``seed``, the engine (:func:`siamesenorm.train.train`), and with the probes on
 (``analysis.every > 0`` and ``analysis.at_end``) the analysis of the final model. What differs
 between tasks comes from their :class:`~.spec.Task`.
@@ -15,7 +16,8 @@ process claims and prepares, then starts the ranks on the prepared folder
 
 from __future__ import annotations
 
-import shutil
+import json
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -25,14 +27,17 @@ import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
-from ..devices import deterministic, environment
+from ..devices import deterministic, environment, resolve_device
 from ..errors import ConfigError
-from ..locks import LOCK_NAME, folder_lock
+from ..locks import check_free, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
+from ..parallel.env import local_world_size
 from ..parallel.launch import launch
-from ..rundir import RunDir, check_out_dir, read_json, write_text
+from ..rundir import RunDir, check_out_dir, plain, write_text
+from ..shapes import read_summary
 from ..train import train
+from .dryrun import check_fits
 from .registry import get_task, saved_config
 from .spec import TaskData
 
@@ -46,14 +51,18 @@ class Run:
 
     ``resume``: continue the run there from its own ``config.yaml``. ``command`` names the holder
     in the lock (``train``, ``compare``). ``restart``: a fresh run may replace what an unfinished
-    earlier attempt left there (compare's own run folders); otherwise a folder that already holds
-    a run is refused.
+    earlier attempt of this tool left there (compare's own run folders; only the files a run
+    writes are deleted); otherwise a folder that already holds a run, or that holds anything but a
+    run this tool marked and that stopped before its first checkpoint, is refused.
+    ``allow_data_change``: a resumed run whose data's record (the corpus fingerprint) differs from
+    the one it started with goes on, with a warning, keeping both records; otherwise it is refused.
     """
 
     def __init__(self, run_dir: str | Path, *, resume: bool = False, command: str = "train",
-                 restart: bool = False) -> None:
+                 restart: bool = False, allow_data_change: bool = False) -> None:
         self.run_dir, self.folder = Path(run_dir), RunDir(run_dir)
         self.resume, self.command, self.restart = resume, command, restart
+        self.allow_data_change = allow_data_change
 
     def saved_config(self) -> Any:
         return saved_config(self.run_dir, f"cannot resume {self.run_dir}: it holds no config.yaml")
@@ -64,40 +73,70 @@ class Run:
         what this run cannot do there, then clear what a stopped run left. Nothing is written
         before the lock, and a refusal leaves the folder as it was."""
         check_out_dir(self.run_dir)
+        check_free(self.run_dir, self.command)     # a live holder is the first thing to say
+        if not self.resume:     # before the lock too: nothing is written into a folder refused
+            self.folder.refuse_existing_run(self.restart)
         with folder_lock(self.run_dir, self.command):
             if self.resume:     # (the caller reads its config.yaml)
                 if self.folder.stopped_before_first_checkpoint():
                     raise ConfigError(f"cannot resume {self.run_dir}: it stopped before its first "
                                       "checkpoint; start it again without --resume (the same "
                                       "command that started it)")
-            elif self.restart:
-                self._clear_all()
             else:
-                self.folder.refuse_existing_run()
-                self.folder.clear_stopped_run()       # killed before its first checkpoint
+                self.folder.refuse_existing_run(self.restart)
+                if self.folder.marked():        # an earlier attempt of ours: its files go
+                    self.folder.clear_run_files()
             yield
 
-    def _clear_all(self) -> None:
-        if self.run_dir.is_dir():
-            for child in self.run_dir.iterdir():
-                if child.name == LOCK_NAME:
-                    continue
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
+    def check_data(self, info: dict, world: World) -> dict:
+        """``info`` for the summary, after comparing a resumed run's data record with the one it
+        started with (its marker's, else its summary's): a change is refused (every rank alike),
+        or with ``allow_data_change`` said once and recorded, both records kept. A fresh run's
+        record is written (rank 0)."""
+        now = info.get("data")
+        if now is None:
+            return info
+        now = json.loads(json.dumps(plain(now)))
+        if not self.resume:
+            if world.main and self.folder.marked():
+                self.folder.record_data(now)
+            return info
+        before = self.folder.recorded_data()
+        history = self.folder.data_history()
+        if before is not None and before != now:
+            if not self.allow_data_change:
+                raise ConfigError(f"cannot resume {self.run_dir}: its data changed since the run "
+                                  f"started ({_difference(before, now)}); restore the data it "
+                                  "trained on, or add --allow-data-change to go on with the new "
+                                  "data (both records are kept)")
+            if world.main:
+                print(f"warning: {self.run_dir}: the data changed since the run started "
+                      f"({_difference(before, now)}); going on with the new data "
+                      "(--allow-data-change); summary.json keeps both records",
+                      file=sys.stderr, flush=True)
+                history = self.folder.record_data(now, replaced=before) if self.folder.marked() \
+                    else [{"data": before}]
+            else:
+                history = [*history, {"data": before}]
+        return {**info, **({"data_history": history} if history else {})}
 
     def prepare(self, cfg: Any, data: TaskData | None = None) -> tuple[Any, TaskData]:
         """The data (``data``: already loaded for this setting), the configuration fitted to it,
-        and for a fresh run ``config.yaml`` and the task's assets written."""
+        and for a fresh run ``config.yaml`` and the task's assets written (none of them left
+        behind when writing them fails, a full disk)."""
         task = get_task(cfg.task)
         if data is None:
             data = task.load_data(cfg, self.run_dir, self.resume)
         cfg = task.fit(cfg, data)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
-            write_text(self.folder.config, dump_config(cfg))
-            data.save(self.run_dir)
+            self.folder.mark()      # the run's first file: from here on the folder is a run of ours
+            try:
+                write_text(self.folder.config, dump_config(cfg))
+                data.save(self.run_dir)
+            except BaseException:
+                self.folder.clear_run_files()
+                raise
         return cfg, data
 
     def train(self, cfg: Any, data: TaskData, world: World, device: torch.device,
@@ -114,7 +153,8 @@ class Run:
                 x, y = data.val_batches[0]
                 n = cfg.analysis.batch_size
                 probe = TrainingProbes(cfg.analysis.every, (x[:n], y[:n]))
-            info = {**data.info(cfg), "environment": environment(device, world.size)}
+            info = self.check_data({**data.info(cfg), "environment": environment(device, world.size)},
+                                   world)
             summary = train(model, data.batches(cfg), cfg.train, self.run_dir, seed=cfg.seed,
                             eval_batches=data.val_batches, resume=self.resume, device=device,
                             evaluation=task.evaluation(cfg, data, self.run_dir, device),
@@ -128,8 +168,23 @@ class Run:
         return summary
 
 
+def _difference(before: Any, now: Any, where: str = "data") -> str:
+    """Where two data records differ, in a few words: the first differing entry, values shortened."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in [*before, *(k for k in now if k not in before)]:
+            if before.get(key) != now.get(key):
+                return _difference(before.get(key), now.get(key), f"{where}.{key}")
+
+    def short(value: Any) -> str:
+        text = json.dumps(value, sort_keys=True)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return f"{where} was {short(before)}, is now {short(now)}"
+
+
 def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None,
-             data: TaskData | None = None, command: str = "train", restart: bool = False) -> dict:
+             data: TaskData | None = None, command: str = "train", restart: bool = False,
+             allow_data_change: bool = False) -> dict:
     """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
     ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
     setting, already loaded (compare loads each setting once). Every refusal comes before anything
@@ -139,7 +194,8 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
     train one model together. A refusal on rank 0 is raised on every rank.
     """
-    run = Run(run_dir, resume=resume, command=command, restart=restart)
+    run = Run(run_dir, resume=resume, command=command, restart=restart,
+              allow_data_change=allow_data_change)
     if resume:
         cfg = run.saved_config()
     world, device = init_world(cfg.train.device)
@@ -147,6 +203,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
         with ExitStack() as held:
             if world.distributed:
                 check_distributed(cfg, world)
+            check_fits(cfg, device, world.size, local_world_size(world))
 
             def claim_and_prepare():
                 held.enter_context(run.claimed())
@@ -164,7 +221,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
 
 
 def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False,
-                command: str = "train", restart: bool = False) -> dict:
+                command: str = "train", restart: bool = False, allow_data_change: bool = False) -> dict:
     """:func:`run_task` across ``nproc`` processes of this machine: this process claims and
     prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
     ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
@@ -174,20 +231,21 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
         if resume:
             cfg = run.saved_config()
         check_distributed(cfg, World(0, nproc))
+        check_fits(cfg, resolve_device(cfg.train.device), nproc, nproc)
         if not resume:
             run.prepare(cfg)
-        launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *(["--resume"] if resume else [])],
-               what=f"run {run_dir}")
-    summary = read_json(run.folder.summary)
+        flags = [*(["--resume"] if resume else []), *(["--allow-data-change"] if allow_data_change else [])]
+        launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *flags], what=f"run {run_dir}")
+    summary = read_summary(run.folder.summary)
     if summary.get("interrupted"):
         raise KeyboardInterrupt
     return summary
 
 
-def train_prepared(run_dir: str | Path, resume: bool) -> dict:
+def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = False) -> dict:
     """What each rank :func:`launch_task` starts does: train the run its launcher prepared (and
     holds) in ``run_dir``, from its ``config.yaml``."""
-    run = Run(run_dir, resume=resume)
+    run = Run(run_dir, resume=resume, allow_data_change=allow_data_change)
     cfg = saved_config(run.run_dir, f"{run.run_dir} holds no config.yaml")
     world, device = init_world(cfg.train.device)
     try:

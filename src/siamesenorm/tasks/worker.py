@@ -16,7 +16,8 @@ from .runner import train_prepared
 def main(argv: list[str]) -> int:
     run_dir, *flags = argv
     try:
-        train_prepared(run_dir, resume=flags == ["--resume"])
+        train_prepared(run_dir, resume="--resume" in flags,
+                       allow_data_change="--allow-data-change" in flags)
     except ConfigError as error:
         report_failure(error, user_error=True)
         return 2

@@ -36,6 +36,13 @@ the instant between the two renames, no ``<name>`` but a complete ``.<name>.old-
 place. Hidden ``.tmp-`` directories are never read; the next save deletes them. One writer per
 checkpoint directory at a time.
 
+Loading never runs code from the checkpoint (a run folder is something people download):
+``state.pt`` and every tensor load with ``torch.load(weights_only=True)``, ``dcp/.metadata`` (a
+pickle) through :func:`read_dcp_metadata`, an unpickler that resolves only the metadata's own
+classes, and DCP's non-tensor values with ``weights_only`` too (:func:`read_dcp`). A file that names
+anything else is refused as :class:`UnsafeCheckpoint` (one line, never fallen back from); see
+``docs/security.md``.
+
 Either layout loads at any world size: the names are the model's own (FSDP2 keeps them; DDP's
 ``module.`` is removed), ``torch.distributed.checkpoint`` reshards what N ranks saved into M (or into
 one process without a process group), and a single-process checkpoint is read whole by every rank
@@ -44,9 +51,14 @@ of a spread model.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
 import json
 import os
+import pathlib
+import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -61,6 +73,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -73,6 +89,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
 from ..parallel.env import SINGLE, World, barrier, broadcast_object, gather_objects
+from ..rundir import library_os_error
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -141,11 +158,13 @@ def _write_model(path: Path, model: nn.Module) -> None:
 
 
 def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dict) -> None:
-    """``state.pt``: format 1 with ``optimizer``'s state, or format 2 (sharded: it is in dcp/)."""
-    if optimizer is None:
-        torch.save({"format": SHARDED_FORMAT, "extra": extra}, path)
-    else:
-        torch.save({"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}, path)
+    """``state.pt``: format 1 with ``optimizer``'s state, or format 2 (sharded: it is in dcp/).
+    Written through a file object of ours: torch's own file writer reports a full disk as an
+    iostream error without the cause, a Python file raises the OSError itself."""
+    state = {"format": SHARDED_FORMAT, "extra": extra} if optimizer is None else \
+        {"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}
+    with open(path, "xb") as f:
+        torch.save(state, f)
     _fsync(path)
 
 
@@ -195,12 +214,23 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: torch
             _write_state(tmp / STATE_FILE, None if world.distributed else optimizer, extra)
             _fsync(tmp)
         barrier(world)
-    except BaseException:
+    except BaseException as error:
         if world.main:
             shutil.rmtree(tmp, ignore_errors=True)
+        # a library's writer (safetensors, torch.save, torch.distributed.checkpoint) that hit a full
+        # or read-only disk: the OSError behind it, naming the checkpoint (one line for the user)
+        found = library_os_error(error, path)
+        if found is not None:
+            raise found from None
         raise
     if world.main:
-        install(tmp, path, keep_as)
+        try:
+            install(tmp, path, keep_as)
+        except BaseException as error:
+            found = library_os_error(error, path)
+            if found is not None:
+                raise found from None
+            raise
     barrier(world)
 
 
@@ -311,7 +341,193 @@ def layout(path: str | os.PathLike) -> str | None:
 def problem(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
+    if isinstance(error, pickle.UnpicklingError):     # torch's weights-only refusal: the reason line
+        line = next((x.strip() for x in text if "WeightsUnpickler error" in x or "Unsupported" in x
+                     or "truncated" in x), line).removeprefix("WeightsUnpickler error: ")
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+# ---- loading never runs code ---------------------------------------------------------------------
+class UnsafeCheckpoint(ConfigError):
+    """A checkpoint file that names a Python object a checkpoint never holds (a function or class to
+    call while unpickling): altered, possibly to run code. Refused unread, never fallen back from."""
+
+
+def _unsafe(file: Path | str, what: str) -> UnsafeCheckpoint:
+    return UnsafeCheckpoint(f"refusing checkpoint file {file}: it names {what}, which a checkpoint "
+                            "never holds (the file was altered, possibly to run code when loaded); "
+                            "restore it from a copy you trust")
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|unsupported class ([\w.]+)|reduce for unrecognized function "
+                     r"\W*([\w.]+)", re.IGNORECASE)
+
+
+def _refuse_unsafe(error: BaseException, file: Path | str) -> None:
+    """Raise :class:`UnsafeCheckpoint` when ``error`` is ``torch.load(weights_only=True)``
+    refusing a pickled global (or a call of one) in ``file``."""
+    if isinstance(error, pickle.UnpicklingError):
+        found = _GLOBAL.search(str(error))
+        if found is not None:
+            raise _unsafe(file, next(g for g in found.groups() if g)) from None
+
+
+def _plain_tensor_types() -> dict[str, object]:
+    """``torch.<name>`` of every dtype and layout (metadata names them by attribute)."""
+    return {name: value for name, value in vars(torch).items()
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
+
+
+# What the metadata of a torch.distributed.checkpoint may name: its own dataclasses, torch.Size,
+# dtypes and layouts, the path it was saved to, and the storage record of torch's writer or of
+# OLMo-core's (relative_path, offset, length: read as torch's, which has the same fields).
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_GLOBALS: dict[tuple[str, str], object] = {
+    **{(_DCP_METADATA, name): getattr(dcp_metadata, name)
+       for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                    "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+       if hasattr(dcp_metadata, name)},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{("pathlib", name): pathlib.PurePosixPath for name in ("PosixPath", "PurePosixPath", "Path")},
+    **{("pathlib", name): pathlib.PureWindowsPath for name in ("WindowsPath", "PureWindowsPath")},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`_DCP_GLOBALS` and torch's dtypes and layouts, so no
+    other function or class can be called while reading; anything else is refused by name."""
+
+    def __init__(self, stream, file: Path) -> None:
+        super().__init__(stream)
+        self.file = file
+
+    def find_class(self, module: str, name: str):
+        found = _DCP_GLOBALS.get((module, name))
+        if found is None and module == "torch":
+            found = _plain_tensor_types().get(name)
+        if found is None:
+            raise _unsafe(self.file, f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid):
+        raise _unsafe(self.file, f"a persistent object ({str(pid)[:40]!r})")
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
+    """The metadata of the ``torch.distributed.checkpoint`` folder ``path`` (or its ``.metadata``
+    file), read without running code: the pickle may name only the checkpoint's metadata classes,
+    ``torch.Size``, dtypes and layouts (:class:`UnsafeCheckpoint` otherwise), and what it holds is
+    checked to be DCP metadata whose data files lie in the folder (:class:`ConfigError`, one line).
+    Written by PyTorch's writer or OLMo-core's; the result is what ``dcp.load`` expects."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f, file).load()
+    except UnsafeCheckpoint:
+        raise
+    except OSError as error:
+        raise ConfigError(f"cannot read checkpoint {file}: {error.strerror or error}") from None
+    except Exception as error:      # cut short, flipped bytes: whatever the unpickler says
+        raise ConfigError(f"cannot read checkpoint {file}: {problem(error) or 'damaged'}") from None
+    reason = _metadata_problem(metadata)
+    if reason is not None:
+        raise ConfigError(f"cannot read checkpoint {file}: not torch.distributed.checkpoint metadata "
+                          f"({reason}); the file is damaged")
+    return metadata
+
+
+def _metadata_problem(md) -> str | None:
+    """What makes ``md`` other than the metadata of a checkpoint of plain files (``None``: nothing)."""
+    m = dcp_metadata
+    if not isinstance(md, m.Metadata):
+        return f"a {type(md).__name__}"
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        return "no state_dict_metadata"
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return f"a key {key!r}"
+        if isinstance(entry, m.TensorStorageMetadata):
+            props, size, chunks = (getattr(entry, k, None) for k in ("properties", "size", "chunks"))
+            if not isinstance(props, m.TensorProperties) or not isinstance(getattr(props, "dtype", None),
+                                                                           torch.dtype):
+                return f"{key}: no dtype"
+            if not isinstance(size, torch.Size) or not isinstance(chunks, list) \
+                    or not all(_chunk_fits(c, len(size)) for c in chunks):
+                return f"{key}: a malformed tensor entry"
+        elif not isinstance(entry, m.BytesStorageMetadata):
+            return f"{key}: a {type(entry).__name__}"
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        return "no storage_data"
+    for index, info in storage.items():
+        if not isinstance(index, m.MetadataIndex) or not isinstance(info, _StorageInfo):
+            return f"a storage entry {type(index).__name__} -> {type(info).__name__}"
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or rel in ("", ".", "..") or "/" in rel or "\\" in rel or "\0" in rel:
+            return f"a data file {rel!r} outside the checkpoint's folder"
+        if not all(isinstance(getattr(info, k, None), int) and getattr(info, k) >= 0
+                   for k in ("offset", "length")):
+            return f"{rel}: a malformed offset or length"
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and not (isinstance(transforms, (list, tuple))
+                                           and all(isinstance(t, str) for t in transforms)):
+            return f"{rel}: malformed transforms"
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        return "malformed planner_data"
+    return None
+
+
+def _chunk_fits(chunk, dims: int) -> bool:
+    offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+    return isinstance(chunk, dcp_metadata.ChunkStorageMetadata) and isinstance(offsets, torch.Size) \
+        and isinstance(sizes, torch.Size) and len(offsets) == len(sizes) == dims
+
+
+class _VerifiedReader(FileSystemReader):
+    """torch's reader of a checkpoint folder, given the metadata :func:`read_dcp_metadata` read."""
+
+    def __init__(self, folder: Path, metadata: dcp_metadata.Metadata) -> None:
+        super().__init__(str(folder))
+        self.verified = metadata
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None:      # the per-rank fallback: we never wrote such files
+            raise FileNotFoundError("no per-rank metadata")
+        metadata = self.verified
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class _PlainValuesPlanner(DefaultLoadPlanner):
+    """torch's load planner, but a non-tensor value (a ``param_groups`` entry) is read with
+    ``torch.load(weights_only=True)`` rather than as any pickle; a value that names anything
+    else is refused (:class:`UnsafeCheckpoint`)."""
+
+    def __init__(self, reader: _VerifiedReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        info = self.reader.verified.storage_data.get(read_item.storage_index)
+        where = Path(self.reader.path) / getattr(info, "relative_path", "?")
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as error:
+            _refuse_unsafe(error, where)
+            raise ConfigError(f"cannot read checkpoint {where}: {problem(error)}") from None
+        plain = io.BytesIO()        # handed on as torch's planner takes it: as bytes it unpickles
+        torch.save(obj, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
 
 
 def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
@@ -359,10 +575,13 @@ def _expected(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def read_state(file: Path, format: int = FORMAT) -> dict:
-    """The training state file of a checkpoint of ``format`` (1 holds the optimizer, 2 does not)."""
+    """The training state file of a checkpoint of ``format`` (1 holds the optimizer, 2 does not),
+    read with ``torch.load(weights_only=True)``: tensors and plain values only; a file that names
+    anything else (a planted ``__reduce__``) is refused (:class:`UnsafeCheckpoint`) unexecuted."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:
+        _refuse_unsafe(error, file)
         raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
     if not isinstance(state, dict) or state.get("format") != format \
             or not isinstance(state.get("extra"), dict) or (format == FORMAT and "optimizer" not in state):
@@ -490,21 +709,57 @@ def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimize
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
         _read_dcp(path, state)
-        set_model_state_dict(module, state["model"])
+        _fits(path, lambda: set_model_state_dict(module, state["model"]))
         return
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     _read_dcp(path, state)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _fits(path, lambda: set_state_dict(module, optimizer, model_state_dict=state["model"],
+                                       optim_state_dict=state["optim"]))
 
 
-def _read_dcp(path: Path, state: dict) -> None:
+def _fits(path: Path, apply) -> None:
+    """``apply()`` (putting what was read into the model and optimizer); what does not fit them is
+    a :class:`ConfigError` naming the checkpoint."""
+    try:
+        apply()
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as error:
+        raise ConfigError(f"checkpoint {path / DCP_DIR} does not fit this model and optimizer: "
+                          f"{problem(error)}") from None
+
+
+def read_dcp(folder: str | os.PathLike, state: dict) -> None:
+    """``dcp.load(state)`` from the ``torch.distributed.checkpoint`` folder ``folder`` without
+    running code: its metadata through :func:`read_dcp_metadata`, its non-tensor values with
+    ``weights_only``. A damaged folder is a :class:`ConfigError`, an altered one an
+    :class:`UnsafeCheckpoint` (one line each, on every rank alike). A collective under a process
+    group, as ``dcp.load`` is; a single process without one reads it too."""
+    folder = Path(folder)
+    metadata = read_dcp_metadata(folder)
+    reader = _VerifiedReader(folder, metadata)
     try:
         with warnings.catch_warnings():     # a single process reading a sharded checkpoint is meant
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-    except Exception as error:
-        raise ConfigError(f"cannot read checkpoint {path / DCP_DIR}: {problem(error)}") from None
+            dcp.load(state, storage_reader=reader, planner=_PlainValuesPlanner(reader))
+    except (Exception, CheckpointException) as error:
+        cause = _first_failure(error)
+        if isinstance(cause, ConfigError):
+            raise type(cause)(str(cause)) from None
+        raise ConfigError(f"cannot read checkpoint {folder}: {problem(cause)}") from None
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception behind a ``CheckpointException``: any rank's refusal of an altered file, else
+    the lowest rank's failure; ``error`` itself when it is none."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return error
+    found = [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+    return next((f for f in found if isinstance(f, UnsafeCheckpoint)), found[0])
+
+
+def _read_dcp(path: Path, state: dict) -> None:
+    read_dcp(path / DCP_DIR, state)
 
 
 # ---- the checkpoints of a run --------------------------------------------------------------------
@@ -560,6 +815,8 @@ class Checkpoints:
             except KeyError as error:
                 raise ConfigError(f"checkpoint {path} lacks the training state {error}; it was not "
                                   "written by siamesenorm.train") from None
+            except UnsafeCheckpoint:        # altered, not damaged: no fallback, nothing moved
+                raise
             except ConfigError as error:
                 first = first or error
                 continue

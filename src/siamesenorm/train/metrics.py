@@ -66,8 +66,14 @@ class MetricsLog:
         row = plain(row)
         line = json.dumps(row, allow_nan=False) + "\n"
         self._check()
-        self._file.write(line)
-        self._file.flush()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as error:    # a full disk: the OS's words, naming the file
+            self._failed = True
+            if error.filename is not None or error.errno is None:
+                raise
+            raise OSError(error.errno, error.strerror, str(self.path)) from None
         self._lines.append(line)
         self._size += len(line.encode("utf-8"))
         if self._tb is not None:
@@ -76,6 +82,10 @@ class MetricsLog:
                     self._tb.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:     # the rows a full disk refused: already raised once by write
+            if not getattr(self, "_failed", False):
+                raise
         if self._tb is not None:
             self._tb.close()

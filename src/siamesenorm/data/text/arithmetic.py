@@ -24,9 +24,14 @@ from dataclasses import dataclass
 from ...errors import ConfigError
 from .corpus import Corpus
 
-__all__ = ["OPERATIONS", "ArithmeticProblem", "load_arithmetic", "make_problems"]
+__all__ = ["OPERATIONS", "ArithmeticProblem", "check_arithmetic_options", "load_arithmetic",
+           "make_problems"]
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+# The problems one corpus may draw, held-out ones included: they are drawn one by one in Python
+# and held in memory as text.
+MAX_PROBLEMS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,24 @@ def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train:
                           f"{min_digits} and {max_digits}")
     if n_train < 1 or n_heldout < 1:
         raise ConfigError(f"arithmetic needs n_train >= 1 and n_heldout >= 1, got {n_train} and {n_heldout}")
+    if n_train + n_heldout > MAX_PROBLEMS:
+        raise ConfigError(f"arithmetic: n_train + n_heldout = {n_train + n_heldout:,} problems is more than "
+                          f"it generates (at most {MAX_PROBLEMS:,}, about 150 MB of text and a minute "
+                          "to draw); lower n_train or n_heldout")
     operands = 10**max_digits - (10 ** (min_digits - 1) if min_digits > 1 else 0)
     space = len(ops) * operands**2
     if n_heldout > space // 2:
         raise ConfigError(f"arithmetic: {n_heldout} held-out problems leave too few for training: only "
                           f"{space} distinct problems exist; use at most {space // 2} or more digits")
     return ops, space
+
+
+def check_arithmetic_options(*, operations: Iterable[str] = "+-*", min_digits: int = 1,
+                             max_digits: int = 3, n_train: int = 20_000, n_heldout: int = 1_000,
+                             **_: object) -> None:
+    """Refuse, before any problem is drawn, options :func:`load_arithmetic` would refuse (the
+    option names and types are the corpus registry's to check)."""
+    _check(operations, min_digits, max_digits, n_train, n_heldout)
 
 
 def make_problems(operations: Iterable[str] = "+-*", min_digits: int = 1, max_digits: int = 3,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
-from .arithmetic import load_arithmetic
+from .arithmetic import check_arithmetic_options, load_arithmetic
 from .corpus import Corpus
 from .hf import load_hf
 from .pystdlib import load_pystdlib
@@ -149,6 +149,8 @@ def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus
         raise ConfigError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
                           f"{', '.join(accepted) or 'none'}")
     _check_option_types(loader, kind, options)
+    if loader is load_arithmetic:       # its counts too: a generated corpus is made in memory
+        check_arithmetic_options(**options)
     return loader, takes_spec
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigError
-from ...rundir import write_text
+from ...rundir import replacing, write_text
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "import_tokenizers", "load_tokenizer"]
 
@@ -186,7 +186,8 @@ class BPETokenizer(Tokenizer):
         return self._backend.decode([i for i in _as_int_list(ids) if 0 <= i < n])
 
     def _save_files(self, directory: Path) -> None:
-        self._backend.save(str(directory / _BPE_FILE))
+        with replacing(directory / _BPE_FILE) as tmp:       # never through a planted link
+            self._backend.save(str(tmp))
 
     @classmethod
     def _load(cls, directory: Path, descriptor: dict) -> BPETokenizer:
