@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -729,6 +730,66 @@ def test_the_dcp_writer_on_a_full_disk_is_the_oserror(tmp_path, monkeypatch):
     assert (found.errno, found.filename) == (errno.ENOSPC, str(tmp_path / "last"))
     assert library_os_error(KeyboardInterrupt(), tmp_path) is None
     assert library_os_error(RuntimeError("a bug"), tmp_path) is None
+
+
+class _NearlyFullDisk(io.FileIO):
+    """A file on a disk with ``room`` bytes left (None: no limit): a short write, then ENOSPC, as
+    the kernel does; ``written`` counts the bytes."""
+
+    room: int | None = None
+    written = 0
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if _NearlyFullDisk.room is not None:
+            if _NearlyFullDisk.room == 0:
+                _enospc()
+            data = data[:_NearlyFullDisk.room]
+            _NearlyFullDisk.room -= len(data)
+        _NearlyFullDisk.written += len(data)
+        return super().write(data)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_full_disk_in_the_dcp_writer_reaches_the_other_ranks_as_the_oserror(tmp_path, monkeypatch):
+    """DCP hands a rank's failure to every rank pickled, which drops an exception's context and
+    cause, and torch.save into a stream that fills midway raises a RuntimeError whose context alone
+    holds the OSError. Which rank fills the disk, and at which byte, is timing: at every byte the
+    disk may fill at, each rank's copy of the failure (here one pickled and read back) is still
+    the full disk."""
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from siamesenorm.rundir import library_os_error
+    from siamesenorm.train.checkpoint import _write_dcp
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with io.BufferedWriter(_NearlyFullDisk(path, mode.replace("b", ""))) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(64)).sum().backward()
+    optimizer.step()
+    _write_dcp(tmp_path / "whole", model, optimizer)       # how much a save writes
+    total = _NearlyFullDisk.written
+    torn = []
+    for room in range(0, total, max(1, total // 40)):
+        monkeypatch.setattr(_NearlyFullDisk, "room", room)
+        with pytest.raises(BaseException) as caught:
+            _write_dcp(tmp_path / f"room{room}", model, optimizer)
+        assert _NearlyFullDisk.room == 0, room                # it failed as the disk filled
+        for seen in (caught.value, pickle.loads(pickle.dumps(caught.value))):   # its rank's, another's
+            found = library_os_error(seen, tmp_path / "last")
+            assert found is not None, (room, seen)
+            assert (found.errno, found.filename) == (errno.ENOSPC, str(tmp_path / "last")), room
+        failure = caught.value.failures[0][0]                 # this rank's, as its writer raised it
+        torn += [room] if isinstance(failure, RuntimeError) or isinstance(failure.__cause__, RuntimeError) \
+            else []
+    assert torn, "no room made torch.save fail midway: the case this test is for was not reached"
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "hf"])

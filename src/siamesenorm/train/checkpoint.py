@@ -168,10 +168,37 @@ def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dic
     _fsync(path)
 
 
+class _DcpWriter(dcp.FileSystemWriter):
+    """DCP's file writer whose failure on a full or read-only disk is the OSError itself.
+
+    DCP sends each rank's failure to the others pickled, and pickling drops an exception's
+    ``__context__``: torch.save into a stream that hits ENOSPC raises a RuntimeError ("unexpected
+    pos") whose context alone holds the OSError. Which rank fills the disk, and whether it fails
+    in that way or with the OSError, depends on timing; this makes every rank see the errno."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as error:
+            self._raise_os_error(error)
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as error:
+            self._raise_os_error(error)
+
+    def _raise_os_error(self, error: Exception) -> None:
+        found = library_os_error(error, self.path)
+        if found is None:
+            raise error
+        raise found from error
+
+
 def _write_dcp(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank's share of the model and optimizer state into ``folder`` (a collective)."""
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_DcpWriter(folder))
 
 
 def _hidden(path: Path, kind: str) -> list[Path]:
