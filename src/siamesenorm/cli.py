@@ -114,8 +114,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     preset, overrides = _split_preset(args.args)
     compare(preset or DEFAULT_COMPARE_PRESET, overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
-            seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc)
+            seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc,
+            jobs=args.jobs)
     return 0
+
+
+def _jobs(text: str) -> int | str:
+    """``--jobs``: a whole number of runs at once, at least 1, or ``auto``."""
+    from .experiments.jobs import check_jobs
+
+    try:
+        return check_jobs(text, "--jobs")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--jobs ")) from None
 
 
 def _csv(text: str | None, kind: type, flag: str) -> list | None:
@@ -261,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "side and write summary.csv, summary.json and report.md")
     p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
                    help=f"a preset name or YAML file (default: {DEFAULT_COMPARE_PRESET}, pre/post/siamese "
-                        "at 12 layers, two learning rates, ~5 min on 2 CPU cores), then overrides")
+                        "at 12 layers, two learning rates, ~3 min on 2 CPU cores), then overrides")
     p.add_argument("--schemes", default=None,
                    help="comma-separated schemes or preset variants (default: the preset's "
                         "compare.schemes, else pre,post,siamese)")
@@ -275,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="experiments/compare", help="experiment directory")
     p.add_argument("--nproc", type=_nproc, default=None, metavar="N",
                    help="train each run across N processes on this machine (default 1)")
+    p.add_argument("--jobs", type=_jobs, default=None, metavar="N|auto",
+                   help="train up to N runs at once, each in its own process with its share of the "
+                        "cores (one per GPU on CUDA); default: compare.jobs, else auto, which "
+                        "picks what is fastest for the model size on this machine and says so")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")

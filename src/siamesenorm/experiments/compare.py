@@ -24,38 +24,25 @@ import json
 from pathlib import Path
 
 from ..config import config_to_dict
+from ..devices import resolve_device
 from ..errors import ConfigError
 from ..locks import LOCK_NAME, check_free, folder_lock
+from ..parallel.env import launched_world_size
 from ..rundir import RunDir, check_out_dir, read_json, write_text
-from ..shapes import EXPERIMENT_ROWS, METRICS_ROW, check, read_rows, read_summary
-from ..tasks import TASKS, get_task, launch_task, run_task
+from ..shapes import EXPERIMENT_ROWS, check, read_summary
+from ..tasks import TASKS, get_task
+from ..tasks.dryrun import check_fits
 from . import stats
 from .grid import plan
+from .jobs import Concurrency, check_jobs, choose
 from .report import write_report
+from .training import RunsFailed, Todo, data_key, grad_norm_peak, raise_failures, train_runs
+
+__all__ = ["COLUMNS", "RunsFailed", "compare", "data_key", "grad_norm_peak", "read_runs", "text_table"]
 
 COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "diverged",
            "diverged_at", "stalled_at", "steps", "tokens_per_s", "num_parameters", "max_grad_norm",
            "max_grad_norm_step")
-
-
-def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
-    """The largest logged gradient norm (before clipping) after step ``after``, and its step."""
-    best: tuple[float | None, int | None] = (None, None)
-    for row in read_rows(RunDir(run_dir).metrics, METRICS_ROW):
-        g = row.get("grad_norm")
-        if row.get("step", 0) > after and isinstance(g, (int, float)) and \
-                (best[0] is None or g > best[0]):
-            best = (float(g), int(row["step"]))
-    return best
-
-
-def _one_line(summary: dict, peak: tuple) -> str:
-    val = summary.get("final_val_loss")
-    state = f"diverged at step {summary['diverged_at']}" if summary.get("diverged") else \
-        f"stalled (zero gradient) from step {summary['stalled_at']}" if summary.get("stalled") else \
-        f"final val loss {'-' if val is None else f'{val:.4f}'}"
-    grad = "" if peak[0] is None else f", max grad norm {peak[0]:.3g} (step {peak[1]})"
-    return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
 
 
 # Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations): every
@@ -142,55 +129,62 @@ def load_data(cells: list) -> dict:
     return loaded
 
 
-def data_key(cfg) -> tuple:
-    return cfg.task, repr(cfg.data)
-
-
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             schemes: list[str] | None = None, lrs: list[float] | None = None,
             seeds: list[int] | None = None, baseline: str | None = None, nproc: int | None = None,
-            log=print) -> list[dict]:
+            jobs: int | str | None = None, log=print) -> list[dict]:
     """Train the grid into ``out`` (skipping finished runs) and write the table and the report.
 
     ``schemes``, ``lrs`` and ``seeds`` default to the preset's ``compare`` section, then to
     pre/post/siamese, ``train.lr`` and ``seed``; ``baseline`` (what the other schemes are compared
     with) to ``compare.baseline``, then ``pre`` (see :mod:`siamesenorm.experiments.grid`).
-    ``nproc`` above 1 trains each run across that many processes of this machine, one run after
-    the other (:func:`~siamesenorm.tasks.launch_task`).
+    ``jobs`` (default ``compare.jobs``, then ``auto``): how many runs train at once, each in a
+    process of its own with its share of the cores (:mod:`.jobs`, :mod:`.workers`); one at a time
+    trains in this process. ``nproc`` above 1 trains each run across that many processes of this
+    machine, one run after the other (:func:`~siamesenorm.tasks.launch_task`).
+
+    A run that fails (an exception, a user's error such as a full disk) does not stop the others;
+    once they have ended, the failures are raised as one line (:class:`RunsFailed`, or
+    :class:`ConfigError` when every one was a user's error) and no table is written. Ctrl-C or
+    SIGTERM stops every run at its next step with a checkpoint; the same command resumes them.
     """
     p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)
+    concurrency = choose(p.cells, p.jobs if jobs is None else check_jobs(jobs, "--jobs"), nproc=nproc,
+                         world_size=launched_world_size())
     out = Path(out)
     check_out_dir(out)
     check_free(out, "compare")
+    if concurrency.jobs > 1:       # the runs at once share this machine's memory
+        for cell in p.cells:
+            device = resolve_device(cell.config.train.device)
+            check_fits(cell.config, device, 1, concurrency.jobs)
     data = load_data(p.cells)
     with folder_lock(out, "compare"):
-        return _compare(out, p.base, p.spec, p.cells, p.baseline, nproc, data, log)
+        return _compare(out, p.base, p.spec, p.cells, p.baseline, nproc, concurrency, data, log)
 
 
-def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None, data: dict,
-             log) -> list[dict]:
+def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,
+             concurrency: Concurrency, data: dict, log) -> list[dict]:
     """:func:`compare` once it holds the experiment folder."""
     _claim(out, {"base": config_to_dict(base), **spec})
-    rows = []
+    summaries: dict[str, dict] = {}
+    todo = []
     for i, cell in enumerate(grid, 1):
-        name, cfg = cell.name, cell.config
-        run_dir = out / name
-        summary_path = RunDir(run_dir).summary
+        summary_path = RunDir(out / cell.name).summary
         summary = read_summary(summary_path) if summary_path.exists() else None
         if summary is not None and not summary.get("interrupted"):
-            log(f"[{i}/{len(grid)}] {name}: done before, skipped")
+            log(f"[{i}/{len(grid)}] {cell.name}: done before, skipped")
+            summaries[cell.name] = summary
         else:
-            log(f"[{i}/{len(grid)}] {name}: training")
-            # a run with a checkpoint resumes; any other starts afresh, replacing what an earlier
-            # attempt left (the folder is this experiment's)
-            resume = RunDir(run_dir).has_checkpoints()
-            if nproc and nproc > 1:
-                summary = launch_task(cfg, run_dir, nproc=nproc, resume=resume, command="compare",
-                                      restart=not resume)
-            else:
-                summary = run_task(cfg, run_dir, resume=resume, command="compare", restart=not resume,
-                                   data=None if resume else data[data_key(cfg)])
-            log(f"  {name}: {_one_line(summary, grad_norm_peak(run_dir))}")
+            todo.append(Todo(i, cell, out / cell.name, summary))
+    if todo:
+        trained, failures = train_runs(todo, len(grid), concurrency, nproc, data, log)
+        summaries.update(trained)
+        if failures:
+            raise_failures(failures, len(grid))
+    rows = []
+    for cell in grid:
+        name, summary, run_dir = cell.name, summaries[cell.name], out / cell.name
         peak = grad_norm_peak(run_dir)
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
                      **{k: summary.get(k) for k in COLUMNS[4:-2]},
@@ -224,3 +218,4 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     log(f"report: {out / 'report.md'}")
     return rows
+

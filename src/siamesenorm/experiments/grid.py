@@ -7,6 +7,7 @@ A preset may carry a ``compare`` section next to its run sections::
       lrs: [1.0e-3, 4.0e-3]                    # default: train.lr
       seeds: [0]                               # default: seed
       baseline: pre                            # what the others are compared with (default: pre)
+      jobs: auto                               # runs at once, or auto (see .jobs; default: auto)
       variants:                                # optional: named scheme settings
         siamese-noscale: {scheme: siamese, options: {depth_scale: false}}
         pre-24L: {scheme: pre, overrides: {model.n_layers: 24, model.dim: 48}}
@@ -18,7 +19,8 @@ The baseline (``--baseline``, else ``compare.baseline``) is the label every othe
 are paired with in the report (see :mod:`.stats`); it must be one of the compared labels. Without
 either it is ``pre`` when ``pre`` is compared, else the first label. It only shapes the report, so
 it is not part of the grid that ``experiment.json`` records: another baseline re-reports the same
-runs.
+runs. Nor is ``jobs`` (``--jobs`` replaces it): how many runs train at once changes no run's
+configuration.
 
 A variant is a scheme with its own options (replacing the preset's ``model.scheme_options``) and its
 own overrides of any run key, applied after the command line's overrides, so the variant is what
@@ -38,9 +40,10 @@ from ..config import check_seed, derive, read_preset
 from ..errors import ConfigError
 from ..schemes import list_schemes
 from ..tasks import load_config
+from .jobs import AUTO, check_jobs
 
 DEFAULT_SCHEMES = ("pre", "post", "siamese")
-_SECTION_KEYS = ("schemes", "lrs", "seeds", "baseline", "variants")
+_SECTION_KEYS = ("schemes", "lrs", "seeds", "baseline", "jobs", "variants")
 DEFAULT_BASELINE = "pre"
 _VARIANT_KEYS = ("scheme", "options", "overrides")
 
@@ -117,6 +120,8 @@ def check_section(data: dict, preset: str | None) -> dict:
             raise ConfigError(f"compare.baseline must be a scheme or variant label, got "
                               f"{section['baseline']!r}")
         out["baseline"] = section["baseline"]
+    if "jobs" in section:
+        out["jobs"] = check_jobs(section["jobs"], "compare.jobs")
     variants = section.get("variants") or {}
     if not isinstance(variants, dict):
         raise ConfigError("compare.variants must map a label to {scheme, options, overrides}")
@@ -198,12 +203,14 @@ def resolve_variants(names: list[str], variants: dict[str, Variant],
 @dataclass(frozen=True)
 class Plan:
     """A comparison, resolved once from its preset: the base configuration, the grid's spec (for
-    experiment.json), every cell, and the baseline of the report."""
+    experiment.json), every cell, the baseline of the report, and how many runs train at once
+    (``compare.jobs``: a number, or ``auto``)."""
 
     base: Any
     spec: dict
     cells: list[Cell]
     baseline: str
+    jobs: int | str = AUTO
 
 
 def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
@@ -231,7 +238,8 @@ def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None 
              for seed in seeds for lr in lrs for v in variants]
     spec = {"schemes": [v.label for v in variants], "lrs": lrs, "seeds": seeds,
             "variants": {v.label: dataclasses.asdict(v) for v in variants}}
-    return Plan(base, spec, cells, choose_baseline(spec["schemes"], baseline, section))
+    return Plan(base, spec, cells, choose_baseline(spec["schemes"], baseline, section),
+                section.get("jobs", AUTO))
 
 
 def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,

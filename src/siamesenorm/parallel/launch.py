@@ -122,7 +122,7 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
         rank, code = silent if silent is not None else \
             min((r, f.exitcode) for r, f in failed.failures.items())
         _remove(folder)
-        raise RankFailed(f"rank {rank} of the {what} {_death(code)} and reported nothing "
+        raise RankFailed(f"rank {rank} of the {what} {describe_death(code)} and reported nothing "
                          "(killed from outside, out of memory, or a crash below Python)")
     rank, kind, line = report
     if kind == "user":
@@ -143,7 +143,8 @@ def _died_silently(failed, folder: Path) -> tuple[int, int] | None:
     return min(dead) if dead else None
 
 
-def _death(code: int) -> str:
+def describe_death(code: int) -> str:
+    """How a process with exit status ``code`` ended (a negative status: killed by that signal)."""
     if code < 0:
         try:
             return f"was killed by signal {signal.Signals(-code).name}"

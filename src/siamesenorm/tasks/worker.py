@@ -1,20 +1,92 @@
 """``python -m siamesenorm.tasks.worker RUN_DIR [--resume]``: one rank of a run that ``--nproc``
-started (:func:`~.runner.launch_task`). The launcher has claimed and prepared ``RUN_DIR``; the rank
-trains it from its ``config.yaml`` and reports a failure to the launcher as one line
-(:func:`~siamesenorm.parallel.launch.report_failure`) instead of printing it."""
+started (:func:`~.runner.launch_task`), or one run of a ``compare --jobs N``
+(:mod:`siamesenorm.experiments.workers`). The launcher has claimed and prepared ``RUN_DIR``; the
+rank trains it from its ``config.yaml`` and reports a failure to the launcher as one line
+(:func:`~siamesenorm.parallel.launch.report_failure`) instead of printing it. With
+:data:`STOP_WITH_ENV` set to its parent's pid, the process is stopped (SIGTERM: a checkpoint,
+then the end) when that parent dies, on Linux."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from ..errors import ConfigError, Terminated, environment_problem
 from ..parallel.env import exit_process
-from ..parallel.launch import report_failure
+from ..parallel.launch import ERROR_DIR_ENV, report_failure
 from .runner import train_prepared
+
+STOP_WITH_ENV = "SIAMESENORM_STOP_WITH"     # the pid whose death stops this process
+
+
+class _OutlivesReader:
+    """A text stream (stdout, stderr) that outlives the process reading it: once a write finds
+    the pipe closed, the stream's file descriptor becomes ``/dev/null``, so that a run whose
+    parent died stops by the parent-death SIGTERM (a checkpoint) rather than by a
+    BrokenPipeError in the middle of a step."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _stop_with_parent() -> bool:
+    """Ask Linux for a SIGTERM when the parent named by :data:`STOP_WITH_ENV` dies, and let
+    stdout and stderr outlive it; ``False`` when it is gone already (nothing is to be trained)."""
+    pid = os.environ.get(STOP_WITH_ENV, "")
+    if not pid.isdigit():
+        return True
+    sys.stdout, sys.stderr = _OutlivesReader(sys.stdout), _OutlivesReader(sys.stderr)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))     # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    return os.getppid() == int(pid)
+
+
+def _orphaned() -> bool:
+    """Whether the parent named by :data:`STOP_WITH_ENV` is gone."""
+    pid = os.environ.get(STOP_WITH_ENV, "")
+    return pid.isdigit() and os.getppid() != int(pid)
 
 
 def main(argv: list[str]) -> int:
-    run_dir, *flags = argv
+    code = _train(*argv)
+    if _orphaned():     # nobody reads the report folder any more: removed when empty
+        try:
+            os.rmdir(os.environ.get(ERROR_DIR_ENV, ""))
+        except OSError:
+            pass
+    return code
+
+
+def _train(run_dir: str, *flags: str) -> int:
+    if not _stop_with_parent():
+        return 143
     try:
         train_prepared(run_dir, resume="--resume" in flags,
                        allow_data_change="--allow-data-change" in flags)

@@ -13,7 +13,34 @@ from ..parallel.launch import ERROR_DIR_ENV
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class DeferredInterrupt:
+class SignalScope:
+    """Within the ``with`` block, SIGINT and SIGTERM go to :meth:`_handle`; on leaving it, the
+    handlers before it are back. Outside the main thread, where Python cannot install a handler,
+    nothing changes."""
+
+    _previous: dict[int, object]
+
+    def _handle(self, signum, frame) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+                except ValueError:
+                    pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, previous if previous is not None else default)
+        self._previous = {}
+
+
+class DeferredInterrupt(SignalScope):
     """Within the ``with`` block, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler preempting the
     job) only sets :attr:`requested` (the loop stops at the next step boundary, so no optimizer
     update is left half applied, and saves a checkpoint); a second one stops at once.
@@ -24,7 +51,6 @@ class DeferredInterrupt:
     def __init__(self) -> None:
         self.requested = False
         self.terminated = False     # the request came by SIGTERM
-        self._previous: dict[int, object] = {}
 
     def error(self) -> KeyboardInterrupt:
         return Terminated() if self.terminated else KeyboardInterrupt()
@@ -45,17 +71,3 @@ class DeferredInterrupt:
         lead = "\n" if isatty is not None and isatty() else ""     # below a live progress bar
         print(f"{lead}{note}", file=sys.stderr, flush=True)
 
-    def __enter__(self) -> DeferredInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            for sig in _SIGNALS:
-                try:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-                except ValueError:
-                    pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-            signal.signal(sig, previous if previous is not None else default)
-        self._previous = {}

@@ -1,0 +1,215 @@
+"""How many runs of a comparison train at once, and with how many threads each (``--jobs``,
+``compare.jobs``).
+
+``jobs`` is a whole number from 1, or ``auto``. With N runs at once, each run is its own process
+with ``cores // N`` intra-op threads (at least 1), ``cores`` being the CPUs this process may use.
+The thread count is fixed by N and the machine, never by how many runs are left, so a re-run that
+resumes some of the runs gives each the thread count it started with; a resumed run keeps the
+thread count its ``summary.json`` recorded in any case (:func:`threads_of`).
+
+``auto`` on the CPU: as many runs at once as there are cores, no more than the grid has runs, nor
+than the machine's memory holds (by each run's floor, in :data:`MEMORY_SHARE` of it); the cores
+left over become threads (a grid of 3 runs on 32 cores: 3 runs of 10 threads). Runs too short to
+pay for a process of their own (less than :data:`WORK_PER_PROCESS` FLOPs in all: the ``tiny``
+preset, tests) train one at a time in this process. Measured on this project's 2-core machine
+(2026-11-25): the default comparison (width 64, 4 GFLOP a micro-batch) took 153 s two
+single-threaded runs at a time, 173 s one two-threaded run at a time; two width-256 runs (60 GFLOP)
+took 21.8 s side by side, 20.6 s in turn with two threads each. With other processes on the
+machine, the two-threaded runs were 5 to 9 times slower than the single-threaded ones side by side
+at both widths: a two-threaded run waits at every parallel region for its thread that another
+process displaced. One run per core is never far from the best, and far better on a shared machine.
+On CUDA, ``auto`` is one run per device (``train.device`` ``auto`` or ``cuda``; a named device
+``cuda:K`` takes one run at a time), each process seeing its own device as ``cuda:0`` through
+``CUDA_VISIBLE_DEVICES``; more jobs than devices share them round-robin. ``--nproc`` above 1 (each
+run across several processes) trains one run at a time: ``auto`` is then 1, and a ``jobs`` above 1
+is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+AUTO = "auto"
+# a run's FLOPs (steps x micro-batches x work of one) below which starting a process for it
+# (importing torch and the package, ~2 s on this project's machine) costs more than it saves
+WORK_PER_PROCESS = 50e9
+# auto runs no more at once than this fraction of the machine's memory holds (their floor)
+MEMORY_SHARE = 0.5
+
+
+def check_jobs(value: Any, source: str = "compare.jobs") -> int | str:
+    """``value`` as ``auto`` or a whole number from 1; anything else is refused in one line
+    naming ``source`` (``--jobs`` or ``compare.jobs``)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
+                              f"got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
+                          f"got {value!r}")
+    if value < 1:
+        raise ConfigError(f"{source} must be at least 1 (runs at once) or auto, got {value}")
+    return value
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, a container's cpuset), else the
+    machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """What a comparison runs at once: ``jobs`` runs, each with ``threads`` intra-op threads;
+    ``devices`` the ``CUDA_VISIBLE_DEVICES`` entry of each of the ``jobs`` slots (``None``: leave
+    the devices alone); ``why`` what chose it, for the line people read."""
+
+    jobs: int
+    threads: int
+    devices: tuple[str, ...] | None = None
+    why: str = ""
+
+    def line(self) -> str:
+        """``compare: 2 runs at once, 1 thread each (auto: width 64 on 2 cores)``."""
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        if self.jobs == 1:
+            head = f"1 run at a time, {threads}"
+        else:
+            head = f"{self.jobs} runs at once, {threads} each"
+        if self.devices:
+            head += ", CUDA device " + ", ".join(sorted(set(self.devices), key=self.devices.index))
+        return f"compare: {head} ({self.why})"
+
+
+def work_per_step(cfg: Any) -> float:
+    """The FLOPs of one micro-batch of the run ``cfg``, forward and backward: ``6 x parameters x
+    tokens`` (the estimate of the model configuration; attention's own FLOPs left out)."""
+    tokens = cfg.data.batch_size * _tokens_per_sample(cfg)
+    return 6.0 * cfg.model.estimated_parameters() * tokens
+
+
+def work_per_run(cfg: Any) -> float:
+    """The FLOPs of the whole run ``cfg``: steps x micro-batches a step x :func:`work_per_step`."""
+    return cfg.train.steps * cfg.train.grad_accum * work_per_step(cfg)
+
+
+def _tokens_per_sample(cfg: Any) -> int:
+    if cfg.task == "lm":
+        return cfg.data.seq_len
+    m = cfg.model
+    return m.seq_len if hasattr(m, "seq_len") else m.num_patches
+
+
+def cuda_kind(device_name: str) -> str | None:
+    """How ``train.device`` uses CUDA: ``any`` (``auto`` with CUDA present, or ``cuda``: the slot
+    picks the device), ``named`` (``cuda:K``), or ``None`` (no CUDA)."""
+    if device_name.startswith("cuda:"):
+        return "named"
+    if device_name == "cuda":
+        return "any"
+    if device_name == AUTO:
+        import torch
+
+        return "any" if torch.cuda.is_available() else None
+    return None
+
+
+def visible_devices(count: int, env: dict | None = None) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` entries a child may be given: this process's own list when it
+    has one (a child names devices as the machine does), else ``0 .. count-1``."""
+    env = os.environ if env is None else env
+    given = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return given[:count] if given else [str(i) for i in range(count)]
+
+
+def slot_devices(jobs: int, visible: Sequence[str]) -> tuple[str, ...]:
+    """The device of each of ``jobs`` slots: round-robin over ``visible``."""
+    return tuple(visible[i % len(visible)] for i in range(jobs))
+
+
+def choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, world_size: int = 1,
+           cores: int | None = None, cuda_count: int | None = None,
+           memory: int | None = None) -> Concurrency:
+    """How to run the whole grid ``cells`` (every cell, finished or not: the choice, and with it
+    each run's thread count, must not depend on how far an earlier attempt got) with ``jobs``.
+
+    ``nproc``: ``--nproc``; ``world_size``: the launcher's world this process is part of. ``cores``,
+    ``cuda_count`` (CUDA devices) and ``memory`` (bytes of this machine) are this machine's unless
+    given (tests pass them)."""
+    cores = available_cores() if cores is None else cores
+    configs = [cell.config for cell in cells]
+    spread = (nproc or 1) > 1 or world_size > 1
+    if spread:
+        if jobs != AUTO and jobs > 1:
+            what = f"--nproc {nproc}" if (nproc or 1) > 1 else f"a launcher's world of {world_size}"
+            raise ConfigError(f"--jobs {jobs} with {what}: each run already spans several processes "
+                              "on this machine; give --jobs 1 (or leave it to auto), or leave out --nproc")
+        return Concurrency(1, cores, None, "--nproc trains one run at a time" if (nproc or 1) > 1
+                           else "one run at a time under a launcher")
+    kinds = {cuda_kind(cfg.train.device) for cfg in configs} or {None}
+    if kinds == {"any"}:
+        if cuda_count is None:
+            import torch
+
+            cuda_count = torch.cuda.device_count()
+        visible = visible_devices(max(1, cuda_count))
+        n = min(len(visible), len(configs)) if jobs == AUTO else jobs
+        why = (f"auto: one run per CUDA device, {len(visible)} device{'s' if len(visible) != 1 else ''}"
+               if jobs == AUTO else f"--jobs {jobs} over {len(visible)} CUDA device"
+               f"{'s' if len(visible) != 1 else ''}")
+        return Concurrency(n, max(1, cores // n), slot_devices(n, visible), why)
+    if kinds & {"any", "named"}:        # a named device (or a mix): the runs share what they name
+        n = 1 if jobs == AUTO else jobs
+        why = "auto: the runs name their CUDA device" if jobs == AUTO else f"--jobs {jobs}"
+        return Concurrency(n, max(1, cores // n), None, why)
+    if jobs != AUTO:
+        return Concurrency(jobs, max(1, cores // jobs), None,
+                           f"--jobs {jobs} on {cores} core{'s' if cores != 1 else ''}")
+    work = max(work_per_step(cfg) for cfg in configs)
+    width = max(getattr(cfg.model, "dim", 0) for cfg in configs)
+    on = f"on {cores} core{'s' if cores != 1 else ''}"
+    run_work = max(work_per_run(cfg) for cfg in configs)
+    if run_work < WORK_PER_PROCESS:
+        return Concurrency(1, cores, None, f"auto: width {width}, {run_work / 1e9:.3g} GFLOP a run, "
+                           f"too little to pay for a process each, {on}")
+    n = max(1, min(cores, len(configs), _memory_room(configs, memory)))
+    return Concurrency(n, max(1, cores // n), None,
+                       f"auto: width {width}, {work / 1e9:.3g} GFLOP a step, {on}")
+
+
+def _memory_room(configs: Sequence[Any], memory: int | None) -> int:
+    """How many of the runs ``configs`` (the largest of them) this machine's memory holds at once,
+    by their floor (:func:`~siamesenorm.tasks.dryrun.memory_floor`), in :data:`MEMORY_SHARE` of it."""
+    from ..tasks.dryrun import memory_floor
+
+    if memory is None:
+        import torch
+
+        from ..devices import machine_memory
+
+        memory = machine_memory(torch.device("cpu"))
+    if memory is None:
+        return len(configs)
+    floor = max(memory_floor(cfg)["total"] for cfg in configs)
+    return max(1, int(MEMORY_SHARE * memory // max(1, floor)))
+
+
+def threads_of(summary: dict | None, default: int) -> int:
+    """The thread count a run resumes with: the one its ``summary.json`` (that of an interrupted
+    session) recorded under ``environment``, else ``default``."""
+    threads = ((summary or {}).get("environment") or {}).get("threads")
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 \
+        else default

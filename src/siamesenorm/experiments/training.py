@@ -1,0 +1,314 @@
+"""Training the runs of a comparison: one after the other in this process, or several at once,
+each in a worker process of its own (:mod:`.workers`), with a line for each run that ends and the
+comparison's ETA (:mod:`.eta`).
+
+Either way a run that fails does not stop the others (its failure is kept, one line, and raised by
+:func:`raise_failures` once all have ended), a run with a checkpoint resumes, keeping the thread
+count its interrupted session recorded, and any other starts afresh. Ctrl-C or SIGTERM stops the
+comparison: the runs in training checkpoint and stop, and the same command resumes them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, RankFailed, environment_problem
+from ..locks import folder_lock
+from ..rundir import RunDir
+from ..shapes import METRICS_ROW, read_rows, read_summary
+from ..tasks import Run, launch_task, run_task
+from ..train.progress import duration
+from .eta import Eta
+from .jobs import Concurrency, threads_of, work_per_step
+from .workers import Failure, StopSignals, Worker
+
+
+class RunsFailed(RankFailed):
+    """Some runs of a comparison failed (not all by a user's error) while the others went on:
+    one line naming them; the command line exits with 1."""
+
+
+def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
+    """The largest logged gradient norm (before clipping) after step ``after``, and its step."""
+    best: tuple[float | None, int | None] = (None, None)
+    for row in read_rows(RunDir(run_dir).metrics, METRICS_ROW):
+        g = row.get("grad_norm")
+        if row.get("step", 0) > after and isinstance(g, (int, float)) and \
+                (best[0] is None or g > best[0]):
+            best = (float(g), int(row["step"]))
+    return best
+
+
+def _one_line(summary: dict, peak: tuple) -> str:
+    val = summary.get("final_val_loss")
+    state = f"interrupted at step {summary['steps']} (checkpoint at step {summary.get('checkpoint_step')})" \
+        if summary.get("interrupted") else \
+        f"diverged at step {summary['diverged_at']}" if summary.get("diverged") else \
+        f"stalled (zero gradient) from step {summary['stalled_at']}" if summary.get("stalled") else \
+        f"final val loss {'-' if val is None else f'{val:.4f}'}"
+    grad = "" if peak[0] is None else f", max grad norm {peak[0]:.3g} (step {peak[1]})"
+    return f"{state}{grad}, {summary.get('wall_time_s', 0):.0f} s"
+
+
+def data_key(cfg) -> tuple:
+    """The data setting of a run: runs with the same key share the data loaded once."""
+    return cfg.task, repr(cfg.data)
+
+
+@dataclass
+class Todo:
+    """A run of the grid to train in this session; ``before``: the summary an interrupted session
+    of it left (``None`` if none)."""
+
+    index: int
+    cell: Any
+    run_dir: Path
+    before: dict | None
+
+    @property
+    def start_step(self) -> int:
+        """The step it resumes from (0 when it starts afresh)."""
+        if self.before is None or not RunDir(self.run_dir).has_checkpoints():
+            return 0
+        return self.before.get("checkpoint_step") or 0
+
+
+class Finished:
+    """The line of each run that ends (``log``), with the comparison's progress and ETA."""
+
+    def __init__(self, total: int, done: int, eta: Eta, log) -> None:
+        self.total, self.done, self.eta, self.log = total, done, eta, log
+
+    def _progress(self) -> str:
+        if self.done >= self.total:
+            return f"{self.done}/{self.total} done in {duration(self.eta.elapsed())}"
+        left = self.eta.seconds_left()
+        return f"{self.done}/{self.total} done, ETA {'?' if left is None else duration(left)}"
+
+    def finished(self, item: Todo, summary: dict) -> None:
+        self.done += 1
+        self.eta.finished(item.cell.name, summary.get("steps", 0) - item.start_step)
+        line = _one_line(summary, grad_norm_peak(item.run_dir))
+        self.log(f"  {item.cell.name}: {line}; {self._progress()}")
+
+    def failed(self, item: Todo, failure: Failure) -> None:
+        self.done += 1
+        self.eta.finished(item.cell.name)       # what its log said it did
+        self.log(f"  {item.cell.name}: failed: {failure.line}; {self._progress()}")
+
+    def interrupted(self, item: Todo, summary: dict | None) -> None:
+        self.eta.finished(item.cell.name, summary["steps"] - item.start_step if summary else 0)
+        text = _one_line(summary, grad_norm_peak(item.run_dir)) if summary and summary.get("interrupted") \
+            else "stopped before its first step"
+        self.log(f"  {item.cell.name}: {text}")
+
+
+def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: int | None, data: dict,
+               log) -> tuple[dict[str, dict], dict[str, Failure]]:
+    """Train ``todo`` (of a grid of ``total`` runs) as ``concurrency`` says, after a line saying
+    how; the summaries of the runs that ended, and the failures of those that failed (a run
+    interrupted by Ctrl-C or SIGTERM raises once all have stopped)."""
+    eta = Eta()
+    for item in todo:
+        eta.add(item.cell.name, item.cell.config.train.steps - item.start_step,
+                work_per_step(item.cell.config))
+    done = Finished(total, total - len(todo), eta, log)
+    summaries: dict[str, dict] = {}
+    failures: dict[str, Failure] = {}
+    if concurrency.jobs > 1:
+        log(concurrency.line())
+        train_in_workers(todo, concurrency, data, done, summaries, failures, log)
+    else:
+        if nproc and nproc > 1:
+            log(f"compare: 1 run at a time, each across {nproc} processes (--nproc {nproc})")
+        else:       # here: the threads this process has
+            log(Concurrency(1, torch.get_num_threads(), None, concurrency.why).line())
+        train_here(todo, nproc, data, done, summaries, failures, log)
+    return summaries, failures
+
+
+def _failure_of(error: Exception) -> Failure:
+    """A run's exception as one line; a crash's traceback is printed (stderr) first."""
+    if isinstance(error, ConfigError):
+        return Failure(str(error), user=True)
+    if isinstance(error, OSError) and environment_problem(error):
+        return Failure(environment_problem(error), user=True)
+    if isinstance(error, RankFailed):
+        return Failure(str(error))
+    traceback.print_exception(error, file=sys.stderr)
+    first = (str(error).splitlines() or [""])[0]
+    return Failure(f"{type(error).__name__}: {first}".rstrip(": "))
+
+
+@contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    """``torch``'s intra-op threads set to ``n`` for the block, then as before."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
+                summaries: dict, failures: dict, log) -> None:
+    """Train ``todo`` one after the other in this process (or each across ``nproc`` processes); a
+    resumed run keeps the thread count it started with."""
+    for item in todo:
+        name, cfg = item.cell.name, item.cell.config
+        log(f"[{item.index}/{done.total}] {name}: training")
+        # a run with a checkpoint resumes; any other starts afresh, replacing what an earlier
+        # attempt left (the folder is this experiment's)
+        resume = RunDir(item.run_dir).has_checkpoints()
+        threads = threads_of(item.before, torch.get_num_threads()) if resume else torch.get_num_threads()
+        done.eta.start()
+        try:
+            with _intra_op_threads(threads):
+                if nproc and nproc > 1:
+                    summary = launch_task(cfg, item.run_dir, nproc=nproc, resume=resume, command="compare",
+                                          restart=not resume)
+                else:
+                    summary = run_task(cfg, item.run_dir, resume=resume, command="compare",
+                                       restart=not resume, data=None if resume else data[data_key(cfg)])
+        except Exception as error:      # not KeyboardInterrupt: Ctrl-C and SIGTERM stop the comparison
+            failures[name] = _failure_of(error)
+            done.failed(item, failures[name])
+            continue
+        summaries[name] = summary
+        done.finished(item, summary)
+
+
+def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, done: Finished,
+                      summaries: dict, failures: dict, log) -> None:
+    """Train ``todo``, ``concurrency.jobs`` at once, each in a worker process (:mod:`.workers`)
+    while this process holds its folder; Ctrl-C or SIGTERM stops them all (checkpointed) and is
+    raised once they have ended."""
+    pending, running = list(todo), {}
+    free = list(range(concurrency.jobs))
+    write_lock, passed_on = threading.Lock(), 0
+    with StopSignals() as stop:
+        try:
+            while pending or running:
+                while pending and free and not stop.requested:
+                    item, slot = pending.pop(0), min(free)
+                    log(f"[{item.index}/{done.total}] {item.cell.name}: training")
+                    try:
+                        started = _start_worker(item, concurrency, slot, data, write_lock, stop)
+                    except Exception as error:
+                        failures[item.cell.name] = _failure_of(error)
+                        done.failed(item, failures[item.cell.name])
+                        continue
+                    if started is None:         # a stop came while its folder was prepared
+                        done.interrupted(item, None)
+                    else:
+                        free.remove(slot)
+                        running[slot] = started
+                        done.eta.start()
+                stop.pass_on(worker for _, worker, _ in running.values())
+                if stop.count > passed_on:
+                    _say_stopping(stop, passed_on, len(running), write_lock)
+                    passed_on = stop.count
+                for item, worker, _ in running.values():
+                    if worker.step is not None:
+                        done.eta.progress(item.cell.name, worker.step - item.start_step)
+                ended = [slot for slot, (_, worker, _) in running.items() if worker.poll() is not None]
+                if not ended:
+                    time.sleep(0.1)
+                for slot in ended:
+                    item, worker, claim = running.pop(slot)
+                    free.append(slot)
+                    with claim:
+                        code, failure = worker.finish()
+                    _collect(item, code, failure, stop.requested, done, summaries, failures)
+        finally:        # an error of this loop: the workers stop (checkpointed) before it is raised
+            for _, worker, claim in running.values():
+                with claim:
+                    worker.signal()
+                    worker.finish()
+    if stop.requested:
+        raise stop.error()
+
+
+def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, write_lock,
+                  stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
+    """Claim and prepare ``item``'s folder here, then start its worker, which inherits the lock
+    (``None``: a stop came meanwhile; the folder is given back, prepared, and starts afresh next time)."""
+    cfg, run_dir = item.cell.config, item.run_dir
+    resume = RunDir(run_dir).has_checkpoints()
+    run = Run(run_dir, resume=resume, command="compare", restart=not resume)
+    claim = ExitStack()
+    try:
+        claim.enter_context(run.claimed())
+        lock = claim.enter_context(folder_lock(run_dir, "compare"))     # the one run.claimed() holds
+        if not resume:
+            run.prepare(cfg, data[data_key(cfg)])
+        if stop.requested:
+            claim.close()
+            return None
+        threads = threads_of(item.before, concurrency.threads) if resume else concurrency.threads
+        device = concurrency.devices[slot] if concurrency.devices else None
+        worker = Worker(item.cell.name, run_dir, resume, threads, device, lock.fd,
+                        prefix=f"{item.cell.name}: ", write_lock=write_lock)
+        worker.start()
+    except BaseException:
+        claim.close()
+        raise
+    return item, worker, claim
+
+
+def _say_stopping(stop: StopSignals, before: int, running: int, write_lock) -> None:
+    what = "SIGTERM" if stop.terminated else "interrupt"
+    if before == 0:
+        note = (f"compare: {what}: stopping the {running} running run{'s' if running != 1 else ''} after "
+                "the current step, each with a checkpoint, and starting no more (the same command "
+                "resumes them; again to stop at once)")
+    else:
+        note = "compare: stopping the running runs at once"
+    with write_lock:
+        print(note, file=sys.stderr, flush=True)
+
+
+def _collect(item: Todo, code: int, failure: Failure | None, stopping: bool, done: Finished,
+             summaries: dict, failures: dict) -> None:
+    """What a worker's end means for its run: finished, interrupted (stopped by us), or failed."""
+    name, path = item.cell.name, RunDir(item.run_dir).summary
+    if failure is None and code == 0:
+        try:
+            summaries[name] = read_summary(path)
+        except ConfigError as error:
+            failure = Failure(str(error), user=True)
+        else:
+            done.finished(item, summaries[name])
+            return
+    if failure is None and stopping:
+        summary = read_summary(path) if path.exists() else None
+        done.interrupted(item, summary if summary and summary.get("interrupted") else None)
+        return
+    if failure is None:
+        failure = Failure(f"its process was stopped from outside (exit status {code}); its last "
+                          "checkpoint is kept: the same command resumes it")
+    failures[name] = failure
+    done.failed(item, failure)
+
+
+def raise_failures(failures: dict[str, Failure], total: int) -> None:
+    """One line naming every failed run; :class:`ConfigError` when all were a user's errors."""
+    which = "; ".join(f"{name}: {failure.line}" for name, failure in failures.items())
+    line = (f"{len(failures)} of {total} runs failed ({which}); the others ended as usual, and the "
+            "same command trains the failed ones again (finished runs are skipped)")
+    if all(f.user for f in failures.values()):
+        raise ConfigError(line)
+    raise RunsFailed(line)

@@ -1,0 +1,180 @@
+"""The runs of a comparison in processes of their own, several at once (``--jobs`` above 1).
+
+Each run is ``python -m siamesenorm.tasks.worker RUN_DIR [--resume]`` (:mod:`siamesenorm.tasks.worker`)
+in a session of its own, on a folder ``compare`` has claimed and prepared: ``compare`` holds the
+run's lock and hands the worker its open lock file, so the folder stays locked until the last of
+the two is gone, and the worker stops (with a checkpoint) when ``compare`` dies. The worker gets
+its share of the cores (``OMP_NUM_THREADS``), its CUDA device (``CUDA_VISIBLE_DEVICES``) and a
+folder of its own where it reports a failure in one line (:func:`siamesenorm.parallel.launch.report_failure`;
+a crash's traceback is kept there). What it writes to stdout and stderr (its ``[train]`` lines)
+passes through to this process's stderr, each line prefixed with the run's name.
+
+Signals reach a worker only through :class:`StopSignals`: Ctrl-C or SIGTERM to ``compare`` is
+passed on to every running worker once (each stops after its step and checkpoints), a second one
+once more (they stop at once), and no further run starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import Terminated
+from ..parallel.launch import ERROR_DIR_ENV, describe_death
+from ..tasks.worker import STOP_WITH_ENV
+from ..train.interrupt import SignalScope
+
+_STEP = re.compile(r"\[train\] step (\d+)/\d+")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])     # the folder that holds siamesenorm/
+
+
+def worker_env(threads: int, device: str | None, errors: Path, base: dict | None = None) -> dict[str, str]:
+    """The environment of a worker: this process's, with ``threads`` intra-op threads, the CUDA
+    device ``device`` (``None``: as it is), the folder it reports a failure to, and this process
+    as the one whose death stops it."""
+    env = dict(os.environ if base is None else base)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               **{ERROR_DIR_ENV: str(errors), STOP_WITH_ENV: str(os.getpid())})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    return env
+
+
+@dataclass
+class Failure:
+    """Why a run failed: one line; ``user``: a user's error (a bad value, a full disk)."""
+
+    line: str
+    user: bool = False
+
+
+@dataclass
+class Worker:
+    """One run training in a process of its own; its output goes to ``stream`` line by line,
+    after ``prefix``, under ``write_lock`` (shared by the workers of one comparison)."""
+
+    name: str
+    run_dir: Path
+    resume: bool
+    threads: int
+    device: str | None = None
+    lock_fd: int | None = None
+    prefix: str = ""
+    stream: IO[str] | None = None
+    write_lock: Any = None
+    step: int | None = None             # the last step its log reported
+    signals: int = 0                    # signals passed on to it
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.errors = Path(tempfile.mkdtemp(prefix="siamesenorm-run-"))
+        argv = [sys.executable, "-m", "siamesenorm.tasks.worker", str(self.run_dir),
+                *(["--resume"] if self.resume else [])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=worker_env(self.threads, self.device, self.errors),
+                                     pass_fds=() if self.lock_fd is None else (self.lock_fd,))
+        self.reader = threading.Thread(target=self._pass_through, name=f"log {self.name}", daemon=True)
+        self.reader.start()
+
+    def _pass_through(self) -> None:
+        stream = sys.stderr if self.stream is None else self.stream
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            found = _STEP.match(line)
+            if found:
+                self.step = int(found.group(1))
+            try:
+                with self.write_lock or _NO_LOCK:
+                    stream.write(f"{self.prefix}{line}\n")
+                    stream.flush()
+            except (OSError, ValueError):       # our stderr is gone: keep draining the pipe
+                pass
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self) -> None:
+        """Pass on one stop request (SIGTERM: the worker checkpoints and stops; a second one
+        stops it at once)."""
+        self.signals += 1
+        try:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def finish(self) -> tuple[int, Failure | None]:
+        """Wait for the process and its output; its exit status and, when it reported one, its
+        failure (the folder with a crash's traceback is kept, otherwise removed)."""
+        code = self.proc.wait()
+        self.reader.join()
+        self.proc.stdout.close()
+        failure = read_failure(self.errors)
+        stopped = self.signals > 0 and code == -signal.SIGTERM      # by us, before its handler was up
+        if failure is None and code not in (0, 130, 143) and not stopped:
+            failure = Failure(f"its process {describe_death(code)} and reported nothing (killed from "
+                              "outside, out of memory, or a crash below Python)")
+        if failure is None or failure.user:
+            shutil.rmtree(self.errors, ignore_errors=True)
+        return code, failure
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
+def read_failure(folder: Path) -> Failure | None:
+    """The failure a worker recorded in ``folder`` (its ``rank0.error``), with the file that keeps
+    a crash's traceback; ``None`` when it recorded none."""
+    try:
+        _, kind, line = (folder / "rank0.error").read_text().rstrip("\n").split("\t", 2)
+    except (OSError, ValueError):
+        return None
+    if kind == "user":
+        return Failure(line, user=True)
+    return Failure(f"{line} (traceback: {folder / 'rank0.traceback'})")
+
+
+class StopSignals(SignalScope):
+    """Within the ``with`` block, Ctrl-C and SIGTERM only count (:attr:`count`), and the first
+    one's kind is kept; the caller passes each on to its workers (:meth:`pass_on`). Outside the
+    main thread nothing changes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.terminated = False
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def error(self) -> KeyboardInterrupt:
+        return Terminated() if self.terminated else KeyboardInterrupt()
+
+    def _handle(self, signum, frame) -> None:
+        if self.count == 0:
+            self.terminated = signum == signal.SIGTERM
+        self.count += 1
+
+    def pass_on(self, workers) -> None:
+        """Give every worker each stop request it has not had yet."""
+        for worker in workers:
+            while worker.signals < self.count:
+                worker.signal()
