@@ -354,3 +354,27 @@ def test_a_twelve_run_compare_reads_its_preset_and_loads_its_corpus_once_per_dis
     counts["preset"] = 0
     compare(str(preset), [], tmp_path / "exp", log=lambda *_: None)     # all done: nothing trains
     assert counts["preset"] == 1 and len(counts["corpus"]) == 2          # the data is still checked
+
+
+def test_with_a_peak_the_table_and_summary_csv_show_each_run_s_mfu(tmp_path):
+    """MFU needs a peak: a GPU's from the table, or train.peak_tflops (here, on the CPU). Each run's
+    TFLOP/s and MFU reach summary.csv as its summary.json has them, and a second table shows MFU."""
+    def compare(out, *extra):
+        result = run("compare", "tiny", "train.steps=4", "train.eval_every=2", *extra, "--schemes",
+                     "pre,siamese", "--out", str(tmp_path / out))
+        assert result.returncode == 0, result.stderr
+        return result.stdout, list(csv.DictReader(open(tmp_path / out / "summary.csv")))
+
+    stdout, rows = compare("peak", "train.peak_tflops=0.5")
+    assert len(rows) == 2 and "MFU: model FLOPs utilisation" in stdout
+    for row in rows:
+        own = json.loads((tmp_path / "peak" / row["run"] / "summary.json").read_text())
+        assert float(row["mfu"]) == pytest.approx(own["mfu"]) and 0 < own["mfu"] < 1
+        assert float(row["tflops"]) == pytest.approx(own["tflops"])
+        assert own["mfu"] == pytest.approx(own["tflops"] / 0.5)
+    table = stdout[stdout.index("MFU: model FLOPs"):].splitlines()[1:4]
+    assert table[0].split() == ["scheme", "lr", "0.001"] and table[1].split()[0] == "pre"
+    assert float(table[1].split()[1]) == pytest.approx(float(rows[0]["mfu"]), abs=1e-4)
+    # On the CPU without a peak: TFLOP/s but no MFU, and no MFU table.
+    stdout, rows = compare("cpu")
+    assert "mfu" not in rows[0] and float(rows[0]["tflops"]) > 0 and "MFU" not in stdout

@@ -45,6 +45,8 @@ COLUMNS = ("run", "scheme", "lr", "seed", "final_val_loss", "best_val_loss", "di
            "max_grad_norm_step")
 
 
+# A run's achieved TFLOP/s a device and MFU (on GPUs, or with train.peak_tflops), when it has them.
+SPEED_COLUMNS = ("tflops", "mfu")
 # Task-specific figures a run's summary may hold (``final_<name>`` from its evaluations): every
 # task's ``columns``, in the registry's order; and those of them where higher is better.
 EXTRA_COLUMNS = tuple(dict.fromkeys(c for task in TASKS.values() for c in task.columns))
@@ -189,11 +191,13 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         rows.append({"run": name, "scheme": cell.variant.label, "lr": cell.lr, "seed": cell.seed,
                      **{k: summary.get(k) for k in COLUMNS[4:-2]},
                      "max_grad_norm": peak[0], "max_grad_norm_step": peak[1],
-                     **{k: summary[k] for k in EXTRA_COLUMNS if k in summary},
+                     **{k: summary[k] for k in (*SPEED_COLUMNS, *EXTRA_COLUMNS)
+                        if summary.get(k) is not None},
                      **({"unigram_val_loss": summary["unigram_val_loss"],
                          "plateau": stats.at_plateau(summary)} if "unigram_val_loss" in summary else {}),
                      "data": summary.get("data")})
-    extra = [k for k in (*EXTRA_COLUMNS, "unigram_val_loss", "plateau") if any(k in r for r in rows)]
+    extra = [k for k in (*SPEED_COLUMNS, *EXTRA_COLUMNS, "unigram_val_loss", "plateau")
+             if any(k in r for r in rows)]
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=COLUMNS + tuple(extra), restval="", extrasaction="ignore")
     writer.writeheader()
@@ -216,6 +220,9 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         log("flat: the final loss is within 2% of the unigram loss (nothing learned beyond the token "
             "frequencies); such runs stay in the means")
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
+    if any("mfu" in r for r in rows):       # a GPU (or a peak the user gave): how well it was used
+        log("MFU: model FLOPs utilisation, the fraction of the device's peak each run achieved")
+        log(text_table(rows, spec["schemes"], spec["lrs"], "mfu"))
     log(f"report: {out / 'report.md'}")
     return rows
 
