@@ -189,7 +189,7 @@ class LMConfig:
     def _check_value_residual(self) -> None:
         if not isinstance(self.value_residual, bool):
             raise ConfigError(f"model.value_residual must be true or false, got {self.value_residual!r}")
-        if not isinstance(self.value_residual_mix, str) or self.value_residual_mix not in VALUE_RESIDUAL_MIXES:
+        if self.value_residual_mix not in VALUE_RESIDUAL_MIXES:
             raise ConfigError(f"model.value_residual_mix: unknown value {self.value_residual_mix!r}; choose "
                               f"one of {', '.join(VALUE_RESIDUAL_MIXES)}")
         for name in ("value_residual_own", "value_residual_first"):
