@@ -306,3 +306,33 @@ def test_resume_restores_the_learned_weights_bit_for_bit(tmp_path: Path) -> None
     assert weights and straight.state_dict()[weights[0]].item() != 0.5
     for name, p in straight.state_dict().items():
         assert torch.equal(p, resumed.state_dict()[name]), name
+
+
+# ---- integrations -------------------------------------------------------------------------------
+def test_the_hugging_face_model_carries_it(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import siamesenorm.hf as H
+
+    torch.manual_seed(0)
+    hf_config = H.SiameseNormConfig.from_lm_config(tiny(value_residual_mix="learned"))
+    m = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    randomize(m.model, seed=18)
+    m.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.to_lm_config() == m.config.to_lm_config()
+    assert loaded.model.config.value_residual and loaded.model.sublayers[2].value_mix.learned
+    tokens = ids()
+    torch.testing.assert_close(loaded(tokens).logits, m.model(tokens).logits, rtol=0, atol=1e-6)
+    prompt = ids(b=2, t=5, seed=19)
+    theirs = loaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
+    assert torch.equal(theirs, m.model.generate(prompt, 10, greedy=True, use_cache=False))
+    with pytest.raises(ConfigError, match="model.value_residual_mix: unknown value"):
+        H.SiameseNormConfig(value_residual=True, value_residual_mix="sparse")
+
+
+def test_olmo_core_refuses_it_in_one_line() -> None:
+    pytest.importorskip("olmo_core")
+    from siamesenorm.olmo_core.convert import olmo_config
+
+    with pytest.raises(ConfigError, match="model.value_residual has no OLMo-core counterpart"):
+        olmo_config(tiny())
