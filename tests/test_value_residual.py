@@ -255,6 +255,13 @@ def test_overrides_reach_the_config_and_the_dump_round_trips(tmp_path: Path) -> 
         load_config("tiny", ["model.value_residual=2"])
 
 
+@pytest.mark.parametrize("preset", ["vit-digits", "dit-digits"])
+def test_the_vision_models_have_no_such_option(preset: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, ["model.value_residual=true"])
+    assert "unknown key 'model.value_residual'" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_the_cli_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
