@@ -25,7 +25,8 @@ Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default pres
 256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256), and on
 request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
 schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``) and
-``pre+value_residual``, ``siamese+value_residual`` (``model.value_residual=true``, ResFormer).
+``pre+value_residual``, ``siamese+value_residual`` (``model.value_residual=true``, ResFormer) and
+``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``).
 
     python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
@@ -62,7 +63,9 @@ DEFAULT_SIZES = ("default", "256", "512")
 # variant name: (scheme, scheme_options, other model options)
 VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}),
             "pre+value_residual": ("pre", {}, {"value_residual": True}),
-            "siamese+value_residual": ("siamese", {}, {"value_residual": True})}
+            "siamese+value_residual": ("siamese", {}, {"value_residual": True}),
+            "pre+value_residual-learned": ("pre", {}, {"value_residual": True,
+                                                       "value_residual_mix": "learned"})}
 MIB = 2**20
 # --moe E,K: every block's MLP is a mixture of E SwiGLU experts (hidden dim / 2, as OLMoE's), K per
 # token; None: dense MLPs.
