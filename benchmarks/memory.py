@@ -24,7 +24,9 @@ lean path. All models of one size and norm are alive together: at size 512 about
 Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default preset), ``256`` (dim
 256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256), and on
 request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
-schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``).
+schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``) and
+``pre+value_residual``, ``siamese+value_residual`` (``model.value_residual=true``, ResFormer) and
+``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``).
 
     python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
@@ -58,8 +60,12 @@ SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (5
          "2048": (2048, 2, 16, 1, 1024)}
 # measured unless --sizes names others; 2048 (OLMoE's width, two blocks) is for --moe on CPU or a GPU
 DEFAULT_SIZES = ("default", "256", "512")
-# variant name: (scheme, scheme_options)
-VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
+# variant name: (scheme, scheme_options, other model options)
+VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}),
+            "pre+value_residual": ("pre", {}, {"value_residual": True}),
+            "siamese+value_residual": ("siamese", {}, {"value_residual": True}),
+            "pre+value_residual-learned": ("pre", {}, {"value_residual": True,
+                                                       "value_residual_mix": "learned"})}
 MIB = 2**20
 # --moe E,K: every block's MLP is a mixture of E SwiGLU experts (hidden dim / 2, as OLMoE's), K per
 # token; None: dense MLPs.
@@ -72,12 +78,12 @@ def all_specs() -> list[str]:
 
 def build(spec: str, size: str, norm: str, device: torch.device):
     """The model and optimizer of scheme (or variant) ``spec``; same seed for every scheme."""
-    scheme, options = VARIANTS.get(spec, (spec, {}))
+    scheme, options, model_options = VARIANTS.get(spec, (spec, {}, {}))
     dim, blocks, heads, _, seq = SIZES[size]
     torch.manual_seed(0)
     moe = MoEConfig(every=1, n_experts=MOE[0], top_k=MOE[1]) if MOE else MoEConfig()
     cfg = LMConfig(vocab_size=VOCAB, dim=dim, n_layers=blocks, n_heads=heads, max_seq_len=seq,
-                   scheme=scheme, scheme_options=dict(options), norm=norm, moe=moe)
+                   scheme=scheme, scheme_options=dict(options), norm=norm, moe=moe, **model_options)
     model = LanguageModel(cfg, device=device).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 

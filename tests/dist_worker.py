@@ -37,9 +37,11 @@ VOCAB, SEQ, BATCH = 64, 16, 4
 MOE = {"every": 1, "n_experts": 4, "top_k": 2, "hidden": 16}
 SCHEMES = {name: (name, {}) for name in list_schemes()} | {
     "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
-    "pre-moe": ("pre", {"moe": MOE}), "siamese-moe": ("siamese", {"moe": MOE})}
+    "pre-moe": ("pre", {"moe": MOE}), "siamese-moe": ("siamese", {"moe": MOE}),
+    "siamese-value_residual": ("siamese", {"model": {"value_residual": True,
+                                                     "value_residual_mix": "learned"}})}
 # also trained with activation checkpointing (sublayer, selective) under each engine
-CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre")
+CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre", "siamese-value_residual")
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:
@@ -52,12 +54,13 @@ def tokens() -> tuple[np.ndarray, np.ndarray]:
 
 def build(scheme: str, options: dict) -> LanguageModel:
     """The tiny model of ``scheme``; ``options`` are its scheme options, except ``moe`` (a
-    mixture of experts in every block, :class:`~siamesenorm.models.MoEConfig`'s fields)."""
+    mixture of experts in every block, :class:`~siamesenorm.models.MoEConfig`'s fields) and
+    ``model`` (other :class:`LMConfig` fields: value residuals)."""
     torch.manual_seed(0)
     options = dict(options)
-    moe = MoEConfig(**options.pop("moe", {}))
+    moe, model = MoEConfig(**options.pop("moe", {})), options.pop("model", {})
     return LanguageModel(LMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=SEQ,
-                                  scheme=scheme, scheme_options=options, moe=moe))
+                                  scheme=scheme, scheme_options=options, moe=moe, **model))
 
 
 def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainConfig:

@@ -67,8 +67,9 @@ class SiameseNormConfig(_BaseConfig):
                  tie_embeddings: bool = True, bias: bool = False, norm: str = "rmsnorm",
                  norm_eps: float = 1e-5, scheme: str = "pre", scheme_options: dict | None = None,
                  init: str = "normal", init_std: float = 0.02, dropout: float = 0.0,
-                 moe: dict | MoEConfig | None = None, use_cache: bool = True,
-                 **kwargs: Any) -> None:
+                 moe: dict | MoEConfig | None = None, value_residual: bool = False,
+                 value_residual_mix: str = "fixed", value_residual_own: float = 0.5,
+                 value_residual_first: float = 0.5, use_cache: bool = True, **kwargs: Any) -> None:
         if isinstance(moe, MoEConfig):
             moe = dataclasses.asdict(moe)
         values = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
@@ -76,7 +77,9 @@ class SiameseNormConfig(_BaseConfig):
                       max_seq_len=max_seq_len, rope_theta=rope_theta, qk_norm=qk_norm,
                       tie_embeddings=tie_embeddings, bias=bias, norm=norm, norm_eps=norm_eps,
                       scheme=scheme, scheme_options=dict(scheme_options or {}), init=init,
-                      init_std=init_std, dropout=dropout, moe=dict(moe or {}))
+                      init_std=init_std, dropout=dropout, moe=dict(moe or {}),
+                      value_residual=value_residual, value_residual_mix=value_residual_mix,
+                      value_residual_own=value_residual_own, value_residual_first=value_residual_first)
         _lm_config(values)                           # refuse what LMConfig refuses, now
         for name, value in values.items():
             setattr(self, name, value)

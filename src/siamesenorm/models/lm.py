@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention, KVCache
 from ..nn.mlp import build_mlp
 from ..nn.moe import MoE
+from ..nn.value_residual import FirstValues
 from .host import (
     BranchLinear,
     SchemeHost,
@@ -81,7 +82,8 @@ class LanguageModel(ResidualStack, SchemeHost):
                     cfg.dim, cfg.n_heads, cfg.kv_heads, max_seq_len=cfg.max_seq_len,
                     rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, qkv_norm=qkv_norm,
                     norm=cfg.norm, norm_eps=cfg.norm_eps, bias=cfg.bias, dropout=cfg.dropout,
-                    layer_idx=block, **kw),
+                    layer_idx=block, value_residual=cfg.value_residual_mix if cfg.value_residual else None,
+                    value_weights=cfg.value_weights, **kw),
                 lambda block: self._mlp(block, kw))
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:
@@ -204,6 +206,8 @@ class LanguageModel(ResidualStack, SchemeHost):
             if positions is None:
                 positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos:]
         attend = {"cache": cache, "pos": pos, "positions": positions, "key_mask": attention_mask}
+        if self.config.value_residual:
+            attend["first_values"] = FirstValues()      # layer 0's values, for the later layers
         h = self.run(F.dropout(self.embed(input_ids), self.config.dropout, self.training),
                      attention_kwargs=attend, states=states)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight

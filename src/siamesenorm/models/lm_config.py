@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..nn.mlp import MLP_KINDS, default_mlp_hidden
 from ..nn.norms import NORM_KINDS
+from ..nn.value_residual import VALUE_RESIDUAL_MIXES
 from .config_checks import MAX_EXPERT_LAYERS, MAX_EXPERTS, buildable, linear
 
 INIT_KINDS = ("normal", "mitchell")
@@ -93,7 +94,10 @@ class LMConfig:
     builds that Hugging Face family's model with the scheme instead
     (:mod:`siamesenorm.families.model`): these fields give its configuration, ``family_options``
     any other field of it in the family's names; the family decides its norm kind, initialisation,
-    QK-norm and MLP.
+    QK-norm and MLP. ``value_residual`` mixes the first attention layer's values into every later
+    one's (ResFormer, :mod:`~siamesenorm.nn.value_residual`): ``value_residual_own *`` its own
+    ``+ value_residual_first *`` the first's, weights ``fixed`` or ``learned`` per layer
+    (``value_residual_mix``; the paper's 0.5 and 0.5 by default, the learned ones' start).
     """
 
     vocab_size: int = 256
@@ -118,6 +122,10 @@ class LMConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     family: str = ""
     family_options: dict[str, Any] = field(default_factory=dict)
+    value_residual: bool = False
+    value_residual_mix: str = "fixed"
+    value_residual_own: float = 0.5
+    value_residual_first: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -166,6 +174,7 @@ class LMConfig:
         if not isinstance(self.scheme_options, dict):
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
+        self._check_value_residual()
         buildable("LMConfig", self.n_layers, self.estimated_parameters())
         moe_layers = self.moe_layers
         if moe_layers and self.moe.n_experts > MAX_EXPERTS:
@@ -176,6 +185,31 @@ class LMConfig:
             raise ConfigError(f"{moe_layers} MoE layers of {self.moe.n_experts} experts are beyond what "
                               f"this library builds (at most {MAX_EXPERT_LAYERS:,} experts in all: each "
                               "runs in turn); fewer layers, experts, or a larger model.moe.every")
+
+    def _check_value_residual(self) -> None:
+        if not isinstance(self.value_residual, bool):
+            raise ConfigError(f"model.value_residual must be true or false, got {self.value_residual!r}")
+        if self.value_residual_mix not in VALUE_RESIDUAL_MIXES:
+            raise ConfigError(f"model.value_residual_mix: unknown value {self.value_residual_mix!r}; choose "
+                              f"one of {', '.join(VALUE_RESIDUAL_MIXES)}")
+        for name in ("value_residual_own", "value_residual_first"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"model.{name} must be a finite number, got {value!r}")
+        if not self.value_residual:
+            changed = [name for name in ("value_residual_mix", "value_residual_own", "value_residual_first")
+                       if getattr(self, name) != self.__dataclass_fields__[name].default]
+            if changed:
+                raise ConfigError(f"model.{changed[0]} is set but model.value_residual is false; add "
+                                  "model.value_residual=true")
+        elif self.family:
+            raise ConfigError(f"model.value_residual is not available with model.family={self.family} "
+                              "(the family's own attention); use our model (no model.family)")
+
+    @property
+    def value_weights(self) -> tuple[float, float]:
+        """``(own, first)``: the value residual's weights on a layer's own and the first values."""
+        return float(self.value_residual_own), float(self.value_residual_first)
 
     def estimated_parameters(self) -> int:
         """The parameters of the embedding, every block's attention and MLP (or mixture of

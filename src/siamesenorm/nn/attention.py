@@ -5,13 +5,16 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
     q = rope(q_norm(split_heads(q_proj(x))))          # (B, n_heads,    T, head_dim)
     k = rope(k_norm(split_heads(k_proj(x))))          # (B, n_kv_heads, T, head_dim)
     v = v_norm(split_heads(v_proj(x)))                # (B, n_kv_heads, T, head_dim)
+    v = own * v + first * v_first                     # value residual, layers after the first
     out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
 
 The norms are optional and act on one head at a time (over ``head_dim``, weights shared by the
 heads). Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
 runs through :func:`torch.nn.functional.scaled_dot_product_attention`. ``causal=False`` drops the
 mask (every query sees every key: ViT, DiT) and ``rope=False`` drops the rotation (the model adds
-absolute position embeddings instead).
+absolute position embeddings instead). ``value_residual`` (ResFormer,
+:mod:`~siamesenorm.nn.value_residual`) mixes the first layer's values ``v_first`` into the values of
+every later layer, before they enter the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..errors import ConfigError
 from .fused import _autocast_on, fused_enabled, norm_value, recomputed_inputs
 from .norms import build_norm
 from .rope import RotaryEmbedding
+from .value_residual import VALUE_RESIDUAL_MIXES, FirstValues, ValueMix
 
 
 class KVCache:
@@ -81,6 +85,8 @@ class Attention(nn.Module):
         layer_idx: which entry of a :class:`KVCache` this layer uses.
         causal: mask future positions (language models); ``False`` for encoders (ViT, DiT).
         rope: rotate q and k by their positions; ``False`` leaves positions to the model.
+        value_residual: ``None``, ``"fixed"`` or ``"learned"``: a value residual; layer 0 gives its
+            values, every other layer mixes them into its own (``value_weights``: ``(own, first)``).
         device, dtype: factory kwargs.
     """
 
@@ -88,13 +94,17 @@ class Attention(nn.Module):
                  max_seq_len: int = 2048, rope_theta: float = 10000.0, qk_norm: bool = False,
                  qkv_norm: bool = False, norm: str = "rmsnorm", norm_eps: float = 1e-5,
                  bias: bool = False, dropout: float = 0.0, layer_idx: int = 0,
-                 causal: bool = True, rope: bool = True, device=None, dtype=None) -> None:
+                 causal: bool = True, rope: bool = True, value_residual: str | None = None,
+                 value_weights: tuple[float, float] = (0.5, 0.5), device=None, dtype=None) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if dim % n_heads:
             raise ConfigError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise ConfigError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        if value_residual not in (None, *VALUE_RESIDUAL_MIXES):
+            raise ConfigError(f"value_residual must be None or one of {', '.join(VALUE_RESIDUAL_MIXES)}, "
+                              f"got {value_residual!r}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.head_dim = dim // n_heads
@@ -112,11 +122,14 @@ class Attention(nn.Module):
         self.k_norm = head_norm(qk_norm or qkv_norm)
         self.v_norm = head_norm(qkv_norm)
         self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw) if rope else None
+        self.value_residual = value_residual
+        self.value_mix = ValueMix(*value_weights, learned=value_residual == "learned", **kw) \
+            if value_residual is not None and layer_idx > 0 else None
 
     def reset_parameters(self) -> None:
         """PyTorch's default Linear init, unit norms, fresh RoPE tables (a model re-inits after)."""
         for module in (self.q_proj, self.k_proj, self.v_proj, self.out_proj,
-                       self.q_norm, self.k_norm, self.v_norm, self.rope):
+                       self.q_norm, self.k_norm, self.v_norm, self.rope, self.value_mix):
             if module is not None:
                 module.reset_parameters()
 
@@ -141,7 +154,8 @@ class Attention(nn.Module):
                 for proj, n, norm, rotate, out, pos in inputs.values() if norm is not None}
 
     def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0,
-                positions: Tensor | None = None, key_mask: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, key_mask: Tensor | None = None,
+                first_values: FirstValues | None = None) -> Tensor:
         """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
         cache, over its earlier keys.
 
@@ -149,6 +163,9 @@ class Attention(nn.Module):
         RoPE position instead of ``pos .. pos + T - 1``, and ``key_mask`` (``(B, T_key)``, bool,
         ``T_key`` = cached + new keys) says which keys are real tokens; a query attends only to
         real keys (and always to itself, so that a padding query gets a finite, unused output).
+
+        With a value residual, ``first_values`` (one per forward pass) carries layer 0's values to
+        the later layers; layer 0 must run first.
         """
         b, t, _ = x.shape
         rot = pos if positions is None else positions
@@ -160,6 +177,8 @@ class Attention(nn.Module):
             p = proj(x)
             parts[name] = (p, n, norm, rotate, self._heads(p, n, norm, rot, rotate), rot)
         q, k, v = (parts[name][4] for name in "qkv")
+        if self.value_residual is not None:
+            v = self._value_residual(v, first_values)
         lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
                 and not _autocast_on(x))
         recipes = self._recipes(parts) if lean else {}
@@ -189,6 +208,20 @@ class Attention(nn.Module):
                 enable_gqa=self.n_kv_heads != self.n_heads)
         y = self.out_proj(y.transpose(1, 2).reshape(b, t, self.dim))
         return F.dropout(y, self.dropout, self.training)
+
+    def _value_residual(self, v: Tensor, first_values: FirstValues | None) -> Tensor:
+        """Layer 0: keep ``v`` in ``first_values``; later layers: mix it into ``v``."""
+        if first_values is None:
+            raise ValueError("attention with a value residual needs first_values=FirstValues(), "
+                             "one per forward pass")
+        if self.value_mix is None:
+            if first_values.values is None:
+                first_values.values = v
+            return v
+        if first_values.values is None:
+            raise ValueError(f"attention layer {self.layer_idx} mixes in the first layer's values, "
+                             "but layer 0 has not run in this forward pass")
+        return self.value_mix(v, first_values.values)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "

@@ -81,7 +81,7 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
 
     Refused: GELU MLPs (OLMo-core's feed-forward is gated), dropout (OLMo-core drops other
     things than we do), a shared expert (see :func:`olmo_moe_config`), a Hugging Face
-    ``family``. ``cfg.init`` and
+    ``family``, value residuals. ``cfg.init`` and
     ``cfg.max_seq_len`` have no counterpart: OLMo-core initialises by its ``init_method``, and
     takes the sequence length from its train module.
     """
@@ -92,6 +92,9 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     if getattr(cfg, "family", ""):
         raise ConfigError(f"model.family={cfg.family} builds a Hugging Face family model, not our "
                           "LanguageModel: it has no OLMo-core counterpart here")
+    if getattr(cfg, "value_residual", False):
+        raise ConfigError("model.value_residual has no OLMo-core counterpart (its attention takes no first "
+                          "layer's values); train it with our model")
     dtype = DType(dtype)
     theta = int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta
     head_norm = head_norm_config(cfg.norm, cfg.norm_eps)
