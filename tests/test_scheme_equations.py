@@ -23,7 +23,7 @@ DIM = 8
 BATCH, SEQ = 2, 3
 EPS = 1e-3  # far from the 1e-5 default, so a norm that ignores the scheme's eps shows up
 TOL = {"atol": 1e-6, "rtol": 1e-6}
-NORMS = ["layernorm", "rmsnorm"]
+NORMS = ["layernorm", "rmsnorm", "dyt"]
 
 
 @pytest.fixture(autouse=True, params=["lean", "reference"])
@@ -45,12 +45,20 @@ def rmsnorm(x, weight, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
 
+def dyt(x, alpha, weight, bias):
+    """DyT, arXiv 2503.10622: ``gamma * tanh(alpha x) + beta`` (no eps)."""
+    return weight * torch.tanh(alpha * x) + bias
+
+
 def norm_fn(kind, eps):
     """N(module, x): the scheme's norm ``kind`` applied with ``module``'s parameters."""
 
     def apply(module, x):
         assert module is not None, "a norm the equations use is None"
         bias = getattr(module, "bias", None)
+        if kind == "dyt":
+            return dyt(x, module.alpha, 1.0 if module.weight is None else module.weight,
+                       0.0 if bias is None else bias)
         if kind == "layernorm":
             assert bias is not None, "an affine LayerNorm must have a bias"
             return layernorm(x, module.weight, bias, eps)

@@ -6,7 +6,8 @@ projects each stream's final state to the vocabulary):
 * ``S_s``: stream ``s`` of the scheme (``scheme.streams(state)``) after the last sublayer, or after
   block ``b`` for the by-depth curve.
 * Lens logits of ``s``: ``head_fn(model, N(S_s))``, where ``N`` is the *parameter-free* norm of
-  the scheme's kind (``rmsnorm`` or ``layernorm``, no weight or bias, the scheme's ``eps``). The
+  the scheme's kind (``rmsnorm`` or ``layernorm``, no weight or bias, the scheme's ``eps``; for
+  ``dyt``, which removes no scale, the parameter-free RMSNorm). The
   streams live at very different scales (the Pre-Norm-like Y grows with depth) and the head always
   reads a normalised vector; a parameter-free norm removes the scale without lending one stream
   the learned gains of another.
@@ -40,7 +41,8 @@ __all__ = ["logit_lens", "plain_norm"]
 
 
 def plain_norm(scheme: ResidualScheme, x: Tensor) -> Tensor:
-    """``x`` normalised over its last dimension by the parameter-free norm of the scheme's kind."""
+    """``x`` normalised over its last dimension by the parameter-free norm of the scheme's kind
+    (RMSNorm for DyT, which is no normalisation)."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     if scheme.norm_kind == "layernorm":
         return F.layer_norm(x, x.shape[-1:], eps=scheme.eps)

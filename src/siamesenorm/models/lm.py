@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention, KVCache
 from ..nn.mlp import build_mlp
 from ..nn.moe import MoE
+from ..nn.norms import set_llm_dyt_alpha0
 from ..nn.value_residual import FirstValues
 from .host import (
     BranchLinear,
@@ -88,6 +89,8 @@ class LanguageModel(ResidualStack, SchemeHost):
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:
                 self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
+        if cfg.norm == "dyt":   # the DyT paper's LLM alpha0 (attention / other, by width)
+            set_llm_dyt_alpha0(self, cfg.dim)
         self.reset_parameters()
 
     def _mlp(self, block: int, kw: dict) -> nn.Module:

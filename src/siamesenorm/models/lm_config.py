@@ -168,6 +168,9 @@ class LMConfig:
         if not isinstance(self.family_options, dict):
             raise ConfigError("LMConfig.family_options must be a mapping of the family's configuration "
                               f"fields, got {self.family_options!r}")
+        if self.family and self.norm == "dyt":
+            raise ConfigError(f"model.norm=dyt is not available with model.family={self.family}: the "
+                              "family's own norm class is used; drop model.family or model.norm")
         if self.family and self.mlp != "swiglu":
             raise ConfigError(f"model.family={self.family} has its own gated SiLU MLP; model.mlp must "
                               f"be swiglu, got {self.mlp!r}")

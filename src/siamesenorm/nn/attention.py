@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(dim, dim, bias=bias, **kw)
 
         def head_norm(wanted: bool) -> nn.Module | None:
-            return build_norm(norm, self.head_dim, norm_eps, **kw) if wanted else None
+            return build_norm(norm, self.head_dim, norm_eps, role="attention", **kw) if wanted else None
 
         self.q_norm = head_norm(qk_norm or qkv_norm)
         self.k_norm = head_norm(qk_norm or qkv_norm)

@@ -13,6 +13,10 @@ module holds three pieces built on that fact, each an ordinary :class:`torch.aut
   one function that keeps the two streams and the three norms' row statistics and recomputes the
   intermediate sum in backward. Written as separate modules, autograd would keep the sum too (the
   input of the branch's input norm): one more residual-width tensor per sublayer.
+- :func:`dyt`: DyT (``weight * tanh(alpha x) + bias``, arXiv 2503.10622) that keeps its input
+  only and recomputes the tanh in backward; as a composition of ops autograd keeps the tanh's
+  output as well (one more tensor of the input's size per norm). :func:`stream_entry` computes
+  DyT norms as the plain composition of modules (each through :func:`dyt`).
 - :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
   normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
   tensors kept anyway, when backward asks for them.
@@ -40,7 +44,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["fused_enabled", "lean_region", "norm_value", "recomputed_inputs", "reference_path",
+__all__ = ["dyt", "fused_enabled", "lean_region", "norm_value", "recomputed_inputs", "reference_path",
            "rms_norm", "stream_entry", "stream_update"]
 
 _aten = torch.ops.aten
@@ -89,7 +93,7 @@ def _autocast_fp32(t: Tensor) -> bool:
 
 def _norm_kind(module: nn.Module) -> str:
     kind = getattr(module, "kind", None)      # siamesenorm.nn.norms' classes (which import this)
-    if kind in ("layernorm", "rmsnorm"):
+    if kind in ("layernorm", "rmsnorm", "dyt"):
         return kind
     raise TypeError(f"not a siamesenorm norm: {type(module).__name__}")
 
@@ -223,12 +227,61 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
+# ---- DyT ------------------------------------------------------------------------------------------
+def _dyt_value(x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """``weight * tanh(alpha * x) + bias`` (the same ops on every path, so values agree bit for bit)."""
+    out = torch.tanh(alpha * x)
+    if weight is not None:
+        out = out * weight
+    return out if bias is None else out + bias
+
+
+def _row_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` summed over every dimension but the last, in ``dtype``."""
+    return _as(t.reshape(-1, t.shape[-1]).sum(0), dtype)
+
+
+class _DyT(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, alpha, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _dyt_value(x, alpha, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        """With ``t = tanh(alpha x)`` and ``s = g w (1 - t^2)``: ``dx = alpha s``,
+        ``d alpha = sum(s x)``, ``dw = sum_rows g t``, ``db = sum_rows g``."""
+        x, alpha, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        t = torch.tanh(alpha * x)
+        gw = g if weight is None else g * weight
+        s = gw * (1 - t * t)
+        dx = _as(s * alpha, x.dtype) if need[0] else None
+        d_alpha = _as((s * x).sum().reshape(alpha.shape), alpha.dtype) if need[1] else None
+        dw = _row_sum(g * t, weight.dtype) if weight is not None and need[2] else None
+        db = _row_sum(g, ctx.bias_dtype) if ctx.bias_dtype is not None and need[3] else None
+        return dx, d_alpha, dw, db
+
+
+def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    """``weight * tanh(alpha * x) + bias`` over the last dimension, keeping only ``x`` (and the
+    parameters) for backward; the plain composition of ops where no gradient is needed or the
+    lean path is off."""
+    if fused_enabled() and _wants_grad(x, alpha, weight, bias):
+        return _DyT.apply(x, alpha, weight, bias)
+    return _dyt_value(x, alpha, weight, bias)
+
+
 def norm_value(module: nn.Module, x: Tensor) -> Tensor:
     """The output of norm ``module`` on ``x`` without autograd, computed by the same kernels as
     the module's lean forward, so a recomputation matches the forward bit for bit."""
     w, b = _params(module)
+    kind = _norm_kind(module)
     with torch.no_grad():
-        return _Norm(_norm_kind(module), module.eps).forward(x, w, b)[0]
+        if kind == "dyt":
+            return _dyt_value(x, module.alpha, w, b)
+        return _Norm(kind, module.eps).forward(x, w, b)[0]
 
 
 # ---- the entry of a two-stream sublayer -----------------------------------------------------------
@@ -342,7 +395,7 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     params = [t for m in norms for t in _params(m) if t is not None]
     if x_gain is not None:
         params.append(x_gain)
-    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1
+    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1 and "dyt" not in kinds
             and (y_norm is not None or in_norm is not None) and _wants_grad(x, y, *params))
     if not lean:
         return _plain_entry(x, y, x_norm, x_gain, y_norm, in_norm)

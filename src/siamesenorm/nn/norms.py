@@ -1,8 +1,10 @@
-"""Normalisation layers: LayerNorm and RMSNorm with factory kwargs and ``reset_parameters``.
+"""Normalisation layers: LayerNorm, RMSNorm and DyT with factory kwargs and ``reset_parameters``.
 
-Both keep only their input and per-row statistics for backward: LayerNorm through
+LayerNorm and RMSNorm keep only their input and per-row statistics for backward: LayerNorm through
 ``F.layer_norm``, RMSNorm through :func:`siamesenorm.nn.fused.rms_norm` (``F.rms_norm`` itself on
-the reference path, see :func:`siamesenorm.nn.fused.reference_path`).
+the reference path, see :func:`siamesenorm.nn.fused.reference_path`). DyT (arXiv 2503.10622) is no
+normalisation but an element-wise stand-in for one; it keeps only its input
+(:func:`siamesenorm.nn.fused.dyt`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .fused import rms_norm
+from .fused import dyt, rms_norm
 
-NORM_KINDS = ("layernorm", "rmsnorm")
+NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
+
+# DyT's alpha0 (arXiv 2503.10622): 0.5 by default (Section 7, "Initialization of alpha"; Table 14);
+# for LLMs the paper's LLaMA values (attention / other) by model width (Table 12, and Table 11 for
+# width 5120), depth having negligible influence.
+DYT_ALPHA0 = 0.5
+DYT_LLM_ALPHA0 = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2), 5120: (0.6, 0.15),
+                  8192: (0.2, 0.05)}
 
 
 class LayerNorm(nn.Module):
@@ -69,9 +78,68 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
 
 
-def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True,
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al., "Transformers without Normalization", arXiv 2503.10622):
+    ``weight * tanh(alpha * x) + bias`` element-wise, with ``alpha`` one learnable scalar started at
+    ``alpha0``, ``weight`` ones and ``bias`` zeros (``affine=False``: ``tanh(alpha * x)``, as the
+    DyT DiT does for LayerNorms without affine parameters). ``eps`` is accepted for
+    :func:`build_norm`'s signature and unused. ``role`` (``"attention"`` or ``"other"``) is where
+    the norm sits, for the paper's LLM values of ``alpha0`` (:func:`set_llm_dyt_alpha0`)."""
+
+    kind = "dyt"
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, alpha0: float = DYT_ALPHA0, affine: bool = True,
+                 bias: bool = True, role: str = "other", device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not alpha0 > 0:
+            raise ConfigError(f"DyT alpha0 must be a positive number, got {alpha0!r}")
+        self.dim, self.eps, self.alpha0, self.role = dim, eps, float(alpha0), role
+        kw = {"device": device, "dtype": dtype}
+        self.alpha = nn.Parameter(torch.empty(1, **kw))
+        self.weight = nn.Parameter(torch.empty(dim, **kw)) if affine else None
+        self.bias = nn.Parameter(torch.empty(dim, **kw)) if affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.alpha, self.alpha0)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dyt(x, self.alpha, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, alpha0={self.alpha0}, affine={self.weight is not None}, role={self.role}"
+
+
+def llm_dyt_alpha0(dim: int) -> tuple[float, float]:
+    """The DyT paper's LLaMA ``alpha0`` for width ``dim``: ``(attention, other)`` from the row of
+    the largest listed width not above ``dim`` (:data:`DYT_LLM_ALPHA0`; narrower models take the
+    1024 row, the paper's narrowest)."""
+    rows = [w for w in DYT_LLM_ALPHA0 if w <= dim]
+    return DYT_LLM_ALPHA0[max(rows) if rows else min(DYT_LLM_ALPHA0)]
+
+
+def set_llm_dyt_alpha0(model: nn.Module, dim: int) -> None:
+    """Give every DyT in ``model`` the paper's LLM ``alpha0`` for width ``dim`` (Tables 11-12 of
+    arXiv 2503.10622): the attention value to those in attention blocks (``role="attention"``: the
+    norm feeding attention, per-head q/k/v norms), the other value to the rest (the FFN blocks'
+    norms, the final norm), and reset their ``alpha``."""
+    attention, other = llm_dyt_alpha0(dim)
+    for module in model.modules():
+        if isinstance(module, DyT):
+            module.alpha0 = attention if module.role == "attention" else other
+            nn.init.constant_(module.alpha, module.alpha0)
+
+
+def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, role: str = "other",
                device=None, dtype=None) -> nn.Module:
-    """Build a norm by name (``"layernorm"`` or ``"rmsnorm"``)."""
+    """Build a norm by name (``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``); ``role`` only tags a
+    DyT (``"attention"`` or ``"other"``, for :func:`set_llm_dyt_alpha0`)."""
+    if kind == "dyt":
+        return DyT(dim, eps, affine=affine, role=role, device=device, dtype=dtype)
     if kind == "layernorm":
         return LayerNorm(dim, eps, affine=affine, device=device, dtype=dtype)
     if kind == "rmsnorm":

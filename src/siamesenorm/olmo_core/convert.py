@@ -49,7 +49,7 @@ from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig
 from ..models.lm_config import MoEConfig as OurMoEConfig
 from ..nn.mlp import default_mlp_hidden
-from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config
+from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config, refuse_dyt
 
 __all__ = ["from_language_model", "from_siamesenorm_state_dict", "lm_config", "olmo_config",
            "olmo_moe_config", "to_language_model", "to_siamesenorm_state_dict"]
@@ -85,6 +85,7 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     ``cfg.max_seq_len`` have no counterpart: OLMo-core initialises by its ``init_method``, and
     takes the sequence length from its train module.
     """
+    refuse_dyt(cfg.norm)
     if cfg.mlp != "swiglu":
         raise ConfigError(f"OLMo-core's feed-forward is gated: model.mlp must be swiglu, got {cfg.mlp!r}")
     if cfg.dropout:

@@ -65,6 +65,14 @@ PP_REFUSAL = ("pipeline parallelism of a SchemeTransformer is not supported: OLM
               "packed state could not be tested")
 
 
+def refuse_dyt(norm: str) -> None:
+    """DyT (``norm="dyt"``) is not offered inside OLMo-core: its blocks' per-head norms are
+    OLMo-core's own norm classes, which have no DyT."""
+    if norm == "dyt":
+        raise ConfigError("norm='dyt' is not available in OLMo-core models (OLMo-core's per-head "
+                          "norms have no DyT); use rmsnorm or layernorm there")
+
+
 def head_norm_config(norm: str, eps: float) -> LayerNormConfig:
     """OLMo-core's config of the per-head q/k/v norm that is our ``build_norm(norm, head_dim, eps)``:
     RMSNorm with a weight and no bias, or LayerNorm with a weight and a bias."""
@@ -335,6 +343,7 @@ class SchemeTransformer(Transformer):
         if lm_head.layer_norm is not None:
             raise ConfigError("SchemeTransformer: lm_head.layer_norm must be None (the scheme's exit "
                               "applies the final norm)")
+        refuse_dyt(norm)
         # Built before the blocks: its requirements decide which attentions get QKV-norm.
         scheme_module = build_scheme(scheme, d_model, n_layers, norm=norm, eps=norm_eps,
                                      device=init_device, dtype=dtype, **(scheme_options or {}))
@@ -536,6 +545,7 @@ class SchemeTransformerConfig(TransformerConfig):
     norm_eps: float = 1e-5
 
     def _scheme_on_meta(self) -> ResidualScheme:
+        refuse_dyt(self.norm)
         return build_scheme(self.scheme, self.d_model, self.n_layers, norm=self.norm,
                             eps=self.norm_eps, device="meta", **self.scheme_options)
 

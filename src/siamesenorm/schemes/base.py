@@ -110,7 +110,7 @@ class ResidualScheme(nn.Module, ABC):
     Args:
         dim: model width.
         n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
-        norm: ``"layernorm"`` or ``"rmsnorm"``, used for every norm the scheme owns.
+        norm: ``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``, used for every norm the scheme owns.
         eps: epsilon of those norms.
         branch_affine: ``False`` builds every norm whose output feeds a branch directly (and
             nothing else) without affine parameters, for hosts whose branches bring their own
@@ -184,18 +184,28 @@ class ResidualScheme(nn.Module, ABC):
         """Sublayer ``i`` is attention (even) or MLP (odd)."""
         return i % SUBLAYERS_PER_BLOCK == 0
 
-    def make_norm(self, affine: bool = True) -> nn.Module:
-        return build_norm(self.norm_kind, self.dim, self.eps, affine=affine, **self._factory)
+    def role(self, i: int) -> str:
+        """Where a norm of sublayer ``i`` sits, for DyT's LLM ``alpha0``: ``"attention"`` or ``"other"``."""
+        return "attention" if self.is_attention(i) else "other"
+
+    def make_norm(self, affine: bool = True, role: str = "other") -> nn.Module:
+        """A norm of the scheme's kind; ``role`` (``"attention"`` for a norm of an attention
+        sublayer) only matters to DyT (:func:`~siamesenorm.nn.norms.set_llm_dyt_alpha0`)."""
+        return build_norm(self.norm_kind, self.dim, self.eps, affine=affine, role=role, **self._factory)
 
     def make_norms(self, count: int) -> nn.ModuleList:
-        return nn.ModuleList(self.make_norm() for _ in range(count))
+        """``count`` norms; with one per sublayer, norm ``i`` has sublayer ``i``'s role."""
+        per = count == self.n_sublayers
+        return nn.ModuleList(self.make_norm(role=self.role(i) if per else "other") for i in range(count))
 
-    def make_branch_norm(self) -> nn.Module:
+    def make_branch_norm(self, role: str = "other") -> nn.Module:
         """A norm whose output only feeds a branch: affine unless ``branch_affine=False``."""
-        return self.make_norm(affine=self.branch_affine)
+        return self.make_norm(affine=self.branch_affine, role=role)
 
     def make_branch_norms(self, count: int) -> nn.ModuleList:
-        return nn.ModuleList(self.make_branch_norm() for _ in range(count))
+        """``count`` branch norms; with one per sublayer, norm ``i`` has sublayer ``i``'s role."""
+        per = count == self.n_sublayers
+        return nn.ModuleList(self.make_branch_norm(self.role(i) if per else "other") for i in range(count))
 
     def make_final_norm(self) -> nn.Module | None:
         """The outermost final norm, or ``None`` when built with ``final_norm=False``."""

@@ -42,7 +42,7 @@ class HybridNorm(ResidualScheme):
         pre0 = self.first_layer_pre  # block 0's FFN norm is then a pre-norm, feeding the branch only
         self.ffn_norm = nn.ModuleList(self.make_branch_norm() if pre0 and b == 0 else self.make_norm()
                                       for b in range(n_layers))
-        self.attn_norm = self.make_branch_norm() if pre0 else None
+        self.attn_norm = self.make_branch_norm("attention") if pre0 else None
         self.final_norm = self.make_final_norm()
         self.requires = SchemeRequirements(qkv_norm_blocks=frozenset(range(n_layers)))
 

@@ -35,7 +35,8 @@ class MixLN(ResidualScheme):
         self.post_fraction = self.checked("post_fraction", post_fraction)
         self.n_post = math.floor(self.post_fraction * n_layers + 1e-9)
         self.norm = nn.ModuleList(
-            self.make_norm() if self.block_of(i) < self.n_post else self.make_branch_norm()
+            self.make_norm(role=self.role(i)) if self.block_of(i) < self.n_post
+            else self.make_branch_norm(self.role(i))
             for i in range(self.n_sublayers))
         self.final_norm = self.make_final_norm() if self.n_post < n_layers else None
 

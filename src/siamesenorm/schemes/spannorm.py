@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .base import Branch, ResidualScheme, register_scheme
 
@@ -36,8 +36,8 @@ class SpanNorm(ResidualScheme):
                  dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
-        self.initial_norm = self.make_branch_norm()
-        self.attn_norm = self.make_branch_norms(n_layers)
+        self.initial_norm = self.make_branch_norm("attention")   # feeds the first attention
+        self.attn_norm = nn.ModuleList(self.make_branch_norm("attention") for _ in range(n_layers))
         self.ffn_norm = self.make_norms(n_layers)
 
     def enter(self, h: Tensor) -> tuple[Tensor, Tensor]:
