@@ -279,3 +279,50 @@ def test_vit_and_dit_train_a_step_with_finite_gradients(options):
     assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in dit.parameters())
     assert dit.scheme.final_norm is None           # DiT's own final layer normalises
     assert dit.scheme.pseudo_query.grad.abs().max() > 0
+
+
+# ---- the lean depth mix ------------------------------------------------------------------------
+@pytest.mark.parametrize("gain", [True, False])
+def test_the_lean_depth_mix_equals_the_composed_one_and_passes_gradcheck(gain):
+    from siamesenorm.nn.depth_mix import _DepthMix, depth_mix
+    g = torch.Generator().manual_seed(4)
+    sources = tuple((torch.randn(2, 3, DIM, generator=g, dtype=F64) * s).requires_grad_()
+                    for s in (1.0, 3.0, 0.2, 1.5))
+    query = torch.randn(DIM, generator=g, dtype=F64).requires_grad_()
+    key_gain = (1 + 0.3 * torch.randn(DIM, generator=g, dtype=F64)).requires_grad_() if gain else None
+    inputs = [*sources, query] + ([key_gain] if gain else [])
+    calls = []
+    original = _DepthMix.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_DepthMix, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
+        lean, lean_grads = values_and_grads_of(lambda: depth_mix(sources, query, key_gain, EPS), inputs)
+    assert calls                                                # the lean function ran
+    with reference_path():
+        plain, plain_grads = values_and_grads_of(lambda: depth_mix(sources, query, key_gain, EPS), inputs)
+    expected = attend(sources, query, key_gain if gain else torch.ones(DIM, dtype=F64))
+    torch.testing.assert_close(lean, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(plain, expected, atol=1e-12, rtol=1e-12)
+    for a, b in zip(lean_grads, plain_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    u = query.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda uu, *vs: _DepthMix.apply(uu, EPS, *vs), (u, *sources))
+
+
+def values_and_grads_of(fn, inputs):
+    out = fn()
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=F64)
+    return out, torch.autograd.grad((out * probe).sum(), inputs)
+
+
+def test_the_lean_depth_mix_in_bfloat16_is_close_to_float64():
+    from siamesenorm.nn.depth_mix import depth_mix
+    g = torch.Generator().manual_seed(6)
+    sources = [torch.randn(4, 5, 32, generator=g, dtype=F64) for _ in range(3)]
+    query = torch.randn(32, generator=g, dtype=F64)
+    want = attend(sources, query, torch.ones(32, dtype=F64))
+    low = tuple(s.bfloat16().requires_grad_() for s in sources)
+    got = depth_mix(low, query.bfloat16().requires_grad_(), None, EPS)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.02)
+    got.float().sum().backward()
+    assert all(s.grad.dtype == torch.bfloat16 and torch.isfinite(s.grad).all() for s in low)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from ..nn.depth_mix import depth_mix
 from ..nn.fused import lean_region
 from ..nn.norms import build_norm
 from .base import Branch, Number, ResidualScheme, register_scheme
@@ -79,14 +80,9 @@ class AttentionResiduals(ResidualScheme):
         """Whether sublayer ``i`` is the first of a block (every sublayer in the full form)."""
         return self.block_size is None or i % self.block_size == 0
 
-    @staticmethod
-    def mix(sources: tuple[Tensor, ...], query: Tensor, key_norm: nn.Module) -> Tensor:
+    def mix(self, sources: tuple[Tensor, ...], query: Tensor, key_norm: nn.Module) -> Tensor:
         """``sum_j softmax_j(query . key_norm(v_j)) v_j`` over the sources ``v_j``."""
-        values = torch.stack(sources)                                # (n, ..., d)
-        logits = key_norm(values) @ query                            # (n, ...)
-        low = logits.dtype in (torch.float16, torch.bfloat16)
-        weights = logits.softmax(0, dtype=torch.float32 if low else None).to(values.dtype)
-        return torch.einsum("n...,n...d->...d", weights, values)
+        return depth_mix(sources, query, key_norm.weight, key_norm.eps)
 
     def _entry(self, i: int, *sources: Tensor) -> Tensor:
         """The branch input ``LN_i(x_i)``."""
