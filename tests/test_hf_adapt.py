@@ -144,9 +144,13 @@ def test_batched_greedy_generate_with_left_padding_matches_the_family(family):
     assert out.shape == (3, 14)
 
 
+@pytest.mark.parametrize("scheme, options", [("siamese", {}), ("attn_res", {"block_size": 3})])
 @pytest.mark.parametrize("family", ["qwen3", "olmoe"])
-def test_siamese_generates_the_same_with_and_without_the_cache(family):
-    a = H.adapt(family_model(family), "siamese")
+def test_a_scheme_generates_the_same_with_and_without_the_cache(family, scheme, options):
+    a = H.adapt(family_model(family), scheme, **options)
+    if scheme == "attn_res":       # non-zero pseudo-queries: the mixes are not plain means
+        with torch.no_grad():
+            a.scheme.pseudo_query.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
     x, mask = left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():

@@ -108,7 +108,7 @@ def test_lean_path_is_taken_and_reference_path_is_plain() -> None:
 
 @pytest.mark.parametrize("scheme,options", [
     ("pre", {}), ("siamese", {}), ("siamese", {"form": "hybrid_pre"}), ("hyper", {}),
-    ("mhc", {}), ("hybridnorm", {}), ("peri_ln", {})])
+    ("mhc", {}), ("hybridnorm", {}), ("peri_ln", {}), ("attn_res", {}), ("attn_res", {"block_size": 3})])
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 def test_language_model_lean_equals_reference(scheme, options, norm) -> None:
     torch.manual_seed(0)
@@ -221,7 +221,8 @@ def test_hybrid_attention_entry_keeps_streams_and_one_norm_statistics() -> None:
 
 
 @pytest.mark.parametrize("scheme,options,most", [
-    ("siamese", {}, 1.10), ("siamese", {"form": "hybrid_pre"}, 1.12), ("hyper", {}, 1.25)])
+    ("siamese", {}, 1.10), ("siamese", {"form": "hybrid_pre"}, 1.12), ("hyper", {}, 1.25),
+    ("attn_res", {}, 1.02), ("attn_res", {"block_size": 4}, 1.02)])
 def test_saved_activation_ratio_to_pre_on_meta(scheme, options, most) -> None:
     """The issue's targets at dim 256 / 12 blocks / 8 x 256 tokens, counted on the meta device
     (no memory used; meta figures equal CPU ones), and the plain path above them."""

@@ -45,7 +45,8 @@ from test_olmo_core import BATCH, SEQ, _entry, _losses, batch, tiny  # noqa: E40
 CASES = {"pre": ("pre", {}), "siamese": ("siamese", {}),
          "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),   # QKV-norm: v_norm under TP
          # stacked streams whose reset writes plain tensors into slices; a stream a block passes on
-         "hyper": ("hyper", {}), "spannorm": ("spannorm", {})}
+         "hyper": ("hyper", {}), "spannorm": ("spannorm", {}),
+         "attn_res": ("attn_res", {"block_size": 2})}              # a state that grows
 # TP and CP need a data-parallel config in OLMo-core: FSDP, one data-parallel rank here
 LAYOUTS = {"fsdp": {"dp": "fsdp"}, "ddp": {"dp": "ddp"}, "tp": {"dp": "fsdp", "tp": 2},
            "cp": {"dp": "fsdp", "cp": 2}, "cp+ddp": {"dp": "ddp", "cp": 2}}
@@ -56,7 +57,8 @@ PLAN = ([(case, layout, ac) for case in ("pre", "siamese") for layout in ("fsdp"
          for ac in ("none", "full")]
         + [("siamese", "cp+ddp", "none"), ("siamese-hybrid_pre", "tp", "none"),
            ("siamese-hybrid_pre", "tp", "selected_ops"), ("siamese-hybrid_pre", "cp", "none"),
-           ("hyper", "fsdp", "none"), ("hyper", "tp", "none"), ("spannorm", "tp", "full")])
+           ("hyper", "fsdp", "none"), ("hyper", "tp", "none"), ("spannorm", "tp", "full"),
+           ("attn_res", "tp", "full"), ("attn_res", "cp", "none")])
 STEPS, SAVE_AT, LAYERS = 4, 2, 3     # tiny(): 3 blocks
 
 
@@ -134,7 +136,7 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 
 # ---- one process: activation checkpointing of tuple streams ----------------------------------
-@pytest.mark.parametrize("case", ["siamese", "pre"])
+@pytest.mark.parametrize("case", ["siamese", "pre", "attn_res"])
 def test_every_activation_checkpointing_mode_recomputes_and_keeps_the_losses(case):
     """OLMo-core wraps whole blocks (``full``, ``selected_blocks``), chosen modules or the ops of
     each block; the scheme's state (SiameseNorm's two streams) passes through the wrappers, the

@@ -138,7 +138,7 @@ def absent(s, attr):
 
 # ---- registry and requirements ---------------------------------------------------------------
 ALL = ["pre", "post", "siamese", "hybridnorm", "spannorm", "resi_dual", "deepnorm", "mix_ln",
-       "peri_ln", "lns", "hyper", "mhc"]
+       "peri_ln", "lns", "hyper", "mhc", "attn_res"]
 
 
 def test_registry_lists_every_scheme():
@@ -156,7 +156,7 @@ def test_registry_lists_every_scheme():
     ("hybridnorm", {}, True), ("hybridnorm", {"first_layer_pre": True}, True),
     ("spannorm", {}, False), ("resi_dual", {}, False), ("deepnorm", {}, False),
     ("mix_ln", {}, False), ("peri_ln", {}, False), ("lns", {}, False), ("hyper", {}, False),
-    ("mhc", {}, False),
+    ("mhc", {}, False), ("attn_res", {}, False), ("attn_res", {"block_size": 2}, False),
 ])
 def test_requires_qkv_norm_blocks(name, options, qkv_all):
     n_layers = 3

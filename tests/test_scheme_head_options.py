@@ -42,6 +42,8 @@ BRANCH_NORMS: dict[tuple[str, tuple], list[str]] = {
     ("hyper", ()): ["norm.*"],
     ("hyper", (("dynamic", False),)): ["norm.*"],
     ("mhc", ()): ["norm.*"],
+    ("attn_res", ()): ["input_norm.*"],
+    ("attn_res", (("block_size", 3),)): ["input_norm.*"],
 }
 # (scheme, options) -> whether exit applies an outer final norm by default.
 HAS_FINAL = {
@@ -52,7 +54,8 @@ HAS_FINAL = {
     ("spannorm", ()): False, ("resi_dual", ()): False, ("deepnorm", ()): False,
     ("mix_ln", ()): True, ("mix_ln", (("post_fraction", 1.0),)): False, ("peri_ln", ()): True,
     ("peri_ln", (("embed_norm", True),)): True, ("lns", ()): True, ("hyper", ()): True,
-    ("hyper", (("dynamic", False),)): True, ("mhc", ()): True,
+    ("hyper", (("dynamic", False),)): True, ("mhc", ()): True, ("attn_res", ()): True,
+    ("attn_res", (("block_size", 3),)): True,
 }
 CASES = list(BRANCH_NORMS)
 

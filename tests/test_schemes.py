@@ -281,6 +281,7 @@ OWN_OPTION_VALUES = {
         "n_streams": ([0, 2.5, "4", False, None], [1, 2, 4]),
         "sinkhorn_iters": ([0, -3, 20.0, None, True], [1, 5, 20]),
     },
+    "attn_res": {"block_size": ([0, -2, 2.0, "2", True], [None, 1, 2, 3, 4])},
 }
 
 

@@ -136,6 +136,7 @@ SAME_ROLE: dict[str, tuple[str | None, str | None]] = {
     "mhc": ("norm", "final_norm"),
     "mix_ln": ("norm", "final_norm"),           # only its Pre-LN blocks (see _sublayer_role_norms)
     "hybridnorm": ("attn_norm", "final_norm"),  # block 0's attention norm, with pre0
+    "attn_res": ("input_norm", "final_norm"),   # the norm of each sublayer's mix of sources
 }
 
 _CLASSES: dict[str, type] = {}

@@ -1,0 +1,115 @@
+"""Attention Residuals: each sublayer reads a softmax mix of all earlier outputs (arXiv 2603.15031)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..nn.depth_mix import depth_mix
+from ..nn.fused import lean_region
+from ..nn.norms import build_norm
+from .base import Branch, Number, ResidualScheme, register_scheme
+
+
+@register_scheme
+class AttentionResiduals(ResidualScheme):
+    r"""Attention Residuals, AttnRes (Kimi Team, arXiv 2603.15031; Eqs. 1-6 and Fig. 2).
+
+    Sources are the embedding ``v_0 = h`` and the sublayer outputs ``v_j = F_j(.)``. Sublayer ``i``
+    (0-based) reads their mix under a pseudo-query ``w_i``, with RMSNorm keys (``phi(q, k) =
+    exp(q^T RMSNorm(k))``, no temperature)::
+
+        a_j = softmax_j(w_i . RMSNorm_i(v_j));   x_i = sum_j a_j v_j      (Eqs. 2-4)
+        v_{i+1} = F_i(LN_i(x_i))                                          (Fig. 2's attn_norm)
+        out = LN_final(sum_j softmax_j(w_out . RMSNorm_out(v_j)) v_j)     (the output layer)
+
+    Block form (``block_size=S``): sublayers group into blocks of ``S`` (the last may be shorter,
+    §3.2); a block's sources are its outputs' sum ``b_n`` (Eq. 5). Sublayer ``i`` attends over
+    ``b_0 = h``, the completed blocks and, unless it starts a block, the partial sum of its own
+    block (Eq. 6); the output layer over ``b_0 .. b_N``, the last one partial if ``S`` does not
+    divide the sublayers. ``S=1`` is the full form.
+
+    Init (§5): every pseudo-query is zero, so each mix starts as the plain mean of its sources.
+    The key norms are RMSNorm whatever ``norm`` is (the paper's ``phi``); ``norm`` builds
+    ``input_norm`` and ``final_norm``. ``branch_affine=False`` makes ``input_norm`` non-affine;
+    ``final_norm=False``: exit returns the output mix unnormalised.
+
+    State: the tuple of sources ``(v_0, ..)``, growing by one tensor per sublayer (full form: ``L +
+    1`` tensors of shape ``(B, T, d)`` at the end) or per block (``N + 1``); every source is kept
+    for backward. Parameters: ``pseudo_query`` and ``key_norm`` (row and entry ``i - 1`` for
+    sublayer ``i``: sublayer 0 reads the embedding alone, ``x_0 = h``), ``input_norm[i]``,
+    ``output_query``, ``output_key_norm``, ``final_norm``.
+    """
+
+    name = "attn_res"
+    summary = "x = sum_j softmax_j(w . RMSNorm(v_j)) v_j; v = F(LN(x)); out = LN(mix of all v)"
+    paper = "Kimi Team 2026, arXiv 2603.15031"
+    option_checks = {"block_size": Number(low=1, integer=True, optional=True)}
+
+    def __init__(self, dim: int, n_layers: int, *, block_size: int | None = None,
+                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
+                 final_norm: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                         final_norm=final_norm, device=device, dtype=dtype)
+        self.block_size = self.checked("block_size", block_size)
+        s, kw = self.n_sublayers, self._factory
+        if self.block_size is not None and self.block_size > s:
+            raise ConfigError(f"scheme {self.name!r}: option block_size={self.block_size} is more than "
+                              f"the {s} sublayers ({n_layers} blocks of attention and MLP)")
+        # Sublayer 0 reads the embedding alone (a softmax over one source is 1): no query, no key
+        # norm. Row i - 1 of pseudo_query and key_norm[i - 1] belong to sublayer i >= 1.
+        self.pseudo_query = nn.Parameter(torch.empty(s - 1, dim, **kw))
+        self.key_norm = nn.ModuleList(self._make_key_norm() for _ in range(s - 1))
+        self.input_norm = self.make_branch_norms(s)
+        self.output_query = nn.Parameter(torch.empty(dim, **kw))
+        self.output_key_norm = self._make_key_norm()
+        self.final_norm = self.make_final_norm()
+        self.reset_parameters()
+
+    def _make_key_norm(self) -> nn.Module:
+        return build_norm("rmsnorm", self.dim, self.eps, **self._factory)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            self.pseudo_query.zero_()
+            self.output_query.zero_()
+
+    def starts_block(self, i: int) -> bool:
+        """Whether sublayer ``i`` is the first of a block (every sublayer in the full form)."""
+        return self.block_size is None or i % self.block_size == 0
+
+    def mix(self, sources: tuple[Tensor, ...], query: Tensor, key_norm: nn.Module) -> Tensor:
+        """``sum_j softmax_j(query . key_norm(v_j)) v_j`` over the sources ``v_j``."""
+        return depth_mix(sources, query, key_norm.weight, key_norm.eps)
+
+    def _entry(self, i: int, *sources: Tensor) -> Tensor:
+        """The branch input ``LN_i(x_i)``."""
+        x = sources[0] if i == 0 else self.mix(sources, self.pseudo_query[i - 1], self.key_norm[i - 1])
+        return self.input_norm[i](x)
+
+    # ----------------------------------------------------------------------------------------
+    def enter(self, h: Tensor) -> tuple[Tensor, ...]:
+        return (h,)
+
+    def step(self, state: tuple, i: int, branch: Branch) -> tuple[Tensor, ...]:
+        # The mix and the input norm keep only the sources for backward (recomputed there).
+        out = branch(lean_region(self._entry, i, *state))
+        if self.starts_block(i):        # the last source is complete: out opens a new one
+            return (*state, out)
+        return (*state[:-1], state[-1] + out)
+
+    def exit(self, state: tuple) -> Tensor:
+        h = self.mix(state, self.output_query, self.output_key_norm)
+        return h if self.final_norm is None else self.final_norm(h)
+
+    def streams(self, state: tuple) -> dict[str, Tensor]:
+        """The sum of the sources: what standard residuals would carry (``h + sum_j F_j``)."""
+        total = state[0]
+        for source in state[1:]:
+            total = total + source
+        return {"sum": total}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}"
