@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..nn.fused import lean_region
+from ..nn.fused import fused_enabled, lean_region
+from ..nn.mixing import stream_mix
 from ..nn.norms import build_norm
 from .base import Branch, Flag, Number, ResidualScheme, register_scheme
 
@@ -141,7 +142,10 @@ class HyperConnections(MultiStreamScheme):
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """The branch input ``LN_i(Cat(mix[:c]))``, ``B`` and the carried rows ``mix[c:]``."""
         alpha, beta = self.connections(state, i)
-        mix = alpha.transpose(-1, -2) @ state                     # (..., c+k, w)
+        if fused_enabled() and alpha.dim() > 2:                  # one matrix per token
+            mix = stream_mix(alpha, state)                        # (..., c+k, w)
+        else:
+            mix = alpha.transpose(-1, -2) @ state
         c = self.fracs
         return self.norm[i](mix[..., :c, :].flatten(-2)), beta, mix[..., c:, :]
 
