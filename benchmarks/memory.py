@@ -24,7 +24,8 @@ lean path. All models of one size and norm are alive together: at size 512 about
 Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default preset), ``256`` (dim
 256, 12 blocks, 4 heads, batch 8 x 256), ``512`` (dim 512, 8 blocks, 8 heads, batch 4 x 256), and on
 request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
-schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``).
+schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``) and
+``hyper-fracs2``, ``hyper-fracs4`` (Frac-Connections, ``n_streams=1, fracs=2/4``).
 
     python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
@@ -59,7 +60,9 @@ SIZES = {"default": (64, 12, 4, 16, 128), "256": (256, 12, 4, 8, 256), "512": (5
 # measured unless --sizes names others; 2048 (OLMoE's width, two blocks) is for --moe on CPU or a GPU
 DEFAULT_SIZES = ("default", "256", "512")
 # variant name: (scheme, scheme_options)
-VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
+VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
+            "hyper-fracs2": ("hyper", {"n_streams": 1, "fracs": 2}),     # Frac-Connections
+            "hyper-fracs4": ("hyper", {"n_streams": 1, "fracs": 4})}
 MIB = 2**20
 # --moe E,K: every block's MLP is a mixture of E SwiGLU experts (hidden dim / 2, as OLMoE's), K per
 # token; None: dense MLPs.
