@@ -10,7 +10,7 @@ import torch
 import siamesenorm as sn
 from helpers import make_branches, randomize_
 from siamesenorm.nn.fused import reference_path
-from siamesenorm.nn.mixing import stream_mix
+from siamesenorm.nn.mixing import mix_and_write, stream_mix
 from siamesenorm.nn.sinkhorn import sinkhorn
 
 F64 = torch.float64
@@ -99,4 +99,18 @@ def test_stream_mix_is_the_per_token_matmul(a_shape):
     weight = torch.randn(want.shape, dtype=F64)
     for g, r in zip(torch.autograd.grad((got * weight).sum(), (a, h)),
                     torch.autograd.grad((want * weight).sum(), (a, h)), strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
+def test_mix_and_write_is_mix_plus_outer_product():
+    a = torch.randn(2, 3, 4, 4, dtype=F64, requires_grad=True)
+    h = torch.randn(2, 3, 4, 6, dtype=F64, requires_grad=True)
+    beta = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
+    out = torch.randn(2, 3, 6, dtype=F64, requires_grad=True)
+    got = mix_and_write(a, h, beta, out)
+    want = a.transpose(-1, -2) @ h + beta.unsqueeze(-1) * out.unsqueeze(-2)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    weight = torch.randn(want.shape, dtype=F64)
+    for g, r in zip(torch.autograd.grad((got * weight).sum(), (a, h, beta, out)),
+                    torch.autograd.grad((want * weight).sum(), (a, h, beta, out)), strict=True):
         torch.testing.assert_close(g, r, atol=1e-12, rtol=0)

@@ -44,3 +44,34 @@ def stream_mix(a: Tensor, h: Tensor) -> Tensor:
     ``a.transpose(-1, -2) @ h`` to rounding."""
     shape = torch.broadcast_shapes(a.shape[:-2], h.shape[:-2])
     return _StreamMix.apply(a.expand(*shape, *a.shape[-2:]), h.expand(*shape, *h.shape[-2:]))
+
+
+class _MixAndWrite(Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, h: Tensor, beta: Tensor, out: Tensor) -> Tensor:
+        ctx.save_for_backward(a, h, beta, out)
+        new = beta.unsqueeze(-1) * out.unsqueeze(-2)
+        for k in range(h.shape[-2]):
+            new.addcmul_(a[..., k, :, None], h[..., k, None, :])
+        return new
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, h, beta, out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        da = dh = dbeta = dout = None
+        if need[0]:
+            da = torch.stack([(h[..., k, None, :] * grad).sum(-1) for k in range(h.shape[-2])], -2)
+        if need[1]:
+            dh = _mix(a.transpose(-1, -2), grad)
+        if need[2]:
+            dbeta = (grad * out.unsqueeze(-2)).sum(-1)
+        if need[3]:
+            dout = (beta.unsqueeze(-1) * grad).sum(-2)
+        return da, dh, dbeta, dout
+
+
+def mix_and_write(a: Tensor, h: Tensor, beta: Tensor, out: Tensor) -> Tensor:
+    """``a^T h + beta (x) out`` per token (mHC's ``H^res x + H^post^T F``): ``a`` (..., k, k),
+    ``h`` (..., k, w), ``beta`` (..., k), ``out`` (..., w), as one autograd node."""
+    return _MixAndWrite.apply(a, h, beta, out)

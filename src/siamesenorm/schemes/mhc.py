@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import fused_enabled, lean_region
-from ..nn.mixing import stream_mix
+from ..nn.fused import fused_enabled, lean_region, recomputed_inputs
+from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
 from ..nn.sinkhorn import sinkhorn as sinkhorn_function
 from .base import Branch, Number, register_scheme
@@ -105,26 +105,35 @@ class ManifoldHyperConnections(MultiStreamScheme):
         if norm.weight is not None:
             phi = phi * norm.weight.unsqueeze(-1)
         square = torch.linalg.vector_norm(flat, 2, -1, keepdim=True).square() / flat.shape[-1]
-        proj = (flat @ phi) * torch.rsqrt(square + norm.eps)       # (..., 2n + n*n)
-        pre = torch.sigmoid(self.alpha_pre[i] * proj[..., :n] + self.b_pre[i])
-        post = 2 * torch.sigmoid(self.alpha_post[i] * proj[..., n:2 * n] + self.b_post[i])
-        res_logits = self.alpha_res[i] * proj[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[i]
+        rstd = torch.rsqrt(square + norm.eps)
+        proj = flat @ phi                                            # x' phi / rstd: (..., 2n + n*n)
+        pre = torch.sigmoid(proj[..., :n] * (self.alpha_pre[i] * rstd) + self.b_pre[i])
+        post = 2 * torch.sigmoid(proj[..., n:2 * n] * (self.alpha_post[i] * rstd) + self.b_post[i])
+        res_logits = (proj[..., 2 * n:] * (self.alpha_res[i] * rstd)).unflatten(-1, (n, n)) + self.b_res[i]
         return pre, post, sinkhorn_function(res_logits, self.sinkhorn_iters)
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res``."""
-        if fused_enabled():
-            pre, post, res = self.fast_maps(state, i)
-            inp = (pre.unsqueeze(-1) * state).sum(-2)               # sum_k pre_k H_k
-        else:
-            pre, post, res = self.maps(state, i)
-            inp = (pre.unsqueeze(-2) @ state).squeeze(-2)
+        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
+        pre, post, res = self.maps(state, i)
+        inp = (pre.unsqueeze(-2) @ state).squeeze(-2)            # sum_k pre_k H_k
         return self.norm[i](inp), post, res
 
-    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
-        # The maps, the input mix and the norm keep only H for backward (recomputed there).
-        inp, post, res = lean_region(self._entry, state, i)
-        out = branch(inp)
-        mixed = stream_mix(res.transpose(-1, -2), state) if fused_enabled() else res @ state
-        return mixed + post.unsqueeze(-1) * out.unsqueeze(-2)
+    def _fast_entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_entry` from :meth:`fast_maps`; the norm's input is not kept but recomputed from
+        ``pre`` and ``H`` in backward (the maps' per-token outputs are kept instead)."""
+        pre, post, res = self.fast_maps(state, i)
 
+        def mixed() -> Tensor:
+            return (pre.unsqueeze(-1) * state).sum(-2)              # sum_k pre_k H_k
+
+        inp = mixed()
+        with recomputed_inputs({id(inp): mixed}):
+            return self.norm[i](inp), post, res
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        if not fused_enabled():
+            # The maps, the input mix and the norm keep only H for backward (recomputed there).
+            inp, post, res = lean_region(self._entry, state, i)
+            return res @ state + post.unsqueeze(-1) * branch(inp).unsqueeze(-2)
+        inp, post, res = self._fast_entry(state, i)
+        return mix_and_write(res.transpose(-1, -2), state, post, branch(inp))
