@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import fused_enabled, lean_region, recomputed_inputs
+from ..nn.fused import fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
 from ..nn.sinkhorn import sinkhorn as sinkhorn_function
@@ -131,9 +131,9 @@ class ManifoldHyperConnections(MultiStreamScheme):
             return self.norm[i](inp), post, res
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
-        if not fused_enabled():
-            # The maps, the input mix and the norm keep only H for backward (recomputed there).
-            inp, post, res = lean_region(self._entry, state, i)
+        if not fused_enabled():                                      # the reference path
+            inp, post, res = self._entry(state, i)
             return res @ state + post.unsqueeze(-1) * branch(inp).unsqueeze(-2)
+        # Lean path: keeps H and the maps' per-token outputs; recomputes the branch norm's input.
         inp, post, res = self._fast_entry(state, i)
         return mix_and_write(res.transpose(-1, -2), state, post, branch(inp))
