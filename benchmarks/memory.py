@@ -26,8 +26,9 @@ Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default pres
 request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
 schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``) and
 ``pre+value_residual``, ``siamese+value_residual`` (``model.value_residual=true``, ResFormer),
-``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``) and ``attn_res-block4``
-(Block AttnRes, 4 sublayers per block).
+``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``), ``attn_res-block4``
+(Block AttnRes, 4 sublayers per block), ``hyper-fracs2`` and ``hyper-fracs4`` (Frac-Connections,
+``n_streams=1, fracs=2/4``).
 
     python benchmarks/memory.py                                    # all schemes, 3 sizes, 2 norms, CPU
     python benchmarks/memory.py --sizes default --norms rmsnorm --schemes pre,siamese --reference
@@ -64,6 +65,8 @@ DEFAULT_SIZES = ("default", "256", "512")
 # variant name: (scheme, scheme_options, other model options)
 VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}),
             "attn_res-block4": ("attn_res", {"block_size": 4}, {}),
+            "hyper-fracs2": ("hyper", {"n_streams": 1, "fracs": 2}, {}),     # Frac-Connections
+            "hyper-fracs4": ("hyper", {"n_streams": 1, "fracs": 4}, {}),
             "pre+value_residual": ("pre", {}, {"value_residual": True}),
             "siamese+value_residual": ("siamese", {}, {"value_residual": True}),
             "pre+value_residual-learned": ("pre", {}, {"value_residual": True,

@@ -85,6 +85,9 @@ def test_train_writes_the_run_directory_and_resume_continues_it(tmp_path):
     (("tiny", "train.steps=-5"), "train.steps must be positive"),
     (("tiny", "data.corpus=/no/such/data.txt"), "does not exist"),
     (("tiny", "model.scheme_options.depth_scale=false"), "has no option 'depth_scale'"),
+    (("tiny", "model.scheme=hyper", "model.scheme_options.fracs=2"), "set n_streams=1"),
+    (("tiny", "model.scheme=hyper", "model.scheme_options.n_streams=1", "model.scheme_options.fracs=5"),
+     "fracs=5 must divide the model width"),
     (("tiny", "data.seq_len=64"), "exceeds model.max_seq_len"),
     (("nosuchpreset",), "preset 'nosuchpreset' not found"),
 ])

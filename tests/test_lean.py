@@ -108,7 +108,8 @@ def test_lean_path_is_taken_and_reference_path_is_plain() -> None:
 
 @pytest.mark.parametrize("scheme,options", [
     ("pre", {}), ("siamese", {}), ("siamese", {"form": "hybrid_pre"}), ("hyper", {}),
-    ("mhc", {}), ("hybridnorm", {}), ("peri_ln", {}), ("attn_res", {}), ("attn_res", {"block_size": 3})])
+    ("hyper", {"n_streams": 1, "fracs": 4}), ("mhc", {}), ("hybridnorm", {}), ("peri_ln", {}),
+    ("attn_res", {}), ("attn_res", {"block_size": 3})])
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 def test_language_model_lean_equals_reference(scheme, options, norm) -> None:
     torch.manual_seed(0)

@@ -276,6 +276,7 @@ OWN_OPTION_VALUES = {
     "hyper": {
         "n_streams": ([0, -1, 2.0, "2", True, None], [1, 2, 3]),
         "dynamic": (["yes", 1, None], [True, False]),
+        "fracs": ([0, -2, 2.0, "4", True, None], [1]),   # fracs > 1 needs n_streams=1 (test_frac_connections)
     },
     "mhc": {
         "n_streams": ([0, 2.5, "4", False, None], [1, 2, 4]),

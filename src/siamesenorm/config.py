@@ -450,7 +450,7 @@ def check_scheme(model: Any) -> None:
     """The scheme of a model section: a known name and the options it declares, each value checked
     by the scheme's own declared check (:func:`~siamesenorm.schemes.check_scheme_options`); nothing
     is built."""
-    check_scheme_options(model.scheme, model.scheme_options)
+    check_scheme_options(model.scheme, model.scheme_options, getattr(model, "dim", None))
 
 
 def build_config(classes: Mapping[str, type], preset: str | None = None,

@@ -165,6 +165,11 @@ class ResidualScheme(nn.Module, ABC):
             out.update(vars(klass).get("option_checks", {}))
         return out
 
+    @classmethod
+    def check_together(cls, options: Mapping[str, Any], dim: int | None = None) -> None:
+        """Refuse options that pass their own checks but not together (or not with the model width
+        ``dim``, when known); ``options`` holds the options given. Default: nothing to refuse."""
+
     def checked(self, option: str, value: Any) -> Any:
         """``value`` passed through the declared check of ``option``."""
         return self.all_option_checks()[option](self.name, option, value)
@@ -297,10 +302,11 @@ def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> Residual
     return cls(dim, n_layers, **options)
 
 
-def check_scheme_options(name: str, options: Mapping[str, Any]) -> None:
+def check_scheme_options(name: str, options: Mapping[str, Any], dim: int | None = None) -> None:
     """Check ``options`` (a configuration's ``scheme_options``) against the scheme ``name``'s
-    declared checks, without building it: an unknown scheme, an unknown option or a bad value
-    raises :class:`ConfigError`."""
+    declared checks and :meth:`~ResidualScheme.check_together` (with the model width ``dim`` when
+    given), without building it: an unknown scheme, an unknown option or a bad value raises
+    :class:`ConfigError`."""
     cls = get_scheme_class(name)
     known = scheme_options(name)
     unknown = sorted(set(options) - set(known))
@@ -310,6 +316,7 @@ def check_scheme_options(name: str, options: Mapping[str, Any]) -> None:
     for option, check in cls.all_option_checks().items():  # the order the constructor checks in
         if option in options:
             check(name, option, options[option])
+    cls.check_together(options, dim)
 
 
 # ---- option checks as functions (the declared checks above, called directly) -----------------

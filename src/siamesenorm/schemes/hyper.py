@@ -1,11 +1,18 @@
-"""Hyper-connections: n residual streams mixed by learned width and depth connections (arXiv 2409.19606)."""
+"""Hyper-connections: n residual streams mixed by learned width and depth connections (arXiv 2409.19606),
+and Frac-Connections: m fractions of one stream mixed the same way (arXiv 2503.14125)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import lean_region
+from ..errors import ConfigError
+from ..nn.fused import fused_enabled, lean_region
+from ..nn.mixing import stream_mix
+from ..nn.norms import build_norm
 from .base import Branch, Flag, Number, ResidualScheme, register_scheme
 
 
@@ -30,58 +37,79 @@ class MultiStreamScheme(ResidualScheme):
 
 @register_scheme
 class HyperConnections(MultiStreamScheme):
-    r"""Hyper-connections (Zhu et al., ICLR 2025, arXiv 2409.19606; Algorithm 2 of its Appendix J).
+    r"""Hyper-connections (Zhu et al., ICLR 2025, arXiv 2409.19606; Algorithm 2 of its Appendix J) and,
+    with ``fracs=m``, Frac-Connections (Zhu et al. 2025, arXiv 2503.14125).
 
-    The state is ``H`` of shape ``(..., n, d)``, ``n`` copies of the embedding on entry. Sublayer
-    ``i`` owns ``A = [A_m | A_r]`` (``n x (n+1)``) and ``B`` (``n``)::
+    The state is ``H`` of shape ``(..., k, w)``: ``n`` copies of the embedding (``k = n, w = d``), or
+    with ``fracs=m`` its ``m`` fractions (``H = Reshape(h, (m, d/m))``, ``n_streams=1``). Sublayer
+    ``i`` owns ``A = [A_m | A_r]`` (``k x (c+k)``, ``c = 1`` input row, or ``c = m`` with fractions)
+    and ``B`` (``k``)::
 
-        mix = A^T H                     # (n+1) rows: mix[0] is the sublayer input
-        H'  = B (x) F_i(LN_i(mix[0])) + mix[1:]
-        out = LN_final(sum_k H_k)
+        mix = A^T H                         # (c+k) rows: mix[:c] is the sublayer input
+        H'  = B (.) F_i(LN_i(Cat(mix[:c]))) + mix[c:]     # F's output as (c, w), row j times B_j
+        out = LN_final(sum_k H_k)           # LN_final(Cat(H)) with fractions
 
-    Static init: ``A_m = e_{i mod n}``, ``A_r = I``, ``B = 1`` (equal to Pre-Norm on n copies).
-    Dynamic (DHC, ``dynamic=True``): ``A = A_static + s_a * tanh(LN(H) W_a)`` and
-    ``B = B_static + s_b * tanh(LN(H) W_b)``, with ``W`` initialised to 0 and ``s = 0.01``.
-    The SiameseNorm paper compares with HC 2xDHC (``n_streams=2, dynamic=True``).
+    Static init: ``A_m = e_{i mod n}`` (fractions: ``Gamma = A_m = I_m``), ``A_r = I``, ``B = 1``
+    (Pre-Norm on n copies; with fractions exactly Pre-Norm). Dynamic (``dynamic=True``):
+    ``A = A_static + s_a * tanh(LN(H) W_a)``, ``B = B_static + s_b * tanh(LN(H) W_b)``, the norm
+    over each row of ``H`` (width ``w``), ``W`` initialised to 0 and ``s = 0.01``. ``fracs=1`` is
+    plain hyper-connections. The SiameseNorm paper compares with HC 2xDHC (``n_streams=2``).
     Parameters: ``norm[i]``, ``static_alpha``, ``static_beta``, ``dyn_norm[i]``, ``alpha_proj``,
     ``beta_proj``, ``alpha_scale``, ``beta_scale``, ``final_norm``. ``branch_affine=False`` makes
     ``norm[i]`` non-affine (``dyn_norm`` feeds the connections, not the branch, and stays affine);
-    ``final_norm=False``: exit returns ``sum_k H_k``.
+    ``final_norm=False``: exit returns ``sum_k H_k`` (``Cat(H)``).
     """
 
     name = "hyper"
     summary = "mix = A^T H; H = B F(LN(mix[0])) + mix[1:]; out = LN(sum H)"
-    paper = "Zhu et al., ICLR 2025, arXiv 2409.19606"
-    option_checks = {"n_streams": Number(low=1, integer=True), "dynamic": Flag()}
+    paper = "Zhu et al., ICLR 2025, arXiv 2409.19606; fracs: arXiv 2503.14125"
+    option_checks = {"n_streams": Number(low=1, integer=True), "dynamic": Flag(),
+                     "fracs": Number(low=1, integer=True)}
 
     def __init__(self, dim: int, n_layers: int, *, n_streams: int = 2, dynamic: bool = True,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
+                 fracs: int = 1, norm: str = "layernorm", eps: float = 1e-5,
+                 branch_affine: bool = True, final_norm: bool = True, device=None,
+                 dtype=None) -> None:
         super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
                          final_norm=final_norm, device=device, dtype=dtype)
         n = self.n_streams = self.checked("n_streams", n_streams)
         self.dynamic = self.checked("dynamic", dynamic)
+        m = self.fracs = self.checked("fracs", fracs)
+        self.check_together({"n_streams": n, "fracs": m}, dim)
+        k, c, w = max(n, m), m, dim // m      # rows of H, input rows of the mix, row width
         s, kw = self.n_sublayers, self._factory
         self.norm = self.make_branch_norms(s)
         self.final_norm = self.make_final_norm()
-        self.static_alpha = nn.Parameter(torch.empty(s, n, n + 1, **kw))
-        self.static_beta = nn.Parameter(torch.empty(s, n, **kw))
+        self.static_alpha = nn.Parameter(torch.empty(s, k, c + k, **kw))
+        self.static_beta = nn.Parameter(torch.empty(s, k, **kw))
         if self.dynamic:
-            self.dyn_norm = self.make_norms(s)
-            self.alpha_proj = nn.Parameter(torch.empty(s, dim, n + 1, **kw))
-            self.beta_proj = nn.Parameter(torch.empty(s, dim, **kw))
+            self.dyn_norm = nn.ModuleList(build_norm(norm, w, self.eps, **kw) for _ in range(s))
+            self.alpha_proj = nn.Parameter(torch.empty(s, w, c + k, **kw))
+            self.beta_proj = nn.Parameter(torch.empty(s, w, **kw))
             self.alpha_scale = nn.Parameter(torch.empty(s, **kw))
             self.beta_scale = nn.Parameter(torch.empty(s, **kw))
         self.reset_parameters()
 
+    @classmethod
+    def check_together(cls, options: Mapping[str, Any], dim: int | None = None) -> None:
+        n, m = options.get("n_streams", 2), options.get("fracs", 1)
+        if m > 1 and n > 1:
+            raise ConfigError(f"scheme 'hyper': fracs={m} splits one stream (Frac-Connections); set "
+                              f"n_streams=1, streams of fractions (n_streams={n}) are not defined")
+        if dim is not None and dim % m:
+            raise ConfigError(f"scheme 'hyper': fracs={m} must divide the model width dim={dim}")
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        n = self.n_streams
+        n, m = self.n_streams, self.fracs
         with torch.no_grad():
             self.static_alpha.zero_()
             for i in range(self.n_sublayers):
-                self.static_alpha[i, i % n, 0] = 1.0
-                self.static_alpha[i, :, 1:] = torch.eye(n)
+                if m == 1:
+                    self.static_alpha[i, i % n, 0] = 1.0
+                else:                               # Gamma = I_m: the input is h itself
+                    self.static_alpha[i, :, :m] = torch.eye(m)
+                self.static_alpha[i, :, m:] = torch.eye(max(n, m))
             self.static_beta.fill_(1.0)
             if self.dynamic:
                 self.alpha_proj.zero_()
@@ -89,8 +117,20 @@ class HyperConnections(MultiStreamScheme):
                 self.alpha_scale.fill_(0.01)
                 self.beta_scale.fill_(0.01)
 
+    def enter(self, h: Tensor) -> Tensor:
+        return h.unflatten(-1, (self.fracs, -1)) if self.fracs > 1 else super().enter(h)
+
+    def exit(self, state: Tensor) -> Tensor:
+        if self.fracs == 1:
+            return super().exit(state)
+        h = state.flatten(-2)
+        return h if self.final_norm is None else self.final_norm(h)
+
+    def streams(self, state: Tensor) -> dict[str, Tensor]:
+        return {"h": state.flatten(-2)} if self.fracs > 1 else super().streams(state)
+
     def connections(self, state: Tensor, i: int) -> tuple[Tensor, Tensor]:
-        """Width connection ``A`` (..., n, n+1) and depth connection ``B`` (..., n) of sublayer i."""
+        """Width connection ``A`` (..., k, c+k) and depth connection ``B`` (..., k) of sublayer i."""
         alpha, beta = self.static_alpha[i], self.static_beta[i]
         if not self.dynamic:
             return alpha, beta
@@ -100,14 +140,18 @@ class HyperConnections(MultiStreamScheme):
         return alpha, beta
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The branch input ``LN_i(mix[0])``, ``B`` and the carried streams ``mix[1:]``."""
+        """The branch input ``LN_i(Cat(mix[:c]))``, ``B`` and the carried rows ``mix[c:]``."""
         alpha, beta = self.connections(state, i)
-        mix = alpha.transpose(-1, -2) @ state                     # (..., n+1, d)
-        return self.norm[i](mix[..., 0, :]), beta, mix[..., 1:, :]
+        if fused_enabled() and alpha.dim() > 2:                  # one matrix per token
+            mix = stream_mix(alpha, state)                        # (..., c+k, w)
+        else:
+            mix = alpha.transpose(-1, -2) @ state
+        c = self.fracs
+        return self.norm[i](mix[..., :c, :].flatten(-2)), beta, mix[..., c:, :]
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
         # The connections, the mixing and the norm keep only H for backward (recomputed there).
         inp, beta, carried = lean_region(self._entry, state, i)
-        out = branch(inp)                                         # (..., d)
-        return beta.unsqueeze(-1) * out.unsqueeze(-2) + carried
+        out = branch(inp).unflatten(-1, (self.fracs, -1))          # (..., c, w)
+        return beta.unsqueeze(-1) * out + carried
 

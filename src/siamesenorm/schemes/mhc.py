@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import lean_region
+from ..nn.fused import fused_enabled, recomputed_inputs
+from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
+from ..nn.sinkhorn import sinkhorn as sinkhorn_function
 from .base import Branch, Number, register_scheme
 from .hyper import MultiStreamScheme
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
-    """Sinkhorn-Knopp: ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters`` times."""
+    """Sinkhorn-Knopp: ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters`` times
+    (the reference; the lean path runs :func:`siamesenorm.nn.sinkhorn.sinkhorn`)."""
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
         m = m / m.sum(-1, keepdim=True)
@@ -92,15 +95,45 @@ class ManifoldHyperConnections(MultiStreamScheme):
         res_logits = self.alpha_res[i] * (x @ self.phi_res[i]).unflatten(-1, (n, n)) + self.b_res[i]
         return pre, post, sinkhorn(res_logits, self.sinkhorn_iters)
 
+    def fast_maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`maps` computed faster: the three projections as one matmul with the stream
+        norm's weight folded in (``x' phi = rstd * (vec(x) (w * phi))``, so ``x'`` is never
+        formed), and Sinkhorn as one autograd function (:mod:`siamesenorm.nn.sinkhorn`)."""
+        n, norm = self.n_streams, self.stream_norm[i]
+        flat = state.flatten(-2)
+        phi = torch.cat([self.phi_pre[i], self.phi_post[i], self.phi_res[i]], -1)
+        if norm.weight is not None:
+            phi = phi * norm.weight.unsqueeze(-1)
+        square = torch.linalg.vector_norm(flat, 2, -1, keepdim=True).square() / flat.shape[-1]
+        rstd = torch.rsqrt(square + norm.eps)
+        proj = flat @ phi                                            # x' phi / rstd: (..., 2n + n*n)
+        pre = torch.sigmoid(proj[..., :n] * (self.alpha_pre[i] * rstd) + self.b_pre[i])
+        post = 2 * torch.sigmoid(proj[..., n:2 * n] * (self.alpha_post[i] * rstd) + self.b_post[i])
+        res_logits = (proj[..., 2 * n:] * (self.alpha_res[i] * rstd)).unflatten(-1, (n, n)) + self.b_res[i]
+        return pre, post, sinkhorn_function(res_logits, self.sinkhorn_iters)
+
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res``."""
+        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
         pre, post, res = self.maps(state, i)
         inp = (pre.unsqueeze(-2) @ state).squeeze(-2)            # sum_k pre_k H_k
         return self.norm[i](inp), post, res
 
-    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
-        # The maps, the input mix and the norm keep only H for backward (recomputed there).
-        inp, post, res = lean_region(self._entry, state, i)
-        out = branch(inp)
-        return res @ state + post.unsqueeze(-1) * out.unsqueeze(-2)
+    def _fast_entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_entry` from :meth:`fast_maps`; the norm's input is not kept but recomputed from
+        ``pre`` and ``H`` in backward (the maps' per-token outputs are kept instead)."""
+        pre, post, res = self.fast_maps(state, i)
 
+        def mixed() -> Tensor:
+            return (pre.unsqueeze(-1) * state).sum(-2)              # sum_k pre_k H_k
+
+        inp = mixed()
+        with recomputed_inputs({id(inp): mixed}):
+            return self.norm[i](inp), post, res
+
+    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        if not fused_enabled():                                      # the reference path
+            inp, post, res = self._entry(state, i)
+            return res @ state + post.unsqueeze(-1) * branch(inp).unsqueeze(-2)
+        # Lean path: keeps H and the maps' per-token outputs; recomputes the branch norm's input.
+        inp, post, res = self._fast_entry(state, i)
+        return mix_and_write(res.transpose(-1, -2), state, post, branch(inp))
