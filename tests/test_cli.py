@@ -38,6 +38,14 @@ def test_schemes_table_lists_every_scheme_with_its_paper():
         assert "arXiv" in row
     verbose = run("schemes", "-v").stdout
     assert "depth_scale=True" in verbose and "n_streams=2" in verbose
+    # the 2026 designs (issue 28): a scheme, an option, a norm kind and a model option
+    assert "attn_res\n" in verbose and "block_size=None" in verbose and "fracs=1" in verbose
+    assert "arXiv 2503.14125" in verbose and "arXiv 2603.15031" in verbose
+    tail = verbose[verbose.index("With every scheme:"):]
+    from siamesenorm.nn.norms import NORM_KINDS
+
+    assert all(kind in tail for kind in NORM_KINDS) and "arXiv 2503.10622" in tail
+    assert "model.value_residual" in tail and "arXiv 2410.17897" in tail
 
 
 def test_demo_trains_every_scheme_it_is_given():

@@ -15,6 +15,16 @@ from .errors import ConfigError, RankFailed, Terminated, environment_problem
 DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
 
 
+# What works with every scheme, for `schemes -v`: the norm kinds and the model's own options.
+EVERY_SCHEME = """\
+  model.norm:            layernorm, rmsnorm, or dyt (DyT, gamma * tanh(alpha x) + beta,
+                         arXiv 2503.10622): every norm a scheme or the attention owns
+  model.value_residual:  true mixes the first layer's values into every later attention layer's,
+                         own * V_n + first * V_1 (ResFormer, arXiv 2410.17897; language models;
+                         model.value_residual_mix: fixed or learned, model.value_residual_own and
+                         model.value_residual_first: the weights, 0.5 and 0.5)"""
+
+
 def _cmd_schemes(args: argparse.Namespace) -> int:
     from .schemes import get_scheme_class, list_schemes, scheme_options
 
@@ -26,6 +36,7 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     if args.verbose:
         for name, summary, paper, opts in rows:
             print(f"{name}\n  equation: {summary}\n  paper:    {paper}\n  options:  {opts}")
+        print(f"\nWith every scheme:\n{EVERY_SCHEME}")
         return 0
     w = max(len(r[0]) for r in rows)
     s = max(len(r[1]) for r in rows)
