@@ -1,20 +1,24 @@
 """Softmax attention over depth with RMSNorm keys (Attention Residuals, arXiv 2603.15031), lean.
 
 :func:`depth_mix` computes ``sum_j a_j v_j`` with ``a = softmax_j(w . RMSNorm(v_j))`` over sources
-``v_j`` of shape ``(..., d)``. The reference path composes modules (stack, norm, product, softmax,
-weighted sum). The lean path is one autograd function that keeps only the sources (alive anyway:
-they are the scheme's state) and per-row numbers; it uses ``w . (g * v r) = r (v . (g * w))`` with
-``r = 1 / sqrt(mean(v^2) + eps)``, so the normalised keys are never written, and its backward is
-the analytic one. Half inputs are mixed with float32 logits and weights.
+``v_j`` of shape ``(..., d)``, then optionally a norm of it (a sublayer's input norm). The reference
+path composes modules (stack, norm, product, softmax, weighted sum, norm). The lean path is one
+autograd function that keeps only the sources (alive anyway: they are the scheme's state), the
+query and, with a LayerNorm or RMSNorm, the norm's row statistics; backward recomputes the logits,
+the weights and the mix once and applies the analytic gradients. It uses ``w . (g * v r) = r (v .
+(g * w))`` with ``r = 1 / sqrt(mean(v^2) + eps)``, so the normalised keys are never written, and
+works source by source (each pass over one source stays in cache; a stacked copy costs more than
+it saves on the CPU). Half inputs are mixed in float32. A DyT norm, or any norm under autocast,
+runs after the lean mix inside :func:`~siamesenorm.nn.fused.lean_region` instead.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import Function
 
-from .fused import fused_enabled
+from .fused import _autocast_on, _Norm, _norm_kind, _params, fused_enabled, lean_region
 
 __all__ = ["depth_mix"]
 
@@ -31,48 +35,107 @@ def _reference(sources: tuple[Tensor, ...], query: Tensor, key_gain: Tensor | No
     return torch.einsum("n...,n...d->...d", weights, values)
 
 
+def _numbers(sources: tuple[Tensor, ...], u: Tensor,
+             eps: float) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The sources in the dtype the mix computes in, and ``(n, ...)`` per-row numbers: ``dots_j =
+    v_j . u``, ``rstd_j`` and the weights ``softmax_j(dots_j rstd_j)``."""
+    d = u.shape[-1]
+    work = [v.float() if v.dtype in _LOW else v for v in sources]
+    uw = u.to(work[0].dtype)
+    dots = torch.stack([v @ uw for v in work])
+    rstd = torch.stack([torch.linalg.vector_norm(v, 2, -1) for v in work])
+    rstd = rstd.square_().div_(d).add_(eps).rsqrt_()
+    return work, dots, rstd, (dots * rstd).softmax(0)
+
+
+def _weighted_sum(work: list[Tensor], weights: Tensor) -> Tensor:
+    out = work[0] * weights[0].unsqueeze(-1)
+    for j in range(1, len(work)):
+        out = out.addcmul_(work[j], weights[j].unsqueeze(-1))
+    return out
+
+
+def _mix_backward(g: Tensor, work: list[Tensor], u: Tensor, dots: Tensor, rstd: Tensor,
+                  weights: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Gradients of ``u`` and of each source from the gradient ``g`` of the mix. With ``logit_j =
+    dot_j r_j``: ``d logit_j / d v_j = r_j u - dot_j r_j^3 v_j / d``."""
+    d = u.shape[-1]
+    dw = torch.stack([torch.linalg.vecdot(v, g) for v in work])              # d out / d a_j
+    coef = weights * (dw - (weights * dw).sum(0, keepdim=True)) * rstd       # d out / d dot_j
+    k = (coef * dots * rstd.square()).div_(-d).unsqueeze(-1)
+    w, c = weights.unsqueeze(-1), coef.unsqueeze(-1)
+    grads, du = [], torch.zeros_like(u)
+    for j, v in enumerate(work):
+        grads.append((v * k[j]).addcmul_(g, w[j]).addcmul_(c[j], u))
+        du = du.addmv_(v.reshape(-1, d).t(), coef[j].reshape(-1))
+    return du, grads
+
+
+def _grads(du: Tensor, u: Tensor, grads: list[Tensor], sources: list[Tensor]) -> tuple:
+    return (du.to(u.dtype), *(gv.to(v.dtype) for gv, v in zip(grads, sources)))
+
+
 class _DepthMix(Function):
     @staticmethod
     def forward(ctx, u: Tensor, eps: float, *sources: Tensor) -> Tensor:
-        d = u.shape[-1]
-        work = [v.float() if v.dtype in _LOW else v for v in sources]
-        uw = u.to(work[0].dtype)
-        dots = torch.stack([v @ uw for v in work])                                    # (n, ...)
-        rstd = torch.stack([torch.linalg.vector_norm(v, 2, -1).square_().div_(d).add_(eps).rsqrt_()
-                            for v in work])
-        weights = (dots * rstd).softmax(0)
-        out = work[0] * weights[0].unsqueeze(-1)
-        for j in range(1, len(work)):
-            out = out.addcmul_(work[j], weights[j].unsqueeze(-1))
-        ctx.save_for_backward(u, dots, rstd, weights, *sources)
-        return out.to(sources[0].dtype)
+        work, *numbers = _numbers(sources, u, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(u, *sources)
+        return _weighted_sum(work, numbers[2]).to(sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        u, dots, rstd, weights, *sources = ctx.saved_tensors
-        d = u.shape[-1]
-        work = [v.float() if v.dtype in _LOW else v for v in sources]
-        g = grad.to(work[0].dtype)
-        dw = torch.stack([torch.linalg.vecdot(v, g) for v in work])               # d out / d a_j
-        ds = weights * (dw - (weights * dw).sum(0, keepdim=True))                 # softmax
-        coef = ds * rstd                                                          # d logit_j / d dot_j
-        uw = u.to(g.dtype)
-        grads, du = [], torch.zeros_like(uw)
-        for j, v in enumerate(work):
-            # logit_j = dot_j r_j: d/dv = r_j u - dot_j r_j^3 v / d; plus a_j g from the sum
-            c = coef[j].unsqueeze(-1)
-            gv = g * weights[j].unsqueeze(-1) + c * uw
-            gv = gv.addcmul_(v, (-(coef[j] * dots[j] * rstd[j].square()) / d).unsqueeze(-1))
-            grads.append(gv.to(sources[j].dtype))
-            du = du + torch.mv(v.reshape(-1, d).t(), coef[j].reshape(-1))
-        return (du.to(u.dtype), None, *grads)
+        u, *sources = ctx.saved_tensors
+        work, *numbers = _numbers(sources, u, ctx.eps)
+        du, grads = _mix_backward(grad.to(work[0].dtype), work, u.to(work[0].dtype), *numbers)
+        du, *grads = _grads(du, u, grads, sources)
+        return (du, None, *grads)
 
 
-def depth_mix(sources: tuple[Tensor, ...], query: Tensor, key_gain: Tensor | None, eps: float) -> Tensor:
-    """``sum_j softmax_j(query . RMSNorm(v_j)) v_j`` (RMSNorm with gain ``key_gain`` and ``eps``)."""
-    wants = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key_gain, *sources)
+class _DepthMixNorm(Function):
+    """``norm(mix)``: keeps the sources, ``u`` and the norm's row statistics; backward recomputes
+    the mix (and its weights) once, for the norm's backward and the mix's."""
+
+    @staticmethod
+    def forward(ctx, norm: _Norm, u: Tensor, eps: float, nw: Tensor | None, nb: Tensor | None,
+                *sources: Tensor) -> Tensor:
+        work, *numbers = _numbers(sources, u, eps)
+        out, stats = norm.forward(_weighted_sum(work, numbers[2]).to(sources[0].dtype), nw, nb)
+        ctx.norm, ctx.eps, ctx.n_stats = norm, eps, len(stats)
+        ctx.save_for_backward(u, nw, nb, *stats, *sources)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        u, nw, nb, *rest = ctx.saved_tensors
+        stats, sources = tuple(rest[:ctx.n_stats]), rest[ctx.n_stats:]
+        work, *numbers = _numbers(sources, u, ctx.eps)
+        x = _weighted_sum(work, numbers[2]).to(sources[0].dtype)
+        need = ctx.needs_input_grad
+        gx, dnw, dnb = ctx.norm.backward(grad, x, stats, nw, nb, (True, need[3], need[4]))
+        du, grads = _mix_backward(gx.to(work[0].dtype), work, u.to(work[0].dtype), *numbers)
+        du, *grads = _grads(du, u, grads, sources)
+        return (None, du, None, dnw, dnb, *grads)
+
+
+def _mix_then_norm(norm: nn.Module, u: Tensor, eps: float, *sources: Tensor) -> Tensor:
+    return norm(_DepthMix.apply(u, eps, *sources))
+
+
+def depth_mix(sources: tuple[Tensor, ...], query: Tensor, key_gain: Tensor | None, eps: float,
+              norm: nn.Module | None = None) -> Tensor:
+    """``sum_j softmax_j(query . RMSNorm(v_j)) v_j`` (RMSNorm with gain ``key_gain`` and ``eps``),
+    then ``norm`` of it if given (a siamesenorm norm)."""
+    params = () if norm is None else tuple(norm.parameters())
+    wants = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key_gain, *params, *sources)
                                             if t is not None)
     if not (fused_enabled() and wants) or torch.compiler.is_compiling():
-        return _reference(sources, query, key_gain, eps)
+        out = _reference(sources, query, key_gain, eps)
+        return out if norm is None else norm(out)
     u = query if key_gain is None else key_gain * query
-    return _DepthMix.apply(u, eps, *sources)
+    if norm is None:
+        return _DepthMix.apply(u, eps, *sources)
+    kind = _norm_kind(norm)
+    if kind == "dyt" or _autocast_on(sources[0]):
+        return lean_region(_mix_then_norm, norm, u, eps, *sources)
+    return _DepthMixNorm.apply(_Norm(kind, norm.eps), u, eps, *_params(norm), *sources)

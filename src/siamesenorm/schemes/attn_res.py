@@ -7,7 +7,6 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from ..nn.depth_mix import depth_mix
-from ..nn.fused import lean_region
 from ..nn.norms import build_norm
 from .base import Branch, Number, ResidualScheme, register_scheme
 
@@ -80,22 +79,24 @@ class AttentionResiduals(ResidualScheme):
         """Whether sublayer ``i`` is the first of a block (every sublayer in the full form)."""
         return self.block_size is None or i % self.block_size == 0
 
-    def mix(self, sources: tuple[Tensor, ...], query: Tensor, key_norm: nn.Module) -> Tensor:
-        """``sum_j softmax_j(query . key_norm(v_j)) v_j`` over the sources ``v_j``."""
-        return depth_mix(sources, query, key_norm.weight, key_norm.eps)
+    def mix(self, sources: tuple[Tensor, ...], query: Tensor, key_norm: nn.Module,
+            norm: nn.Module | None = None) -> Tensor:
+        """``sum_j softmax_j(query . key_norm(v_j)) v_j`` over the sources ``v_j`` (then ``norm``)."""
+        return depth_mix(sources, query, key_norm.weight, key_norm.eps, norm)
 
-    def _entry(self, i: int, *sources: Tensor) -> Tensor:
-        """The branch input ``LN_i(x_i)``."""
-        x = sources[0] if i == 0 else self.mix(sources, self.pseudo_query[i - 1], self.key_norm[i - 1])
-        return self.input_norm[i](x)
+    def entry(self, i: int, state: tuple[Tensor, ...]) -> Tensor:
+        """The branch input ``LN_i(x_i)``; the lean mix keeps only the sources (and the norm's row
+        statistics) for backward."""
+        if i == 0:
+            return self.input_norm[0](state[0])
+        return self.mix(state, self.pseudo_query[i - 1], self.key_norm[i - 1], self.input_norm[i])
 
     # ----------------------------------------------------------------------------------------
     def enter(self, h: Tensor) -> tuple[Tensor, ...]:
         return (h,)
 
     def step(self, state: tuple, i: int, branch: Branch) -> tuple[Tensor, ...]:
-        # The mix and the input norm keep only the sources for backward (recomputed there).
-        out = branch(lean_region(self._entry, i, *state))
+        out = branch(self.entry(i, state))
         if self.starts_block(i):        # the last source is complete: out opens a new one
             return (*state, out)
         return (*state[:-1], state[-1] + out)
