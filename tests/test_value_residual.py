@@ -28,6 +28,7 @@ from siamesenorm.schemes import list_schemes
 from siamesenorm.tasks import load_config
 from siamesenorm.train import build_optimizer
 from siamesenorm.train import train as train_engine
+from test_train import RandomWindows
 
 F64 = torch.float64
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -273,27 +274,10 @@ def test_the_cli_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-class Windows:
-    """Random windows of a fixed token stream; raises at call ``fail_at``."""
-
-    def __init__(self, seed: int = 0, fail_at: int | None = None) -> None:
-        self.tokens = ids(b=1, t=400, seed=17)[0]
-        self.gen, self.calls, self.fail_at = torch.Generator().manual_seed(seed), 0, fail_at
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("crash")
-        starts = torch.randint(0, len(self.tokens) - 17, (4,), generator=self.gen)
-        window = self.tokens[starts[:, None] + torch.arange(17)]
-        return window[:, :-1], window[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"generator": self.gen.get_state(), "calls": self.calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.gen.set_state(state["generator"])
-        self.calls = state["calls"]
+def windows(seed: int = 0, fail_at: int | None = None) -> RandomWindows:
+    """Batches of 4 random 16-token windows of a fixed token stream; a crash at call ``fail_at``."""
+    return RandomWindows(ids(b=1, t=400, seed=17)[0], seed=seed, batch=4, fail_at=fail_at,
+                         error=RuntimeError)
 
 
 def test_resume_restores_the_learned_weights_bit_for_bit(tmp_path: Path) -> None:
@@ -304,11 +288,11 @@ def test_resume_restores_the_learned_weights_bit_for_bit(tmp_path: Path) -> None
         return LanguageModel(tiny(n_layers=2, value_residual_mix="learned"))
 
     straight = model(0)
-    train_engine(straight, Windows(), cfg, tmp_path / "a", seed=0)
+    train_engine(straight, windows(), cfg, tmp_path / "a", seed=0)
     with pytest.raises(RuntimeError):
-        train_engine(model(0), Windows(fail_at=5), cfg, tmp_path / "b", seed=0)
+        train_engine(model(0), windows(fail_at=5), cfg, tmp_path / "b", seed=0)
     resumed = model(3)
-    train_engine(resumed, Windows(seed=5), cfg, tmp_path / "b", seed=0, resume=True)
+    train_engine(resumed, windows(seed=5), cfg, tmp_path / "b", seed=0, resume=True)
     weights = [n for n in straight.state_dict() if "value_mix" in n]
     assert weights and straight.state_dict()[weights[0]].item() != 0.5
     for name, p in straight.state_dict().items():
