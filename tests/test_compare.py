@@ -286,7 +286,8 @@ def test_default_comparison_trains_every_cell_with_at_least_two_seeds():
     assert {c.config.seed for c in cells} == set(spec["seeds"])
 
 
-@pytest.mark.parametrize("preset", ["table1", "table2", "table3", "arithmetic", "vit-digits", "dit-digits"])
+@pytest.mark.parametrize("preset", ["table1", "table2", "table3", "arithmetic", "vit-digits", "dit-digits",
+                                    "topologies", "topologies-gpu"])
 def test_the_presets_of_docs_reproduction_train_three_seeds_per_cell(preset):
     """docs/reproduction.md states each claim over three seeds from `siamesenorm compare PRESET`."""
     from siamesenorm.experiments.grid import build_grid
@@ -378,3 +379,18 @@ def test_with_a_peak_the_table_and_summary_csv_show_each_run_s_mfu(tmp_path):
     # On the CPU without a peak: TFLOP/s but no MFU, and no MFU table.
     stdout, rows = compare("cpu")
     assert "mfu" not in rows[0] and float(rows[0]["tflops"]) > 0 and "MFU" not in stdout
+
+
+def test_the_topologies_preset_compares_the_2026_designs_at_two_rates():
+    """Issue 28: pre, siamese, hyper, mhc, attn_res (full and block) and Pre-Norm with DyT."""
+    from siamesenorm.experiments.grid import build_grid
+
+    for preset in ("topologies", "topologies-gpu"):
+        _, spec, cells = build_grid(preset, [])
+        built = {c.variant.label: (c.config.model.scheme, c.config.model.norm,
+                                   dict(c.config.model.scheme_options)) for c in cells}
+        assert built["attn_res"] == ("attn_res", built["pre"][1], {})
+        assert built["attn_res-block"][0] == "attn_res" and built["attn_res-block"][2]["block_size"] > 1
+        assert built["pre-dyt"] == ("pre", "dyt", {}) and built["pre"][1] != "dyt"
+        assert {built[k][0] for k in ("siamese", "hyper", "mhc")} == {"siamese", "hyper", "mhc"}
+        assert len(spec["lrs"]) == 2 and len(cells) == 7 * 2 * 3
