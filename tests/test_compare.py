@@ -394,3 +394,8 @@ def test_the_topologies_preset_compares_the_2026_designs_at_two_rates():
         assert built["pre-dyt"] == ("pre", "dyt", {}) and built["pre"][1] != "dyt"
         assert {built[k][0] for k in ("siamese", "hyper", "mhc")} == {"siamese", "hyper", "mhc"}
         assert len(spec["lrs"]) == 2 and len(cells) == 7 * 2 * 3
+        # DyT as its paper's language models have it: the embedding's learnable sqrt(d) scale, on an
+        # embedding of std 1/sqrt(d) (OLMo's init, every design's), so the stream enters at std 1
+        models = {c.variant.label: c.config.model for c in cells}
+        assert models["pre-dyt"].embed_scale == "sqrt_dim" and models["pre"].embed_scale is None
+        assert {m.init for m in models.values()} == {"mitchell"}

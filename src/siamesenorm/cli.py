@@ -22,7 +22,9 @@ EVERY_SCHEME = """\
   model.value_residual:  true mixes the first layer's values into every later attention layer's,
                          own * V_n + first * V_1 (ResFormer, arXiv 2410.17897; language models;
                          model.value_residual_mix: fixed or learned, model.value_residual_own and
-                         model.value_residual_first: the weights, 0.5 and 0.5)"""
+                         model.value_residual_first: the weights, 0.5 and 0.5)
+  model.embed_scale:     a learnable scalar on the token embedding, started at a number or
+                         sqrt_dim, as the DyT paper's language models have (null: none)"""
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:

@@ -168,7 +168,14 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
+        if len(inner) == 1:
+            return _coerce(key, value, inner[0])
+        for option in inner:                  # the first type that takes it (float before str)
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {' or '.join(_type_name(a) for a in inner)}, got {value!r}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")

@@ -69,7 +69,8 @@ class SiameseNormConfig(_BaseConfig):
                  init: str = "normal", init_std: float = 0.02, dropout: float = 0.0,
                  moe: dict | MoEConfig | None = None, value_residual: bool = False,
                  value_residual_mix: str = "fixed", value_residual_own: float = 0.5,
-                 value_residual_first: float = 0.5, use_cache: bool = True, **kwargs: Any) -> None:
+                 value_residual_first: float = 0.5, embed_scale: float | str | None = None,
+                 use_cache: bool = True, **kwargs: Any) -> None:
         if isinstance(moe, MoEConfig):
             moe = dataclasses.asdict(moe)
         values = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
@@ -79,7 +80,8 @@ class SiameseNormConfig(_BaseConfig):
                       scheme=scheme, scheme_options=dict(scheme_options or {}), init=init,
                       init_std=init_std, dropout=dropout, moe=dict(moe or {}),
                       value_residual=value_residual, value_residual_mix=value_residual_mix,
-                      value_residual_own=value_residual_own, value_residual_first=value_residual_first)
+                      value_residual_own=value_residual_own, value_residual_first=value_residual_first,
+                      embed_scale=embed_scale)
         _lm_config(values)                           # refuse what LMConfig refuses, now
         for name, value in values.items():
             setattr(self, name, value)

@@ -64,6 +64,8 @@ class LanguageModel(ResidualStack, SchemeHost):
         scheme: the residual scheme (owns every norm of the residual path).
         sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
         lm_head: untied output projection, or ``None`` when ``tie_embeddings``.
+        embed_scale: the learnable scalar multiplying the embedding (``config.embed_scale``), or
+            ``None``.
     """
 
     def __init__(self, config: LMConfig, device=None, dtype=None) -> None:
@@ -89,6 +91,9 @@ class LanguageModel(ResidualStack, SchemeHost):
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:
                 self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **kw)
+            self.embed_scale: nn.Parameter | None = None
+            if cfg.embed_scale is not None:
+                self.embed_scale = nn.Parameter(torch.empty(1, **kw))
         if cfg.norm == "dyt":   # the DyT paper's LLM alpha0 (attention / other, by width)
             set_llm_dyt_alpha0(self, cfg.dim)
         self.reset_parameters()
@@ -154,10 +159,10 @@ class LanguageModel(ResidualStack, SchemeHost):
         ``down_proj`` ~ N(0, init_std / sqrt(2 * n_layers)). ``mitchell`` (OLMo): truncated at
         +-3 std; q/k/v, gate/up, embedding and untied head std 1/sqrt(dim); ``out_proj`` of block l
         (from 0) std 1/sqrt(2 * dim * (l + 1)); ``down_proj`` std 1/sqrt(2 * mlp_hidden * (l + 1)).
-        Biases are zero; norm weights one. If the scheme requires ``init="xavier"`` (DeepNorm),
-        every sublayer weight is Xavier-normal instead, with gain ``branch_gain`` on v_proj,
-        out_proj and the MLP; otherwise a ``branch_gain`` != 1 multiplies those same weights
-        (:func:`~.host.init_branch_weights`).
+        Biases are zero; norm weights one; the embedding scale, if any, its start. If the scheme
+        requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
+        gain ``branch_gain`` on v_proj, out_proj and the MLP; otherwise a ``branch_gain`` != 1
+        multiplies those same weights (:func:`~.host.init_branch_weights`).
         """
         cfg = self.config
         mitchell = cfg.init == "mitchell"
@@ -171,6 +176,8 @@ class LanguageModel(ResidualStack, SchemeHost):
                 self._init_experts(sub, i)
         if self.lm_head is not None:
             _normal(self.lm_head.weight, head_std, mitchell)
+        if self.embed_scale is not None:
+            self.embed_scale.fill_(cfg.embed_scale_init)
 
     # ---- forward -----------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
@@ -211,7 +218,10 @@ class LanguageModel(ResidualStack, SchemeHost):
         attend = {"cache": cache, "pos": pos, "positions": positions, "key_mask": attention_mask}
         if self.config.value_residual:
             attend["first_values"] = FirstValues()      # layer 0's values, for the later layers
-        h = self.run(F.dropout(self.embed(input_ids), self.config.dropout, self.training),
+        x = self.embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        h = self.run(F.dropout(x, self.config.dropout, self.training),
                      attention_kwargs=attend, states=states)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, head)

@@ -98,6 +98,10 @@ class LMConfig:
     one's (ResFormer, :mod:`~siamesenorm.nn.value_residual`): ``value_residual_own *`` its own
     ``+ value_residual_first *`` the first's, weights ``fixed`` or ``learned`` per layer
     (``value_residual_mix``; the paper's 0.5 and 0.5 by default, the learned ones' start).
+    ``embed_scale`` multiplies the token embedding (not the tied head) by one learnable scalar
+    started at that value (``"sqrt_dim"``: sqrt(dim)), as the DyT paper's language models do
+    (arXiv 2503.10622): without a norm's rescaling the residual stream enters the first DyT at the
+    embedding's scale; ``None`` (the default) has no such scalar.
     """
 
     vocab_size: int = 256
@@ -126,6 +130,7 @@ class LMConfig:
     value_residual_mix: str = "fixed"
     value_residual_own: float = 0.5
     value_residual_first: float = 0.5
+    embed_scale: float | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -178,6 +183,7 @@ class LMConfig:
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
         self._check_value_residual()
+        self._check_embed_scale()
         buildable("LMConfig", self.n_layers, self.estimated_parameters())
         moe_layers = self.moe_layers
         if moe_layers and self.moe.n_experts > MAX_EXPERTS:
@@ -208,6 +214,25 @@ class LMConfig:
         elif self.family:
             raise ConfigError(f"model.value_residual is not available with model.family={self.family} "
                               "(the family's own attention); use our model (no model.family)")
+
+    def _check_embed_scale(self) -> None:
+        value = self.embed_scale
+        if value is None or value == "sqrt_dim":
+            pass
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not value > 0:
+            raise ConfigError(f"model.embed_scale must be a positive number, sqrt_dim or null, got {value!r}")
+        if value is not None and self.family:
+            raise ConfigError(f"model.embed_scale is not available with model.family={self.family} (the "
+                              "family's own embedding); use our model (no model.family)")
+
+    @property
+    def embed_scale_init(self) -> float | None:
+        """The start of the learnable embedding scale (``embed_scale``; sqrt(dim) for
+        ``"sqrt_dim"``), or ``None`` when the model has none."""
+        if self.embed_scale is None:
+            return None
+        return math.sqrt(self.dim) if self.embed_scale == "sqrt_dim" else float(self.embed_scale)
 
     @property
     def value_weights(self) -> tuple[float, float]:

@@ -96,6 +96,9 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     if getattr(cfg, "value_residual", False):
         raise ConfigError("model.value_residual has no OLMo-core counterpart (its attention takes no first "
                           "layer's values); train it with our model")
+    if getattr(cfg, "embed_scale", None) is not None:
+        raise ConfigError("model.embed_scale has no OLMo-core counterpart (its embedding has no learnable "
+                          "scale); train it with our model")
     dtype = DType(dtype)
     theta = int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta
     head_norm = head_norm_config(cfg.norm, cfg.norm_eps)
