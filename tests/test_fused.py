@@ -27,6 +27,7 @@ from siamesenorm.schemes import build_scheme
 
 F64 = torch.float64
 NORMS = ("layernorm", "rmsnorm")
+ENTRY_NORMS = (*NORMS, "dyt")   # the stream entry also fuses DyT (alpha travels as a parameter)
 EPS = 1e-3  # not the default, so a lean norm that ignores the module's eps shows up
 TOL = {"rtol": 0.0, "atol": 1e-10}
 LEAN_NODES = ("StreamEntry", "StreamUpdate", "_RMSNorm")  # the lean Functions' backward nodes
@@ -216,7 +217,7 @@ def _norm(kind: str, affine: bool, seed: int) -> nn.Module:
 
 
 ENTRY_VARIANTS = [v for v in itertools.product(
-    ("x_norm", "x_gain", "neither"), (True, False), (True, False), NORMS, (True, False),
+    ("x_norm", "x_gain", "neither"), (True, False), (True, False), ENTRY_NORMS, (True, False),
     (False, True)) if v[1] or v[2]]  # without y_norm and in_norm there is nothing to fuse
 
 
@@ -235,8 +236,8 @@ def _entry_setup(x_kind, with_y, with_in, kind, affine):
 def test_stream_entry_gradcheck(x_kind, with_y, with_in, kind, affine, same):
     spec, params = _entry_setup(x_kind, with_y, with_in, kind, affine)
     x, y = rand(*SHAPE, seed=14), rand(*SHAPE, seed=15)
-    assert len(params) == (affine * (1 + (kind == "layernorm"))
-                           * ((x_kind == "x_norm") + with_y + with_in) + (x_kind == "x_gain"))
+    per_norm = {"layernorm": 2 * affine, "rmsnorm": affine, "dyt": 1 + 2 * affine}[kind]  # DyT: alpha
+    assert len(params) == (per_norm * ((x_kind == "x_norm") + with_y + with_in) + (x_kind == "x_gain"))
 
     if same:  # SiameseNorm's first sublayer: X = Y = h, one tensor
         def fn(x, *ps):
@@ -270,7 +271,7 @@ def test_stream_entry_gain_form_returns_the_same_x_out_on_both_paths():
 
 
 @pytest.mark.parametrize("x_kind", ["x_norm", "x_gain", "neither"])
-@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("kind", ENTRY_NORMS)
 @pytest.mark.parametrize("which", ["x", "y", "params", "x+params", "y+params"])
 def test_stream_entry_partial_requires_grad(x_kind, kind, which):
     """Only some of x, y and the parameters want a gradient: the others get none, and those that
@@ -297,7 +298,7 @@ def test_stream_entry_partial_requires_grad(x_kind, kind, which):
             torch.testing.assert_close(g, r, **TOL)
 
 
-@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("kind", ENTRY_NORMS)
 @pytest.mark.parametrize("x_kind,with_in,used", [
     ("x_norm", True, "x_out"), ("x_norm", True, "b"), ("x_norm", False, "x_out"),
     ("x_norm", False, "b"), ("x_gain", False, "x_out"), ("x_gain", False, "b"),
@@ -336,7 +337,7 @@ def test_stream_entry_mixed_norms_fall_back_to_the_plain_composition():
 @pytest.mark.parametrize("x_kind,with_y,with_in", [
     ("x_norm", True, True), ("x_norm", False, True), ("x_norm", True, False),
     ("x_gain", True, False), ("neither", True, True)])
-@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("kind", ENTRY_NORMS)
 def test_stream_entry_under_cpu_autocast_matches_reference(x_kind, with_y, with_in, kind):
     spec, params = _entry_setup(x_kind, with_y, with_in, kind, True)
     for p in params:
@@ -395,7 +396,7 @@ def test_siamese_scheme_under_cpu_autocast_matches_reference(form, norm):
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("kind", ENTRY_NORMS)
 def test_stream_entry_bf16_inputs_under_cpu_autocast_same_dtype(kind):
     spec, params = _entry_setup("x_norm", True, True, kind, True)
     for p in params:  # float32 parameters, as in a model run under autocast
@@ -406,7 +407,9 @@ def test_stream_entry_bf16_inputs_under_cpu_autocast_same_dtype(kind):
     for ref in (False, True):
         with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
             dtypes.append(tuple(t.dtype for t in stream_entry(x, y, **spec)))
-    assert dtypes[1] == (torch.bfloat16, torch.bfloat16)  # the plain composition on CPU
+    # the plain composition on CPU; DyT's tanh(alpha x) * w with float32 alpha and w promotes
+    want = torch.float32 if kind == "dyt" else torch.bfloat16
+    assert dtypes[1] == (want, want)
     assert dtypes[0] == dtypes[1]
 
 

@@ -147,7 +147,7 @@ def test_rms_norm_gradcheck(affine) -> None:
 
 
 ENTRY_VARIANTS = list(itertools.product(("norm", "gain", "none"), (True, False), (True, False),
-                                        ("layernorm", "rmsnorm"), (True, False)))
+                                        ("layernorm", "rmsnorm", "dyt"), (True, False)))
 
 
 @pytest.mark.parametrize("x_kind,with_y,with_in,kind,affine", ENTRY_VARIANTS)
@@ -193,7 +193,7 @@ def _hooked_bytes(fn, exclude: set) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "dyt"])
 def test_siamese_step_keeps_only_streams_branch_input_and_row_statistics(norm) -> None:
     rows, dim = 4 * 16, 32
     scheme = build_scheme("siamese", dim, 2, norm=norm)
@@ -201,7 +201,8 @@ def test_siamese_step_keeps_only_streams_branch_input_and_row_statistics(norm) -
     x = torch.randn(4, 16, dim, requires_grad=True)
     y = torch.randn(4, 16, dim, requires_grad=True)
     params = {StorageWeakRef(p.untyped_storage()) for p in [*scheme.parameters(), *branch.parameters()]}
-    stats_per_norm = 2 if norm == "layernorm" else 1   # mean and rstd, or rstd (float32 per row)
+    # mean and rstd, or rstd (float32 per row); DyT none (its backward reads its input)
+    stats_per_norm = {"layernorm": 2, "rmsnorm": 1, "dyt": 0}[norm]
     residual = rows * dim * 4
     expected = 3 * residual + 3 * stats_per_norm * rows * 4
     lean = _hooked_bytes(lambda: scheme.step((x, y), 1, branch), params)
@@ -221,15 +222,17 @@ def test_hybrid_attention_entry_keeps_streams_and_one_norm_statistics() -> None:
     assert lean == 3 * rows * dim * 4 + rows * 4
 
 
-@pytest.mark.parametrize("scheme,options,most", [
-    ("siamese", {}, 1.10), ("siamese", {"form": "hybrid_pre"}, 1.12), ("hyper", {}, 1.25),
-    ("attn_res", {}, 1.02), ("attn_res", {"block_size": 4}, 1.02)])
-def test_saved_activation_ratio_to_pre_on_meta(scheme, options, most) -> None:
+@pytest.mark.parametrize("scheme,options,norm,most", [
+    ("siamese", {}, "rmsnorm", 1.10), ("siamese", {"form": "hybrid_pre"}, "rmsnorm", 1.12),
+    ("hyper", {}, "rmsnorm", 1.25), ("attn_res", {}, "rmsnorm", 1.02),
+    ("attn_res", {"block_size": 4}, "rmsnorm", 1.02), ("siamese", {}, "dyt", 1.10)])
+def test_saved_activation_ratio_to_pre_on_meta(scheme, options, norm, most) -> None:
     """The issue's targets at dim 256 / 12 blocks / 8 x 256 tokens, counted on the meta device
-    (no memory used; meta figures equal CPU ones), and the plain path above them."""
+    (no memory used; meta figures equal CPU ones), and the plain path above them; with DyT against
+    Pre-Norm with DyT."""
     def saved(name, opts, ref):
         cfg = LMConfig(vocab_size=256, dim=256, n_layers=12, n_heads=4, max_seq_len=256,
-                       scheme=name, scheme_options=opts)
+                       scheme=name, scheme_options=opts, norm=norm)
         model = LanguageModel(cfg, device="meta")
         x = torch.zeros(8, 257, dtype=torch.long, device="meta")
         with reference_path(ref):

@@ -112,7 +112,7 @@ class _DepthMixNorm(Function):
         work, *numbers = _numbers(sources, u, ctx.eps)
         x = _weighted_sum(work, numbers[2]).to(sources[0].dtype)
         need = ctx.needs_input_grad
-        gx, dnw, dnb = ctx.norm.backward(grad, x, stats, nw, nb, (True, need[3], need[4]))
+        gx, dnw, dnb, _ = ctx.norm.backward(grad, x, stats, nw, nb, (True, need[3], need[4]))
         du, grads = _mix_backward(gx.to(work[0].dtype), work, u.to(work[0].dtype), *numbers)
         du, *grads = _grads(du, u, grads, sources)
         return (None, du, None, dnw, dnb, *grads)

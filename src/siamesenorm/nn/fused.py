@@ -154,23 +154,28 @@ def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
 
 @dataclass(frozen=True)
 class _Norm:
-    """One norm of a fused function: its kind and epsilon (the parameters travel as tensors)."""
+    """One norm of a fused function: its kind and epsilon (the parameters travel as tensors:
+    ``w``, ``b``, and DyT's ``a``, its alpha). DyT has no row statistics: backward reads its input."""
 
     kind: str
     eps: float
 
-    def forward(self, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, w: Tensor | None, b: Tensor | None,
+                a: Tensor | None = None) -> tuple[Tensor, tuple]:
         """The norm of ``x`` and its row statistics."""
+        if self.kind == "dyt":
+            return _dyt_value(x, a, w, b), ()
         if self.kind == "layernorm":
             out, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, self.eps)
             return out, (mean, rstd)
         out, rstd = _rms_forward(x, w, self.eps)
         return out, (rstd,)
 
-    def added(self, base: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple:
+    def added(self, base: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None,
+              a: Tensor | None = None) -> tuple:
         """``base + norm(x)`` and the statistics of ``x`` (RMSNorm: one fused multiply-add)."""
-        if self.kind == "layernorm" or x.is_cuda:
-            out, stats = self.forward(x, w, b)
+        if self.kind != "rmsnorm" or x.is_cuda:
+            out, stats = self.forward(x, w, b, a)
             return base + out, stats
         xf = _work(x)
         rstd = _rms_rstd(xf, self.eps)
@@ -179,20 +184,30 @@ class _Norm:
         return _as(out, torch.promote_types(base.dtype, x.dtype)), (rstd,)
 
     def backward(self, g: Tensor, x: Tensor, stats: tuple, w: Tensor | None, b: Tensor | None,
-                 needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+                 needs: tuple[bool, ...], a: Tensor | None = None) -> tuple[Tensor | None, ...]:
+        """``(dx, dw, db, da)`` for the gradients ``needs`` asks for (x, w, b and DyT's alpha)."""
+        if self.kind == "dyt":
+            dx, da, dw, db = _dyt_backward(g, x, a, w, None if b is None else b.dtype,
+                                           (needs[0], len(needs) > 3 and needs[3], needs[1], needs[2]))
+            return dx, dw, db, da
         if self.kind == "layernorm":
             mask = [needs[0], needs[1] and w is not None, needs[2] and b is not None]
             if not any(mask):
-                return None, None, None
-            return _aten.native_layer_norm_backward(g, x, [x.shape[-1]], *stats, w, b, mask)
+                return None, None, None, None
+            return (*_aten.native_layer_norm_backward(g, x, [x.shape[-1]], *stats, w, b, mask), None)
         dx, dw = _rms_backward(g, x, stats[0], w, needs[:2])
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _params(module: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
     if module is None:
         return None, None
     return module.weight, getattr(module, "bias", None)
+
+
+def _alpha(module: nn.Module | None) -> Tensor | None:
+    """DyT's alpha, or ``None`` (no module, or a norm that has none)."""
+    return getattr(module, "alpha", None) if module is not None and _norm_kind(module) == "dyt" else None
 
 
 def _float32(t: Tensor | None) -> Tensor | None:
@@ -241,6 +256,21 @@ def _row_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
     return _as(t.reshape(-1, t.shape[-1]).sum(0), dtype)
 
 
+def _dyt_backward(g: Tensor, x: Tensor, alpha: Tensor, weight: Tensor | None,
+                  bias_dtype: torch.dtype | None, needs: tuple[bool, bool, bool, bool]) -> tuple:
+    """``(dx, d alpha, dw, db)`` of ``weight * tanh(alpha x) + bias`` (``needs``: which, in that
+    order). With ``t = tanh(alpha x)`` and ``s = g w (1 - t^2)``: ``dx = alpha s``,
+    ``d alpha = sum(s x)``, ``dw = sum_rows g t``, ``db = sum_rows g``."""
+    t = torch.tanh(alpha * x)
+    gw = g if weight is None else g * weight
+    s = gw * (1 - t * t)
+    dx = _as(s * alpha, x.dtype) if needs[0] else None
+    d_alpha = _as((s * x).sum().reshape(alpha.shape), alpha.dtype) if needs[1] else None
+    dw = _row_sum(g * t, weight.dtype) if weight is not None and needs[2] else None
+    db = _row_sum(g, bias_dtype) if bias_dtype is not None and needs[3] else None
+    return dx, d_alpha, dw, db
+
+
 class _DyT(Function):
     @staticmethod
     def forward(ctx, x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -250,18 +280,8 @@ class _DyT(Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        """With ``t = tanh(alpha x)`` and ``s = g w (1 - t^2)``: ``dx = alpha s``,
-        ``d alpha = sum(s x)``, ``dw = sum_rows g t``, ``db = sum_rows g``."""
         x, alpha, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        t = torch.tanh(alpha * x)
-        gw = g if weight is None else g * weight
-        s = gw * (1 - t * t)
-        dx = _as(s * alpha, x.dtype) if need[0] else None
-        d_alpha = _as((s * x).sum().reshape(alpha.shape), alpha.dtype) if need[1] else None
-        dw = _row_sum(g * t, weight.dtype) if weight is not None and need[2] else None
-        db = _row_sum(g, ctx.bias_dtype) if ctx.bias_dtype is not None and need[3] else None
-        return dx, d_alpha, dw, db
+        return _dyt_backward(g, x, alpha, weight, ctx.bias_dtype, ctx.needs_input_grad)
 
 
 def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
@@ -293,10 +313,12 @@ class _EntrySpec:
     inp: bool                # the sum goes through LN^in
 
 
-def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = ()):
+def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = (),
+           xa: Tensor | None = None, ya: Tensor | None = None):
     """``x'`` (``LN^X(x)``, ``x * gamma`` or ``x``), ``u = x' + LN^Y(y)`` (or ``x'``) and the
-    row statistics of ``LN^X`` and ``LN^Y`` (empty where there is no such norm). ``saved``: those
-    statistics from the forward, which spare RMSNorm's reductions when backward recomputes."""
+    row statistics of ``LN^X`` and ``LN^Y`` (empty where there is no such norm, and for DyT).
+    ``saved``: those statistics from the forward, which spare RMSNorm's reductions when backward
+    recomputes. ``xa``, ``ya``: DyT's alphas."""
     n, xs, ys = spec.norm, (), ()
     rms = n.kind == "rmsnorm" and not x.is_cuda
     if saved and rms:
@@ -304,7 +326,7 @@ def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved:
     if spec.x == "norm":
         xo = _as(_rms_apply(_work(x), xs[0], xw), x.dtype) if xs else None
         if xo is None:
-            xo, xs = n.forward(x, xw, xb)
+            xo, xs = n.forward(x, xw, xb, xa)
     elif spec.x == "gain":
         xo = x * xw
     else:
@@ -314,7 +336,7 @@ def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved:
         u = torch.addcmul(xo, _work(y) * ys[0], yw) if yw is not None else (_work(y) * ys[0]).add_(xo)
         u = _as(u, torch.promote_types(xo.dtype, y.dtype))
     elif spec.y:
-        u, ys = n.added(xo, y, yw, yb)
+        u, ys = n.added(xo, y, yw, yb, ya)
     return xo, u, xs, ys
 
 
@@ -322,48 +344,49 @@ class _StreamEntry(Function):
     """``x' = LN^X(x)`` (or ``x * gamma``), ``u = x' + LN^Y(y)``, ``b = LN^in(u)``; returns
     ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and row
     statistics; with ``LN^in``, backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` (and with them
-    the statistics of ``LN^X`` and ``LN^Y``, so only those of ``LN^in`` are saved)."""
+    the statistics of ``LN^X`` and ``LN^Y``, so only those of ``LN^in`` are saved). With DyT
+    (``xa``, ``ya``, ``ia``: the alphas) there are no statistics: it keeps ``x`` and ``y``."""
 
     @staticmethod
-    def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib):
-        xo, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb)
-        b, us = spec.norm.forward(u, iw, ib) if spec.inp else (u, ())
+    def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia):
+        xo, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, (), xa, ya)
+        b, us = spec.norm.forward(u, iw, ib, ia) if spec.inp else (u, ())
         ctx.spec, ctx.split, ctx.n_in = spec, len(xs), len(us)
         stats = (*us, *xs, *ys)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, y, xw, xb, yw, yb, iw, ib, *stats)
+        ctx.save_for_backward(x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia, *stats)
         return (xo, b) if spec.x == "norm" else (b,)
 
     @staticmethod
     def backward(ctx, *grads):
         spec, n = ctx.spec, ctx.spec.norm
-        x, y, xw, xb, yw, yb, iw, ib, *stats = ctx.saved_tensors
+        x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia, *stats = ctx.saved_tensors
         g_xo, g_b = grads if spec.x == "norm" else (None, grads[0])
         if g_b is None:
             if g_xo is None:
-                return (None,) * 9
+                return (None,) * 12
             g_b = torch.zeros_like(g_xo)
         need = ctx.needs_input_grad
-        d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = None
+        d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = d_xa = d_ya = d_ia = None
         du = g_b
         us, rest = tuple(stats[:ctx.n_in]), tuple(stats[ctx.n_in:])
         xs, ys = rest[:ctx.split], rest[ctx.split:]
         if spec.inp:
-            _, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, rest)
-            du, d_iw, d_ib = n.backward(g_b, u, us, iw, ib, (True, need[7], need[8]))
+            _, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, rest, xa, ya)
+            du, d_iw, d_ib, d_ia = n.backward(g_b, u, us, iw, ib, (True, need[7], need[8], need[11]), ia)
             del u
         if spec.y:
-            dy, d_yw, d_yb = n.backward(du, y, ys, yw, yb, (need[2], need[5], need[6]))
+            dy, d_yw, d_yb, d_ya = n.backward(du, y, ys, yw, yb, (need[2], need[5], need[6], need[10]), ya)
         d_xo = du if g_xo is None else du + g_xo
         if spec.x == "norm":
-            dx, d_xw, d_xb = n.backward(d_xo, x, xs, xw, xb, (need[1], need[3], need[4]))
+            dx, d_xw, d_xb, d_xa = n.backward(d_xo, x, xs, xw, xb, (need[1], need[3], need[4], need[9]), xa)
         elif spec.x == "gain":
             dx = d_xo * xw if need[1] else None
             if need[3]:
                 d_xw = (d_xo * x).reshape(-1, x.shape[-1]).sum(0)
         else:
             dx = d_xo
-        return None, dx, dy, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib
+        return None, dx, dy, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib, d_xa, d_ya, d_ia
 
 
 def _plain_entry(x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
@@ -392,10 +415,10 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     norms = [m for m in (x_norm, y_norm, in_norm) if m is not None]
     kinds = {_norm_kind(m) for m in norms}
     eps = {m.eps for m in norms}
-    params = [t for m in norms for t in _params(m) if t is not None]
+    params = [t for m in norms for t in (*_params(m), _alpha(m)) if t is not None]
     if x_gain is not None:
         params.append(x_gain)
-    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1 and "dyt" not in kinds
+    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1
             and (y_norm is not None or in_norm is not None) and _wants_grad(x, y, *params))
     if not lean:
         return _plain_entry(x, y, x_norm, x_gain, y_norm, in_norm)
@@ -406,7 +429,7 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
         y = x.view_as(x)
     args = [x, y if y_norm is not None else None,
             *(_params(x_norm) if x_norm is not None else (x_gain, None)),
-            *_params(y_norm), *_params(in_norm)]
+            *_params(y_norm), *_params(in_norm), _alpha(x_norm), _alpha(y_norm), _alpha(in_norm)]
     if _autocast_on(x):
         cast = _float32 if _autocast_fp32(x) else (lambda t: t)
         with torch.autocast(x.device.type, enabled=False):
