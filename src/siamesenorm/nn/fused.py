@@ -163,8 +163,10 @@ class _Norm:
     def forward(self, x: Tensor, w: Tensor | None, b: Tensor | None,
                 a: Tensor | None = None) -> tuple[Tensor, tuple]:
         """The norm of ``x`` and its row statistics."""
-        if self.kind == "dyt":
-            return _dyt_value(x, a, w, b), ()
+        if self.kind == "dyt":   # its "statistics": tanh(alpha x), for a backward that recomputes
+            t = torch.tanh(a * x)
+            out = t if w is None else t * w
+            return (out if b is None else out + b), (t,)
         if self.kind == "layernorm":
             out, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, self.eps)
             return out, (mean, rstd)
@@ -188,7 +190,8 @@ class _Norm:
         """``(dx, dw, db, da)`` for the gradients ``needs`` asks for (x, w, b and DyT's alpha)."""
         if self.kind == "dyt":
             dx, da, dw, db = _dyt_backward(g, x, a, w, None if b is None else b.dtype,
-                                           (needs[0], len(needs) > 3 and needs[3], needs[1], needs[2]))
+                                           (needs[0], len(needs) > 3 and needs[3], needs[1], needs[2]),
+                                           stats[0] if stats else None)
             return dx, dw, db, da
         if self.kind == "layernorm":
             mask = [needs[0], needs[1] and w is not None, needs[2] and b is not None]
@@ -257,11 +260,12 @@ def _row_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _dyt_backward(g: Tensor, x: Tensor, alpha: Tensor, weight: Tensor | None,
-                  bias_dtype: torch.dtype | None, needs: tuple[bool, bool, bool, bool]) -> tuple:
+                  bias_dtype: torch.dtype | None, needs: tuple[bool, bool, bool, bool],
+                  t: Tensor | None = None) -> tuple:
     """``(dx, d alpha, dw, db)`` of ``weight * tanh(alpha x) + bias`` (``needs``: which, in that
-    order). With ``t = tanh(alpha x)`` and ``s = g w (1 - t^2)``: ``dx = alpha s``,
-    ``d alpha = sum(s x)``, ``dw = sum_rows g t``, ``db = sum_rows g``."""
-    t = torch.tanh(alpha * x)
+    order; ``t``: ``tanh(alpha x)`` if already recomputed). With ``s = g w (1 - t^2)``:
+    ``dx = alpha s``, ``d alpha = sum(s x)``, ``dw = sum_rows g t``, ``db = sum_rows g``."""
+    t = torch.tanh(alpha * x) if t is None else t
     gw = g if weight is None else g * weight
     s = gw * (1 - t * t)
     dx = _as(s * alpha, x.dtype) if needs[0] else None
@@ -351,6 +355,8 @@ class _StreamEntry(Function):
     def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia):
         xo, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, (), xa, ya)
         b, us = spec.norm.forward(u, iw, ib, ia) if spec.inp else (u, ())
+        if spec.norm.kind == "dyt":   # keep no tanh: backward recomputes it with x' and u
+            xs = ys = us = ()
         ctx.spec, ctx.split, ctx.n_in = spec, len(xs), len(us)
         stats = (*us, *xs, *ys)
         ctx.set_materialize_grads(False)
