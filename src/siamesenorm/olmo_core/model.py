@@ -20,6 +20,7 @@ from outside, so the pieces are subclasses: :class:`SchemeBlockConfig` builds
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
@@ -234,6 +235,7 @@ class SchemeBlock(TransformerBlockBase):
                    wrapping_strategy: TransformerDataParallelWrappingStrategy = (
                        TransformerDataParallelWrappingStrategy.full),
                    **fsdp_kwargs: Any) -> None:
+        _quiet_scheme_block_view_warning()
         if wrapping_strategy == TransformerDataParallelWrappingStrategy.fine_grained:
             att = cast(FSDPModule, fully_shard(self.attention, mesh=dp_mesh, **fsdp_kwargs))
             mlp = cast(FSDPModule, fully_shard(self.feed_forward, mesh=dp_mesh, **fsdp_kwargs))
@@ -247,6 +249,19 @@ class SchemeBlock(TransformerBlockBase):
     def num_flops_per_token(self, seq_len: int) -> int:
         return (self.attention.num_flops_per_token(seq_len)
                 + self.feed_forward.num_flops_per_token(seq_len))
+
+
+# A scheme block returns views in two cases: Attention Residuals pass every earlier output on
+# unchanged, as the views of its inputs that FSDP2's pre-forward made; under tensor parallelism the
+# state leaves a block as DTensor.to_local() views. FSDP2 then warns that an in-place op on such a
+# view would skip its all-gather. No scheme writes into its state in place (each step returns new
+# tensors), and tests/test_olmo_core_parallel.py checks every scheme in its plan under FSDP, TP and CP
+# against one process, so the warning is ignored for scheme blocks (any other module's stays loud).
+SCHEME_BLOCK_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSchemeBlock\) returned a view tensor"
+
+
+def _quiet_scheme_block_view_warning() -> None:
+    warnings.filterwarnings("ignore", message=SCHEME_BLOCK_VIEW_WARNING, category=UserWarning)
 
 
 @dataclass
