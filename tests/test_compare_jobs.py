@@ -249,6 +249,30 @@ def test_workers_stop_with_a_checkpoint_when_the_comparison_is_killed(tmp_path, 
                 time.sleep(0.2)
 
 
+def test_repeated_parent_death_signals_stop_a_worker_once():
+    """Linux sends the parent-death signal once per thread of the dying parent that the worker is
+    handed to (kill -9 of a compare with threads): the worker turns the first into one SIGTERM, a
+    checkpoint at the step boundary, and ignores the rest. (Before, the second SIGTERM stopped the
+    step in flight without a checkpoint and a third, after training, killed the process before
+    its summary: the test above failed on a loaded machine.)"""
+    script = """
+import os, signal
+from siamesenorm.tasks import worker
+from siamesenorm.train.interrupt import DeferredInterrupt
+signal.signal(worker.PARENT_DEATH_SIGNAL, worker._parent_died)
+with DeferredInterrupt() as stop:
+    for _ in range(3):
+        os.kill(os.getpid(), worker.PARENT_DEATH_SIGNAL)
+    for _ in range(10000):    # the handlers run between bytecodes
+        pass
+    print(stop.requested, stop.terminated)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "True"]
+
+
 def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, inject, capsys):
     """A crash (an exception in the training loop of one worker, injected by a sitecustomize that
     only that run's process acts on) leaves the other run training; the same command then trains

@@ -3,14 +3,15 @@ started (:func:`~.runner.launch_task`), or one run of a ``compare --jobs N``
 (:mod:`siamesenorm.experiments.workers`). The launcher has claimed and prepared ``RUN_DIR``; the
 rank trains it from its ``config.yaml`` and reports a failure to the launcher as one line
 (:func:`~siamesenorm.parallel.launch.report_failure`) instead of printing it. With
-:data:`STOP_WITH_ENV` set to its parent's pid, the process is stopped (SIGTERM: a checkpoint,
-then the end) when that parent dies, on Linux."""
+:data:`STOP_WITH_ENV` set to its parent's pid, the process is stopped as by one SIGTERM (a
+checkpoint, then the end) when that parent dies, on Linux."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
 
 from ..errors import ConfigError, Terminated, environment_problem
 from ..parallel.env import exit_process
@@ -51,9 +52,31 @@ class _OutlivesReader:
         return getattr(self._stream, name)
 
 
+# Linux sends the parent-death signal each time the thread this process is parented to ends: a
+# parent with several threads that dies at once (kill -9 of compare) sends it once per thread as the
+# process is handed from one dying thread to the next. It comes as SIGHUP, which becomes one SIGTERM
+# (a checkpoint, then the end): a second SIGTERM would stop the step in flight without one, and one
+# after training would end the process before its summary is written.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+
+
+_parent_gone = threading.Event()
+
+
+def _parent_died(signum, frame) -> None:
+    """The first parent-death signal: one SIGTERM to this process; the repeats (Python may call
+    this again for a signal that arrived before the first call ended): nothing."""
+    if _parent_gone.is_set():
+        return
+    _parent_gone.set()
+    signal.signal(PARENT_DEATH_SIGNAL, signal.SIG_IGN)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _stop_with_parent() -> bool:
-    """Ask Linux for a SIGTERM when the parent named by :data:`STOP_WITH_ENV` dies, and let
-    stdout and stderr outlive it; ``False`` when it is gone already (nothing is to be trained)."""
+    """Ask Linux for a signal when the parent named by :data:`STOP_WITH_ENV` dies, which ends the
+    run as one SIGTERM would, and let stdout and stderr outlive it; ``False`` when it is gone
+    already (nothing is to be trained)."""
     pid = os.environ.get(STOP_WITH_ENV, "")
     if not pid.isdigit():
         return True
@@ -61,8 +84,9 @@ def _stop_with_parent() -> bool:
     if sys.platform.startswith("linux"):
         import ctypes
 
+        signal.signal(PARENT_DEATH_SIGNAL, _parent_died)
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))     # PR_SET_PDEATHSIG
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(PARENT_DEATH_SIGNAL))  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
     return os.getppid() == int(pid)
