@@ -1,0 +1,12 @@
+"""Fused Triton kernels registered as ``torch.library`` custom ops, with a PyTorch fallback.
+
+The kernels run on CUDA with Triton installed, and on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, for tests). Elsewhere the front functions compute the same math as plain
+PyTorch ops and say so once on stderr. Triton is imported only when a kernel first runs.
+"""
+
+from .availability import announce_fallback, kernels_available, triton_installed
+from .ops import MAX_WIDTH, add_norm, add_rms_norm, siamese_update_entry
+
+__all__ = ["MAX_WIDTH", "add_norm", "add_rms_norm", "announce_fallback", "kernels_available",
+           "siamese_update_entry", "triton_installed"]

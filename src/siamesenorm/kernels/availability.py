@@ -1,0 +1,48 @@
+"""Whether the Triton kernels can run on a tensor, and the one-line notice when they cannot."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from torch import Tensor
+
+__all__ = ["announce_fallback", "kernels_available", "triton_installed"]
+
+_announced = False
+
+
+def _find_triton() -> bool:
+    """Whether Triton is installed, found without importing it (the kernels import it on first use)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_TRITON = _find_triton()
+
+
+def triton_installed() -> bool:
+    return _TRITON
+
+
+def kernels_available(t: Tensor) -> bool:
+    """Triton is installed and ``t`` is on CUDA, or on the CPU with ``TRITON_INTERPRET=1``
+    (Triton's interpreter, for tests)."""
+    if not _TRITON:
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def announce_fallback() -> None:
+    """Say once per process, on stderr, that the PyTorch path runs in place of the kernels."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    print("siamesenorm: fused Triton kernels need CUDA and triton; running the PyTorch path",
+          file=sys.stderr)

@@ -1,0 +1,287 @@
+"""The fused ops as ``torch.library`` custom ops (``siamesenorm::...``) and their front functions.
+
+- :func:`add_norm`: Pre-Norm's residual add and the next norm, ``s = h + z; n = norm(s)``.
+- :func:`siamese_update_entry`: SiameseNorm's work between two matmuls (arXiv 2602.08064): the
+  exit of one sublayer (its writes into the two streams) fused with the entry of the next.
+
+Each op has a fake (so ``torch.compile`` traces it) and an autograd formula whose backward is a
+second custom op. Forward keeps only what backward needs: the tensors a norm reads and its per-row
+statistics (float32 mean and rstd); normalised values and sums are recomputed in the kernel. The
+front functions run the kernels where :func:`~siamesenorm.kernels.kernels_available` says so, and
+otherwise the plain composition of PyTorch ops (``F.rms_norm``/``F.layer_norm`` and adds), which is
+the reference.
+"""
+
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .availability import announce_fallback, kernels_available
+
+__all__ = ["MAX_WIDTH", "add_norm", "add_rms_norm", "siamese_update_entry"]
+
+MAX_WIDTH = 65536            # a row is one Triton block; wider rows take the PyTorch path
+_KINDS = ("rmsnorm", "layernorm")
+_X_MODES = ("norm", "gain", "none")
+
+
+def _kernels():
+    from . import _triton
+    return _triton
+
+
+def _use_kernels(t: Tensor) -> bool:
+    if kernels_available(t):
+        return 0 < t.shape[-1] <= MAX_WIDTH
+    if t.device.type != "meta" and not torch.compiler.is_compiling():
+        announce_fallback()
+    return False
+
+
+def _norm(t: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float) -> Tensor:
+    if kind == "layernorm":
+        return F.layer_norm(t, (t.shape[-1],), weight, bias, eps)
+    return F.rms_norm(t, (t.shape[-1],), weight, eps)
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    """A gradient as the kernels read it; ``None`` for none (or that of an output left empty)."""
+    return None if t is None or t.numel() == 0 else t.contiguous()
+
+
+def _rows(t: Tensor) -> int:
+    return t.numel() // t.shape[-1]
+
+
+def _check_kind(kind: str, *biases: Tensor | None) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"norm kind must be one of {_KINDS}, not {kind!r}")
+    if kind == "rmsnorm" and any(b is not None for b in biases):
+        raise ValueError("RMSNorm has no bias")
+
+
+# ---- s = h + z; n = norm(s) --------------------------------------------------------------------------
+@torch.library.custom_op("siamesenorm::add_norm", mutates_args=())
+def _add_norm(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+              eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(s, n, stats)``: ``stats`` is ``(2, rows)`` float32, the mean (0 for RMSNorm) and rstd."""
+    return _kernels().add_norm_forward(h, z, weight, bias, kind == "layernorm", eps)
+
+
+@_add_norm.register_fake
+def _(h, z, weight, bias, kind, eps):
+    s = h.new_empty(h.shape, dtype=torch.promote_types(h.dtype, z.dtype))
+    return s, torch.empty_like(s), h.new_empty((2, _rows(h)), dtype=torch.float32)
+
+
+@torch.library.custom_op("siamesenorm::add_norm_backward", mutates_args=())
+def _add_norm_backward(gs: Tensor | None, gn: Tensor, s: Tensor, weight: Tensor | None,
+                       bias: Tensor | None, stats: Tensor, kind: str, need_w: bool,
+                       need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(ds, dw, db)`` (``ds`` in ``s``'s dtype; ``dw``, ``db`` empty where not computed)."""
+    return _kernels().add_norm_backward(gs, gn, s, weight, bias, stats, kind == "layernorm", need_w, need_b)
+
+
+@_add_norm_backward.register_fake
+def _(gs, gn, s, weight, bias, stats, kind, need_w, need_b):
+    def grad(p: Tensor | None, need: bool) -> Tensor:
+        return torch.empty_like(p) if p is not None and need else s.new_empty(0, dtype=torch.float32)
+
+    return torch.empty_like(s), grad(weight, need_w), grad(bias, need_b)
+
+
+def _add_norm_setup(ctx, inputs, output) -> None:
+    h, z, weight, bias, kind, _ = inputs
+    s, _, stats = output
+    ctx.save_for_backward(s, weight, bias, stats)
+    ctx.kind, ctx.dtypes = kind, (h.dtype, z.dtype)
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+
+
+def _add_norm_grad(ctx, gs, gn, _):
+    s, weight, bias, stats = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dw = db = None
+    if gn is None:
+        ds = gs
+    else:
+        ds, dw, db = torch.ops.siamesenorm.add_norm_backward(
+            _contiguous(gs), gn.contiguous(), s, weight, bias, stats, ctx.kind, need[2], need[3])
+        dw = dw if weight is not None and need[2] else None
+        db = db if bias is not None and need[3] else None
+    if ds is None:
+        return None, None, dw, db, None, None
+    dh, dz = (ds.to(t) if n else None for t, n in zip(ctx.dtypes, need[:2]))
+    return dh, dz, dw, db, None, None
+
+
+_add_norm.register_autograd(_add_norm_grad, setup_context=_add_norm_setup)
+
+
+def add_norm(h: Tensor, z: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,
+             kind: str = "rmsnorm", eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``(s, n)`` with ``s = h + z`` and ``n = norm(s)`` over the last dimension (``kind``:
+    ``"rmsnorm"``, weight optional, or ``"layernorm"``, weight and bias optional). ``s`` and ``n``
+    have the dtype of ``h + z``; the kernel computes in float32 and keeps ``s`` and the row
+    statistics for backward."""
+    _check_kind(kind, bias)
+    if h.shape != z.shape:
+        raise ValueError(f"add_norm: h and z differ in shape: {tuple(h.shape)} and {tuple(z.shape)}")
+    if _use_kernels(h):
+        s, n, _ = torch.ops.siamesenorm.add_norm(h, z, weight, bias, kind, float(eps))
+        return s, n
+    s = h + z
+    return s, _norm(s, weight, bias, kind, eps)
+
+
+def add_rms_norm(h: Tensor, z: Tensor, weight: Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``(s, rms_norm(s))`` with ``s = h + z``: :func:`add_norm` with RMSNorm."""
+    return add_norm(h, z, weight, kind="rmsnorm", eps=eps)
+
+
+# ---- SiameseNorm: the update of two streams and the entry of the next sublayer -------------------------
+@torch.library.custom_op("siamesenorm::update_entry", mutates_args=())
+def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight: Tensor | None,
+                  x_bias: Tensor | None, y_weight: Tensor | None, y_bias: Tensor | None,
+                  in_weight: Tensor | None, in_bias: Tensor | None, kind: str, eps: float,
+                  x_mode: str, y_norm: bool,
+                  in_norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(x', y1, b, x1, stats)``: ``x'`` is empty when it is ``x`` itself (no ``o``, no X norm),
+    ``y1`` without ``o``; ``x1`` (``x + scale o``) is written only with ``o`` and the X norm, for
+    backward; ``stats`` is ``(6, rows)`` float32: mean and rstd of the X, Y and input norms."""
+    params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
+    return _kernels().entry_forward(x, y, o, scale, params, kind == "layernorm", eps, x_mode, y_norm,
+                                    in_norm)
+
+
+@_update_entry.register_fake
+def _(x, y, o, scale, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, eps, x_mode, y_norm,
+      in_norm):
+    has_o = o is not None
+    x_dtype = x.dtype if o is None else torch.promote_types(x.dtype, o.dtype)
+    y_dtype = y.dtype if o is None else torch.promote_types(y.dtype, o.dtype)
+
+    def new(full: bool, dtype: torch.dtype) -> Tensor:
+        return x.new_empty(x.shape if full else (0,), dtype=dtype)
+
+    return (new(x_mode == "norm" or has_o, x_dtype), new(has_o, y_dtype),
+            new(True, torch.promote_types(x_dtype, y_dtype)), new(has_o and x_mode == "norm", x_dtype),
+            x.new_empty((6, _rows(x)), dtype=torch.float32))
+
+
+@torch.library.custom_op("siamesenorm::update_entry_backward", mutates_args=())
+def _update_entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor, x1: Tensor,
+                           y1: Tensor | None, x_weight: Tensor | None, x_bias: Tensor | None,
+                           y_weight: Tensor | None, y_bias: Tensor | None,
+                           in_weight: Tensor | None, in_bias: Tensor | None, stats: Tensor,
+                           has_o: bool, scale: float, kind: str, x_mode: str, y_norm: bool,
+                           in_norm: bool) -> list[Tensor]:
+    """``[dx, dy, do, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib]``, the first three in ``x1``'s dtype;
+    empty where there is no such gradient."""
+    params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
+    return list(_kernels().entry_backward(g_xo, g_y1, g_b, x1, y1, params, stats, has_o, scale,
+                                          kind == "layernorm", x_mode, y_norm, in_norm))
+
+
+@_update_entry_backward.register_fake
+def _(g_xo, g_y1, g_b, x1, y1, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, stats, has_o, scale,
+      kind, x_mode, y_norm, in_norm):
+    def new(full: bool) -> Tensor:
+        return x1.new_empty(x1.shape if full else (0,))
+
+    params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
+    return [new(True), new(y_norm or has_o), new(has_o),
+            *(torch.empty_like(p) if p is not None else x1.new_empty(0, dtype=torch.float32)
+              for p in params)]
+
+
+def _entry_setup(ctx, inputs, output) -> None:
+    x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, _, x_mode, y_norm, in_norm = inputs
+    xo, y1, b, x1, stats = output
+    has_o = o is not None
+    # What the norms read: x1 = x + scale o (x itself without o), y1 = y + o (y itself).
+    x1_kept = (x1 if x_mode == "norm" else xo) if has_o else x
+    y1_kept = (y1 if has_o else y) if y_norm else None
+    ctx.save_for_backward(x1_kept, y1_kept, xw, xb, yw, yb, iw, ib, stats)
+    ctx.flags = (has_o, scale, kind, x_mode, y_norm, in_norm)
+    ctx.dtypes = (x.dtype, y.dtype, None if o is None else o.dtype)
+    ctx.b_meta = (b.shape, b.dtype)
+    ctx.mark_non_differentiable(x1, stats)
+    ctx.set_materialize_grads(False)
+
+
+def _entry_grad(ctx, g_xo, g_y1, g_b, _x1, _stats):
+    x1, y1, *params, stats = ctx.saved_tensors
+    has_o, scale, kind, x_mode, y_norm, in_norm = ctx.flags
+    none = (None,) * 15
+    g_xo, g_y1, g_b = _contiguous(g_xo), _contiguous(g_y1), _contiguous(g_b)
+    if g_xo is None and g_y1 is None and g_b is None:
+        return none
+    if g_b is None:
+        g_b = x1.new_zeros(ctx.b_meta[0], dtype=ctx.b_meta[1])
+    dx, dy, do, *d_params = torch.ops.siamesenorm.update_entry_backward(
+        g_xo, g_y1, g_b, x1, y1, *params, stats, has_o, scale, kind,
+        x_mode, y_norm, in_norm)
+    need = ctx.needs_input_grad
+    x_dtype, y_dtype, o_dtype = ctx.dtypes
+    dx = dx.to(x_dtype) if need[0] else None
+    dy = dy.to(y_dtype) if need[1] and (y_norm or has_o) else None
+    do = do.to(o_dtype) if has_o and need[2] else None
+    d_params = [d if p is not None and n else None for d, p, n in zip(d_params, params, need[4:10])]
+    return (dx, dy, do, None, *d_params, None, None, None, None, None)
+
+
+_update_entry.register_autograd(_entry_grad, setup_context=_entry_setup)
+
+
+def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, scale: float = 1.0, *,
+                         x_mode: str = "norm", x_weight: Tensor | None = None,
+                         x_bias: Tensor | None = None, y_norm: bool = True, y_weight: Tensor | None = None,
+                         y_bias: Tensor | None = None, in_norm: bool = True,
+                         in_weight: Tensor | None = None, in_bias: Tensor | None = None,
+                         kind: str = "rmsnorm", eps: float = 1e-6) -> tuple[Tensor, Tensor | None, Tensor]:
+    """SiameseNorm between two matmuls; returns ``(x', y1, b)``::
+
+        x1, y1 = x + scale * o, y + o        (x, y themselves without o)
+        x'     = LN^X(x1)                    (x_mode "norm"; x1 itself for "gain" and "none")
+        r      = x' | x1 * x_weight | x1     (x_mode "norm" | "gain" | "none")
+        u      = r + LN^Y(y1)                (r without y_norm)
+        b      = LN^in(u)                    (u without in_norm)
+
+    All norms share ``kind`` and ``eps``; each weight and bias is optional (RMSNorm: no bias); in
+    "gain" mode ``x_weight`` is the gain gamma. Without ``o``, ``y1`` is ``y`` itself (``None`` if
+    ``y`` is) and, unless the X stream is normalised, ``x'`` is ``x`` itself. With the kernels the
+    sum ``u`` stays in float32 inside one kernel and is never stored: backward recomputes it from
+    ``x1`` (``x`` without ``o``), ``y1`` and the saved row statistics.
+    """
+    _check_kind(kind, x_bias, y_bias, in_bias)
+    if x_mode not in _X_MODES:
+        raise ValueError(f"x_mode must be one of {_X_MODES}, not {x_mode!r}")
+    if x_mode == "gain" and (x_weight is None or x_bias is not None):
+        raise ValueError('x_mode "gain" takes x_weight (the gain) and no x_bias')
+    if x_mode == "none" and (x_weight is not None or x_bias is not None):
+        raise ValueError('x_mode "none" takes no x_weight or x_bias')
+    if not y_norm and (y_weight is not None or y_bias is not None):
+        raise ValueError("y_weight and y_bias need y_norm")
+    if not in_norm and (in_weight is not None or in_bias is not None):
+        raise ValueError("in_weight and in_bias need in_norm")
+    if y is None and (y_norm or o is not None):
+        raise ValueError("y is needed with y_norm or o")
+    for name, t in (("y", y), ("o", o)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"siamese_update_entry: {name} has shape {tuple(t.shape)}, x {tuple(x.shape)}")
+    if _use_kernels(x):
+        xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(
+            x, y if y is not None else x, o, float(scale), x_weight, x_bias, y_weight, y_bias, in_weight,
+            in_bias, kind, float(eps), x_mode, y_norm, in_norm)
+        return (xo if x_mode == "norm" or o is not None else x), (y1 if o is not None else y), b
+    if o is not None:
+        x, y = torch.add(x, o, alpha=scale), y + o
+    xo = _norm(x, x_weight, x_bias, kind, eps) if x_mode == "norm" else x
+    u = x * x_weight if x_mode == "gain" else xo
+    if y_norm:
+        u = u + _norm(y, y_weight, y_bias, kind, eps)
+    return xo, y, (_norm(u, in_weight, in_bias, kind, eps) if in_norm else u)
