@@ -494,3 +494,30 @@ def test_a_bad_input_from_the_command_line_prints_one_line():
     proc = _entry(["olmo-1b", "--dry-run", "--tp", "2"])
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "tensor parallelism" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bf16", 989_500_000_000_000),       # OLMo-core 3.0 takes it for an A100 (312e12)
+    ("NVIDIA H100 PCIe", "bf16", 756_500_000_000_000),
+    ("NVIDIA H200", "fp32", 67_000_000_000_000),
+    ("Some Future GPU", "bf16", None),                  # not in our table: OLMo-core's own guess
+    (None, "fp32", None),                               # a CPU
+])
+def test_the_speed_monitor_measures_mfu_against_our_peak_of_the_device(name, precision, peak):
+    from siamesenorm.olmo_core.train import speed_monitor
+    callback = speed_monitor(12345, name, precision)
+    assert callback.num_flops_per_token == 12345
+    assert callback.device_peak_flops_per_second == peak
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989_500_000_000_000), ("Some Future GPU", None)])
+def test_the_entrys_trainer_gets_the_peak_of_the_gpu_it_runs_on(name, peak, token_files, tmp_path,
+                                                                 monkeypatch):
+    from siamesenorm.olmo_core import train as entry
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    args = entry.parser().parse_args(["tiny", "--data", str(token_files / "*.npy"),
+                                      "--save-folder", str(tmp_path)])
+    parts = entry.build_experiment(args, entry.resolve(args), world=1)
+    assert parts["trainer"].callbacks["speed_monitor"].device_peak_flops_per_second == peak
+    assert parts["train_module"].autocast_precision is not None      # bf16, the GPU default

@@ -382,22 +382,33 @@ def _data_paths(patterns: list[str]) -> list[str]:
     return paths
 
 
-def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> dict[str, Any]:
-    """OLMo-core's configs of the run: model, dataset, data loader, train module and trainer."""
+def device_peak_flops(device_name: str | None, precision: str) -> int | None:
+    """Peak dense FLOP/s of the GPU ``device_name`` in ``precision`` (``bf16`` or ``fp32``) from our
+    table (:func:`~siamesenorm.train.throughput.table_peak`), for OLMo-core's speed monitor;
+    ``None`` (OLMo-core's own guess) on a CPU or a GPU the table does not know."""
+    if device_name is None:
+        return None
     import torch
+
+    from ..train.throughput import table_peak
+    peak = table_peak(device_name, precision, tf32=torch.get_float32_matmul_precision() != "highest")
+    return None if peak is None else round(peak.tflops * 1e12)
+
+
+def speed_monitor(flops_per_token: int, device_name: str | None, precision: str):
+    """OLMo-core's ``SpeedMonitorCallback`` measuring MFU against our peak of the device (OLMo-core
+    3.0's own table takes every GPU but H100 and B200 for an A100: MFU 136% on an H200)."""
+    from olmo_core.train.callbacks import SpeedMonitorCallback
+    return SpeedMonitorCallback(num_flops_per_token=flops_per_token,
+                                device_peak_flops_per_second=device_peak_flops(device_name, precision))
+
+
+def train_module_config(args: argparse.Namespace, shape: RunShape, world: int, dp: str, precision: str,
+                        cuda: bool):
+    """OLMo-core's ``TransformerTrainModuleConfig`` of the run (benchmarks/gpu.py trains it too)."""
     from olmo_core.config import DType
-    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
-    from olmo_core.data.types import NumpyDatasetDType
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
-    from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import (
-        CheckpointerCallback,
-        ConfigSaverCallback,
-        GarbageCollectorCallback,
-        GPUMemoryMonitorCallback,
-        SpeedMonitorCallback,
-    )
     from olmo_core.train.train_module import (
         TransformerActivationCheckpointingConfig,
         TransformerContextParallelConfig,
@@ -409,6 +420,43 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
     from olmo_core.train.train_module.transformer.config import (
         TransformerActivationCheckpointingMode,
         TransformerDataParallelWrappingStrategy,
+    )
+
+    dp_config = None
+    if dp != "none":
+        dp_config = TransformerDataParallelConfig(
+            name=DataParallelType(dp), reduce_dtype=DType.float32,
+            param_dtype=DType.bfloat16 if precision == "bf16" and dp != "ddp" else None,
+            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks,
+            # expert parallelism runs over HSDP's shard dimension: args.ep ranks wide
+            **({"shard_degree": args.ep, "num_replicas": world // args.ep} if args.ep > 1 else {}))
+    ac = None if args.ac == "none" else TransformerActivationCheckpointingConfig(
+        mode=TransformerActivationCheckpointingMode(args.ac))
+    return TransformerTrainModuleConfig(
+        rank_microbatch_size=shape.microbatch * shape.seq_len, max_sequence_length=shape.seq_len,
+        optim=AdamWConfig(lr=shape.lr, betas=shape.betas, weight_decay=shape.weight_decay,
+                          # no decay on embeddings, as OLMo-core's own configs
+                          group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
+                                                              opts=dict(weight_decay=0.0))]),
+        scheduler=CosWithWarmup(warmup=shape.warmup, alpha_f=shape.min_lr_ratio),
+        max_grad_norm=shape.grad_clip, dp_config=dp_config, ac_config=ac, compile_model=args.compile,
+        ep_config=TransformerExpertParallelConfig(degree=args.ep) if args.ep > 1 else None,
+        tp_config=TransformerTensorParallelConfig(degree=args.tp) if args.tp > 1 else None,
+        cp_config=TransformerContextParallelConfig.ulysses(args.cp) if args.cp > 1 else None,
+        autocast_precision=DType.bfloat16 if precision == "bf16" and dp_config is None and cuda else None)
+
+
+def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> dict[str, Any]:
+    """OLMo-core's configs of the run: model, dataset, data loader, train module and trainer."""
+    import torch
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.data.types import NumpyDatasetDType
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import (
+        CheckpointerCallback,
+        ConfigSaverCallback,
+        GarbageCollectorCallback,
+        GPUMemoryMonitorCallback,
     )
 
     cuda = torch.cuda.is_available()
@@ -426,28 +474,7 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
         dtype=NumpyDatasetDType(args.data_dtype), work_dir=work_dir)
     data_loader = NumpyDataLoaderConfig(global_batch_size=shape.global_batch * shape.seq_len,
                                         seed=args.seed, num_workers=0, work_dir=work_dir)
-    dp_config = None
-    if dp != "none":
-        dp_config = TransformerDataParallelConfig(
-            name=DataParallelType(dp), reduce_dtype=DType.float32,
-            param_dtype=DType.bfloat16 if precision == "bf16" and dp != "ddp" else None,
-            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks,
-            # expert parallelism runs over HSDP's shard dimension: args.ep ranks wide
-            **({"shard_degree": args.ep, "num_replicas": world // args.ep} if args.ep > 1 else {}))
-    ac = None if args.ac == "none" else TransformerActivationCheckpointingConfig(
-        mode=TransformerActivationCheckpointingMode(args.ac))
-    train_module = TransformerTrainModuleConfig(
-        rank_microbatch_size=shape.microbatch * shape.seq_len, max_sequence_length=shape.seq_len,
-        optim=AdamWConfig(lr=shape.lr, betas=shape.betas, weight_decay=shape.weight_decay,
-                          # no decay on embeddings, as OLMo-core's own configs
-                          group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
-                                                              opts=dict(weight_decay=0.0))]),
-        scheduler=CosWithWarmup(warmup=shape.warmup, alpha_f=shape.min_lr_ratio),
-        max_grad_norm=shape.grad_clip, dp_config=dp_config, ac_config=ac, compile_model=args.compile,
-        ep_config=TransformerExpertParallelConfig(degree=args.ep) if args.ep > 1 else None,
-        tp_config=TransformerTensorParallelConfig(degree=args.tp) if args.tp > 1 else None,
-        cp_config=TransformerContextParallelConfig.ulysses(args.cp) if args.cp > 1 else None,
-        autocast_precision=DType.bfloat16 if precision == "bf16" and dp_config is None and cuda else None)
+    train_module = train_module_config(args, shape, world, dp, precision, cuda)
     config = model.build(init_device="meta")
     flops = config.num_flops_per_token(shape.seq_len)
     del config
@@ -457,7 +484,8 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
         max_duration=Duration.steps(shape.steps),
         callbacks={
             "checkpointer": CheckpointerCallback(save_interval=shape.checkpoint_every, save_async=False),
-            "speed_monitor": SpeedMonitorCallback(num_flops_per_token=flops),
+            "speed_monitor": speed_monitor(flops, torch.cuda.get_device_name() if cuda else None,
+                                           precision),
             "config_saver": ConfigSaverCallback(),
             "garbage_collector": GarbageCollectorCallback(),
             "metrics_file": _metrics_callback(),
