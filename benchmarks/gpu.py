@@ -1,0 +1,514 @@
+"""One GPU benchmark: tokens/s, TFLOP/s, MFU and peak memory of each residual design beside Pre-Norm.
+
+Our cases run the training step of our trainer, from its own parts: ``ForwardBackward`` (the same
+forward under bf16 autocast through ``torch.compile``, and ``loss.backward``), ``clip_gradients`` at
+1.0, ``build_optimizer``'s AdamW (fused on CUDA) over float32 master weights, ``zero_grad``. The
+OLMo-core cases build OLMo-1B as ``python -m siamesenorm.olmo_core.train olmo-1b --compile`` does
+(its parser, preset and ``train_module_config``) and step it as OLMo-core's ``train_batch`` and
+``optim_step`` do, without a ``Trainer`` (no LR schedule; the clip is ours, the same two calls).
+Every case sees the same random batch.
+
+Our cases are held at once and measured round by round, the order rotated every round. OLMo-core's
+1B cases (and ours after an out-of-memory error) are measured one at a time with Pre-Norm again at
+the end; both Pre-Norm medians are printed. Warm-up steps, where compilation happens, are left out.
+Reported: median step time and its interquartile range; tokens/s; TFLOP/s from our FLOPs per token
+(the trainer's, ``LanguageModel.flops_per_token``); MFU against ``table_peak``; peak memory, the
+step's ``max_memory_allocated`` above what was allocated before it plus the case's own parameters
+and optimizer state (what it would peak at alone); the step ratio to Pre-Norm (OLMo-core's cases
+to OLMo-core's Pre-Norm).
+
+Time at gpt2-small (the default on CUDA): about 7-8 minutes on one H100 or H200, assuming ~30 s to
+compile each of our 8 cases (12 layers), ~40 s to build and compile each of the 3 OLMo-core runs,
+~1.4 s an OLMo-core step of 65,536 tokens and under 1 s a round of our 8 cases. ``--budget-s``
+(480 s) stops measured rounds and steps early, never under 3, keeping 200 s for OLMo-core.
+
+    python benchmarks/gpu.py --markdown gpu.md                  # everything, one GPU
+    python benchmarks/gpu.py --cases pre,siamese --steps 50
+    python benchmarks/gpu.py --size tiny --device cpu --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+
+from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.parallel import autocast_for
+from siamesenorm.train.forward import ForwardBackward
+from siamesenorm.train.optim import build_optimizer, clip_gradients
+from siamesenorm.train.throughput import Throughput, find_peak, model_flops_per_token, run_precision
+
+# case: (scheme, scheme options, other LMConfig fields)
+OURS: dict[str, tuple[str, dict, dict]] = {
+    "pre": ("pre", {}, {}),
+    "siamese": ("siamese", {"form": "post_pre"}, {}),
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}),
+    "hyper": ("hyper", {}, {}),
+    "mhc": ("mhc", {}, {}),
+    "attn_res": ("attn_res", {}, {}),
+    "attn_res-block4": ("attn_res", {"block_size": 4}, {}),     # as the topologies-gpu preset
+    "pre-value_residual": ("pre", {}, {"value_residual": True}),
+}
+# OLMo-core's OLMo-1B by our integration: scheme and the entry's --scheme-options
+OLMO: dict[str, tuple[str, str | None]] = {"olmo-core-pre": ("pre", None),
+                                          "olmo-core-siamese": ("siamese", "form=hybrid_pre")}
+CASES = list(OURS) + list(OLMO)
+MIN_MEASURED = 3
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Size:
+    dim: int
+    layers: int
+    heads: int
+    vocab: int
+    batch: int
+    seq: int
+    warmup: int
+    steps: int
+    olmo: str                   # the OLMo-core entry's config
+    olmo_batch: int | None      # its global batch in sequences (None: the config's)
+    olmo_warmup: int
+    olmo_steps: int
+    olmo_reserve_s: float       # the budget kept for the OLMo-core cases
+
+
+SIZES = {
+    "gpt2-small": Size(768, 12, 12, 50304, 32, 1024, 3, 30, "olmo-1b", 32, 2, 8, 200.0),
+    "tiny": Size(64, 2, 4, 256, 2, 32, 1, 2, "tiny", None, 1, 2, 0.0),
+}
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resident_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters and optimizer state (gradients are freed between steps)."""
+    tensors = list(params) + [v for s in optimizer.state.values() for v in s.values()
+                              if isinstance(v, torch.Tensor)]
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class OurCase:
+    """One of our models with the trainer's optimizer and forward/backward."""
+
+    def __init__(self, name: str, size: Size, device: torch.device, args: argparse.Namespace) -> None:
+        scheme, options, extra = OURS[name]
+        torch.manual_seed(0)
+        cfg = LMConfig(vocab_size=size.vocab, dim=size.dim, n_layers=size.layers, n_heads=size.heads,
+                       max_seq_len=size.seq, scheme=scheme, scheme_options=dict(options), **extra)
+        self.name, self.compile, self.backend = name, not args.no_compile, args.backend
+        self.model = LanguageModel(cfg, device=device).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, lr=1e-4)
+        if args.backend == "inductor":
+            self.forward = ForwardBackward(self.model, self.compile)     # the trainer's own
+        else:                                   # another backend: the trainer's path, compiled by it
+            self.forward = ForwardBackward(self.model, False)
+            if self.compile:
+                self.forward.fn, self.forward.trial = torch.compile(self.model, backend=args.backend), True
+        self.autocast = autocast_for("none", args.precision, device)
+        self.flops_per_token = model_flops_per_token(self.model, size.seq)
+        self.tokens = size.batch * size.seq
+        self.n_params = self.model.num_parameters()
+        gen = torch.Generator().manual_seed(1234)
+        x = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=gen).to(device)
+        self.x, self.y = x[:, :-1], x[:, 1:]
+
+    def step(self) -> None:
+        self.forward(self.x, self.y, 1, self.autocast)
+        clip_gradients(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def compiled(self) -> str:
+        """Read after the first step (compilation is lazy): ``failed`` where ForwardBackward fell
+        back to eager (its warning says why)."""
+        if not self.compile:
+            return "no"
+        if self.forward.fn is self.model:
+            return "failed"
+        return "yes" if self.backend == "inductor" else self.backend
+
+    def resident(self) -> int:
+        return _resident_bytes(self.params, self.optimizer)
+
+
+class OlmoCase:
+    """OLMo-core's train module of the entry's config, stepped as its ``train_batch`` does."""
+
+    def __init__(self, name: str, size: Size, device: torch.device, args: argparse.Namespace) -> None:
+        from siamesenorm.olmo_core import train as entry
+
+        scheme, options = OLMO[name]
+        argv = [size.olmo, "--scheme", scheme, "--precision", run_precision(args.precision, device)]
+        argv += ["--scheme-options", options] if options else []
+        argv += ["--global-batch", str(size.olmo_batch)] if size.olmo_batch else []
+        argv += [] if args.no_compile else ["--compile"]
+        cli = entry.parser().parse_args(argv)
+        shape = entry.resolve(cli)
+        module = entry.train_module_config(cli, shape, 1, "none", cli.precision, device.type == "cuda")
+        # no Trainer here: no LR schedule, and the clip is done in step()
+        module = dataclasses.replace(module, scheduler=None, max_grad_norm=None)
+        torch.manual_seed(0)
+        self.tm = module.build(entry.model_config(shape).build(init_device="meta"), device=device)
+        self.tm.model.train()
+        self.name, self.compile, self.grad_clip = name, cli.compile, shape.grad_clip
+        self.params = [p for p in self.tm.model.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in self.tm.model.parameters())
+        self.flops_per_token = LanguageModel(shape.model, device="meta").flops_per_token(shape.seq_len)
+        self.tokens = shape.global_batch * shape.seq_len
+        gen = torch.Generator().manual_seed(1234)
+        x = torch.randint(0, shape.model.vocab_size, (shape.global_batch, shape.seq_len + 1),
+                          generator=gen).to(device)
+        self.micro = list(zip(x[:, :-1].split(shape.microbatch), x[:, 1:].split(shape.microbatch)))
+
+    def step(self) -> None:
+        tm = self.tm
+        for ids, labels in self.micro:
+            out = tm.model_forward(ids, labels=labels, ignore_index=-100, loss_reduction="sum",
+                                   loss_div_factor=float(self.tokens), return_logits=False)
+            out.loss.backward()
+        tm.model.post_batch(dry_run=False)
+        if self.grad_clip:
+            clip_gradients(self.params, self.grad_clip)
+        tm.optim.step()
+        tm.model.post_optim_step()
+        tm.zero_grads()
+
+    def compiled(self) -> str:
+        if not self.compile:
+            return "no"
+        return "yes" if torch.cuda.is_available() else "skipped"   # as OLMo-core does without CUDA
+
+    def resident(self) -> int:
+        return _resident_bytes(self.params, self.tm.optim)
+
+
+@dataclass
+class Result:
+    name: str
+    params: int
+    tokens: int                     # a step's
+    flops_per_token: float | None
+    compiled: str
+    times: list[float]              # measured steps, seconds
+    peak: int | None                # bytes; None off CUDA
+
+
+class Clock:
+    """Times and peaks of steps; measured steps stop at a deadline (``perf_counter``), never under
+    :data:`MIN_MEASURED`, and ``cut`` records that one did."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cut = device, False
+        self.recompiled: list[str] = []     # cases that compiled a graph in a measured step
+
+    def step(self, case, resident: int) -> tuple[float, int | None]:
+        """One step's seconds and peak bytes (the step's allocator peak over what was allocated
+        before it, plus ``resident``: the case's own parameters and optimizer state)."""
+        cuda = self.device.type == "cuda"
+        _sync(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        case.step()
+        _sync(self.device)
+        elapsed = time.perf_counter() - t0
+        if counters["stats"]["unique_graphs"] != graphs and case.name not in self.recompiled:
+            self.recompiled.append(case.name)
+        return elapsed, (torch.cuda.max_memory_allocated(self.device) - before + resident if cuda else None)
+
+    def more(self, done: int, wanted: int, last: float, deadline: float) -> bool:
+        if done >= wanted:
+            return False
+        if done >= MIN_MEASURED and time.perf_counter() + last > deadline:
+            self.cut = True
+            return False
+        return True
+
+
+def _result(case, times: list[float], peaks: list) -> Result:
+    peak = None if None in peaks or not peaks else max(peaks)
+    return Result(case.name, case.n_params, case.tokens, case.flops_per_token, case.compiled(), times, peak)
+
+
+def interleaved(cases: list, clock: Clock, warmup: int, steps: int, deadline: float) -> list[Result]:
+    """Every case warmed up in turn, then measured round by round, the order rotated each round."""
+    for case in cases:
+        for _ in range(warmup):
+            case.step()
+    resident = [c.resident() for c in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    peaks: list[list] = [[] for _ in cases]
+    r, last = 0, 0.0
+    while clock.more(r, steps, last, deadline):
+        t0 = time.perf_counter()
+        for k in range(len(cases)):
+            i = (k + r) % len(cases)
+            t, peak = clock.step(cases[i], resident[i])
+            times[i].append(t)
+            peaks[i].append(peak)
+        r, last = r + 1, time.perf_counter() - t0
+    return [_result(c, t, p) for c, t, p in zip(cases, times, peaks)]
+
+
+def in_turn(build, names: list[str], clock: Clock, warmup: int, steps: int, end: float) -> list[Result]:
+    """Each case built, warmed up and measured alone, then freed; the first (Pre-Norm) again at the
+    end, as the last result. Each gets an equal share of the time left before ``end``."""
+    order, results = names + names[:1], []
+    for k, name in enumerate(order):
+        share = (end - time.perf_counter()) / (len(order) - k)
+        start = time.perf_counter()
+        case = build(name)
+        for _ in range(warmup):
+            case.step()
+        resident, times, peaks, last = case.resident(), [], [], 0.0
+        while clock.more(len(times), steps, last, start + share):
+            last, peak = clock.step(case, resident)
+            times.append(last)
+            peaks.append(peak)
+        results.append(_result(case, times, peaks))
+        del case
+        torch._dynamo.reset()           # drop its compiled graphs, which may hold on to it
+        _free()
+    return results
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+
+
+def measure_ours(names: list[str], size: Size, device: torch.device, args, clock: Clock,
+                 end: float, notes: list[str]) -> list[Result]:
+    build = lambda name: OurCase(name, size, device, args)  # noqa: E731
+    cases: list = []
+    try:
+        cases = [build(name) for name in names]
+        return interleaved(cases, clock, args.warmup, args.steps, end)
+    except RuntimeError as error:
+        if not _out_of_memory(error):
+            raise
+    cases.clear()
+    _free()
+    notes.append("our cases did not fit in GPU memory together: each was measured in turn, Pre-Norm "
+                 "again at the end")
+    results = in_turn(build, names, clock, args.warmup, args.steps, end)
+    return _merge_pre(results, notes, "pre")
+
+
+def _merge_pre(results: list[Result], notes: list[str], label: str) -> list[Result]:
+    """Pre-Norm's two runs (first and last result) pooled into its row; their medians in a note."""
+    first, again = results[0], results[-1]
+    a, b = statistics.median(first.times), statistics.median(again.times)
+    notes.append(f"{label} measured before and after the others: {1e3 * a:.1f} and {1e3 * b:.1f} ms a step "
+                 f"(drift {100 * (b - a) / a:+.1f}%); its row pools both.")
+    peaks = [p for p in (first.peak, again.peak) if p is not None]
+    merged = dataclasses.replace(first, times=first.times + again.times, peak=max(peaks) if peaks else None)
+    return [merged] + results[1:-1]
+
+
+def measure_olmo(names: list[str], size: Size, device: torch.device, args, clock: Clock,
+                 end: float, notes: list[str]) -> list[Result]:
+    build = lambda name: OlmoCase(name, size, device, args)  # noqa: E731
+    steps = args.steps if args.steps_given else size.olmo_steps
+    warmup = args.warmup if args.warmup_given else size.olmo_warmup
+    results = in_turn(build, names, clock, warmup, steps, end)
+    return _merge_pre(results, notes, "olmo-core-pre")
+
+
+# ---- report --------------------------------------------------------------------------------------
+COLUMNS = ("case", "params M", "compiled", "step ms", "IQR %", "tokens/s", "TFLOP/s", "MFU %", "peak GiB",
+           "step / pre")
+
+
+def rows(results: list[Result], base: Result, peak) -> list[list[str]]:
+    """The table's cells for ``results``, ratios to ``base``'s median step."""
+    out, base_s = [], statistics.median(base.times)
+    for r in results:
+        med = statistics.median(r.times)
+        q = statistics.quantiles(r.times, n=4) if len(r.times) > 1 else [med, med, med]
+        tokens_s = r.tokens / med
+        meter = Throughput(peak)
+        meter.flops_per_token = r.flops_per_token
+        tflops, mfu = meter.tflops(tokens_s), meter.mfu(tokens_s)
+        out.append([r.name, f"{r.params / 1e6:.2f}", r.compiled, f"{1e3 * med:.2f}",
+                    f"{100 * (q[2] - q[0]) / med:.1f}", f"{tokens_s:,.0f}",
+                    "n/a" if tflops is None else f"{tflops:.4g}",
+                    "n/a" if mfu is None else f"{100 * mfu:.1f}",
+                    "n/a" if r.peak is None else f"{r.peak / GIB:.2f}", f"{med / base_s:.3f}"])
+    return out
+
+
+def markdown(cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
+def header(size_name: str, size: Size, device: torch.device, args, peak, olmo: bool, argv: list[str]) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if device.type == "cuda":
+        name = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    else:
+        name = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+    precision = run_precision(args.precision, device)
+    compiled = "eager" if args.no_compile else f"torch.compile ({args.backend})"
+    lm = LMConfig(vocab_size=size.vocab, dim=size.dim, n_layers=size.layers, n_heads=size.heads,
+                  max_seq_len=size.seq)
+    lines = [f"## Step cost beside Pre-Norm, {now}", "",
+             f"- device: {name}; torch {torch.__version__}; MFU against "
+             + (f"{peak.tflops:g} TFLOP/s ({peak.source})" if peak else "no known peak (n/a)"),
+             f"- {size_name}: {size.layers} layers x {size.dim}, {size.heads} heads, SwiGLU {lm.hidden_dim}, "
+             f"vocab {size.vocab}, tied embeddings; {size.batch} x {size.seq} = {size.batch * size.seq:,} "
+             f"tokens a step; {'bf16 autocast' if precision == 'bf16' else 'fp32'}, {compiled}, the "
+             "trainer's AdamW on float32 weights, clip 1.0",
+             f"- measured: medians over up to {args.steps} rounds after {args.warmup} warm-up step(s) a case "
+             "(compilation happens there), cases interleaved round by round"]
+    if olmo:
+        from siamesenorm.olmo_core.train import CONFIGS
+        shape = CONFIGS[size.olmo]()
+        m, batch = shape.model, size.olmo_batch or shape.global_batch
+        lines.append(f"- OLMo-core `{size.olmo}` through siamesenorm.olmo_core: {m.n_layers} layers x "
+                     f"{m.dim}, {m.n_heads} heads, SwiGLU {m.hidden_dim}, vocab {m.vocab_size}, QK-norm, "
+                     f"{'tied' if m.tie_embeddings else 'untied'}; {batch} x {shape.seq_len} = "
+                     f"{batch * shape.seq_len:,} tokens a step in micro-batches of {shape.microbatch}; "
+                     "each case in turn, Pre-Norm again at the end; ratios to OLMo-core's Pre-Norm")
+    lines.append(f"- command: `{shlex.join(['python', 'benchmarks/gpu.py', *argv])}`")
+    return "\n".join(lines)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--size", choices=sorted(SIZES), help="gpt2-small (default on CUDA) or tiny (on CPU)")
+    p.add_argument("--device", help="cuda (default where there is one) or cpu")
+    p.add_argument("--no-compile", action="store_true", help="eager: no torch.compile")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend of our cases: inductor (the trainer's) or e.g. aot_eager "
+                        "(quick to compile on CPU, for tests)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU (the trainer's rule)")
+    p.add_argument("--steps", type=int,
+                   help="measured rounds of our cases and steps of each OLMo-core run (default: the size's, "
+                        "30 and 8 at gpt2-small)")
+    p.add_argument("--warmup", type=int, help="unmeasured steps per case (default: 3 and 2 at gpt2-small)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall-clock budget: measured steps stop early to keep within it (default 480)")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak, where the table has none")
+    p.add_argument("--markdown", metavar="FILE", help="also write the report to FILE")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], torch.device, Size]:
+    args = parser().parse_args(argv)
+    names = [n for n in args.cases.split(",") if n]
+    for n in names:
+        if n not in CASES:
+            raise UsageError(f"--cases: unknown case {n!r}; choose from {', '.join(CASES)}")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r}: not a device; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: there is no CUDA device here; use --device cpu --size tiny")
+    if device.type not in ("cuda", "cpu"):
+        raise UsageError(f"--device {args.device}: only cuda and cpu are measured")
+    size_name = args.size or ("gpt2-small" if device.type == "cuda" else "tiny")
+    size = SIZES[size_name]
+    args.size, args.steps_given = size_name, args.steps is not None
+    args.warmup_given = args.warmup is not None
+    args.steps = size.steps if args.steps is None else args.steps
+    args.warmup = size.warmup if args.warmup is None else args.warmup
+    if args.steps < 1 or args.warmup < 1:
+        raise UsageError("--steps and --warmup must be at least 1 (compilation happens in the warm-up)")
+    if args.budget_s <= 0:
+        raise UsageError(f"--budget-s must be positive, got {args.budget_s:g}")
+    return args, names, device, size
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, names, device, size = parse(argv)
+    except UsageError as error:
+        print(f"benchmarks/gpu.py: error: {error}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    end = start + args.budget_s
+    ours = [n for n in OURS if n in names or n == "pre"]
+    olmo = [n for n in OLMO if n in names or (n == "olmo-core-pre" and any(m in names for m in OLMO))]
+    notes: list[str] = []
+    if olmo and importlib.util.find_spec("olmo_core") is None:
+        notes.append(f"skipped {', '.join(olmo)}: OLMo-core is not installed "
+                     "(pip install 'siamesenorm[olmo]')")
+        olmo = []
+    # one process compiles every case: let dynamo keep a compiled graph of each
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(CASES))
+    peak = find_peak(device, args.precision, args.peak_tflops)
+    clock = Clock(device)
+    results = measure_ours(ours, size, device, args, clock, end - (size.olmo_reserve_s if olmo else 0.0),
+                           notes)
+    cells = rows(results, results[0], peak)
+    if olmo:
+        torch._dynamo.reset()
+        _free()
+        olmo_results = measure_olmo(olmo, size, device, args, clock, end, notes)
+        cells += rows(olmo_results, olmo_results[0], peak)
+    if clock.recompiled:
+        notes.append(f"compiled again in a measured step (that step's time includes it): "
+                     f"{', '.join(clock.recompiled)}")
+    if clock.cut:
+        notes.append(f"--budget-s {args.budget_s:g} cut some measured steps short "
+                     f"(never under {MIN_MEASURED}).")
+    notes.append(f"wall time {time.perf_counter() - start:.0f} s; IQR: the interquartile range of the steps.")
+    report = "\n\n".join([header(args.size, size, device, args, peak, bool(olmo), argv), markdown(cells),
+                           "\n".join(f"- {n}" for n in notes)])
+    print(report, flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
