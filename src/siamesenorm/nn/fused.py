@@ -22,9 +22,10 @@ module holds three pieces built on that fact, each an ordinary :class:`torch.aut
   tensors kept anyway, when backward asks for them.
 
 The plain composition of modules is the reference: the functions here fall back to it themselves
-where they bring nothing (no gradient needed) and everywhere while :func:`reference_path` is
-active, which is how the tests compare both paths (values and gradients, float64). The
-environment variable ``SIAMESENORM_FUSED=0`` turns the lean path off for a whole process.
+where they bring nothing (no gradient needed), under ``torch.compile``, and everywhere while
+:func:`reference_path` is active, which is how the tests compare both paths (values and gradients,
+float64). The environment variable ``SIAMESENORM_FUSED=0`` turns the lean path off for a whole
+process.
 
 Under autocast the functions compute the norms as autocast computes PyTorch's: in float32 on CUDA,
 in the input's dtype (float32 inside the kernel for half inputs) on the CPU.
@@ -59,8 +60,12 @@ _switch = _Switch()
 
 
 def fused_enabled() -> bool:
-    """Whether the lean path is on in this thread (default: on unless ``SIAMESENORM_FUSED=0``)."""
-    return _switch.enabled
+    """Whether the lean path is on in this thread (default: on unless ``SIAMESENORM_FUSED=0``).
+
+    Off while ``torch.compile`` traces: there the plain composition runs on every device, and
+    Inductor fuses it and chooses what to keep and recompute itself, which moves fewer bytes than
+    tracing the lean functions (``benchmarks/traffic.py``; docs/performance.md)."""
+    return _switch.enabled and not torch.compiler.is_compiling()
 
 
 @contextmanager

@@ -1,0 +1,132 @@
+"""Every scheme's training step compiles as one graph: no graph breaks, no recompiles.
+
+``fullgraph=True`` turns any graph break into an error and a recompile limit of 1 (with
+``fail_on_recompile_limit_hit``) turns any recompile into one; two steps run, so a guard that
+fails on the second step (a counter, a changed flag) shows too. The models have 12 blocks: a block
+index that made dynamo specialise would show as a break or a recompile there. Dynamo alone
+(``backend="eager"``) covers every case at 12 blocks; AOTAutograd (``aot_eager``, which traces the
+backward and applies selective checkpointing's policy) runs the cases with a code path of their
+own at 2 blocks, where tracing is cheap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import Tensor
+from torch._dynamo.utils import counters
+
+from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.models.checkpointing import set_activation_checkpointing
+from siamesenorm.nn.fused import fused_enabled, reference_path
+from siamesenorm.schemes import list_schemes
+
+# mHC's Sinkhorn iterations unroll in the graph; 4 keep tracing short (the code path is the same).
+SCHEME_OPTIONS = {"mhc": {"sinkhorn_iters": 4}}
+# (scheme, scheme options, model options, activation checkpointing): every option that changes
+# the code a step runs
+OPTION_CASES = [
+    ("siamese", {"form": "hybrid_pre"}, {}, "none"),
+    ("siamese", {"topology": "single"}, {}, "none"),
+    ("attn_res", {"block_size": 4}, {}, "none"),
+    ("hyper", {"n_streams": 1, "fracs": 2}, {}, "none"),
+    ("hyper", {"dynamic": False}, {}, "none"),
+    ("pre", {}, {"norm": "dyt"}, "none"),
+    ("siamese", {}, {"norm": "dyt"}, "none"),
+    ("siamese", {"form": "hybrid_pre"}, {"norm": "layernorm"}, "none"),
+    ("pre", {}, {"value_residual": True}, "none"),
+    ("siamese", {}, {"value_residual": True, "value_residual_mix": "learned"}, "none"),
+    ("pre", {}, {"qk_norm": True}, "none"),
+    ("siamese", {}, {}, "sublayer"),
+    ("siamese", {}, {}, "selective"),
+    ("siamese", {"form": "hybrid_pre"}, {}, "selective"),
+    ("mhc", {}, {}, "sublayer"),
+    ("attn_res", {}, {}, "selective"),
+]
+CASES = [(name, SCHEME_OPTIONS.get(name, {}), {}, "none") for name in list_schemes()] + [
+    (name, {**SCHEME_OPTIONS.get(name, {}), **options}, model, ac)
+    for name, options, model, ac in OPTION_CASES]
+
+
+def _id(case) -> str:
+    name, options, model, ac = case
+    parts = [name, *(f"{k}={v}" for k, v in {**options, **model}.items() if k != "sinkhorn_iters")]
+    return "-".join(parts + ([f"ac={ac}"] if ac != "none" else []))
+
+
+@pytest.fixture
+def strict_dynamo():
+    """A clean dynamo with a recompile limit of 1 that fails instead of falling back to eager."""
+    dynamo.reset()
+    counters.clear()
+    with dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        yield
+    dynamo.reset()
+
+
+def _model(name, options, model_options, ac, layers):
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=2, max_seq_len=16, scheme=name,
+                   scheme_options=dict(options), **model_options)
+    model = LanguageModel(cfg).train()
+    set_activation_checkpointing(model, ac)
+    return model
+
+
+def _steps(model, fn, n=2) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(n):
+        x = torch.randint(0, 64, (2, 17), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(x[:, :-1], x[:, 1:]).loss
+        loss.backward()
+        losses.append(loss.detach())
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return [*losses, *grads]
+
+
+
+def test_the_lean_path_is_off_while_compiling():
+    """Under compile the plain composition runs (Inductor fuses and recomputes it), so the lean
+    and reference paths are one graph."""
+    def pick(x):
+        return x + 1 if fused_enabled() else x - 1
+
+    x = torch.zeros(3)
+    assert fused_enabled() and torch.equal(pick(x), x + 1)
+    dynamo.reset()
+    assert torch.equal(torch.compile(pick, backend="eager", fullgraph=True)(x), x - 1)
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_the_training_step_is_one_graph_at_12_blocks(case, strict_dynamo):
+    model = _model(*case, layers=12)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    _steps(model, compiled)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["lean", "reference"])
+def test_both_paths_compile_as_one_graph(reference, strict_dynamo):
+    model = _model("siamese", {"form": "hybrid_pre"}, {}, "none", layers=12)
+    with reference_path(reference):
+        _steps(model, torch.compile(model, backend="eager", fullgraph=True))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+AOT_CASES = [c for c in CASES if c[0] in ("siamese", "mhc", "attn_res", "hyper") or c[3] != "none"]
+
+
+@pytest.mark.parametrize("case", AOT_CASES, ids=_id)
+def test_forward_and_backward_trace_through_aot_autograd(case, strict_dynamo):
+    """The backward traces too, and the compiled step's loss and gradients are eager's."""
+    model = _model(*case, layers=2)
+    eager = _steps(model, model)
+    compiled = _steps(model, torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
