@@ -247,6 +247,30 @@ def test_deepnorm_branch_weights_are_xavier_with_its_gain():
     assert abs(float(att.w_v.weight.detach().std()) / (beta * xavier) - 1) < 0.15
 
 
+@pytest.mark.parametrize("case", ["pre", "siamese-hybrid_pre"])
+def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
+    """OLMo-core compiles block by block; each block is one graph (fullgraph) and, past dynamo's
+    default limit of 8, none falls back to eager (a recompile over the limit fails here)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    original = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: original(self, backend="eager", fullgraph=True))
+    scheme, options = SCHEMES[case]
+    cfg = replace(tiny(scheme, options, qk_norm=True, tie_embeddings=False), n_layers=12)
+    model = olmo_config(cfg).build()
+    dynamo.reset()
+    counters.clear()
+    with dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        model.apply_compile()
+        assert dynamo.config.recompile_limit >= 12
+        x, y = batch()
+        model(x, labels=y).loss.backward()
+    dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 12 + 1          # one per block, and the LM head
+
+
 def test_pipeline_parallelism_is_refused():   # tensor parallelism: test_olmo_core_parallel.py
     model = olmo_config(tiny("siamese")).build(init_device="meta")
     with pytest.raises(NotImplementedError, match="pipeline"):

@@ -334,6 +334,12 @@ def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | Non
     return out
 
 
+def recompile_limit_for(n_blocks: int) -> int:
+    """Dynamo's recompile limit that compiles each of ``n_blocks`` blocks once (one entry per
+    block on their shared code, and room for the LM head and a few shape changes)."""
+    return n_blocks + 8
+
+
 class SchemeTransformer(Transformer):
     """OLMo-core's ``Transformer`` whose blocks are :class:`SchemeBlock` and whose residual
     scheme is ``self.scheme`` (any of :func:`siamesenorm.list_schemes`, built with ``norm``,
@@ -529,7 +535,16 @@ class SchemeTransformer(Transformer):
                               "Transformer trains to wrong losses that way); use FSDP or HSDP")
         super().apply_ddp(*args, **kwargs)
 
-    def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
+    def apply_compile(self) -> None:
+        """OLMo-core's per-block ``torch.compile``, with dynamo's recompile limit raised to cover
+        every block. A block reaches its norms through ``scheme.step(state, i, ...)`` with its own
+        sublayer index, which dynamo specialises on: one graph per block. At the default limit
+        (8) the blocks past the eighth ran uncompiled (half of OLMo-1B's 16), silently."""
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, recompile_limit_for(len(self.blocks)))
+        super().apply_compile()
+
+def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
                                        block_interval: int | None = None,
                                        modules: list[str] | None = None, **kwargs: Any) -> None:
         """OLMo-core's activation checkpointing; the wrapped blocks take and return the scheme's
