@@ -411,6 +411,42 @@ def test_bad_arguments():
         siamese_update_entry(x, x, x_mode="scale")
 
 
+# ---- the kernel inside SiameseNorm's lean entry ----------------------------------------------------
+@pytest.mark.parametrize("form,norm", [("post_pre", "rmsnorm"), ("hybrid_pre", "layernorm"),
+                                       ("post_pre", "layernorm")])
+def test_siamese_models_with_the_entry_kernel_equal_the_reference(form, norm, monkeypatch):
+    """A SiameseNorm language model whose lean entry runs the kernel (on the CPU here, through the
+    interpreter): loss and every gradient equal the reference path's (float32, width 30: a masked tail)."""
+    from siamesenorm.models import LanguageModel, LMConfig
+    from siamesenorm.nn import fused
+
+    calls = []
+    real = fused._kernel_entry
+    monkeypatch.setattr(fused, "_kernel_device", lambda t: True)
+    monkeypatch.setattr(fused, "_kernel_entry", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, norm=norm,
+                   scheme="siamese", scheme_options={"form": form})
+    model = LanguageModel(cfg).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("scheme."):
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, 32, (2, 9), device=DEVICE)
+
+    def run():
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        return [loss, *(g for g in grads if g is not None)]
+
+    got = run()
+    assert calls, "the kernel did not run"
+    with fused.reference_path():
+        want = run()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 # Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
 # that runs them in a fresh process.
 for _name in [n for n in globals() if n.startswith("test_") and (n == "test_in_fresh_process") == IN_PROCESS]:

@@ -17,6 +17,8 @@ module holds three pieces built on that fact, each an ordinary :class:`torch.aut
   only and recomputes the tanh in backward; as a composition of ops autograd keeps the tanh's
   output as well (one more tensor of the input's size per norm). :func:`stream_entry` computes
   DyT norms as the plain composition of modules (each through :func:`dyt`).
+- On CUDA with Triton, :func:`stream_entry` runs as one fused Triton kernel each way
+  (:func:`siamesenorm.kernels.siamese_update_entry`; ``SIAMESENORM_KERNELS=0`` turns it off).
 - :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
   normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
   tensors kept anyway, when backward asks for them.
@@ -436,6 +438,8 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
                       norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
                       inp=in_norm is not None)
+    if spec.norm.kind != "dyt" and _kernels_run_on(x, y):
+        return _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
     if y is x:  # the first sublayer (X = Y = h): one input per argument, as torch.compile wants
         y = x.view_as(x)
     args = [x, y if y_norm is not None else None,
@@ -448,6 +452,46 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     else:
         out = _StreamEntry.apply(spec, *args)
     return (out[0], out[1]) if spec.x == "norm" else (x, out[0])
+
+
+# ---- the fused Triton kernel of the entry (siamesenorm.kernels), on CUDA ---------------------------
+_KERNELS = os.environ.get("SIAMESENORM_KERNELS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def _kernel_device(t: Tensor) -> bool:
+    """Whether ``t``'s device is one the entry runs its Triton kernel on (CUDA; tests add the CPU
+    under Triton's interpreter)."""
+    return t.is_cuda
+
+
+def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
+    """The entry's Triton kernel runs: a plain CUDA tensor (no DTensor or other subclass), Triton
+    installed, ``SIAMESENORM_KERNELS`` not 0; on CUDA without Triton, says so once."""
+    if not (_KERNELS and _kernel_device(x) and type(x) is Tensor and (y is None or type(y) is Tensor)):
+        return False
+    from ..kernels import announce_fallback, kernels_available
+    if kernels_available(x):
+        return True
+    announce_fallback()
+    return False
+
+
+def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
+    """:func:`stream_entry` as one Triton kernel each way (``siamesenorm::update_entry``), with the
+    norms in float32 under CUDA autocast as PyTorch's are."""
+    from ..kernels import siamese_update_entry
+    xw, xb = _params(x_norm) if x_norm is not None else (x_gain, None)
+    (yw, yb), (iw, ib) = _params(y_norm), _params(in_norm)
+    tensors = [x, y if spec.y else None, xw, xb, yw, yb, iw, ib]
+    if _autocast_on(x):
+        cast = _float32 if _autocast_fp32(x) else (lambda t: t)
+        tensors = [cast(t) for t in tensors]
+    x, y, xw, xb, yw, yb, iw, ib = tensors
+    with torch.autocast(x.device.type, enabled=False):
+        xo, _, b = siamese_update_entry(
+            x, y, x_mode=spec.x, x_weight=xw, x_bias=xb, y_norm=spec.y, y_weight=yw, y_bias=yb,
+            in_norm=spec.inp, in_weight=iw, in_bias=ib, kind=spec.norm.kind, eps=spec.norm.eps)
+    return xo, b
 
 
 def _outer_hooks() -> bool:
