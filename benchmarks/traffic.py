@@ -1,0 +1,185 @@
+"""Bytes moved per compiled training step of each scheme, as ratios to Pre-Norm, beside its floor.
+
+A CPU measure of GPU traffic. Each case is one language model, compiled with ``torch.compile``
+(Inductor), that takes one training step (forward under bf16 autocast, loss, backward). Inductor
+counts, for every kernel it schedules, the bytes of the buffers the kernel reads and writes
+(``GraphLowering.count_bytes``, logged when its metrics log is on); we add them up per step, apart
+for the kernels it generates (element-wise work, norms, reductions: the scheme's part) and for the
+library calls it makes (matrix products, attention: the same for every scheme). Inductor's CPU
+backend fuses as its GPU backend does in the main (one kernel per fused group of nodes), so the
+ratios are a proxy for GPU traffic; the byte counts are exact for the kernels it generates.
+
+The floor: the reads and writes of residual-stream tensors that a scheme's equations cannot avoid
+between two matrix products, forward and backward, with every element-wise step between them fused
+(docs/performance.md derives them). Everything else a step moves (attention's and the MLP's own
+element-wise work, the loss) is the same for every scheme and taken from Pre-Norm's measured bytes,
+so ``floor`` = Pre-Norm's bytes - Pre-Norm's stream floor + the scheme's stream floor, and
+``bytes / floor`` says how far the compiled scheme is from the best any kernel could do.
+
+    python benchmarks/traffic.py                           # every case, dim 256, 4 blocks
+    python benchmarks/traffic.py --cases pre,siamese,siamese-hybrid_pre --dim 768 --layers 2
+    python benchmarks/traffic.py --precision fp32 --markdown traffic.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import shlex
+import sys
+import time
+
+import torch
+
+from siamesenorm.models import LanguageModel, LMConfig
+
+# case: (scheme, scheme options, model options, streams k of width dim the state holds or None,
+# whether attention normalises q, k and v per head: the QKV-norm the scheme requires)
+CASES = {
+    "pre": ("pre", {}, {}, 1, False),
+    "post": ("post", {}, {}, 1, False),
+    "siamese": ("siamese", {}, {}, 2, False),
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}, 2, True),
+    "hybridnorm": ("hybridnorm", {}, {}, 1, True),
+    "spannorm": ("spannorm", {}, {}, 1, False),
+    "resi_dual": ("resi_dual", {}, {}, 2, False),
+    "deepnorm": ("deepnorm", {}, {}, 1, False),
+    "mix_ln": ("mix_ln", {}, {}, 1, False),
+    "peri_ln": ("peri_ln", {}, {}, 1, False),
+    "lns": ("lns", {}, {}, 1, False),
+    "hyper": ("hyper", {}, {}, 2, False),
+    "hyper-fracs2": ("hyper", {"n_streams": 1, "fracs": 2}, {}, 1, False),
+    "mhc": ("mhc", {}, {}, 4, False),
+    "attn_res": ("attn_res", {}, {}, None, False),
+    "attn_res-block4": ("attn_res", {"block_size": 4}, {}, None, False),
+    "pre+value_residual": ("pre", {}, {"value_residual": True}, 1, False),
+    "siamese-dyt": ("siamese", {}, {"norm": "dyt"}, 2, False),
+    "pre-dyt": ("pre", {}, {"norm": "dyt"}, 1, False),
+}
+DEFAULT_CASES = ("pre", "post", "siamese", "siamese-hybrid_pre", "resi_dual", "peri_ln", "hyper",
+                 "hyper-fracs2", "mhc", "attn_res", "attn_res-block4")
+MIB = 2**20
+
+
+def stream_floor(k: int | None, qkv: bool, sublayers: int, elements: int, s: int, a: int) -> int | None:
+    """Bytes of stream traffic a step cannot avoid: per sublayer, forward reads the ``k`` stream
+    tensors (``s`` bytes an element) and the branch output (``a``) and writes the new state and the
+    branch input; backward reads the state's gradients, the branch input's gradient and the
+    stream values the norms need, and writes the old state's gradients and the branch output's.
+    QKV-norm adds, per attention sublayer, v's norm (read and write forward; gradient read, value
+    read, gradient write backward) and the reads of q and k that their norms' backward needs."""
+    if k is None:
+        return None
+    forward = 2 * k * s + 2 * a
+    backward = 3 * k * s + 2 * a
+    extra = (sublayers // 2) * 7 * a if qkv else 0
+    return elements * (sublayers * (forward + backward) + extra)
+
+
+class _Counter:
+    """Inductor's per-kernel byte counts, collected while the block runs."""
+
+    def __enter__(self):
+        import torch._inductor.compile_fx as compile_fx
+        import torch._inductor.metrics as metrics
+        self.metrics, self.log = metrics, compile_fx.inductor_metrics_log
+        self.saved = (self.log.level, self.log.propagate, list(self.log.handlers))
+        self.log.setLevel(logging.INFO)      # count_bytes runs when this log is on at INFO
+        self.log.propagate, self.log.handlers = False, [logging.NullHandler()]
+        metrics.reset()
+        return self
+
+    def __exit__(self, *exc):
+        self.log.setLevel(self.saved[0])
+        self.log.propagate, self.log.handlers = self.saved[1], self.saved[2]
+
+    def totals(self) -> tuple[int, int, int]:
+        """(bytes of generated kernels, bytes of library calls, generated kernels)."""
+        from torch._inductor.scheduler import ExternKernelSchedulerNode
+        generated = extern = 0
+        for node, words in self.metrics.nodes_num_elem:      # bytes // 4 per scheduled node
+            if isinstance(node, ExternKernelSchedulerNode):
+                extern += 4 * words
+            else:
+                generated += 4 * words
+        return generated, extern, self.metrics.generated_kernel_count
+
+
+def measure(case: str, args) -> dict:
+    """Compile one training step of ``case`` and count what its kernels move."""
+    scheme, options, model_options, _, _ = CASES[case]
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                   max_seq_len=args.seq, scheme=scheme, scheme_options=dict(options), **model_options)
+    model = LanguageModel(cfg).train()
+    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    t0 = time.perf_counter()
+    with _Counter() as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = compiled(x[:, :-1], x[:, 1:]).loss
+        loss.backward()
+    generated, extern, kernels = counter.totals()
+    return {"case": case, "generated": generated, "extern": extern, "kernels": kernels,
+            "compile_s": time.perf_counter() - t0}
+
+
+def table(rows: list[dict], args) -> str:
+    elements = args.batch * args.seq * args.dim
+    s, a = 4, (2 if args.precision == "bf16" else 4)       # fp32 streams; branch tensors in bf16
+    pre = next(r for r in rows if r["case"] == "pre")
+    pre_floor = stream_floor(1, False, 2 * args.layers, elements, s, a)
+    out = ["| case | generated MiB | / pre | kernels | / pre | library MiB | floor / pre | bytes / floor |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = stream_floor(*CASES[r["case"]][3:], 2 * args.layers, elements, s, a)
+        if floor is None:
+            floor_ratio = within = "n.d."
+        else:
+            total = pre["generated"] - pre_floor + floor
+            floor_ratio, within = f"{total / pre['generated']:.3f}", f"{r['generated'] / total:.3f}"
+        out.append(f"| {r['case']} | {r['generated'] / MIB:.1f} | {r['generated'] / pre['generated']:.3f} "
+                   f"| {r['kernels']} | {r['kernels'] / max(pre['kernels'], 1):.2f} "
+                   f"| {r['extern'] / MIB:.1f} | {floor_ratio} | {within} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                   help=f"comma-separated, from: {', '.join(CASES)} (pre is always measured)")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--markdown", help="also write the table to this file")
+    args = p.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        print(f"error: unknown case {unknown[0]!r}; choose from {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    cases = ["pre", *[c for c in cases if c != "pre"]]
+    rows = []
+    for case in cases:
+        rows.append(measure(case, args))
+        print(f"{case}: {rows[-1]['generated'] / MIB:.1f} MiB generated, {rows[-1]['kernels']} kernels "
+              f"({rows[-1]['compile_s']:.0f} s)", file=sys.stderr, flush=True)
+    head = (f"Inductor bytes per training step (torch {torch.__version__}, {platform.machine()}, "
+            f"{args.precision}; dim {args.dim}, {args.layers} blocks, {args.batch} x {args.seq} tokens)\n"
+            f"`python benchmarks/traffic.py {shlex.join(sys.argv[1:] if argv is None else argv)}`\n")
+    text = head + "\n" + table(rows, args)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
