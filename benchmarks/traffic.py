@@ -14,7 +14,9 @@ between two matrix products, forward and backward, with every element-wise step 
 (docs/performance.md derives them). Everything else a step moves (attention's and the MLP's own
 element-wise work, the loss) is the same for every scheme and taken from Pre-Norm's measured bytes,
 so ``floor`` = Pre-Norm's bytes - Pre-Norm's stream floor + the scheme's stream floor, and
-``bytes / floor`` says how far the compiled scheme is from the best any kernel could do.
+``bytes / floor`` says how far the compiled scheme is from the best any kernel could do (if
+Pre-Norm's own stream traffic were at its floor); ``extra / floor's extra`` compares what the scheme
+moves beyond Pre-Norm with what its equations add to Pre-Norm's floor.
 
     python benchmarks/traffic.py                           # every case, dim 256, 4 blocks
     python benchmarks/traffic.py --cases pre,siamese,siamese-hybrid_pre --dim 768 --layers 2
@@ -34,45 +36,50 @@ import torch
 
 from siamesenorm.models import LanguageModel, LMConfig
 
-# case: (scheme, scheme options, model options, streams k of width dim the state holds or None,
-# whether attention normalises q, k and v per head: the QKV-norm the scheme requires)
+# case: (scheme, scheme options, model options, the state's streams of width dim as (read by a norm
+# at every sublayer, only accumulated until the exit) or None, whether attention normalises q, k and
+# v per head: the QKV-norm the scheme requires)
 CASES = {
-    "pre": ("pre", {}, {}, 1, False),
-    "post": ("post", {}, {}, 1, False),
-    "siamese": ("siamese", {}, {}, 2, False),
-    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}, 2, True),
-    "hybridnorm": ("hybridnorm", {}, {}, 1, True),
-    "spannorm": ("spannorm", {}, {}, 1, False),
-    "resi_dual": ("resi_dual", {}, {}, 2, False),
-    "deepnorm": ("deepnorm", {}, {}, 1, False),
-    "mix_ln": ("mix_ln", {}, {}, 1, False),
-    "peri_ln": ("peri_ln", {}, {}, 1, False),
-    "lns": ("lns", {}, {}, 1, False),
-    "hyper": ("hyper", {}, {}, 2, False),
-    "hyper-fracs2": ("hyper", {"n_streams": 1, "fracs": 2}, {}, 1, False),
-    "mhc": ("mhc", {}, {}, 4, False),
+    "pre": ("pre", {}, {}, (1, 0), False),
+    "post": ("post", {}, {}, (1, 0), False),
+    "siamese": ("siamese", {}, {}, (2, 0), False),
+    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}, (2, 0), True),
+    "hybridnorm": ("hybridnorm", {}, {}, (1, 0), True),
+    "spannorm": ("spannorm", {}, {}, (1, 0), False),
+    "resi_dual": ("resi_dual", {}, {}, (1, 1), False),
+    "deepnorm": ("deepnorm", {}, {}, (1, 0), False),
+    "mix_ln": ("mix_ln", {}, {}, (1, 0), False),
+    "peri_ln": ("peri_ln", {}, {}, (1, 0), False),
+    "lns": ("lns", {}, {}, (1, 0), False),
+    "hyper": ("hyper", {}, {}, (2, 0), False),
+    "hyper-fracs2": ("hyper", {"n_streams": 1, "fracs": 2}, {}, (1, 0), False),
+    "mhc": ("mhc", {}, {}, (4, 0), False),
     "attn_res": ("attn_res", {}, {}, None, False),
     "attn_res-block4": ("attn_res", {"block_size": 4}, {}, None, False),
-    "pre+value_residual": ("pre", {}, {"value_residual": True}, 1, False),
-    "siamese-dyt": ("siamese", {}, {"norm": "dyt"}, 2, False),
-    "pre-dyt": ("pre", {}, {"norm": "dyt"}, 1, False),
+    "pre+value_residual": ("pre", {}, {"value_residual": True}, (1, 0), False),
+    "siamese-dyt": ("siamese", {}, {"norm": "dyt"}, (2, 0), False),
+    "pre-dyt": ("pre", {}, {"norm": "dyt"}, (1, 0), False),
 }
 DEFAULT_CASES = ("pre", "post", "siamese", "siamese-hybrid_pre", "resi_dual", "peri_ln", "hyper",
                  "hyper-fracs2", "mhc", "attn_res", "attn_res-block4")
 MIB = 2**20
 
 
-def stream_floor(k: int | None, qkv: bool, sublayers: int, elements: int, s: int, a: int) -> int | None:
-    """Bytes of stream traffic a step cannot avoid: per sublayer, forward reads the ``k`` stream
-    tensors (``s`` bytes an element) and the branch output (``a``) and writes the new state and the
-    branch input; backward reads the state's gradients, the branch input's gradient and the
-    stream values the norms need, and writes the old state's gradients and the branch output's.
-    QKV-norm adds, per attention sublayer, v's norm (read and write forward; gradient read, value
-    read, gradient write backward) and the reads of q and k that their norms' backward needs."""
-    if k is None:
+def stream_floor(streams: tuple[int, int] | None, qkv: bool, sublayers: int, elements: int, s: int,
+                 a: int) -> int | None:
+    """Bytes of stream traffic a step cannot avoid. Per sublayer, forward reads the state's stream
+    tensors (``s`` bytes an element) and the branch output (``a``), and writes the new state and
+    the branch input. Backward reads the branch input's gradient, and for each stream a norm reads
+    its gradient and its value and writes the gradient it passes on; a stream that is only added to
+    (ResiDual's) passes its gradient on unchanged, read once for the branch output's gradient,
+    which is written. QKV-norm adds, per attention sublayer, v's norm (read and write forward;
+    gradient read, value read, gradient write backward) and the reads of q and k that their
+    norms' backward needs. ``streams``: (normalised, accumulated) stream counts."""
+    if streams is None:
         return None
-    forward = 2 * k * s + 2 * a
-    backward = 3 * k * s + 2 * a
+    normed, accumulated = streams
+    forward = 2 * (normed + accumulated) * s + 2 * a
+    backward = (3 * normed + accumulated) * s + 2 * a
     extra = (sublayers // 2) * 7 * a if qkv else 0
     return elements * (sublayers * (forward + backward) + extra)
 
@@ -87,10 +94,14 @@ class _Counter:
         self.saved = (self.log.level, self.log.propagate, list(self.log.handlers))
         self.log.setLevel(logging.INFO)      # count_bytes runs when this log is on at INFO
         self.log.propagate, self.log.handlers = False, [logging.NullHandler()]
+        # a graph found in Inductor's cache is not lowered again, so its bytes would not be counted
+        self.no_cache = torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False)
+        self.no_cache.__enter__()
         metrics.reset()
         return self
 
     def __exit__(self, *exc):
+        self.no_cache.__exit__(*exc)
         self.log.setLevel(self.saved[0])
         self.log.propagate, self.log.handlers = self.saved[1], self.saved[2]
 
@@ -130,19 +141,20 @@ def table(rows: list[dict], args) -> str:
     elements = args.batch * args.seq * args.dim
     s, a = 4, (2 if args.precision == "bf16" else 4)       # fp32 streams; branch tensors in bf16
     pre = next(r for r in rows if r["case"] == "pre")
-    pre_floor = stream_floor(1, False, 2 * args.layers, elements, s, a)
-    out = ["| case | generated MiB | / pre | kernels | / pre | library MiB | floor / pre | bytes / floor |",
-           "|---|---|---|---|---|---|---|---|"]
+    pre_floor = stream_floor((1, 0), False, 2 * args.layers, elements, s, a)
+    out = ["| case | generated MiB | / pre | kernels | / pre | library MiB | floor / pre | bytes / floor "
+           "| extra / floor's extra |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = stream_floor(*CASES[r["case"]][3:], 2 * args.layers, elements, s, a)
-        if floor is None:
-            floor_ratio = within = "n.d."
-        else:
+        floor_ratio = within = extra = "n.d."
+        if floor is not None:
             total = pre["generated"] - pre_floor + floor
             floor_ratio, within = f"{total / pre['generated']:.3f}", f"{r['generated'] / total:.3f}"
+            if floor > pre_floor:      # what the scheme moves beyond Pre-Norm, over what it must
+                extra = f"{(r['generated'] - pre['generated']) / (floor - pre_floor):.2f}"
         out.append(f"| {r['case']} | {r['generated'] / MIB:.1f} | {r['generated'] / pre['generated']:.3f} "
                    f"| {r['kernels']} | {r['kernels'] / max(pre['kernels'], 1):.2f} "
-                   f"| {r['extern'] / MIB:.1f} | {floor_ratio} | {within} |")
+                   f"| {r['extern'] / MIB:.1f} | {floor_ratio} | {within} | {extra} |")
     return "\n".join(out)
 
 

@@ -19,12 +19,14 @@ def _load():
 
 
 def test_the_floor_is_the_papers_stream_count():
-    """Per sublayer and element: Pre-Norm 2s + 2a forward, 3s + 2a backward; two streams 4s + 2a and
-    6s + 2a (fp32 streams, bf16 branch tensors: 28 and 48 bytes)."""
+    """Per sublayer and element: Pre-Norm 2s + 2a forward, 3s + 2a backward; two normalised streams
+    4s + 2a and 6s + 2a; a normalised and an accumulated one (ResiDual) 4s + 2a and 4s + 2a (fp32
+    streams, bf16 branch tensors: 28, 48 and 40 bytes)."""
     traffic = _load()
-    assert traffic.stream_floor(1, False, 1, 1, 4, 2) == 28
-    assert traffic.stream_floor(2, False, 1, 1, 4, 2) == 48
-    assert traffic.stream_floor(2, True, 2, 10, 4, 2) == 10 * (2 * 48 + 7 * 2)
+    assert traffic.stream_floor((1, 0), False, 1, 1, 4, 2) == 28
+    assert traffic.stream_floor((2, 0), False, 1, 1, 4, 2) == 48
+    assert traffic.stream_floor((1, 1), False, 1, 1, 4, 2) == 40
+    assert traffic.stream_floor((2, 0), True, 2, 10, 4, 2) == 10 * (2 * 48 + 7 * 2)
     assert traffic.stream_floor(None, False, 2, 10, 4, 2) is None
 
 
