@@ -5,17 +5,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
+from ..kernels.sinkhorn import sinkhorn_kernel_runs
 from ..nn.fused import fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
-from ..nn.sinkhorn import sinkhorn as sinkhorn_function
 from .base import Branch, Number, register_scheme
 from .hyper import MultiStreamScheme
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Sinkhorn-Knopp: ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters`` times
-    (the reference; the lean path runs :func:`siamesenorm.nn.sinkhorn.sinkhorn`)."""
+    (the reference), or its Triton kernel where that runs (also under ``torch.compile``: one call
+    in place of ``4 * iters`` kernels); the lean path runs :func:`siamesenorm.kernels.sinkhorn`."""
+    if sinkhorn_kernel_runs(logits, iters):
+        return torch.ops.siamesenorm.sinkhorn(logits, iters)
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
         m = m / m.sum(-1, keepdim=True)
@@ -98,7 +102,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
     def fast_maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`maps` computed faster: the three projections as one matmul with the stream
         norm's weight folded in (``x' phi = rstd * (vec(x) (w * phi))``, so ``x'`` is never
-        formed), and Sinkhorn as one autograd function (:mod:`siamesenorm.nn.sinkhorn`)."""
+        formed), and Sinkhorn as one Triton kernel or autograd function
+        (:func:`siamesenorm.kernels.sinkhorn`)."""
         n, norm = self.n_streams, self.stream_norm[i]
         flat = state.flatten(-2)
         phi = torch.cat([self.phi_pre[i], self.phi_post[i], self.phi_res[i]], -1)

@@ -1,0 +1,271 @@
+"""The Sinkhorn-Knopp kernel (siamesenorm::sinkhorn) against the iterations written out in float64,
+and mHC with the kernel against mHC without it.
+
+Without CUDA the kernel runs under Triton's interpreter on the CPU, as in tests/test_kernels.py (its
+docstring says why): TRITON_INTERPRET=1 is set around the first import of Triton and around each
+test, and where Triton was imported before, the one test collected here runs this file again in a
+fresh process.
+"""
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+CHILD = "SIAMESENORM_KERNEL_TESTS_CHILD"
+
+
+@contextlib.contextmanager
+def _interpret_env():
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+with _interpret_env() if not CUDA and "triton" not in sys.modules else contextlib.nullcontext():
+    triton = pytest.importorskip("triton")
+
+from siamesenorm.kernels import sinkhorn, sinkhorn_kernel_runs  # noqa: E402
+from siamesenorm.kernels.sinkhorn import MAX_ITERS  # noqa: E402
+
+
+def _interpreted() -> bool:
+    """Whether Triton's own functions were decorated for the interpreter; if so, (re)decorate ours."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.sum, InterpretedFunction):
+        return False
+    with _interpret_env():
+        from siamesenorm.kernels import _triton_sinkhorn
+        if not isinstance(_triton_sinkhorn._sinkhorn_fwd, InterpretedFunction):
+            importlib.reload(_triton_sinkhorn)
+    return True
+
+
+IN_PROCESS = CUDA or _interpreted()
+if os.environ.get(CHILD) and not IN_PROCESS:
+    raise RuntimeError("TRITON_INTERPRET=1 was set, yet Triton did not load its interpreter")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_in_fresh_process():
+    """This file in a process that sets TRITON_INTERPRET=1 before anything imports Triton."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+# ---- the reference: the iterations written out, autograd through them (float64) --------------------
+def ref_sinkhorn(logits, iters):
+    m = torch.exp(logits)
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def check(shape, n, iters, dtype, seed=0):
+    """The op's values and logits gradient (random upstream gradient) against the reference's."""
+    gen = torch.Generator().manual_seed(seed)
+    base = 1.5 * torch.randn(*shape, n, n, generator=gen, dtype=torch.float64)
+    up = torch.randn(base.shape, generator=gen, dtype=torch.float64).to(dtype)
+    logits = base.to(DEVICE, dtype).requires_grad_()
+    assert sinkhorn_kernel_runs(logits, iters)
+    out = sinkhorn(logits, iters)
+    (grad,) = torch.autograd.grad(out, logits, up.to(DEVICE))
+    ref_in = logits.detach().cpu().double().requires_grad_()     # the same (rounded) values
+    ref = ref_sinkhorn(ref_in, iters)
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, up.double())
+    assert out.dtype == dtype and grad.dtype == dtype and out.shape == logits.shape
+    # One rounding of each result to ``dtype`` (to nearest on a GPU; Triton 3.9's interpreter
+    # truncates to bf16), over float32 arithmetic inside.
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=rtol, atol=1e-5)
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("iters", [1, 5, 20])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_float32(n, iters):
+    check((7,), n, iters, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(1,), (130,), (2, 65), (2, 3, 5)])
+@pytest.mark.parametrize("n", [3, 8])
+def test_token_counts_and_leading_shapes(shape, n):
+    """Token counts that leave a masked tail of the last program, one or more leading axes."""
+    check(shape, n, 5, torch.float32, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [3, 4])
+def test_low_precision(n, dtype):
+    check((2, 9), n, 20, dtype, seed=2)
+
+
+def test_iteration_limit_and_empty_input():
+    """The most iterations the kernel unrolls; none (the start, ``exp(logits - max)``); no tokens."""
+    check((5,), 4, MAX_ITERS, torch.float32, seed=3)
+    x = torch.randn(5, 3, 3, device=DEVICE, dtype=torch.float64)
+    got = torch.ops.siamesenorm.sinkhorn(x.float(), 0)
+    torch.testing.assert_close(got.double(), torch.exp(x - x.amax((-2, -1), keepdim=True)))
+    empty = torch.zeros(0, 4, 4, device=DEVICE, requires_grad=True)
+    out = sinkhorn(empty, 20)
+    out.sum().backward()
+    assert out.shape == empty.shape and empty.grad.shape == empty.shape
+
+
+def test_keeps_only_the_logits():
+    """Backward keeps the logits alone (it runs the iterations again), not the output or any sum."""
+    logits = torch.randn(2, 7, 4, 4, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sinkhorn(logits, 20)
+    assert len(saved) == 1 and saved[0] is logits
+
+
+def test_non_contiguous_logits():
+    base = torch.randn(4, 4, 6, device=DEVICE)
+    logits = base.transpose(0, 2)[:5].requires_grad_()          # (5, 4, 4), not contiguous
+    up = torch.randn(5, 4, 4, device=DEVICE)
+    (grad,) = torch.autograd.grad(sinkhorn(logits, 5), logits, up)
+    ref_in = logits.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(ref_sinkhorn(ref_in, 5), ref_in, up.double())
+    torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- registration: opcheck and torch.compile --------------------------------------------------------
+def test_opcheck():
+    logits = torch.randn(2, 3, 4, 4, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.siamesenorm.sinkhorn.default, (logits, 5))
+    torch.library.opcheck(torch.ops.siamesenorm.sinkhorn.default, (torch.randn(7, 3, 3, device=DEVICE), 2))
+    torch.library.opcheck(torch.ops.siamesenorm.sinkhorn_backward.default,
+                          (torch.randn(2, 3, 4, 4, device=DEVICE), logits.detach(), 5))
+
+
+def test_compile_traces_one_call():
+    """Under ``torch.compile`` (one graph) the iterations are one call of the op, with eager's values
+    and gradients."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, inputs)
+
+    def f(x, w):
+        return (sinkhorn(x * w, 20) * w).sum()
+
+    x = torch.randn(3, 5, 4, 4, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 4, device=DEVICE, requires_grad=True)
+    want = f(x, w)
+    want_grads = torch.autograd.grad(want, (x, w))
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend, fullgraph=True)(x, w)
+    got_grads = torch.autograd.grad(got, (x, w))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+    calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    op = torch.ops.siamesenorm.sinkhorn
+    assert sum(t in (op, op.default) for t in calls) == 1 and torch.exp not in calls
+
+
+# ---- dispatch --------------------------------------------------------------------------------------
+def test_pytorch_path_where_the_kernel_does_not_run(monkeypatch):
+    """float64, n > 8 and more than MAX_ITERS iterations take the autograd function; so does the
+    CPU without the interpreter."""
+    from siamesenorm.nn.sinkhorn import sinkhorn as function
+
+    x = torch.randn(3, 4, 4, device=DEVICE)
+    for logits, iters in ((x.double(), 5), (torch.randn(2, 9, 9, device=DEVICE), 5), (x, MAX_ITERS + 1)):
+        assert not sinkhorn_kernel_runs(logits, iters)
+        torch.testing.assert_close(sinkhorn(logits, iters), function(logits, iters))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert sinkhorn_kernel_runs(x, 5) == CUDA
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="n, n"):
+        torch.ops.siamesenorm.sinkhorn(torch.randn(2, 3, 4, device=DEVICE), 5)
+    with pytest.raises(ValueError, match="n <= 8"):
+        torch.ops.siamesenorm.sinkhorn(torch.randn(2, 9, 9, device=DEVICE), 5)
+    with pytest.raises(ValueError, match="iters"):
+        torch.ops.siamesenorm.sinkhorn(torch.randn(2, 3, 3, device=DEVICE), -1)
+
+
+# ---- the kernel inside mHC -------------------------------------------------------------------------
+def _mhc_model():
+    from siamesenorm.models import LanguageModel, LMConfig
+
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc")
+    model = LanguageModel(cfg).to(DEVICE)
+    with torch.no_grad():               # per-token maps far from the initial near-identity
+        for name, p in model.named_parameters():
+            if name.startswith("scheme."):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _loss_and_grads(model, x, step=None):
+    loss = (model if step is None else step)(x[:, :-1], x[:, 1:]).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return [loss, *(g for g in grads if g is not None)]
+
+
+@pytest.mark.parametrize("path", ["lean", "reference", "compiled"])
+def test_mhc_with_the_kernel_equals_mhc_without(path, monkeypatch):
+    """An mHC language model whose Sinkhorn runs the kernel (lean path, reference path, and
+    compiled, where the reference path is traced) has the loss and gradients of the reference path
+    without kernels."""
+    from siamesenorm.nn.fused import reference_path
+
+    kernel_module = importlib.import_module("siamesenorm.kernels.sinkhorn")   # the package's
+    # attribute ``sinkhorn`` is the function
+
+    calls = []
+    real = kernel_module._kernels
+    monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())
+    model = _mhc_model()
+    x = torch.randint(0, 32, (2, 9), device=DEVICE)
+    if path == "compiled":
+        torch._dynamo.reset()
+        got = _loss_and_grads(model, x, torch.compile(model, backend="aot_eager", fullgraph=True))
+    else:
+        with reference_path(path == "reference"):
+            got = _loss_and_grads(model, x)
+    assert len(calls) == 2 * 4, "the kernel did not run forward and backward in each sublayer"
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert not sinkhorn_kernel_runs(torch.zeros(1, 4, 4), 20)
+    else:
+        monkeypatch.setattr(kernel_module, "kernels_available", lambda t: False)
+    with reference_path():
+        want = _loss_and_grads(model, x)
+    assert len(calls) == 2 * 4
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
+# that runs them in a fresh process.
+for _name in [n for n in globals() if n.startswith("test_") and (n == "test_in_fresh_process") == IN_PROCESS]:
+    del globals()[_name]
