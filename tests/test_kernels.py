@@ -411,6 +411,17 @@ def test_bad_arguments():
         siamese_update_entry(x, x, x_mode="scale")
 
 
+def test_siamesenorm_kernels_0_turns_every_kernel_off_without_a_word(monkeypatch, capsys):
+    from siamesenorm.kernels import availability
+    x = torch.randn(3, 8, device=DEVICE)
+    assert kernels_available(x)
+    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    monkeypatch.setattr(availability, "_announced", False)
+    assert not kernels_available(x)
+    availability.announce_fallback()
+    assert capsys.readouterr().err == ""
+
+
 # ---- the kernel inside SiameseNorm's lean entry ----------------------------------------------------
 @pytest.mark.parametrize("form,norm", [("post_pre", "rmsnorm"), ("hybrid_pre", "layernorm"),
                                        ("post_pre", "layernorm")])

@@ -8,7 +8,7 @@ import sys
 
 from torch import Tensor
 
-__all__ = ["announce_fallback", "kernels_available", "triton_installed"]
+__all__ = ["announce_fallback", "kernels_available", "kernels_switched_on", "triton_installed"]
 
 _announced = False
 
@@ -28,10 +28,15 @@ def triton_installed() -> bool:
     return _TRITON
 
 
+def kernels_switched_on() -> bool:
+    """``SIAMESENORM_KERNELS`` is not ``0`` (read at each call, so a process can turn them off)."""
+    return os.environ.get("SIAMESENORM_KERNELS", "1").strip().lower() not in ("0", "false", "no")
+
+
 def kernels_available(t: Tensor) -> bool:
-    """Triton is installed and ``t`` is on CUDA, or on the CPU with ``TRITON_INTERPRET=1``
-    (Triton's interpreter, for tests)."""
-    if not _TRITON:
+    """Triton is installed, ``SIAMESENORM_KERNELS`` is not ``0``, and ``t`` is on CUDA, or on the
+    CPU with ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests)."""
+    if not (_TRITON and kernels_switched_on()):
         return False
     if t.is_cuda:
         return True
@@ -41,7 +46,7 @@ def kernels_available(t: Tensor) -> bool:
 def announce_fallback() -> None:
     """Say once per process, on stderr, that the PyTorch path runs in place of the kernels."""
     global _announced
-    if _announced:
+    if _announced or not kernels_switched_on():     # switched off on purpose: nothing to say
         return
     _announced = True
     print("siamesenorm: fused Triton kernels need CUDA and triton; running the PyTorch path",

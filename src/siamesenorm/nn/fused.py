@@ -455,9 +455,6 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
 
 
 # ---- the fused Triton kernel of the entry (siamesenorm.kernels), on CUDA ---------------------------
-_KERNELS = os.environ.get("SIAMESENORM_KERNELS", "1").strip().lower() not in ("0", "false", "no")
-
-
 def _kernel_device(t: Tensor) -> bool:
     """Whether ``t``'s device is one the entry runs its Triton kernel on (CUDA; tests add the CPU
     under Triton's interpreter)."""
@@ -466,8 +463,9 @@ def _kernel_device(t: Tensor) -> bool:
 
 def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
     """The entry's Triton kernel runs: a plain CUDA tensor (no DTensor or other subclass), Triton
-    installed, ``SIAMESENORM_KERNELS`` not 0; on CUDA without Triton, says so once."""
-    if not (_KERNELS and _kernel_device(x) and type(x) is Tensor and (y is None or type(y) is Tensor)):
+    installed, ``SIAMESENORM_KERNELS`` not 0 (:func:`siamesenorm.kernels.kernels_available`); on
+    CUDA without Triton, says so once."""
+    if not (_kernel_device(x) and type(x) is Tensor and (y is None or type(y) is Tensor)):
         return False
     from ..kernels import announce_fallback, kernels_available
     if kernels_available(x):
