@@ -7,7 +7,10 @@ counts, for every kernel it schedules, the bytes of the buffers the kernel reads
 for the kernels it generates (element-wise work, norms, reductions: the scheme's part) and for the
 library calls it makes (matrix products, attention: the same for every scheme). Inductor's CPU
 backend fuses as its GPU backend does in the main (one kernel per fused group of nodes), so the
-ratios are a proxy for GPU traffic; the byte counts are exact for the kernels it generates.
+ratios are a proxy for GPU traffic; the byte counts are exact for the kernels it generates. Our own
+fused ops (``siamesenorm.kernels``) count with the generated kernels, at the bytes of their inputs
+and outputs (one pass each); ``--kernels`` runs them through Triton's interpreter so that the
+compiled graphs call them (mHC's Sinkhorn; SiameseNorm's entry op runs in eager mode only).
 
 The floor: the reads and writes of residual-stream tensors that a scheme's equations cannot avoid
 between two matrix products, forward and backward, with every element-wise step between them fused
@@ -21,12 +24,14 @@ moves beyond Pre-Norm with what its equations add to Pre-Norm's floor.
     python benchmarks/traffic.py                           # every case, dim 256, 4 blocks
     python benchmarks/traffic.py --cases pre,siamese,siamese-hybrid_pre --dim 768 --layers 2
     python benchmarks/traffic.py --precision fp32 --markdown traffic.md
+    python benchmarks/traffic.py --cases mhc --kernels             # mHC with its Sinkhorn kernel
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -106,15 +111,17 @@ class _Counter:
         self.log.propagate, self.log.handlers = self.saved[1], self.saved[2]
 
     def totals(self) -> tuple[int, int, int]:
-        """(bytes of generated kernels, bytes of library calls, generated kernels)."""
+        """(bytes of generated kernels and of our fused ops, bytes of library calls, kernels)."""
         from torch._inductor.scheduler import ExternKernelSchedulerNode
-        generated = extern = 0
+        generated = extern = ours = 0
         for node, words in self.metrics.nodes_num_elem:      # bytes // 4 per scheduled node
-            if isinstance(node, ExternKernelSchedulerNode):
-                extern += 4 * words
-            else:
+            if not isinstance(node, ExternKernelSchedulerNode):
                 generated += 4 * words
-        return generated, extern, self.metrics.generated_kernel_count
+            elif "siamesenorm" in str(getattr(node.node, "op_overload", "")):   # our fused kernels
+                generated, ours = generated + 4 * words, ours + 1
+            else:
+                extern += 4 * words
+        return generated, extern, self.metrics.generated_kernel_count + ours
 
 
 def measure(case: str, args) -> dict:
@@ -169,8 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--kernels", action="store_true",
+                   help="run our Triton kernels (siamesenorm.kernels) through Triton's interpreter on "
+                        "the CPU, so that the graphs call them: needs triton; slow")
     p.add_argument("--markdown", help="also write the table to this file")
     args = p.parse_args(argv)
+    if args.kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton picks its interpreter when it is first imported: start again with it chosen
+        os.execve(sys.executable, [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
