@@ -212,6 +212,13 @@ def test_the_vendored_modules_are_the_model_closure_and_need_only_torch_and_tran
     assert {"__init__.py", "hf/modeling.py", "models/lm.py", "nn/attention.py",
             "schemes/siamese.py"} <= set(files)
     assert not any(p.split("/")[0] in ("tasks", "train", "data", "analysis", "parallel") for p in files)
+    # no Triton kernels (they would register our custom ops twice beside siamesenorm): the modules
+    # that use them import them under try, and here, with the package whole, they import them
+    assert not any(p.startswith("kernels/") for p in files)
+    from siamesenorm.nn import fused
+    from siamesenorm.schemes import mhc
+    assert fused.kernels_available is not None
+    assert mhc.sinkhorn_kernel_runs.__module__.endswith("kernels.sinkhorn")
     assert files["hf/__init__.py"].count("\n") == 1                   # registers nothing
     path = tmp_path / hx.MODELING_FILE
     path.write_text(hx.modeling_source())

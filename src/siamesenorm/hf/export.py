@@ -64,6 +64,10 @@ MODELING_FILE = "modeling_siamesenorm.py"
 # The third-party packages a vendored module may import at top level: torch, and what transformers
 # itself depends on. Anything else must be imported where it is used.
 VENDOR_ALLOWED = frozenset({"torch", "numpy", "yaml", "safetensors", "transformers"})
+# Not vendored: the Triton kernels (the exported model runs the PyTorch path; its modules import
+# them under ``try``). Vendored, they would register our custom ops a second time in a process that
+# has siamesenorm too.
+NOT_VENDORED = ("kernels",)
 _AUTO_MAP = {"AutoConfig": "SiameseNormConfig", "AutoModel": "SiameseNormForCausalLM",
              "AutoModelForCausalLM": "SiameseNormForCausalLM"}
 _END_BYTE = 0       # the NUL byte: the end and padding token of an exported tokenizer
@@ -272,13 +276,16 @@ def vendored_modules(root: str = "hf.modeling") -> dict[str, str]:
     """The package files ``root`` (a module of this package, relative) needs, path (relative to
     the package, ``nn/attention.py``) -> source: the closure of every relative import (at any depth
     of a module, since one inside a function runs later), with the ``__init__.py`` of each package
-    on the way. ``hf/__init__.py`` is an empty stand-in. A vendored module importing at top level
-    a third-party package outside :data:`VENDOR_ALLOWED` is a bug here (``RuntimeError``)."""
+    on the way, but for :data:`NOT_VENDORED`. ``hf/__init__.py`` is an empty stand-in. A vendored
+    module importing at top level a third-party package outside :data:`VENDOR_ALLOWED` is a bug
+    here (``RuntimeError``)."""
     package = Path(__file__).resolve().parents[1]
     files: dict[str, str] = {}
     todo = [tuple(root.split("."))]
     while todo:
         parts = todo.pop()
+        if parts[:1] == NOT_VENDORED:
+            continue
         for k in range(len(parts) + 1):            # the module and every package above it
             path = _module_file(package, parts[:k])
             if path is None or path in files:

@@ -47,6 +47,11 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
 
+try:
+    from ..kernels import announce_fallback, kernels_available, siamese_update_entry
+except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
+    announce_fallback = kernels_available = siamese_update_entry = None
+
 __all__ = ["dyt", "fused_enabled", "lean_region", "norm_value", "recomputed_inputs", "reference_path",
            "rms_norm", "stream_entry", "stream_update"]
 
@@ -465,9 +470,9 @@ def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
     """The entry's Triton kernel runs: a plain CUDA tensor (no DTensor or other subclass), Triton
     installed, ``SIAMESENORM_KERNELS`` not 0 (:func:`siamesenorm.kernels.kernels_available`); on
     CUDA without Triton, says so once."""
-    if not (_kernel_device(x) and type(x) is Tensor and (y is None or type(y) is Tensor)):
+    if kernels_available is None or not (_kernel_device(x) and type(x) is Tensor
+                                         and (y is None or type(y) is Tensor)):
         return False
-    from ..kernels import announce_fallback, kernels_available
     if kernels_available(x):
         return True
     announce_fallback()
@@ -477,7 +482,6 @@ def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
 def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
     """:func:`stream_entry` as one Triton kernel each way (``siamesenorm::update_entry``), with the
     norms in float32 under CUDA autocast as PyTorch's are."""
-    from ..kernels import siamese_update_entry
     xw, xb = _params(x_norm) if x_norm is not None else (x_gain, None)
     (yw, yb), (iw, ib) = _params(y_norm), _params(in_norm)
     tensors = [x, y if spec.y else None, xw, xb, yw, yb, iw, ib]

@@ -5,13 +5,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
-from ..kernels.sinkhorn import sinkhorn_kernel_runs
 from ..nn.fused import fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
 from .base import Branch, Number, register_scheme
 from .hyper import MultiStreamScheme
+
+try:
+    from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
+    from ..kernels.sinkhorn import sinkhorn_kernel_runs
+except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
+    from ..nn.sinkhorn import sinkhorn as sinkhorn_function
+
+    def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
+        return False
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
