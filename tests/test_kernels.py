@@ -423,22 +423,27 @@ def test_siamesenorm_kernels_0_turns_every_kernel_off_without_a_word(monkeypatch
 
 
 # ---- the kernel inside SiameseNorm's lean entry ----------------------------------------------------
-@pytest.mark.parametrize("form,norm", [("post_pre", "rmsnorm"), ("hybrid_pre", "layernorm"),
-                                       ("post_pre", "layernorm")])
-def test_siamese_models_with_the_entry_kernel_equal_the_reference(form, norm, monkeypatch):
-    """A SiameseNorm language model whose lean entry runs the kernel (on the CPU here, through the
-    interpreter): loss and every gradient equal the reference path's (float32, width 30: a masked tail)."""
+@pytest.mark.parametrize("form,norm,checkpointing", [
+    ("post_pre", "rmsnorm", "none"), ("hybrid_pre", "layernorm", "none"), ("post_pre", "layernorm", "none"),
+    ("post_pre", "rmsnorm", "sublayer")])
+def test_siamese_models_with_the_fused_kernel_equal_the_reference(form, norm, checkpointing, monkeypatch):
+    """A SiameseNorm language model whose sublayers hand their stream writes to the next entry and
+    run both in the kernel (on the CPU here, through the interpreter): loss, every gradient and the
+    streams a tap records equal the reference path's (float32, width 30: a masked tail)."""
+    from siamesenorm.analysis.tap import StreamTap
     from siamesenorm.models import LanguageModel, LMConfig
+    from siamesenorm.models.checkpointing import set_activation_checkpointing
     from siamesenorm.nn import fused
 
     calls = []
     real = fused._kernel_entry
     monkeypatch.setattr(fused, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(fused, "_kernel_entry", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused, "_kernel_entry", lambda *a: calls.append(len(a) > 7) or real(*a))
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, norm=norm,
                    scheme="siamese", scheme_options={"form": form})
     model = LanguageModel(cfg).to(DEVICE)
+    set_activation_checkpointing(model, checkpointing)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.startswith("scheme."):
@@ -446,12 +451,16 @@ def test_siamese_models_with_the_entry_kernel_equal_the_reference(form, norm, mo
     x = torch.randint(0, 32, (2, 9), device=DEVICE)
 
     def run():
-        loss = model(x[:, :-1], x[:, 1:]).loss
+        with StreamTap(model) as tap:
+            loss = model(x[:, :-1], x[:, 1:]).loss
         grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-        return [loss, *(g for g in grads if g is not None)]
+        streams = [t for state in tap.states for t in state.values()]
+        return [loss, *(g for g in grads if g is not None), *streams]
 
     got = run()
-    assert calls, "the kernel did not run"
+    # forward: 4 sublayers and the exit, every one after the first taking the previous sublayer's
+    # writes (a checkpointed backward runs the steps again)
+    assert calls[:5] == [False, True, True, True, True], calls
     with fused.reference_path():
         want = run()
     for a, b in zip(got, want, strict=True):

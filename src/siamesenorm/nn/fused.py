@@ -18,7 +18,8 @@ module holds three pieces built on that fact, each an ordinary :class:`torch.aut
   output as well (one more tensor of the input's size per norm). :func:`stream_entry` computes
   DyT norms as the plain composition of modules (each through :func:`dyt`).
 - On CUDA with Triton, :func:`stream_entry` runs as one fused Triton kernel each way
-  (:func:`siamesenorm.kernels.siamese_update_entry`; ``SIAMESENORM_KERNELS=0`` turns it off).
+  (:func:`siamesenorm.kernels.siamese_update_entry`; ``SIAMESENORM_KERNELS=0`` turns it off), and
+  :func:`stream_update_entry` fuses a sublayer's stream writes into the next sublayer's entry.
 - :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
   normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
   tensors kept anyway, when backward asks for them.
@@ -52,8 +53,8 @@ try:
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
     announce_fallback = kernels_available = siamese_update_entry = None
 
-__all__ = ["dyt", "fused_enabled", "lean_region", "norm_value", "recomputed_inputs", "reference_path",
-           "rms_norm", "stream_entry", "stream_update"]
+__all__ = ["defers_update", "dyt", "fused_enabled", "lean_region", "norm_value", "recomputed_inputs",
+           "reference_path", "rms_norm", "stream_entry", "stream_update", "stream_update_entry"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -444,7 +445,8 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
                       norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
                       inp=in_norm is not None)
     if spec.norm.kind != "dyt" and _kernels_run_on(x, y):
-        return _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
+        xo, _, b = _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
+        return xo, b
     if y is x:  # the first sublayer (X = Y = h): one input per argument, as torch.compile wants
         y = x.view_as(x)
     args = [x, y if y_norm is not None else None,
@@ -479,21 +481,50 @@ def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
     return False
 
 
-def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm):
-    """:func:`stream_entry` as one Triton kernel each way (``siamesenorm::update_entry``), with the
-    norms in float32 under CUDA autocast as PyTorch's are."""
+def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm,
+                  out: Tensor | None = None, c: float = 1.0) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(x', y1, b)``: :func:`stream_entry` (with ``out``: after the stream writes of
+    :func:`stream_update`) as one Triton kernel each way (``siamesenorm::update_entry``), the norms in
+    float32 under CUDA autocast as PyTorch's are (``out`` is read in its own dtype)."""
     xw, xb = _params(x_norm) if x_norm is not None else (x_gain, None)
     (yw, yb), (iw, ib) = _params(y_norm), _params(in_norm)
-    tensors = [x, y if spec.y else None, xw, xb, yw, yb, iw, ib]
+    tensors = [x, y if spec.y or out is not None else None, xw, xb, yw, yb, iw, ib]
     if _autocast_on(x):
         cast = _float32 if _autocast_fp32(x) else (lambda t: t)
         tensors = [cast(t) for t in tensors]
     x, y, xw, xb, yw, yb, iw, ib = tensors
     with torch.autocast(x.device.type, enabled=False):
-        xo, _, b = siamese_update_entry(
-            x, y, x_mode=spec.x, x_weight=xw, x_bias=xb, y_norm=spec.y, y_weight=yw, y_bias=yb,
-            in_norm=spec.inp, in_weight=iw, in_bias=ib, kind=spec.norm.kind, eps=spec.norm.eps)
-    return xo, b
+        return siamese_update_entry(
+            x, y, out, 1.0 / c, x_mode=spec.x, x_weight=xw, x_bias=xb, y_norm=spec.y, y_weight=yw,
+            y_bias=yb, in_norm=spec.inp, in_weight=iw, in_bias=ib, kind=spec.norm.kind,
+            eps=spec.norm.eps)
+
+
+def defers_update(x: Tensor, y: Tensor | None, norm_kind: str) -> bool:
+    """Whether a two-stream scheme (norms of ``norm_kind``) should hand its sublayer's stream
+    writes to the next entry, :func:`stream_update_entry`, which fuses them into its Triton kernel:
+    where that kernel runs (CUDA with Triton, eager mode, plain tensors), with RMSNorm or
+    LayerNorm."""
+    return y is not None and norm_kind != "dyt" and fused_enabled() and _kernels_run_on(x, y)
+
+
+def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: nn.Module | None = None,
+                        x_gain: Tensor | None = None, y_norm: nn.Module | None = None,
+                        in_norm: nn.Module | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The stream writes of one sublayer and the entry of the next: ``x, y = stream_update(x, y,
+    out, c)``, then ``x', b = stream_entry(x, y, ...)``; returns ``(x', y, b)``. Where
+    :func:`defers_update` holds it is one Triton kernel each way (the sums ``x + out / c`` and
+    ``y + out`` are never read back from memory); elsewhere exactly those two functions."""
+    norms = [m for m in (x_norm, y_norm, in_norm) if m is not None]
+    kinds, eps = {_norm_kind(m) for m in norms}, {m.eps for m in norms}
+    if len(kinds) == 1 and len(eps) == 1 and defers_update(x, y, next(iter(kinds))):
+        spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
+                          norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
+                          inp=in_norm is not None)
+        return _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm, out, c)
+    x, y = stream_update(x, y, out, c)
+    xo, b = stream_entry(x, y, x_norm=x_norm, x_gain=x_gain, y_norm=y_norm, in_norm=in_norm)
+    return xo, y, b
 
 
 def _outer_hooks() -> bool:

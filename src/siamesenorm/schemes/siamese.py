@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import stream_entry, stream_update
+from ..nn.fused import defers_update, stream_entry, stream_update, stream_update_entry
 from .base import Branch, Flag, OneOf, ResidualScheme, SchemeRequirements, register_scheme
 
 FORMS = ("post_pre", "hybrid_pre")
@@ -106,30 +106,43 @@ class SiameseNorm(ResidualScheme):
     def enter(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         return h, (None if self.topology == "single" else h)
 
-    def step(self, state: tuple, i: int, branch: Branch) -> tuple[Tensor, Tensor | None]:
-        x, y = state
+    def step(self, state: tuple, i: int, branch: Branch) -> tuple:
+        # state: (X, Y), or (X, Y, O, c): the previous sublayer's writes X += O / c, Y += O left to
+        # this entry, which runs them in its fused kernel (nn.fused.defers_update)
+        x, y, *pending = state
         y_norm = None if self.pre_norm is None else self.pre_norm[i]
         if self.form == "hybrid_pre" and self.is_attention(i):
             # A = Attn(X * gamma_b + LN^Y(Y)); X is not normalised before attention.
-            _, u = stream_entry(x, y, x_gain=self.x_gain[self.block_of(i)], y_norm=y_norm)
+            norms = {"x_gain": self.x_gain[self.block_of(i)], "y_norm": y_norm}
         else:
             # X = LN^X(X); u = LN^in(X + LN^Y(Y)) (post_pre: every sublayer; hybrid_pre: the FFN).
             k = i if self.form == "post_pre" else self.block_of(i)
-            x, u = stream_entry(x, y, x_norm=self.post_norm[k], y_norm=y_norm,
-                                in_norm=None if self.input_norm is None else self.input_norm[k])
+            norms = {"x_norm": self.post_norm[k], "y_norm": y_norm,
+                     "in_norm": None if self.input_norm is None else self.input_norm[k]}
+        if pending:
+            x, y, u = stream_update_entry(x, y, *pending, **norms)
+        else:
+            x, u = stream_entry(x, y, **norms)
+        out, c = branch(u), self.scale(i)
+        if defers_update(x, y, self.norm_kind):
+            return x, y, out, c
         # X += O / c_b; Y += O
-        return stream_update(x, y, branch(u), self.scale(i))
+        return stream_update(x, y, out, c)
 
     def exit(self, state: tuple) -> Tensor:
-        x, y = state
+        x, y, *pending = state
         if y is None:
             return self.merge_norm_x(x)
         # LN(LN_a(X) + LN_b(Y)), or LN_a(X) + LN_b(Y) without the outer norm.
-        return stream_entry(x, y, x_norm=self.merge_norm_x, y_norm=self.merge_norm_y,
-                            in_norm=self.final_norm)[1]
+        norms = {"x_norm": self.merge_norm_x, "y_norm": self.merge_norm_y, "in_norm": self.final_norm}
+        if pending:
+            return stream_update_entry(x, y, *pending, **norms)[2]
+        return stream_entry(x, y, **norms)[1]
 
     def streams(self, state: tuple) -> dict[str, Tensor]:
-        x, y = state
+        x, y, *pending = state
+        if pending:
+            x, y = stream_update(x, y, *pending)
         return {"x": x} if y is None else {"x": x, "y": y}
 
     def extra_repr(self) -> str:
