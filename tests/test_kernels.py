@@ -270,6 +270,27 @@ def test_update_entry_low_precision(kind, x_mode, dtype):
     entry_case(kind, x_mode, True, True, True, "both", 24, 100, dtype)
 
 
+@pytest.mark.parametrize("x_mode", ["norm", "gain"])
+def test_update_entry_writes_the_branch_input_in_out_dtype(x_mode):
+    """float32 streams, a bf16 branch output and ``out_dtype=bf16``: b is the float32 result rounded
+    once to bf16 (what autocast's next matrix product would read), and every gradient is the float32
+    op's for the same upstream gradients."""
+    gen = torch.Generator().manual_seed(12)
+    x, y = leaf(7, 100, gen=gen), leaf(7, 100, gen=gen)
+    o = leaf(7, 100, dtype=torch.bfloat16, gen=gen)
+    w = param(100, torch.float32, gen)
+    kw = {"x_mode": x_mode, "x_weight": w, "y_weight": w, "in_norm": x_mode == "norm",
+          "in_weight": w if x_mode == "norm" else None, "kind": "rmsnorm", "eps": EPS}
+    outs = siamese_update_entry(x, y, o, 0.5, out_dtype=torch.bfloat16, **kw)
+    assert [t.dtype for t in outs] == [torch.float32, torch.float32, torch.bfloat16]
+    full = siamese_update_entry(x, y, o, 0.5, **kw)
+    assert torch.equal(outs[2].double(), rounded(full[2].detach(), torch.bfloat16))
+    inputs = [x, y, o, w]
+    got = outputs_and_grads(outs, inputs, 3, torch.bfloat16)[1]
+    want = outputs_and_grads(full, inputs, 3, torch.bfloat16)[1]
+    assert_matches(got, want, (1e-5, 1e-5))
+
+
 def test_update_entry_first_sublayer():
     """The first sublayer reads one tensor as both streams (X = Y = h)."""
     entry_case("layernorm", "norm", False, True, True, "both", 7, 33, torch.float32, same_xy=True)

@@ -330,7 +330,8 @@ _X_MODES = {"norm": 0, "gain": 1, "none": 2}
 
 
 def entry_forward(x: Tensor, y: Tensor, o: Tensor | None, scale: float, params: list[Tensor | None],
-                  layernorm: bool, eps: float, x_mode: str, y_norm: bool, in_norm: bool):
+                  layernorm: bool, eps: float, x_mode: str, y_norm: bool, in_norm: bool,
+                  b_dtype: torch.dtype | None = None):
     """``(xo, y1, b, x1, stats)``; see :func:`siamesenorm.kernels.ops.siamese_update_entry`."""
     d = x.shape[-1]
     has_o = o is not None
@@ -343,7 +344,7 @@ def entry_forward(x: Tensor, y: Tensor, o: Tensor | None, scale: float, params: 
 
     xo = new(x_mode == "norm" or has_o, x_dtype)
     y1 = new(has_o, y_dtype)
-    b = new(True, torch.promote_types(x_dtype, y_dtype))
+    b = new(True, b_dtype or torch.promote_types(x_dtype, y_dtype))
     x1 = new(has_o and x_mode == "norm", x_dtype)
     m = b.numel() // d if d else 0
     stats = torch.zeros((6, m), dtype=torch.float32, device=dev)

@@ -147,19 +147,19 @@ def add_rms_norm(h: Tensor, z: Tensor, weight: Tensor | None = None,
 def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight: Tensor | None,
                   x_bias: Tensor | None, y_weight: Tensor | None, y_bias: Tensor | None,
                   in_weight: Tensor | None, in_bias: Tensor | None, kind: str, eps: float,
-                  x_mode: str, y_norm: bool,
-                  in_norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  x_mode: str, y_norm: bool, in_norm: bool,
+                  b_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(x', y1, b, x1, stats)``: ``x'`` is empty when it is ``x`` itself (no ``o``, no X norm),
     ``y1`` without ``o``; ``x1`` (``x + scale o``) is written only with ``o`` and the X norm, for
     backward; ``stats`` is ``(6, rows)`` float32: mean and rstd of the X, Y and input norms."""
     params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
     return _kernels().entry_forward(x, y, o, scale, params, kind == "layernorm", eps, x_mode, y_norm,
-                                    in_norm)
+                                    in_norm, b_dtype)
 
 
 @_update_entry.register_fake
 def _(x, y, o, scale, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, eps, x_mode, y_norm,
-      in_norm):
+      in_norm, b_dtype=None):
     has_o = o is not None
     x_dtype = x.dtype if o is None else torch.promote_types(x.dtype, o.dtype)
     y_dtype = y.dtype if o is None else torch.promote_types(y.dtype, o.dtype)
@@ -168,7 +168,8 @@ def _(x, y, o, scale, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, ki
         return x.new_empty(x.shape if full else (0,), dtype=dtype)
 
     return (new(x_mode == "norm" or has_o, x_dtype), new(has_o, y_dtype),
-            new(True, torch.promote_types(x_dtype, y_dtype)), new(has_o and x_mode == "norm", x_dtype),
+            new(True, b_dtype or torch.promote_types(x_dtype, y_dtype)),
+            new(has_o and x_mode == "norm", x_dtype),
             x.new_empty((6, _rows(x)), dtype=torch.float32))
 
 
@@ -199,7 +200,7 @@ def _(g_xo, g_y1, g_b, x1, y1, x_weight, x_bias, y_weight, y_bias, in_weight, in
 
 
 def _entry_setup(ctx, inputs, output) -> None:
-    x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, _, x_mode, y_norm, in_norm = inputs
+    x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, _, x_mode, y_norm, in_norm, _ = inputs
     xo, y1, b, x1, stats = output
     has_o = o is not None
     # What the norms read: x1 = x + scale o (x itself without o), y1 = y + o (y itself).
@@ -216,7 +217,7 @@ def _entry_setup(ctx, inputs, output) -> None:
 def _entry_grad(ctx, g_xo, g_y1, g_b, _x1, _stats):
     x1, y1, *params, stats = ctx.saved_tensors
     has_o, scale, kind, x_mode, y_norm, in_norm = ctx.flags
-    none = (None,) * 15
+    none = (None,) * 16
     g_xo, g_y1, g_b = _contiguous(g_xo), _contiguous(g_y1), _contiguous(g_b)
     if g_xo is None and g_y1 is None and g_b is None:
         return none
@@ -231,7 +232,7 @@ def _entry_grad(ctx, g_xo, g_y1, g_b, _x1, _stats):
     dy = dy.to(y_dtype) if need[1] and (y_norm or has_o) else None
     do = do.to(o_dtype) if has_o and need[2] else None
     d_params = [d if p is not None and n else None for d, p, n in zip(d_params, params, need[4:10])]
-    return (dx, dy, do, None, *d_params, None, None, None, None, None)
+    return (dx, dy, do, None, *d_params, None, None, None, None, None, None)
 
 
 _update_entry.register_autograd(_entry_grad, setup_context=_entry_setup)
@@ -242,7 +243,8 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
                          x_bias: Tensor | None = None, y_norm: bool = True, y_weight: Tensor | None = None,
                          y_bias: Tensor | None = None, in_norm: bool = True,
                          in_weight: Tensor | None = None, in_bias: Tensor | None = None,
-                         kind: str = "rmsnorm", eps: float = 1e-6) -> tuple[Tensor, Tensor | None, Tensor]:
+                         kind: str = "rmsnorm", eps: float = 1e-6,
+                         out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
     """SiameseNorm between two matmuls; returns ``(x', y1, b)``::
 
         x1, y1 = x + scale * o, y + o        (x, y themselves without o)
@@ -255,7 +257,8 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     "gain" mode ``x_weight`` is the gain gamma. Without ``o``, ``y1`` is ``y`` itself (``None`` if
     ``y`` is) and, unless the X stream is normalised, ``x'`` is ``x`` itself. With the kernels the
     sum ``u`` stays in float32 inside one kernel and is never stored: backward recomputes it from
-    ``x1`` (``x`` without ``o``), ``y1`` and the saved row statistics.
+    ``x1`` (``x`` without ``o``), ``y1`` and the saved row statistics. ``out_dtype``: the dtype
+    ``b`` is written in (the next matrix product's, under autocast), if not the streams'.
     """
     _check_kind(kind, x_bias, y_bias, in_bias)
     if x_mode not in _X_MODES:
@@ -276,7 +279,7 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     if _use_kernels(x):
         xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(
             x, y if y is not None else x, o, float(scale), x_weight, x_bias, y_weight, y_bias, in_weight,
-            in_bias, kind, float(eps), x_mode, y_norm, in_norm)
+            in_bias, kind, float(eps), x_mode, y_norm, in_norm, out_dtype)
         return (xo if x_mode == "norm" or o is not None else x), (y1 if o is not None else y), b
     if o is not None:
         x, y = torch.add(x, o, alpha=scale), y + o
@@ -284,4 +287,5 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     u = x * x_weight if x_mode == "gain" else xo
     if y_norm:
         u = u + _norm(y, y_weight, y_bias, kind, eps)
-    return xo, y, (_norm(u, in_weight, in_bias, kind, eps) if in_norm else u)
+    b = _norm(u, in_weight, in_bias, kind, eps) if in_norm else u
+    return xo, y, (b if out_dtype is None else b.to(out_dtype))
