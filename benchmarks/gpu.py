@@ -1,6 +1,9 @@
 """One GPU benchmark: tokens/s, TFLOP/s, MFU and peak memory of each residual design beside Pre-Norm.
 
-Our cases run the training step of our trainer, from its own parts: ``ForwardBackward`` (the same
+Our cases (``pre``, both SiameseNorm forms, hyper-connections, mHC, both Attention Residuals,
+value residuals, and ``siamese-kernels``: SiameseNorm with its fused Triton kernel in the compiled
+graph, ``kernels_in_compiled_graphs``, against Inductor's own fusion in ``siamese``) run the
+training step of our trainer, from its own parts: ``ForwardBackward`` (the same
 forward under bf16 autocast through ``torch.compile``, and ``loss.backward``), ``clip_gradients`` at
 1.0, ``build_optimizer``'s AdamW (fused on CUDA) over float32 master weights, ``zero_grad``. The
 OLMo-core cases build OLMo-1B as ``python -m siamesenorm.olmo_core.train olmo-1b --compile`` does
@@ -45,6 +48,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.nn.fused import kernels_in_compiled_graphs
 from siamesenorm.parallel import autocast_for
 from siamesenorm.train.forward import ForwardBackward
 from siamesenorm.train.optim import build_optimizer, clip_gradients
@@ -60,7 +64,11 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "attn_res": ("attn_res", {}, {}),
     "attn_res-block4": ("attn_res", {"block_size": 4}, {}),     # as the topologies-gpu preset
     "pre-value_residual": ("pre", {}, {"value_residual": True}),
+    # SiameseNorm with its fused Triton kernel in the compiled graph (kernels_in_compiled_graphs):
+    # the kernel against Inductor's own fusion of the same work
+    "siamese-kernels": ("siamese", {"form": "post_pre"}, {}),
 }
+COMPILED_KERNELS = {"siamese-kernels"}
 # OLMo-core's OLMo-1B by our integration: scheme and the entry's --scheme-options
 OLMO: dict[str, tuple[str, str | None]] = {"olmo-core-pre": ("pre", None),
                                           "olmo-core-siamese": ("siamese", "form=hybrid_pre")}
@@ -146,7 +154,8 @@ class OurCase:
         self.x, self.y = x[:, :-1], x[:, 1:]
 
     def step(self) -> None:
-        self.forward(self.x, self.y, 1, self.autocast)
+        with kernels_in_compiled_graphs(self.name in COMPILED_KERNELS):     # read when traced
+            self.forward(self.x, self.y, 1, self.autocast)
         clip_gradients(self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -488,6 +488,46 @@ def test_siamese_models_with_the_fused_kernel_equal_the_reference(form, norm, ch
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_graphs_call_the_fused_kernel_when_asked(monkeypatch):
+    """Under ``kernels_in_compiled_graphs`` a compiled SiameseNorm step is one graph that calls the
+    fused op (pending writes included) in place of the plain composition, with the reference
+    path's loss and gradients; without it the graph has no such call."""
+    import torch._dynamo as dynamo
+
+    from siamesenorm.models import LanguageModel, LMConfig
+    from siamesenorm.nn import fused
+
+    monkeypatch.setattr(fused, "_kernel_device", lambda t: True)
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, scheme="siamese")
+    model = LanguageModel(cfg).to(DEVICE)
+    x = torch.randint(0, 32, (2, 9), device=DEVICE)
+    params = list(model.parameters())
+
+    def run(fn):
+        loss = fn(x[:, :-1], x[:, 1:]).loss
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    with fused.reference_path():
+        want = run(model)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for asked in (True, False):
+        graphs.clear()
+        dynamo.reset()
+        with fused.kernels_in_compiled_graphs(asked):
+            got = run(torch.compile(model, backend=backend, fullgraph=True))
+        calls = [n for g in graphs for n in g.graph.nodes if "siamesenorm" in str(n.target)]
+        assert len(graphs) == 1 and len(calls) == (5 if asked else 0), (len(graphs), len(calls))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    dynamo.reset()
+
+
 # Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
 # that runs them in a fresh process.
 for _name in [n for n in globals() if n.startswith("test_") and (n == "test_in_fresh_process") == IN_PROCESS]:

@@ -53,8 +53,9 @@ try:
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
     announce_fallback = kernels_available = siamese_update_entry = None
 
-__all__ = ["defers_update", "dyt", "fused_enabled", "lean_region", "norm_value", "recomputed_inputs",
-           "reference_path", "rms_norm", "stream_entry", "stream_update", "stream_update_entry"]
+__all__ = ["defers_update", "dyt", "fused_enabled", "kernels_in_compiled_graphs", "lean_region",
+           "norm_value", "recomputed_inputs", "reference_path", "rms_norm", "stream_entry",
+           "stream_update", "stream_update_entry"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -62,6 +63,7 @@ _LOW = (torch.float16, torch.bfloat16)
 
 class _Switch(threading.local):
     enabled = os.environ.get("SIAMESENORM_FUSED", "1").strip().lower() not in ("0", "false", "no")
+    compiled_kernels = False       # kernels_in_compiled_graphs
 
 
 _switch = _Switch()
@@ -86,6 +88,28 @@ def reference_path(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _switch.enabled = before
+
+
+@contextmanager
+def kernels_in_compiled_graphs(enabled: bool = True) -> Iterator[None]:
+    """Graphs that ``torch.compile`` traces within the block call SiameseNorm's fused Triton kernel
+    (the stream writes fused into the next entry) where it runs, instead of leaving that work to
+    Inductor (the default: on the CPU the two move the same bytes, the kernel in half the kernels;
+    docs/performance.md). Read when a graph is traced: compile inside the block."""
+    before = _switch.compiled_kernels
+    _switch.compiled_kernels = enabled
+    try:
+        yield
+    finally:
+        _switch.compiled_kernels = before
+
+
+def _kernels_here() -> bool:
+    """Whether the fused Triton kernels may run here: in eager mode off the reference path, and
+    in a graph being traced under :func:`kernels_in_compiled_graphs`."""
+    if torch.compiler.is_compiling():
+        return _switch.compiled_kernels
+    return _switch.enabled
 
 
 def _wants_grad(*tensors: Tensor | None) -> bool:
@@ -437,16 +461,13 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
     params = [t for m in norms for t in (*_params(m), _alpha(m)) if t is not None]
     if x_gain is not None:
         params.append(x_gain)
-    lean = (fused_enabled() and len(kinds) == 1 and len(eps) == 1
-            and (y_norm is not None or in_norm is not None) and _wants_grad(x, y, *params))
-    if not lean:
-        return _plain_entry(x, y, x_norm, x_gain, y_norm, in_norm)
-    spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
-                      norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
-                      inp=in_norm is not None)
-    if spec.norm.kind != "dyt" and _kernels_run_on(x, y):
+    one_norm = len(kinds) == 1 and len(eps) == 1 and (y_norm is not None or in_norm is not None)
+    spec = _entry_spec(kinds, eps, x_norm, x_gain, y_norm, in_norm) if one_norm else None
+    if spec is not None and spec.norm.kind != "dyt" and _kernels_here() and _kernels_run_on(x, y):
         xo, _, b = _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
         return xo, b
+    if spec is None or not (fused_enabled() and _wants_grad(x, y, *params)):
+        return _plain_entry(x, y, x_norm, x_gain, y_norm, in_norm)
     if y is x:  # the first sublayer (X = Y = h): one input per argument, as torch.compile wants
         y = x.view_as(x)
     args = [x, y if y_norm is not None else None,
@@ -500,12 +521,18 @@ def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain,
             eps=spec.norm.eps)
 
 
+def _entry_spec(kinds: set, eps: set, x_norm, x_gain, y_norm, in_norm) -> _EntrySpec:
+    return _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
+                      norm=_Norm(next(iter(kinds)), float(next(iter(eps)))), y=y_norm is not None,
+                      inp=in_norm is not None)
+
+
 def defers_update(x: Tensor, y: Tensor | None, norm_kind: str) -> bool:
     """Whether a two-stream scheme (norms of ``norm_kind``) should hand its sublayer's stream
     writes to the next entry, :func:`stream_update_entry`, which fuses them into its Triton kernel:
-    where that kernel runs (CUDA with Triton, eager mode, plain tensors), with RMSNorm or
-    LayerNorm."""
-    return y is not None and norm_kind != "dyt" and fused_enabled() and _kernels_run_on(x, y)
+    where that kernel runs (CUDA with Triton, plain tensors; eager mode, or a compiled graph under
+    :func:`kernels_in_compiled_graphs`), with RMSNorm or LayerNorm."""
+    return y is not None and norm_kind != "dyt" and _kernels_here() and _kernels_run_on(x, y)
 
 
 def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: nn.Module | None = None,
@@ -518,9 +545,7 @@ def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: 
     norms = [m for m in (x_norm, y_norm, in_norm) if m is not None]
     kinds, eps = {_norm_kind(m) for m in norms}, {m.eps for m in norms}
     if len(kinds) == 1 and len(eps) == 1 and defers_update(x, y, next(iter(kinds))):
-        spec = _EntrySpec(x="norm" if x_norm is not None else ("gain" if x_gain is not None else "none"),
-                          norm=_Norm(kinds.pop(), float(eps.pop())), y=y_norm is not None,
-                          inp=in_norm is not None)
+        spec = _entry_spec(kinds, eps, x_norm, x_gain, y_norm, in_norm)
         return _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm, out, c)
     x, y = stream_update(x, y, out, c)
     xo, b = stream_entry(x, y, x_norm=x_norm, x_gain=x_gain, y_norm=y_norm, in_norm=in_norm)
