@@ -247,10 +247,10 @@ def test_deepnorm_branch_weights_are_xavier_with_its_gain():
     assert abs(float(att.w_v.weight.detach().std()) / (beta * xavier) - 1) < 0.15
 
 
-@pytest.mark.parametrize("case", ["pre", "siamese-hybrid_pre"])
-def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
-    """OLMo-core compiles block by block; each block is one graph (fullgraph) and, past dynamo's
-    default limit of 8, none falls back to eager (a recompile over the limit fails here)."""
+def _compile_blocks(case: str, blocks: int, monkeypatch) -> int:
+    """Graphs of one training step of ``case`` with OLMo-core's per-block compile (dynamo only,
+    ``fullgraph``: a graph break fails), the recompile limit at dynamo's default of 8 before
+    ``apply_compile`` raises it, and a recompile over the limit failing."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
@@ -258,17 +258,29 @@ def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: original(self, backend="eager", fullgraph=True))
     scheme, options = SCHEMES[case]
-    cfg = replace(tiny(scheme, options, qk_norm=True, tie_embeddings=False), n_layers=12)
+    cfg = replace(tiny(scheme, options, qk_norm=True, tie_embeddings=False), n_layers=blocks)
     model = olmo_config(cfg).build()
     dynamo.reset()
     counters.clear()
     with dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         model.apply_compile()
-        assert dynamo.config.recompile_limit >= 12
+        assert dynamo.config.recompile_limit >= blocks
         x, y = batch()
         model(x, labels=y).loss.backward()
     dynamo.reset()
-    assert counters["stats"]["unique_graphs"] == 12 + 1          # one per block, and the LM head
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("case", ["pre", "siamese-hybrid_pre"])
+def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
+    """Past dynamo's default limit of 8 no block falls back to eager: one graph per block (the
+    block index specialises them) and the LM head's."""
+    assert _compile_blocks(case, 12, monkeypatch) == 12 + 1
+
+
+@pytest.mark.parametrize("case", SCHEMES)
+def test_every_schemes_blocks_compile_without_a_graph_break(case, monkeypatch):
+    assert _compile_blocks(case, 2, monkeypatch) == 2 + 1
 
 
 def test_pipeline_parallelism_is_refused():   # tensor parallelism: test_olmo_core_parallel.py
