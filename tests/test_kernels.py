@@ -444,25 +444,28 @@ def test_siamesenorm_kernels_0_turns_every_kernel_off_without_a_word(monkeypatch
 
 
 # ---- the kernel inside SiameseNorm's lean entry ----------------------------------------------------
-@pytest.mark.parametrize("form,norm,checkpointing", [
-    ("post_pre", "rmsnorm", "none"), ("hybrid_pre", "layernorm", "none"), ("post_pre", "layernorm", "none"),
-    ("post_pre", "rmsnorm", "sublayer")])
-def test_siamese_models_with_the_fused_kernel_equal_the_reference(form, norm, checkpointing, monkeypatch):
-    """A SiameseNorm language model whose sublayers hand their stream writes to the next entry and
-    run both in the kernel (on the CPU here, through the interpreter): loss, every gradient and the
-    streams a tap records equal the reference path's (float32, width 30: a masked tail)."""
+@pytest.mark.parametrize("scheme,form,norm,checkpointing", [
+    ("siamese", "post_pre", "rmsnorm", "none"), ("siamese", "hybrid_pre", "layernorm", "none"),
+    ("siamese", "post_pre", "layernorm", "none"), ("siamese", "post_pre", "rmsnorm", "sublayer"),
+    ("pre", None, "rmsnorm", "none"), ("pre", None, "layernorm", "sublayer")])
+def test_models_with_the_fused_kernels_equal_the_reference(scheme, form, norm, checkpointing, monkeypatch):
+    """A SiameseNorm (Pre-Norm) language model whose sublayers hand their stream writes (residual
+    add) to the next entry (norm) and run both in one kernel (on the CPU here, through the
+    interpreter): loss, every gradient and the streams a tap records equal the reference path's
+    (float32, width 30: a masked tail)."""
     from siamesenorm.analysis.tap import StreamTap
     from siamesenorm.models import LanguageModel, LMConfig
     from siamesenorm.models.checkpointing import set_activation_checkpointing
     from siamesenorm.nn import fused
 
     calls = []
-    real = fused._kernel_entry
+    entry, add = fused._kernel_entry, fused.add_norm
     monkeypatch.setattr(fused, "_kernel_device", lambda t: True)
-    monkeypatch.setattr(fused, "_kernel_entry", lambda *a: calls.append(len(a) > 7) or real(*a))
+    monkeypatch.setattr(fused, "_kernel_entry", lambda *a: calls.append(len(a) > 7) or entry(*a))
+    monkeypatch.setattr(fused, "add_norm", lambda *a, **k: calls.append(True) or add(*a, **k))
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, norm=norm,
-                   scheme="siamese", scheme_options={"form": form})
+                   scheme=scheme, scheme_options={"form": form} if form else {})
     model = LanguageModel(cfg).to(DEVICE)
     set_activation_checkpointing(model, checkpointing)
     with torch.no_grad():
@@ -480,18 +483,20 @@ def test_siamese_models_with_the_fused_kernel_equal_the_reference(form, norm, ch
 
     got = run()
     # forward: 4 sublayers and the exit, every one after the first taking the previous sublayer's
-    # writes (a checkpointed backward runs the steps again)
-    assert calls[:5] == [False, True, True, True, True], calls
+    # writes (a checkpointed backward runs the steps again); Pre-Norm's first norm is its own
+    expected = ([] if scheme == "pre" else [False]) + [True] * 4
+    assert calls[:len(expected)] == expected, calls
     with fused.reference_path():
         want = run()
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_graphs_call_the_fused_kernel_when_asked(monkeypatch):
-    """Under ``kernels_in_compiled_graphs`` a compiled SiameseNorm step is one graph that calls the
-    fused op (pending writes included) in place of the plain composition, with the reference
-    path's loss and gradients; without it the graph has no such call."""
+@pytest.mark.parametrize("scheme,calls_asked", [("siamese", 5), ("pre", 4)])
+def test_compiled_graphs_call_the_fused_kernel_when_asked(scheme, calls_asked, monkeypatch):
+    """Under ``kernels_in_compiled_graphs`` a compiled SiameseNorm (Pre-Norm) step is one graph that
+    calls the fused op (the handed-over writes included) in place of the plain composition, with
+    the reference path's loss and gradients; without it the graph has no such call."""
     import torch._dynamo as dynamo
 
     from siamesenorm.models import LanguageModel, LMConfig
@@ -499,7 +504,7 @@ def test_compiled_graphs_call_the_fused_kernel_when_asked(monkeypatch):
 
     monkeypatch.setattr(fused, "_kernel_device", lambda t: True)
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, scheme="siamese")
+    cfg = LMConfig(vocab_size=32, dim=30, n_layers=2, n_heads=1, max_seq_len=8, scheme=scheme)
     model = LanguageModel(cfg).to(DEVICE)
     x = torch.randint(0, 32, (2, 9), device=DEVICE)
     params = list(model.parameters())
@@ -522,7 +527,7 @@ def test_compiled_graphs_call_the_fused_kernel_when_asked(monkeypatch):
         with fused.kernels_in_compiled_graphs(asked):
             got = run(torch.compile(model, backend=backend, fullgraph=True))
         calls = [n for g in graphs for n in g.graph.nodes if "siamesenorm" in str(n.target)]
-        assert len(graphs) == 1 and len(calls) == (5 if asked else 0), (len(graphs), len(calls))
+        assert len(graphs) == 1 and len(calls) == (calls_asked if asked else 0), (len(graphs), calls)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     dynamo.reset()

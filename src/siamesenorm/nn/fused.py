@@ -19,7 +19,8 @@ module holds three pieces built on that fact, each an ordinary :class:`torch.aut
   DyT norms as the plain composition of modules (each through :func:`dyt`).
 - On CUDA with Triton, :func:`stream_entry` runs as one fused Triton kernel each way
   (:func:`siamesenorm.kernels.siamese_update_entry`; ``SIAMESENORM_KERNELS=0`` turns it off), and
-  :func:`stream_update_entry` fuses a sublayer's stream writes into the next sublayer's entry.
+  :func:`stream_update_entry` fuses a sublayer's stream writes into the next sublayer's entry, as
+  :func:`add_then_norm` fuses Pre-Norm's residual add into the next norm.
 - :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
   normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
   tensors kept anyway, when backward asks for them.
@@ -49,13 +50,13 @@ from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
 
 try:
-    from ..kernels import announce_fallback, kernels_available, siamese_update_entry
+    from ..kernels import add_norm, announce_fallback, kernels_available, siamese_update_entry
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
-    announce_fallback = kernels_available = siamese_update_entry = None
+    add_norm = announce_fallback = kernels_available = siamese_update_entry = None
 
-__all__ = ["defers_update", "dyt", "fused_enabled", "kernels_in_compiled_graphs", "lean_region",
-           "norm_value", "recomputed_inputs", "reference_path", "rms_norm", "stream_entry",
-           "stream_update", "stream_update_entry"]
+__all__ = ["add_then_norm", "defers_add", "defers_update", "dyt", "fused_enabled",
+           "kernels_in_compiled_graphs", "lean_region", "norm_value", "recomputed_inputs",
+           "reference_path", "rms_norm", "stream_entry", "stream_update", "stream_update_entry"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -550,6 +551,26 @@ def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: 
     x, y = stream_update(x, y, out, c)
     xo, b = stream_entry(x, y, x_norm=x_norm, x_gain=x_gain, y_norm=y_norm, in_norm=in_norm)
     return xo, y, b
+
+
+def defers_add(h: Tensor, norm_kind: str) -> bool:
+    """Whether a Pre-Norm sublayer (norms of ``norm_kind``) should hand its residual add to the
+    next norm, :func:`add_then_norm`, which fuses both into one Triton kernel: where that kernel
+    runs (as :func:`defers_update`), with RMSNorm or LayerNorm, and a float32 stream under autocast
+    (whose norm PyTorch returns in float32, as the kernel does then)."""
+    return (norm_kind != "dyt" and _kernels_here() and _kernels_run_on(h, None)
+            and not (_autocast_on(h) and h.dtype in _LOW))
+
+
+def add_then_norm(h: Tensor, out: Tensor, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+    """``(h + out, norm(h + out))`` (``norm`` ``None``: the sum twice): one Triton kernel each way
+    (:func:`siamesenorm.kernels.add_norm`) where :func:`defers_add` holds, the two ops otherwise."""
+    if norm is not None and defers_add(h, _norm_kind(norm)):
+        weight, bias = _params(norm)
+        with torch.autocast(h.device.type, enabled=False):
+            return add_norm(h, out, weight, bias, kind=_norm_kind(norm), eps=norm.eps)
+    h = h + out
+    return h, (h if norm is None else norm(h))
 
 
 def _outer_hooks() -> bool:
