@@ -1,9 +1,9 @@
 """One GPU benchmark: tokens/s, TFLOP/s, MFU and peak memory of each residual design beside Pre-Norm.
 
 Our cases (``pre``, both SiameseNorm forms, hyper-connections, mHC, both Attention Residuals,
-value residuals, and ``siamese-kernels``: SiameseNorm with its fused Triton kernel in the compiled
-graph, ``kernels_in_compiled_graphs``, against Inductor's own fusion in ``siamese``) run the
-training step of our trainer, from its own parts: ``ForwardBackward`` (the same
+value residuals, and ``siamese-kernels`` and ``pre-kernels``: SiameseNorm and Pre-Norm with their
+fused Triton kernels in the compiled graph, ``kernels_in_compiled_graphs``, against Inductor's own
+fusion in ``siamese`` and ``pre``) run the training step of our trainer, from its own parts: ``ForwardBackward`` (the same
 forward under bf16 autocast through ``torch.compile``, and ``loss.backward``), ``clip_gradients`` at
 1.0, ``build_optimizer``'s AdamW (fused on CUDA) over float32 master weights, ``zero_grad``. The
 OLMo-core cases build OLMo-1B as ``python -m siamesenorm.olmo_core.train olmo-1b --compile`` does
@@ -67,8 +67,9 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     # SiameseNorm with its fused Triton kernel in the compiled graph (kernels_in_compiled_graphs):
     # the kernel against Inductor's own fusion of the same work
     "siamese-kernels": ("siamese", {"form": "post_pre"}, {}),
+    "pre-kernels": ("pre", {}, {}),          # Pre-Norm's fused add + norm, the same way
 }
-COMPILED_KERNELS = {"siamese-kernels"}
+COMPILED_KERNELS = {"siamese-kernels", "pre-kernels"}
 # OLMo-core's OLMo-1B by our integration: scheme and the entry's --scheme-options
 OLMO: dict[str, tuple[str, str | None]] = {"olmo-core-pre": ("pre", None),
                                           "olmo-core-siamese": ("siamese", "form=hybrid_pre")}

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
 OURS = ["pre", "siamese", "siamese-hybrid_pre", "hyper", "mhc", "attn_res", "attn_res-block4",
-        "pre-value_residual", "siamese-kernels"]
+        "pre-value_residual", "siamese-kernels", "pre-kernels"]
 OLMO = ["olmo-core-pre", "olmo-core-siamese"]
 COLUMNS = ["case", "params M", "compiled", "step ms", "IQR %", "tokens/s", "TFLOP/s", "MFU %", "peak GiB",
            "step / pre"]
