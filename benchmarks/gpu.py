@@ -3,9 +3,10 @@
 Our cases (``pre``, both SiameseNorm forms, hyper-connections, mHC, both Attention Residuals,
 value residuals, and ``siamese-kernels`` and ``pre-kernels``: SiameseNorm and Pre-Norm with their
 fused Triton kernels in the compiled graph, ``kernels_in_compiled_graphs``, against Inductor's own
-fusion in ``siamese`` and ``pre``) run the training step of our trainer, from its own parts: ``ForwardBackward`` (the same
-forward under bf16 autocast through ``torch.compile``, and ``loss.backward``), ``clip_gradients`` at
-1.0, ``build_optimizer``'s AdamW (fused on CUDA) over float32 master weights, ``zero_grad``. The
+fusion in ``siamese`` and ``pre``) run the training step of our trainer, from its own parts:
+``ForwardBackward`` (the same forward under bf16 autocast through ``torch.compile``, and
+``loss.backward``), ``clip_gradients`` at 1.0, ``build_optimizer``'s AdamW (fused on CUDA) over
+float32 master weights, ``zero_grad``. The
 OLMo-core cases build OLMo-1B as ``python -m siamesenorm.olmo_core.train olmo-1b --compile`` does
 (its parser, preset and ``train_module_config``) and step it as OLMo-core's ``train_batch`` and
 ``optim_step`` do, without a ``Trainer`` (no LR schedule; the clip is ours, the same two calls).
