@@ -1,15 +1,10 @@
 """The fused Triton kernels (siamesenorm.kernels) against references written here from the equations.
 
-Without CUDA the kernels run under Triton's interpreter on the CPU. Triton chooses the interpreter
-when it decorates its functions, its own library's included, so TRITON_INTERPRET=1 must be set before
-Triton is first imported. Run alone, this module sets it around that import (and around each test:
-the front functions read it when they dispatch) and leaves it unset for anything else. Where Triton
-was imported before (collecting the whole suite imports it), the one test collected here runs this
-file again in a fresh process with TRITON_INTERPRET=1.
+Without CUDA the kernels run under Triton's interpreter on the CPU (tests/triton_interpreter.py:
+run alone, the module chooses it; in the whole suite, one test runs the module again in a fresh
+process that does).
 """
 
-import contextlib
-import importlib
 import itertools
 import os
 import subprocess
@@ -19,26 +14,17 @@ import textwrap
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-CHILD = "SIAMESENORM_KERNEL_TESTS_CHILD"
+from triton_interpreter import (
+    CUDA,
+    DEVICE,
+    collect,
+    fresh_process_test,
+    import_triton,
+    interpreted,
+    interpreter,  # noqa: F401  (the autouse fixture)
+)
 
-
-@contextlib.contextmanager
-def _interpret_env():
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-with _interpret_env() if not CUDA and "triton" not in sys.modules else contextlib.nullcontext():
-    triton = pytest.importorskip("triton")
+triton = import_triton()
 
 from siamesenorm.kernels import (  # noqa: E402
     add_norm,
@@ -46,37 +32,8 @@ from siamesenorm.kernels import (  # noqa: E402
     siamese_update_entry,
 )
 
-
-def _interpreted() -> bool:
-    """Whether Triton's own functions were decorated for the interpreter; if so, (re)decorate ours."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        return False
-    with _interpret_env():
-        from siamesenorm.kernels import _triton
-        if not isinstance(_triton._add_norm_fwd, InterpretedFunction):
-            importlib.reload(_triton)
-    return True
-
-
-IN_PROCESS = CUDA or _interpreted()
-if os.environ.get(CHILD) and not IN_PROCESS:
-    raise RuntimeError("TRITON_INTERPRET=1 was set, yet Triton did not load its interpreter")
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_in_fresh_process():
-    """This file in a process that sets TRITON_INTERPRET=1 before anything imports Triton."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+IN_PROCESS = CUDA or interpreted("siamesenorm.kernels._triton", "_add_norm_fwd")
+test_in_fresh_process = fresh_process_test(__file__)
 
 
 EPS = 1e-5
@@ -535,5 +492,4 @@ def test_compiled_graphs_call_the_fused_kernel_when_asked(scheme, calls_asked, m
 
 # Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
 # that runs them in a fresh process.
-for _name in [n for n in globals() if n.startswith("test_") and (n == "test_in_fresh_process") == IN_PROCESS]:
-    del globals()[_name]
+collect(globals(), IN_PROCESS)

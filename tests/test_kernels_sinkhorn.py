@@ -1,76 +1,31 @@
 """The Sinkhorn-Knopp kernel (siamesenorm::sinkhorn) against the iterations written out in float64,
 and mHC with the kernel against mHC without it.
 
-Without CUDA the kernel runs under Triton's interpreter on the CPU, as in tests/test_kernels.py (its
-docstring says why): TRITON_INTERPRET=1 is set around the first import of Triton and around each
-test, and where Triton was imported before, the one test collected here runs this file again in a
-fresh process.
+Without CUDA the kernel runs under Triton's interpreter on the CPU (tests/triton_interpreter.py).
 """
 
-import contextlib
 import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-CHILD = "SIAMESENORM_KERNEL_TESTS_CHILD"
+from triton_interpreter import (
+    CUDA,
+    DEVICE,
+    collect,
+    fresh_process_test,
+    import_triton,
+    interpreted,
+    interpreter,  # noqa: F401  (the autouse fixture)
+)
 
-
-@contextlib.contextmanager
-def _interpret_env():
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-with _interpret_env() if not CUDA and "triton" not in sys.modules else contextlib.nullcontext():
-    triton = pytest.importorskip("triton")
+triton = import_triton()
 
 from siamesenorm.kernels import sinkhorn, sinkhorn_kernel_runs  # noqa: E402
 from siamesenorm.kernels.sinkhorn import MAX_ITERS  # noqa: E402
 
-
-def _interpreted() -> bool:
-    """Whether Triton's own functions were decorated for the interpreter; if so, (re)decorate ours."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        return False
-    with _interpret_env():
-        from siamesenorm.kernels import _triton_sinkhorn
-        if not isinstance(_triton_sinkhorn._sinkhorn_fwd, InterpretedFunction):
-            importlib.reload(_triton_sinkhorn)
-    return True
-
-
-IN_PROCESS = CUDA or _interpreted()
-if os.environ.get(CHILD) and not IN_PROCESS:
-    raise RuntimeError("TRITON_INTERPRET=1 was set, yet Triton did not load its interpreter")
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_in_fresh_process():
-    """This file in a process that sets TRITON_INTERPRET=1 before anything imports Triton."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+IN_PROCESS = CUDA or interpreted("siamesenorm.kernels._triton_sinkhorn", "_sinkhorn_fwd")
+test_in_fresh_process = fresh_process_test(__file__)
 
 
 # ---- the reference: the iterations written out, autograd through them (float64) --------------------
@@ -267,5 +222,4 @@ def test_mhc_with_the_kernel_equals_mhc_without(path, monkeypatch):
 
 # Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
 # that runs them in a fresh process.
-for _name in [n for n in globals() if n.startswith("test_") and (n == "test_in_fresh_process") == IN_PROCESS]:
-    del globals()[_name]
+collect(globals(), IN_PROCESS)

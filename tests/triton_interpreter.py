@@ -1,0 +1,87 @@
+"""Tests of siamesenorm's Triton kernels: on CUDA, or under Triton's interpreter on the CPU.
+
+Triton chooses its interpreter when it decorates its functions, its own library's included, so
+TRITON_INTERPRET=1 must be set before Triton is first imported. A kernel test module imports Triton
+through :func:`import_triton` (which sets it around that import when nothing imported Triton yet),
+asks :func:`interpreted` whether the interpreter is on (re-decorating its kernels module if need
+be), sets it around each test (the front functions read it when they dispatch) and, where Triton was
+imported before without it (collecting the whole suite does that), keeps only the test made by
+:func:`fresh_process_test`, which runs the module again in a process that sets it first
+(:func:`collect`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+CHILD = "SIAMESENORM_KERNEL_TESTS_CHILD"
+
+
+@contextlib.contextmanager
+def interpret_env() -> Iterator[None]:
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def import_triton():
+    """Triton (the test module skips without it), with its interpreter where it can still be chosen."""
+    with interpret_env() if not CUDA and "triton" not in sys.modules else contextlib.nullcontext():
+        return pytest.importorskip("triton")
+
+
+def interpreted(module: str, kernel: str) -> bool:
+    """Whether Triton's own functions were decorated for the interpreter; if so, (re)decorate the
+    kernels of ``module`` (``kernel``: one of them). Raises in a fresh process where it is not on."""
+    triton = import_triton()
+    from triton.runtime.interpreter import InterpretedFunction
+
+    on = isinstance(triton.language.sum, InterpretedFunction)
+    if on:
+        with interpret_env():
+            mod = importlib.import_module(module)
+            if not isinstance(getattr(mod, kernel), InterpretedFunction):
+                importlib.reload(mod)
+    if os.environ.get(CHILD) and not on:
+        raise RuntimeError("TRITON_INTERPRET=1 was set, yet Triton did not load its interpreter")
+    return on
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 around each test without CUDA (import it into a kernel test module)."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def fresh_process_test(path: str) -> Callable[[], None]:
+    def test_in_fresh_process():
+        """This file in a process that sets TRITON_INTERPRET=1 before anything imports Triton."""
+        env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    return test_in_fresh_process
+
+
+def collect(namespace: dict, in_process: bool) -> None:
+    """Keep the tests that can run here: the module's own, or the one that reruns it."""
+    for name in [n for n in namespace if n.startswith("test_")]:
+        if (name == "test_in_fresh_process") == in_process:
+            del namespace[name]
