@@ -532,8 +532,10 @@ def defers_update(x: Tensor, y: Tensor | None, norm_kind: str) -> bool:
     """Whether a two-stream scheme (norms of ``norm_kind``) should hand its sublayer's stream
     writes to the next entry, :func:`stream_update_entry`, which fuses them into its Triton kernel:
     where that kernel runs (CUDA with Triton, plain tensors; eager mode, or a compiled graph under
-    :func:`kernels_in_compiled_graphs`), with RMSNorm or LayerNorm."""
-    return y is not None and norm_kind != "dyt" and _kernels_here() and _kernels_run_on(x, y)
+    :func:`kernels_in_compiled_graphs`), with RMSNorm or LayerNorm, and float32 streams under
+    autocast (the kernel then writes them in float32, as :func:`stream_update` would)."""
+    return (y is not None and norm_kind != "dyt" and _kernels_here() and _kernels_run_on(x, y)
+            and not (_autocast_on(x) and (x.dtype in _LOW or y.dtype in _LOW)))
 
 
 def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: nn.Module | None = None,
