@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -160,6 +161,28 @@ def test_the_weights_alone_load_with_no_optimizer(tmp_path):
     fresh = lm(5)
     assert load_checkpoint(tmp_path / "c", fresh, None) == {"step": 7}
     assert_same_state(fresh.state_dict(), model.state_dict(), "weights")
+
+
+def test_reading_a_single_process_checkpoint_imports_no_sharded_layout_library(tmp_path):
+    """torch.distributed.checkpoint and torch.distributed.tensor take ~0.6 s to import, which every
+    command paid at start while this module imported them at its top: they are imported where a
+    sharded checkpoint is written or read. A command that reads a run's weights (generate, export)
+    imports neither."""
+    model = nn.Linear(2, 2)
+    save_checkpoint(tmp_path / "c", model, torch.optim.AdamW(model.parameters()), {"step": 1})
+    code = ("import sys, torch\n"
+            "import siamesenorm.cli, siamesenorm.run\n"
+            "from siamesenorm.train.checkpoint import load_checkpoint\n"
+            "assert load_checkpoint(sys.argv[1], torch.nn.Linear(2, 2), None) == {'step': 1}\n"
+            "libraries = ('torch.distributed.checkpoint', 'torch.distributed.tensor')\n"
+            "print([m for m in libraries if m in sys.modules])")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 # ---- two processes -------------------------------------------------------------------------------

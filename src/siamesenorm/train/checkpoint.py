@@ -52,6 +52,7 @@ of a spread model.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import io
 import json
@@ -67,29 +68,24 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
 from ..parallel.env import SINGLE, World, barrier, broadcast_object, gather_objects
 from ..rundir import library_os_error
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+# torch.distributed.checkpoint (DCP) and torch.distributed.tensor are imported where they are used:
+# together they take about 0.6 s to import, which a command that never touches a sharded checkpoint
+# (generate, export, a refused configuration) would otherwise pay at start.
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -168,7 +164,17 @@ def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dic
     _fsync(path)
 
 
-class _DcpWriter(dcp.FileSystemWriter):
+@functools.cache
+def _on_dcp(own: type, base: str) -> type:
+    """The class ``own`` over ``torch.distributed.checkpoint``'s class ``base`` (``own``'s methods
+    first, reaching ``base``'s through ``super()``), made on first use (see the imports above)."""
+    from torch.distributed import checkpoint as dcp
+
+    return type(own.__name__, (own, getattr(dcp, base)), {"__module__": own.__module__,
+                                                          "__doc__": own.__doc__})
+
+
+class _DcpWriter:                   # over DCP's FileSystemWriter, by _on_dcp
     """DCP's file writer whose failure on a full or read-only disk is the OSError itself.
 
     DCP sends each rank's failure to the others pickled, and pickling drops an exception's
@@ -197,8 +203,12 @@ class _DcpWriter(dcp.FileSystemWriter):
 
 def _write_dcp(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank's share of the model and optimizer state into ``folder`` (a collective)."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_DcpWriter(folder))
+    writer = _on_dcp(_DcpWriter, "FileSystemWriter")(folder)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
 
 
 def _hidden(path: Path, kind: str) -> list[Path]:
@@ -409,23 +419,32 @@ def _plain_tensor_types() -> dict[str, object]:
 # dtypes and layouts, the path it was saved to, and the storage record of torch's writer or of
 # OLMo-core's (relative_path, offset, length: read as torch's, which has the same fields).
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_DCP_GLOBALS: dict[tuple[str, str], object] = {
-    **{(_DCP_METADATA, name): getattr(dcp_metadata, name)
-       for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                    "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-       if hasattr(dcp_metadata, name)},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("pathlib", name): pathlib.PurePosixPath for name in ("PosixPath", "PurePosixPath", "Path")},
-    **{("pathlib", name): pathlib.PureWindowsPath for name in ("WindowsPath", "PureWindowsPath")},
-}
+
+
+@functools.cache
+def _dcp_globals() -> dict[tuple[str, str], object]:
+    """The allow-list above, ``(module, name) -> object``, built on first use (it names DCP's
+    classes, and DCP is imported on first use)."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return {
+        **{(_DCP_METADATA, name): getattr(dcp_metadata, name)
+           for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+           if hasattr(dcp_metadata, name)},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        **{("pathlib", name): pathlib.PurePosixPath for name in ("PosixPath", "PurePosixPath", "Path")},
+        **{("pathlib", name): pathlib.PureWindowsPath for name in ("WindowsPath", "PureWindowsPath")},
+    }
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only :data:`_DCP_GLOBALS` and torch's dtypes and layouts, so no
+    """An unpickler that resolves only :func:`_dcp_globals` and torch's dtypes and layouts, so no
     other function or class can be called while reading; anything else is refused by name."""
 
     def __init__(self, stream, file: Path) -> None:
@@ -433,7 +452,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.file = file
 
     def find_class(self, module: str, name: str):
-        found = _DCP_GLOBALS.get((module, name))
+        found = _dcp_globals().get((module, name))
         if found is None and module == "torch":
             found = _plain_tensor_types().get(name)
         if found is None:
@@ -471,7 +490,9 @@ def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
 
 def _metadata_problem(md) -> str | None:
     """What makes ``md`` other than the metadata of a checkpoint of plain files (``None``: nothing)."""
-    m = dcp_metadata
+    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     if not isinstance(md, m.Metadata):
         return f"a {type(md).__name__}"
     entries = getattr(md, "state_dict_metadata", None)
@@ -512,12 +533,14 @@ def _metadata_problem(md) -> str | None:
 
 
 def _chunk_fits(chunk, dims: int) -> bool:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
     offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-    return isinstance(chunk, dcp_metadata.ChunkStorageMetadata) and isinstance(offsets, torch.Size) \
+    return isinstance(chunk, ChunkStorageMetadata) and isinstance(offsets, torch.Size) \
         and isinstance(sizes, torch.Size) and len(offsets) == len(sizes) == dims
 
 
-class _VerifiedReader(FileSystemReader):
+class _VerifiedReader:              # over DCP's FileSystemReader, by _on_dcp
     """torch's reader of a checkpoint folder, given the metadata :func:`read_dcp_metadata` read."""
 
     def __init__(self, folder: Path, metadata: dcp_metadata.Metadata) -> None:
@@ -529,12 +552,14 @@ class _VerifiedReader(FileSystemReader):
             raise FileNotFoundError("no per-rank metadata")
         metadata = self.verified
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
 
 
-class _PlainValuesPlanner(DefaultLoadPlanner):
+class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
     """torch's load planner, but a non-tensor value (a ``param_groups`` entry) is read with
     ``torch.load(weights_only=True)`` rather than as any pickle; a value that names anything
     else is refused (:class:`UnsafeCheckpoint`)."""
@@ -583,7 +608,7 @@ def _expected(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """``(unique, aliases)`` of ``model``'s state as :func:`_split_aliases` gives them; for a model
     sharded by FSDP2, the full shapes on the meta device and the aliases by parameter identity."""
     state = model.state_dict()
-    if not any(isinstance(t, DTensor) for t in state.values()):
+    if not any(_is_dtensor(t) for t in state.values()):
         return _split_aliases(state)
     ids = {name: id(t) for name, t in model.named_parameters(remove_duplicate=False)}
     ids.update({name: id(t) for name, t in model.named_buffers(remove_duplicate=False)})
@@ -684,8 +709,15 @@ def _bare(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
+def _is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's shard), without importing ``torch.distributed.tensor``
+    (half a second): where nothing has imported it, its class does not exist and no tensor is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -715,6 +747,8 @@ def _load_single_into_spread(path: Path, module: nn.Module, bare: nn.Module,
                              optimizer: torch.optim.Optimizer | None) -> dict:
     """A single-process checkpoint (every rank reads the whole file) into a spread ``module``
     (``bare`` is the model inside it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
     tensors = read_model(path / MODEL_FILE, bare)
     state = read_state(path / STATE_FILE)
     options = StateDictOptions(full_state_dict=True)
@@ -733,6 +767,13 @@ def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimize
     ``torch.distributed.checkpoint`` reshards as it reads, so the world size of the reader need not
     be that of the writer; a single process without a process group reads it too.
     """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
         _read_dcp(path, state)
@@ -761,13 +802,17 @@ def read_dcp(folder: str | os.PathLike, state: dict) -> None:
     ``weights_only``. A damaged folder is a :class:`ConfigError`, an altered one an
     :class:`UnsafeCheckpoint` (one line each, on every rank alike). A collective under a process
     group, as ``dcp.load`` is; a single process without one reads it too."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     folder = Path(folder)
     metadata = read_dcp_metadata(folder)
-    reader = _VerifiedReader(folder, metadata)
+    reader = _on_dcp(_VerifiedReader, "FileSystemReader")(folder, metadata)
     try:
         with warnings.catch_warnings():     # a single process reading a sharded checkpoint is meant
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, storage_reader=reader, planner=_PlainValuesPlanner(reader))
+            dcp.load(state, storage_reader=reader,
+                     planner=_on_dcp(_PlainValuesPlanner, "DefaultLoadPlanner")(reader))
     except (Exception, CheckpointException) as error:
         cause = _first_failure(error)
         if isinstance(cause, ConfigError):
