@@ -544,7 +544,7 @@ class SchemeTransformer(Transformer):
         config.recompile_limit = max(config.recompile_limit, recompile_limit_for(len(self.blocks)))
         super().apply_compile()
 
-def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
+    def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
                                        block_interval: int | None = None,
                                        modules: list[str] | None = None, **kwargs: Any) -> None:
         """OLMo-core's activation checkpointing; the wrapped blocks take and return the scheme's
