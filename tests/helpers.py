@@ -1,10 +1,16 @@
-"""Shared test helpers: deterministic random branches, a plain loop over a scheme, and a
-``pytest.raises`` for errors that are not a user's configuration."""
+"""Shared test helpers: deterministic random branches, a plain loop over a scheme, a
+``pytest.raises`` for errors that are not a user's configuration, and the command line run in
+this process."""
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +67,38 @@ class NoSiameseNorm(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoSiameseNorm())
 sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
 '''
+
+
+def cli_in_process(*args: str, cwd: str | Path | None = None, env: dict | None = None,
+                   threads: int = 1) -> subprocess.CompletedProcess:
+    """``siamesenorm ARGS`` run by :func:`siamesenorm.cli.main` in this process, as
+    ``subprocess.run(..., capture_output=True, text=True)`` would report it: the exit status,
+    standard output and standard error. ``env`` is added to ``os.environ`` and ``threads`` set as
+    torch's intra-op threads for the call; both, and the working folder, are restored after. For
+    what needs a process of its own (signals, locks held by another process, exit codes of
+    ``entry``, torchrun) start one."""
+    from siamesenorm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before_cwd, before_threads = os.getcwd(), torch.get_num_threads()
+    before_env = {k: os.environ.get(k) for k in env or {}}
+    try:
+        os.environ.update(env or {})
+        if cwd is not None:
+            os.chdir(cwd)
+        torch.set_num_threads(threads)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as done:      # argparse's --help, --version and usage errors
+                code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+    finally:
+        torch.set_num_threads(before_threads)
+        os.chdir(before_cwd)
+        for k, v in before_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess([sys.executable, "-m", "siamesenorm", *args], code,
+                                       out.getvalue(), err.getvalue())

@@ -12,21 +12,36 @@ import pytest
 import yaml
 
 import siamesenorm as sn
+from helpers import cli_in_process
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run_process(*args: str) -> subprocess.CompletedProcess:
+    """``python -m siamesenorm ARGS`` in a process of its own."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 
+# Every other test runs the command in this process: what a process adds (its exit status, its
+# output streams) is checked here once.
+run = cli_in_process
+
+
 def test_help_lists_the_subcommands():
-    out = run("--help")
+    out = run_process("--help")
     assert out.returncode == 0
     assert "schemes" in out.stdout and "demo" in out.stdout
+
+
+def test_a_user_error_ends_the_process_with_status_2_and_one_line():
+    out = run_process("demo", "--schemes", "pre,siamse")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "siamesenorm demo: error: " + out.stderr.split("error: ", 1)[1].strip()]
+    assert "unknown scheme 'siamse'" in out.stderr
 
 
 def test_schemes_table_lists_every_scheme_with_its_paper():

@@ -3,13 +3,12 @@ the architecture (not from the code that counts), and the command's output and e
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import cli_in_process
 from siamesenorm.config import CHECKPOINTING_MODES
 from siamesenorm.errors import ConfigError
 from siamesenorm.schemes import build_scheme
@@ -147,10 +146,7 @@ def test_the_table_shows_every_figure():
 
 # ---- the command --------------------------------------------------------------------------------
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=cwd)
+    return cli_in_process(*args, cwd=cwd)
 
 
 def test_dry_run_command_prints_the_table_and_writes_nothing(tmp_path):

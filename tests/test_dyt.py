@@ -8,15 +8,13 @@ are in test_scheme_equations.py (every scheme, lean and reference path).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import siamesenorm as sn
+from helpers import cli_in_process
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
 from siamesenorm.nn.fused import norm_value, reference_path
@@ -207,11 +205,7 @@ def test_norm_value_is_the_forward_bit_for_bit():
 
 
 # ---- configuration, command line, refusals ------------------------------------------------------
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+run_cli = cli_in_process
 
 
 def test_train_with_model_norm_dyt(tmp_path):
