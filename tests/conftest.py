@@ -1,4 +1,24 @@
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Under pytest-xdist (the default run: ``-n auto`` in pyproject.toml) each worker gets its share of
+# the cores, as intra-op threads and for the processes its tests start, so that the workers do not
+# oversubscribe the machine. A test that sets OMP_NUM_THREADS itself keeps its own value.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    _share = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+# Workers for ``-n auto``: one per core, at most 4: each holds its own torch and models, and the
+# suite's longest files, not the count of workers, set its length past that.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
