@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.masking_utils", reason="model.family needs transformers 5")
 
 from helpers import HIDE_SIAMESENORM  # noqa: E402
-from siamesenorm.families import FAMILY_NAMES  # noqa: E402
-from siamesenorm.families.model import FamilyLM, family_config  # noqa: E402
+from siamesenorm.hf.families import FAMILY_NAMES  # noqa: E402
+from siamesenorm.hf.family_lm import FamilyLM, family_config  # noqa: E402
 from siamesenorm.run import run_training  # noqa: E402
 from siamesenorm.tasks import load_config  # noqa: E402
 from test_cli import run  # noqa: E402

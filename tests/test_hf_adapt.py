@@ -20,7 +20,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 import siamesenorm.hf as H  # noqa: E402
 from siamesenorm import ConfigError, list_schemes  # noqa: E402
-from siamesenorm.families.adapt import SAME_ROLE, _sublayer_role_norms  # noqa: E402
+from siamesenorm.hf.adapted import SAME_ROLE, _sublayer_role_norms  # noqa: E402
 from siamesenorm.models.checkpointing import saved_activation_bytes  # noqa: E402
 
 V = 97

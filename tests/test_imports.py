@@ -118,7 +118,8 @@ LAYERS = [
     {"nn", "data", "kernels"},
     {"schemes", "config"},
     {"models"},
-    {"diffusion", "eval", "families"},   # families: transformers decoder families with any scheme
+    # hf's decoder families with any scheme: below the tasks, which build them (model.family)
+    {"diffusion", "eval", "hf.families", "hf.adapted", "hf.family_lm"},
     {"analysis"},               # a library below the tasks and the engine
     {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
     {"train"},
@@ -129,10 +130,13 @@ LAYERS = [
 
 
 def _layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else "__init__"
-    for i, names in enumerate(LAYERS):
-        if top in names:
-            return i
+    """The layer of ``module``: the one naming its subpackage or module (``hf.adapted``), else the
+    one naming its top-level package (``hf``)."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for name in (".".join(parts[:2]), parts[0]):
+        for i, names in enumerate(LAYERS):
+            if name in names:
+                return i
     return -1
 
 

@@ -177,7 +177,7 @@ def _write_family_folder(folder: Path, model, cfg, tokenizer) -> None:
         adapted.save_pretrained(folder)
     _save_tokenizer(folder, hf_tok)
     tail = _FAMILY_TAIL.format(name=name, model_type=adapted.config.model_type)
-    (folder / MODELING_FILE).write_text(modeling_source(root="families.adapt", tail=tail), encoding="utf-8")
+    (folder / MODELING_FILE).write_text(modeling_source(root="hf.adapted", tail=tail), encoding="utf-8")
 
 
 def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
@@ -562,7 +562,7 @@ _OWN_TAIL = '_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")'
 
 # The classes of a family run's file: the family's adapted causal LM (siamesenorm.hf.adapt), which
 # builds the scheme that config.json's "siamesenorm" entry names.
-_FAMILY_TAIL = '''_adapt = importlib.import_module(_PACKAGE + ".families.adapt")
+_FAMILY_TAIL = '''_adapt = importlib.import_module(_PACKAGE + ".hf.adapted")
 
 
 class {name}(_adapt.adapted_class("{model_type}")):

@@ -1,6 +1,6 @@
 """A Hugging Face family model as a language model of our commands (``model.family``).
 
-``model.family=qwen3`` (any of :data:`~siamesenorm.families.FAMILY_NAMES`) makes a run's model the
+``model.family=qwen3`` (any of :data:`~siamesenorm.hf.families.FAMILY_NAMES`) makes a run's model the
 family's causal LM, adapted to ``model.scheme`` by :func:`siamesenorm.hf.adapt`, instead of our
 :class:`~siamesenorm.models.LanguageModel`. The ``model`` section's fields give the family's
 configuration (:func:`family_config`); ``model.family_options`` adds or overrides any field of it
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.host import SchemeHost
-from .adapt import FAMILIES, adapt
+from .adapted import FAMILIES, adapt
 
 __all__ = ["FamilyLM", "family_config"]
 

@@ -90,9 +90,9 @@ class LMConfig:
     ``scheme_options`` name the residual scheme and its options; ``init`` is ``"normal"`` (GPT-2
     style, ``init_std``) or ``"mitchell"`` (OLMo's depth-scaled truncated normal). ``moe`` turns
     the MLPs of some or all blocks into mixtures of experts (:class:`MoEConfig`; dense by default).
-    ``family`` (``qwen3``, ``llama``, ``olmoe``, ...: :data:`siamesenorm.families.FAMILY_NAMES`)
+    ``family`` (``qwen3``, ``llama``, ``olmoe``, ...: :data:`siamesenorm.hf.families.FAMILY_NAMES`)
     builds that Hugging Face family's model with the scheme instead
-    (:mod:`siamesenorm.families.model`): these fields give its configuration, ``family_options``
+    (:mod:`siamesenorm.hf.family_lm`): these fields give its configuration, ``family_options``
     any other field of it in the family's names; the family decides its norm kind, initialisation,
     QK-norm and MLP. ``value_residual`` mixes the first attention layer's values into every later
     one's (ResFormer, :mod:`~siamesenorm.nn.value_residual`): ``value_residual_own *`` its own

@@ -36,7 +36,6 @@ from ..data import (
     validation_batches,
 )
 from ..errors import ConfigError
-from ..families import check_family
 from ..models import LanguageModel, LMConfig
 from ..rundir import RunDir
 from .lm_eval import LMEvaluation
@@ -91,6 +90,8 @@ class LMRunConfig:
         if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
             check_corpus_options(self.data.corpus, self.data.corpus_options)
         if self.model.family:
+            from ..hf.families import check_family  # siamesenorm.hf for a family run only
+
             check_family(self.model.family, self.model.family_options)
 
 
@@ -197,7 +198,7 @@ def _fit(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
 
 def _build_model(cfg: LMRunConfig, device=None) -> nn.Module:
     if cfg.model.family:
-        from ..families.model import FamilyLM
+        from ..hf.family_lm import FamilyLM
 
         return FamilyLM(cfg.model, device=device)
     return LanguageModel(cfg.model, device=device)
