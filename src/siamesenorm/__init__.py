@@ -5,7 +5,7 @@ Post-Norm-like X and a Pre-Norm-like Y) sharing every sublayer, with every basel
 with, behind one interface (:class:`ResidualScheme`) and one registry.
 """
 
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .models.stack import ResidualStack
 from .schemes import (
                       ResidualScheme,
@@ -18,5 +18,5 @@ from .schemes import (
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "ResidualScheme", "ResidualStack", "SchemeRequirements", "__version__",
+__all__ = ["ConfigError", "ResidualScheme", "ResidualStack", "SchemeRequirements", "UserError", "__version__",
            "build_scheme", "list_schemes", "register_scheme", "scheme_options"]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import errno
 
 
-class ConfigError(ValueError):
-    """A bad configuration value: an unknown scheme, an option it does not have, a bad dimension."""
+class UserError(ValueError):
+    """Something the user gave that cannot be used: a bad configuration value, a damaged or unsafe
+    checkpoint, data that changed under a run, a folder that holds something else."""
+
+
+ConfigError = UserError     # its name before issue 35; kept for code that catches it
 
 
 class RankFailed(RuntimeError):
