@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from siamesenorm.train import (
     save_checkpoint,
 )
 from siamesenorm.train import train as train_engine
-from siamesenorm.train.checkpoint import CHECKSUM_FILE, MODEL_FILE, STATE_FILE
+from siamesenorm.train.checkpoint import CHECKSUM_FILE, MODEL_FILE, STATE_FILE, checkpoint_extra
+from siamesenorm.train.state import RunState
 
 VOCAB, SEQ, BATCH = 32, 16, 4
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
@@ -128,6 +130,11 @@ def saved_step(run_dir: Path, scheme: str = "siamese", **overrides) -> int:
     extra = load_checkpoint(run_dir / "checkpoints" / "last", model, build_optimizer(model, 1e-3))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     return extra["run"]["step"]
+
+
+def saved_run(run_dir: Path) -> dict:
+    """The run's state in ``run_dir``'s checkpoint."""
+    return checkpoint_extra(run_dir / "checkpoints" / "last")["run"]
 
 
 def test_source_satisfies_protocol():
@@ -288,6 +295,59 @@ def test_nan_loss_is_divergence_and_the_update_is_not_applied(tmp_path):
     load_checkpoint(tmp_path / "checkpoints" / "last", saved, None)
     for (name, p), q in zip(model.state_dict().items(), saved.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+# ---- stall -------------------------------------------------------------------------------------
+class DiesAt(nn.Module):
+    """``make_model()`` until ``source`` has handed out ``at - 1`` batches; from then on its loss,
+    of the same value, no longer depends on any parameter: every gradient is exactly zero."""
+
+    def __init__(self, source: RandomWindows, at: int) -> None:
+        super().__init__()
+        self.model, self.source, self.at = make_model(), source, at
+
+    def forward(self, x, y):
+        loss = self.model(x, y).loss
+        return SimpleNamespace(loss=loss * 0.0 + loss.detach() if self.source.calls >= self.at else loss)
+
+
+def _dies_at_3(run_dir: Path, resume: bool = False, fail_at: int | None = None) -> dict:
+    """Zero gradients from step 3 on; stalled after 4 of them; a checkpoint every 3 steps."""
+    source = RandomWindows(fail_at=fail_at, error=RuntimeError)
+    cfg = settings(steps=20, stall_steps=4, checkpoint_every=3, eval_every=0)
+    return train(DiesAt(source, 3), source, cfg, run_dir, resume=resume)
+
+
+def test_the_zero_gradient_count_goes_on_across_a_resume(tmp_path):
+    straight = _dies_at_3(tmp_path / "a")
+    assert straight["stalled"] and straight["stalled_at"] == 3 and straight["steps"] == 6
+    with pytest.raises(RuntimeError):       # a crash at step 5: the checkpoint at step 3 counts one
+        _dies_at_3(tmp_path / "b", fail_at=5)
+    assert saved_run(tmp_path / "b")["zero_grad_steps"] == 1
+    resumed = _dies_at_3(tmp_path / "b", resume=True)
+    assert (resumed["stalled_at"], resumed["steps"]) == (3, 6)      # not (4, 7): the count went on
+    timeless = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows(tmp_path / run)]
+                for run in "ab"]
+    assert timeless[1] == timeless[0]   # the same losses and gradient norms, and the stalled row
+    # the stalled run's checkpoint says so: resuming it trains no further and ends the same way
+    again = _dies_at_3(tmp_path / "b", resume=True)
+    assert (again["stalled"], again["stalled_at"], again["steps"]) == (True, 3, 6)
+    assert len(rows(tmp_path / "b")) == 7 and saved_run(tmp_path / "b")["stalled_at"] == 3
+
+
+def test_a_checkpoint_from_before_the_run_status_was_saved_still_resumes(tmp_path, monkeypatch):
+    plain = RunState.to_dict
+    new = ("zero_grad_steps", "stalled_at", "diverged_at")
+    monkeypatch.setattr(RunState, "to_dict", lambda self: {k: v for k, v in plain(self).items()
+                                                           if k not in new})
+    with pytest.raises(RuntimeError):
+        _dies_at_3(tmp_path, fail_at=5)
+    monkeypatch.undo()
+    assert not set(new) & set(saved_run(tmp_path))
+    resumed = _dies_at_3(tmp_path, resume=True)
+    # such a checkpoint knows no count: it starts again at the resumed step
+    assert (resumed["stalled_at"], resumed["steps"]) == (4, 7)
+    assert RunState.from_dict({"step": 3}) == RunState(step=3)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

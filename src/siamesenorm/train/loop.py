@@ -37,6 +37,7 @@ from ..rundir import RunDir, plain, write_json
 from .checkpoint import Checkpoints
 from .evaluate import validation_loss
 from .forward import ForwardBackward
+from .health import diverges, stalls
 from .hooks import BatchSource, Evaluation
 from .interrupt import DeferredInterrupt
 from .metrics import MetricsLog
@@ -70,9 +71,6 @@ class Trainer:
         self.checkpoints = Checkpoints(RunDir(run_dir).last_checkpoint, cfg.keep_checkpoints, world)
         self.micro_batches = cfg.grad_accum      # per rank and step
         self.state = RunState()
-        self.diverged_at: int | None = None
-        self.stalled_at: int | None = None       # first step of the zero-gradient stretch that ended it
-        self.zero_grad_steps = 0                 # consecutive steps with a zero gradient, up to now
         self.loss_parts: dict[str, float] = {}   # the last step's loss by part (MoE models)
         self.interrupted = False
         self.phase = Phase.IDLE
@@ -146,11 +144,6 @@ class Trainer:
             tokens *= self.world.size
         return loss_value, norm_value, tokens
 
-    def diverges(self, step: int, loss: float, norm: float) -> bool:
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            return True
-        return step > self.cfg.warmup and loss > self.cfg.divergence_factor * self.state.best_loss
-
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validation loss and the task's figures, without moving any generator training draws from."""
         evaluation = self.evaluation or Evaluation()
@@ -179,7 +172,7 @@ class Trainer:
 
     def loop(self, log: MetricsLog | None, display: RunLog, ctrl_c: DeferredInterrupt) -> None:
         cfg, state = self.cfg, self.state
-        while state.step < cfg.steps:
+        while state.step < cfg.steps and not state.ended:    # a resumed run that failed stays so
             if all_max(self.world, ctrl_c.requested, self.device):   # every rank stops together
                 raise Terminated if all_max(self.world, ctrl_c.terminated, self.device) else KeyboardInterrupt
             self.step_snapshot = (self.source.state_dict(), rng_state())
@@ -190,7 +183,7 @@ class Trainer:
             probing = self.probe is not None and self.probe.wants(step)
             began = perf_counter()
             loss, norm, tokens = self.compute(step if probing else None)
-            diverged = self.diverges(step, loss, norm)
+            diverged = diverges(cfg, state, step, loss, norm)
             if not diverged:
                 self.phase = Phase.UPDATE
                 self.optimizer.step()
@@ -206,12 +199,11 @@ class Trainer:
                 self.throughput.flops_per_token = model_flops_per_token(self.model, state.seq_len)
             row.update(self.throughput.figures(row["tokens_per_s"]))
             if diverged:
-                self.diverged_at = step
+                state.diverged_at = step
                 _write(log, {**row, "diverged": True})
                 return
-            state.step, state.last_loss, state.best_loss = step, loss, min(state.best_loss, loss)
-            state.tokens_seen += tokens
-            state.train_time_s += seconds
+            state.record_step(step, loss, tokens, seconds)
+            stalled = stalls(cfg, state, step, norm)     # counted before a checkpoint takes it
             evaluated = self.evaluate(step) if self.is_due(cfg.eval_every, step) else None
             row.update(evaluated or {})
             _write(log, row)
@@ -220,16 +212,14 @@ class Trainer:
             if self.is_due(cfg.checkpoint_every, step):
                 self.save()
             self.phase = Phase.IDLE
-            self.zero_grad_steps = self.zero_grad_steps + 1 if norm == 0.0 else 0
-            if self.zero_grad_steps >= cfg.stall_steps:
-                self.stalled_at = step - self.zero_grad_steps + 1
-                _write(log, {"step": step, "stalled": True, "stalled_at": self.stalled_at})
+            if stalled:
+                _write(log, {"step": step, "stalled": True, "stalled_at": state.stalled_at})
                 return
 
     # ---- end ---------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        figures = build_summary(self.model, self.state, self.cfg.steps, diverged_at=self.diverged_at,
-                                stalled_at=self.stalled_at, interrupted=self.interrupted,
+        figures = build_summary(self.model, self.state, self.cfg.steps, diverged_at=self.state.diverged_at,
+                                stalled_at=self.state.stalled_at, interrupted=self.interrupted,
                                 wall_time_s=self.wall_time())
         self.throughput.flops_per_token = figures["flops_per_token"]
         return {**figures, **self.throughput.summary(figures["tokens_per_s"]), **self.info}
@@ -298,7 +288,7 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
         try:
             with DeferredInterrupt() as ctrl_c:
                 trainer.loop(log, display, ctrl_c)
-                if trainer.diverged_at is None and trainer.state.checkpoint_step != trainer.state.step:
+                if trainer.state.diverged_at is None and trainer.state.checkpoint_step != trainer.state.step:
                     trainer.save()
         except KeyboardInterrupt:
             display.close()

@@ -1,4 +1,6 @@
-"""The running totals of a training run that a checkpoint carries across a resume."""
+"""The running totals and status of a training run, which a checkpoint carries across a resume.
+
+A checkpoint written before a field existed still loads: the field takes its default."""
 
 from __future__ import annotations
 
@@ -26,6 +28,20 @@ class RunState:
     seq_len: int | None = None            # of the training batches, for flops_per_token
     checkpoint_step: int | None = None    # step of the checkpoint on disk
     micro_batches: int | None = None      # per step over all ranks (world size x grad_accum)
+    zero_grad_steps: int = 0              # consecutive steps with a zero gradient, up to ``step``
+    stalled_at: int | None = None         # first step of the zero-gradient stretch that ended the run
+    diverged_at: int | None = None        # the step whose loss or gradient ended the run (not applied)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run stopped as failed: a resumed run that did trains no further."""
+        return self.diverged_at is not None or self.stalled_at is not None
+
+    def record_step(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        """Step ``step``, applied: its loss, tokens and time inside the step."""
+        self.step, self.last_loss, self.best_loss = step, loss, min(self.best_loss, loss)
+        self.tokens_seen += tokens
+        self.train_time_s += seconds
 
     def record_val(self, val_loss: float | None, extra: dict[str, Any]) -> None:
         self.last_extra = dict(extra)
