@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.masking_utils", reason="model.family needs transformers 5")
 
 from helpers import HIDE_SIAMESENORM  # noqa: E402
-from siamesenorm.hf.families import FAMILY_NAMES  # noqa: E402
+from siamesenorm.hf.families import FAMILIES, FAMILY_NAMES  # noqa: E402
 from siamesenorm.hf.family_lm import FamilyLM, family_config  # noqa: E402
 from siamesenorm.run import run_training  # noqa: E402
 from siamesenorm.tasks import load_config  # noqa: E402
@@ -52,7 +52,7 @@ def test_every_family_trains_with_siamesenorm_in_our_engine(family, tmp_path):
     summary = run_training(cfg, tmp_path / "run", progress=False)
     assert summary["steps"] == 3 and summary["final_val_loss"] is not None and not summary["failed"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    moe = family in ("qwen3_moe", "olmoe")
+    moe = FAMILIES[family].moe
     assert all(("aux_loss" in r) == moe for r in rows)       # the router's loss is logged
     saved = yaml_of(tmp_path / "run" / "config.yaml")
     assert saved["model"]["family"] == family and saved["model"]["scheme"] == "siamese"

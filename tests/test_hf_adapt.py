@@ -21,11 +21,12 @@ if int(transformers.__version__.split(".")[0]) < 5:
 import siamesenorm.hf as H  # noqa: E402
 from siamesenorm import ConfigError, list_schemes  # noqa: E402
 from siamesenorm.hf.adapted import SAME_ROLE, _sublayer_role_norms  # noqa: E402
+from siamesenorm.hf.families import FAMILIES as TABLE  # noqa: E402
 from siamesenorm.models.checkpointing import saved_activation_bytes  # noqa: E402
 
 V = 97
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "olmo")
-MOE = ("qwen3_moe", "olmoe")
+DENSE = tuple(name for name, family in TABLE.items() if not family.moe)
+MOE = tuple(name for name, family in TABLE.items() if family.moe)
 FAMILIES = DENSE + MOE
 
 
@@ -54,10 +55,7 @@ def family_config(family: str, attn: str = "sdpa", experts: str | None = None, *
         "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
         "olmo": dict(),
     }[family]
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
-               "olmo": "OlmoConfig"}
-    cfg = getattr(transformers, classes[family])(**(common | extra | kw))
+    cfg = getattr(transformers, TABLE[family].config_class)(**(common | extra | kw))
     cfg._attn_implementation = attn
     if experts is not None:                 # "eager" for float64 (grouped_mm has no float64)
         cfg._experts_implementation = experts

@@ -57,7 +57,6 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,41 +84,10 @@ from ..errors import ConfigError
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.norms import LayerNorm, build_norm
 from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
+from .families import FAMILIES, Family
 
-__all__ = ["FAMILIES", "SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
+__all__ = ["SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
 
-
-@dataclass(frozen=True)
-class Family:
-    """What :func:`adapt` needs to know of a model family.
-
-    Attributes:
-        module: ``transformers.models.<module>.modeling_<module>``.
-        causal_lm: the name of its causal-LM class.
-        masks: how its base model builds attention masks: ``"full"`` (one causal mask),
-            ``"window"`` (a sliding-window mask for every layer when ``config.sliding_window`` is
-            set), ``"layer_types"`` (per ``config.layer_types``: full or sliding).
-        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``) or ``"olmo"`` (LayerNorm without
-            parameters, eps 1e-5).
-        moe: whether its base model returns router logits (``MoeModelOutputWithPast``).
-    """
-
-    module: str
-    causal_lm: str
-    masks: str
-    norm: str = "rmsnorm"
-    moe: bool = False
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "LlamaForCausalLM", "full"),
-    "mistral": Family("mistral", "MistralForCausalLM", "window"),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "layer_types"),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "layer_types"),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True),
-    "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True),
-    "olmo": Family("olmo", "OlmoForCausalLM", "full", norm="olmo"),
-}
 
 # The scheme norms that play the role of a model norm, by scheme: the attribute holding the norm
 # that normalises the (Pre-Norm) residual stream into sublayer ``i`` (the role of
@@ -490,7 +458,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
     """A causal LM of the family of ``config_or_model`` whose residual path is ``scheme``.
 
     Args:
-        config_or_model: a configuration of a supported family (:data:`FAMILIES`: Llama,
+        config_or_model: a configuration of a supported family (:data:`~.families.FAMILIES`: Llama,
             Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, OLMo): a fresh model; or a causal LM of one:
             the same built from its own modules, sharing their weights (see the module docstring).
         scheme: a scheme's name (``siamesenorm schemes`` lists them).

@@ -1,36 +1,79 @@
-"""Hugging Face ``transformers`` decoder families with any residual scheme.
+"""Hugging Face ``transformers`` decoder families with any residual scheme: :data:`FAMILIES`, the
+one table of the supported families and what each needs.
 
 :func:`siamesenorm.hf.adapt` (in :mod:`.adapted`, which needs transformers 5) turns a Llama-,
 Mistral-, Qwen- or OLMo-family model into one whose residual path is a scheme of ours;
 :mod:`.family_lm` makes such a model a language model of our commands (``model.family`` in a
-run's configuration). This module itself imports no ``transformers``: :data:`FAMILY_NAMES` is what
-a configuration is checked against.
+run's configuration). This module itself imports no ``transformers``: :func:`check_family` is
+what a configuration is checked with.
 """
 
+from __future__ import annotations
+
 import inspect
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe", "olmo")
+__all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "check_family"]
 
-__all__ = ["FAMILY_NAMES", "check_family"]
+
+@dataclass(frozen=True)
+class Family:
+    """What :func:`~siamesenorm.hf.adapt` needs to know of a model family.
+
+    Attributes:
+        module: ``transformers.models.<module>.modeling_<module>``.
+        causal_lm: the name of its causal-LM class.
+        masks: how its base model builds attention masks: ``"full"`` (one causal mask),
+            ``"window"`` (a sliding-window mask for every layer when ``config.sliding_window`` is
+            set), ``"layer_types"`` (per ``config.layer_types``: full or sliding).
+        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``) or ``"olmo"`` (LayerNorm without
+            parameters, eps 1e-5).
+        moe: whether its base model returns router logits (``MoeModelOutputWithPast``); a run's
+            ``model.moe`` section gives its experts (:func:`~.family_lm.family_config`).
+    """
+
+    module: str
+    causal_lm: str
+    masks: str
+    norm: str = "rmsnorm"
+    moe: bool = False
+
+    @property
+    def config_class(self) -> str:
+        """The name of its configuration class in ``transformers`` (``Qwen3Config``)."""
+        return self.causal_lm.removesuffix("ForCausalLM") + "Config"
+
+
+# The supported families, by model type (``config.model_type``, the value of ``model.family``): the
+# one list of them; adapt, adapted_class, family_config and check_family read it here.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", "full"),
+    "mistral": Family("mistral", "MistralForCausalLM", "window"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "layer_types"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "layer_types"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True),
+    "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True),
+    "olmo": Family("olmo", "OlmoForCausalLM", "full", norm="olmo"),
+}
+
+FAMILY_NAMES = tuple(FAMILIES)      # what model.family may name
 
 
 def check_family(family: str, options: dict) -> None:
     """A configuration's ``model.family`` and ``model.family_options``: a known family, transformers
     5 installed, and options that are fields of the family's configuration (one-line errors)."""
-    if family not in FAMILY_NAMES:
+    if family not in FAMILIES:
         raise ConfigError(f"model.family: unknown value {family!r}; choose one of "
-                          f"{', '.join(FAMILY_NAMES)} (or leave it empty for our own language model)")
+                          f"{', '.join(FAMILIES)} (or leave it empty for our own language model)")
     try:
-        from transformers import (
-            CONFIG_MAPPING,
-            masking_utils,  # noqa: F401 - transformers 5
-        )
+        import transformers
+        from transformers import masking_utils  # noqa: F401 - transformers 5
     except ImportError:
         raise ConfigError(f"model.family={family} needs transformers 5: pip install 'siamesenorm[hf]'") \
             from None
-    cls = CONFIG_MAPPING[family]
+    cls = getattr(transformers, FAMILIES[family].config_class)
     accepted = set(inspect.signature(cls.__init__).parameters) | {"attn_implementation"}
     unknown = sorted(set(options) - accepted - {"self", "kwargs"})
     if unknown:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.host import SchemeHost
-from .adapted import FAMILIES, adapt
+from .adapted import adapt
+from .families import FAMILIES
 
 __all__ = ["FamilyLM", "family_config"]
 
@@ -35,7 +36,7 @@ def family_config(cfg: Any) -> Any:
     import transformers
 
     family = FAMILIES[cfg.family]
-    cls = getattr(transformers, family.causal_lm.replace("ForCausalLM", "Config"))
+    cls = getattr(transformers, family.config_class)
     accepted = set(inspect.signature(cls.__init__).parameters)
     values: dict[str, Any] = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
