@@ -10,7 +10,6 @@ and the run's counters, and evaluation never moves a generator the training draw
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from collections.abc import Sequence
@@ -22,26 +21,16 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import Terminated
-from ..models.host import SchemeHost
-from ..parallel import (
-    RankSource,
-    World,
-    all_max,
-    all_mean,
-    autocast_for,
-    current_world,
-    parallel_mode,
-    parallelize,
-)
+from ..parallel import RankSource, World, all_max, autocast_for, current_world, parallel_mode, parallelize
 from ..rundir import RunDir, plain, write_json
 from .checkpoint import Checkpoints
 from .evaluate import validation_loss
-from .forward import ForwardBackward
+from .gradient import StepGradient
 from .health import diverges, stalls
 from .hooks import BatchSource, Evaluation
 from .interrupt import DeferredInterrupt
 from .metrics import MetricsLog
-from .optim import build_optimizer, clip_gradients, lr_at
+from .optim import build_optimizer, lr_at
 from .probe_hook import StepProbe
 from .progress import RunLog, log_interval
 from .rng import preserved_rng, rng_state, set_rng_state
@@ -58,20 +47,18 @@ class Trainer:
                  eval_batches: Sequence, evaluation: Evaluation | None, device: torch.device,
                  probe: StepProbe | None, info: dict[str, Any] | None, world: World) -> None:
         self.cfg, self.run_dir, self.world, self.device, self.seed = cfg, run_dir, world, device, seed
-        self.eval_batches, self.evaluation, self.probe = list(eval_batches), evaluation, probe
+        self.eval_batches, self.probe = list(eval_batches), probe
+        self.evaluation = evaluation or Evaluation()
         self.info = dict(info or {})
         mode = parallel_mode(cfg.parallel, world)
         self.parallel = parallelize(model, mode, world, device, cfg.precision)
         self.model = model
         self.source = RankSource(source, world.rank, world.size) if world.distributed else source
         self.optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.forward = ForwardBackward(self.parallel.module, cfg.compile)
         self.autocast = autocast_for(mode, cfg.precision, device)
+        self.gradient = StepGradient(model, self.parallel, self.source, cfg, world, device, self.autocast)
         self.checkpoints = Checkpoints(RunDir(run_dir).last_checkpoint, cfg.keep_checkpoints, world)
-        self.micro_batches = cfg.grad_accum      # per rank and step
         self.state = RunState()
-        self.loss_parts: dict[str, float] = {}   # the last step's loss by part (MoE models)
         self.interrupted = False
         self.phase = Phase.IDLE
         self.step_snapshot: tuple[dict, dict] | None = None   # source and RNG before the step
@@ -96,7 +83,8 @@ class Trainer:
             self.state = RunState.from_dict(saved.run)
             self.source.load_state_dict(saved.source)
             self.restore_rng(saved.rng, saved.rng_ranks)
-            self.micro_batches = saved.micro_batches_per_rank(self.state.micro_batches or self.cfg.grad_accum)
+            self.gradient.micro_batches = saved.micro_batches_per_rank(
+                self.state.micro_batches or self.cfg.grad_accum)
             return self.state.step
         self.state.micro_batches = self.world.size * self.cfg.grad_accum
         if self.seed is not None:
@@ -119,42 +107,22 @@ class Trainer:
     def compute(self, probe_step: int | None) -> tuple[float, float, int]:
         """Accumulate one step's gradient (the probe reads it before clipping, at ``probe_step``);
         returns ``(loss, pre-clip grad norm, tokens)``."""
-        n, total, tokens, parts = self.micro_batches, None, 0, {}
-        for i in range(n):
-            x, y = self.source.next_batch()
-            if self.state.seq_len is None:
-                self.state.seq_len = int(x.shape[-1])
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.parallel.sync_gradients(i == n - 1):
-                loss = self.forward(x, y, n, self.autocast)
-            total = loss if total is None else total + loss
-            tokens += int(self.model.tokens_in(x)) if isinstance(self.model, SchemeHost) else x.numel()
-            for key, value in getattr(self.model, "loss_parts", {}).items():
-                parts[key] = value.float() if key not in parts else parts[key] + value.float()
-        if parts:   # a loss made of several (an MoE's), averaged over micro-batches and ranks
-            means = all_mean(self.world, torch.stack(list(parts.values())) / n)
-            self.loss_parts = dict(zip(parts, means.tolist()))
+        total, tokens = self.gradient.backward(self.state)
         if probe_step is not None:
             with preserved_rng():
                 self.probe.after_backward(self.model, probe_step)
-        norm = clip_gradients(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
-        loss_value, norm_value = all_mean(self.world, torch.stack([total.float() / n, norm.float()])).tolist()
-        if self.world.distributed:
-            norm_value = float(norm.float())     # the same on every rank: of the reduced gradient
-            tokens *= self.world.size
-        return loss_value, norm_value, tokens
+        return self.gradient.reduce(total, tokens)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validation loss and the task's figures, without moving any generator training draws from."""
-        evaluation = self.evaluation or Evaluation()
         with preserved_rng():
-            with evaluation.validating(self.model):
+            with self.evaluation.validating(self.model):
                 val = validation_loss(self.parallel.module, self.eval_batches, self.device,
                                       self.autocast, self.world) if self.eval_batches else None
             self.model.eval()
             try:
                 with torch.no_grad():
-                    figures = plain(dict(evaluation(self.model, step)))   # checkpointable
+                    figures = plain(dict(self.evaluation(self.model, step)))   # checkpointable
             finally:
                 self.model.train()
         self.state.record_val(val, figures)
@@ -193,7 +161,8 @@ class Trainer:
             if probing:
                 with preserved_rng():
                     self.probe.after_update(self.model, step, diverged)
-            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, **self.loss_parts}
+            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                                   **self.gradient.loss_parts}
             row["tokens_per_s"] = tokens / max(seconds, 1e-9)
             if self.throughput.flops_per_token is None:
                 self.throughput.flops_per_token = model_flops_per_token(self.model, state.seq_len)
