@@ -10,7 +10,6 @@ and the run's counters, and evaluation never moves a generator the training draw
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from .metrics import MetricsLog
 from .optim import build_optimizer, lr_at
 from .probe_hook import StepProbe
 from .progress import RunLog, log_interval
+from .resume import fresh_state, resumed_state, save_run
 from .rng import preserved_rng, rng_state, set_rng_state
 from .state import Phase, RunState
 from .summary import build_summary, perplexity
@@ -78,30 +78,13 @@ class Trainer:
     # ---- start -------------------------------------------------------------------------------
     def start(self, resume: bool) -> int | None:
         """Load the newest good checkpoint or seed a fresh run; returns the step the log keeps."""
-        if resume:
-            saved = self.checkpoints.load_newest_good(self.parallel.module, self.optimizer)
-            self.state = RunState.from_dict(saved.run)
-            self.source.load_state_dict(saved.source)
-            self.restore_rng(saved.rng, saved.rng_ranks)
-            self.gradient.micro_batches = saved.micro_batches_per_rank(
-                self.state.micro_batches or self.cfg.grad_accum)
-            return self.state.step
-        self.state.micro_batches = self.world.size * self.cfg.grad_accum
-        if self.seed is not None:
-            # every rank draws its own dropout and noise; rank 0 draws what a single process would
-            _reseed(self.seed + 1_000_003 * self.world.rank)
-        return None
-
-    def restore_rng(self, rng: dict, per_rank: list | None) -> None:
-        """Every rank's generators as saved; at another world size the others than rank 0 start from
-        a seed of the step (exact only where the forward draws no random numbers)."""
-        world = self.world
-        if per_rank is not None and len(per_rank) == world.size:
-            set_rng_state(per_rank[world.rank])
-        elif world.main or per_rank is None:
-            set_rng_state(rng)
-        else:
-            _reseed((self.seed or 0) + 1_000_003 * world.rank + 7919 * self.state.step)
+        if not resume:
+            self.state = fresh_state(self.world, self.seed, self.cfg.grad_accum)
+            return None
+        self.state, self.gradient.micro_batches = resumed_state(
+            self.checkpoints, self.parallel.module, self.optimizer, self.source, self.world, self.seed,
+            self.cfg.grad_accum)
+        return self.state.step
 
     # ---- one step ----------------------------------------------------------------------------
     def compute(self, probe_step: int | None) -> tuple[float, float, int]:
@@ -129,11 +112,8 @@ class Trainer:
         return {**({} if val is None else {"val_loss": val, "val_ppl": perplexity(val)}), **figures}
 
     def save(self) -> None:
-        run = {**self.state.to_dict(), "wall_time_s": self.wall_time(), "checkpoint_step": self.state.step}
-        self.checkpoints.save(self.parallel.module, self.optimizer, step=self.state.step,
-                              previous=self.state.checkpoint_step, run=run,
-                              source=self.source.state_dict(), rng=rng_state())
-        self.state.checkpoint_step = self.state.step
+        save_run(self.checkpoints, self.parallel.module, self.optimizer, self.source, self.state,
+                 self.wall_time())
 
     def is_due(self, every: int, step: int) -> bool:
         return step == self.cfg.steps or step % every == 0
@@ -212,11 +192,6 @@ class Trainer:
 def _write(log: MetricsLog | None, row: dict[str, Any]) -> None:
     if log is not None:     # rank 0 writes the run's files
         log.write(row)
-
-
-def _reseed(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
 
 
 def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, *,
