@@ -97,20 +97,15 @@ class Concurrency:
 def work_per_step(cfg: Any) -> float:
     """The FLOPs of one micro-batch of the run ``cfg``, forward and backward: ``6 x parameters x
     tokens`` (the estimate of the model configuration; attention's own FLOPs left out)."""
-    tokens = cfg.data.batch_size * _tokens_per_sample(cfg)
+    from ..tasks.registry import get_task
+
+    tokens = cfg.data.batch_size * get_task(cfg.task).tokens_per_sample(cfg)
     return 6.0 * cfg.model.estimated_parameters() * tokens
 
 
 def work_per_run(cfg: Any) -> float:
     """The FLOPs of the whole run ``cfg``: steps x micro-batches a step x :func:`work_per_step`."""
     return cfg.train.steps * cfg.train.grad_accum * work_per_step(cfg)
-
-
-def _tokens_per_sample(cfg: Any) -> int:
-    if cfg.task == "lm":
-        return cfg.data.seq_len
-    m = cfg.model
-    return m.seq_len if hasattr(m, "seq_len") else m.num_patches
 
 
 def cuda_kind(device_name: str) -> str | None:

@@ -52,8 +52,8 @@ from .. import __version__
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir, library_os_error
 from ..shapes import read_summary
-from ..tasks.finished import _RUN_KINDS, load_trained
-from ..tasks.registry import saved_config
+from ..tasks.finished import load_trained
+from ..tasks.registry import TASKS, get_task, saved_config
 from ..train.checkpoint import checkpoint_extra
 from ..train.state import RunState
 
@@ -84,9 +84,10 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     (:class:`ConfigError`) before anything is written."""
     run_dir, out = Path(run_dir), Path(out)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
-    if cfg.task != "lm":
-        raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
-                          "--format hf exports language-model runs (task: lm)")
+    if not get_task(cfg.task).exports_hf:
+        kinds = ", ".join(f"{t.kind} runs (task: {t.name})" for t in TASKS.values() if t.exports_hf)
+        raise ConfigError(f"{run_dir} is a {get_task(cfg.task).kind} run (task: {cfg.task}); "
+                          f"--format hf exports {kinds}")
     _check_out(out, run_dir, force)
     model, cfg = load_trained(run_dir, "cpu")
     step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step

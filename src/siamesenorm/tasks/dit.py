@@ -31,7 +31,14 @@ from ..models import config_checks as check
 from ..models.dit import DiT, DiTConfig
 from ..rundir import RunDir
 from ..train import Evaluation
-from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
+from .images import (
+    ImageData,
+    ImageDataConfig,
+    image_analysis_batches,
+    image_micro_batch,
+    image_tokens_per_sample,
+    load_image_data,
+)
 from .spec import Task
 
 # Counts that make the process's tables or every evaluation's samples, bounded so that a slip of
@@ -199,4 +206,7 @@ TASK = Task(
     columns=("final_fd_proxy", "final_sample_acc"),
     higher_is_better=("final_sample_acc",),
     head_fn=None,  # a DiT has no logits: no lens
+    kind="DiT image-diffusion",
+    micro_batch=image_micro_batch("input_size"),
+    tokens_per_sample=image_tokens_per_sample,
 )

@@ -54,7 +54,6 @@ The figures, with ``P`` the parameters (a tied weight once), ``N`` ranks (``--np
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,27 +111,6 @@ def _shard_groups(model: nn.Module) -> dict[str, int]:
     return {"root": total - sum(_numel(s) for s in subs), "block": max(blocks, default=0)}
 
 
-def _lm_inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (cfg.data.batch_size, cfg.data.seq_len)
-    return (torch.empty(shape, dtype=torch.long, device="meta"),
-            torch.empty(shape, dtype=torch.long, device="meta"))
-
-
-def _image_inputs(size_key: str) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:
-    def inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        m, b = cfg.model, cfg.data.batch_size
-        size = getattr(m, size_key)
-        return (torch.empty(b, m.in_chans, size, size, device="meta"),
-                torch.empty(b, dtype=torch.long, device="meta"))
-    return inputs
-
-
-# One micro-batch ``(x, y)`` of each task, as its sampler yields it (meta tensors): token ids and
-# next-token targets; images and class labels (ViT: model.image_size, DiT: model.input_size).
-_INPUTS: dict[str, Callable[[Any], tuple[torch.Tensor, torch.Tensor]]] = {
-    "lm": _lm_inputs, "vit": _image_inputs("image_size"), "dit": _image_inputs("input_size")}
-
-
 def _precision(cfg: Any) -> str:
     """``bf16`` or ``fp32``: ``train.precision``, with ``auto`` as the run's device decides (bf16 on
     CUDA; ``train.device=auto`` means CUDA when this machine has one)."""
@@ -147,10 +125,7 @@ def _activations(model: nn.Module, cfg: Any, dtype: torch.dtype) -> dict[str, in
     """``activation_memory`` of one micro-batch under each checkpointing mode (None: no estimate)."""
     from ..models.checkpointing import activation_memory
 
-    make = _INPUTS.get(cfg.task)
-    if make is None:
-        return {mode: None for mode in CHECKPOINTING_MODES}
-    x, y = make(cfg)
+    x, y = get_task(cfg.task).micro_batch(cfg)
     if x.is_floating_point():
         x = x.to(dtype)
     model = model.to(dtype)
@@ -201,9 +176,8 @@ def dry_run(cfg: Any, nproc: int | None = None) -> dict[str, Any]:
     groups = _shard_groups(model)
     seq_len = getattr(cfg.data, "seq_len", None)
     flops = model.flops_per_token(seq_len)
-    x, _ = _INPUTS[cfg.task](cfg) if cfg.task in _INPUTS else (None, None)
-    per_sample = seq_len if seq_len is not None else \
-        (model.tokens_in(x) // cfg.data.batch_size if x is not None else 1)
+    x, _ = task.micro_batch(cfg)
+    per_sample = seq_len if seq_len is not None else model.tokens_in(x) // cfg.data.batch_size
     tokens_per_step = n * cfg.data.batch_size * per_sample * cfg.train.grad_accum
     activations = _activations(model, cfg, torch.bfloat16 if bf16 else torch.float32)
     unsharded = groups["root"] + groups["block"]
@@ -247,13 +221,6 @@ def _machine(cfg: Any) -> dict[str, Any] | None:
 MEMORY_MARGIN = 2
 
 
-def _tokens_per_sample(cfg: Any) -> int:
-    m = cfg.model
-    if cfg.task == "lm":
-        return cfg.data.seq_len
-    return m.seq_len if hasattr(m, "seq_len") else m.num_patches
-
-
 def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
     """A lower bound on the bytes one process of the run ``cfg`` needs, from its sizes alone
     (nothing is built, so it costs nothing at any size): ``parameters`` (the estimate of the
@@ -268,12 +235,10 @@ def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
     engine = parallel_mode(cfg.train.parallel, World(size=world_size))
     states = 16 * params // (world_size if engine == "fsdp" else 1)
     b = 2 if _precision(cfg) == "bf16" else 4
-    tokens = cfg.data.batch_size * _tokens_per_sample(cfg)
-    activations = SUBLAYERS_PER_BLOCK * m.n_layers * tokens * m.dim * b
-    buffers = 0
-    if cfg.task == "lm":
-        activations += 4 * tokens * m.vocab_size
-        buffers = 4 * m.n_layers * m.max_seq_len * m.head_dim
+    task = get_task(cfg.task)
+    tokens = cfg.data.batch_size * task.tokens_per_sample(cfg)
+    head, buffers = task.head_memory(cfg, tokens)
+    activations = SUBLAYERS_PER_BLOCK * m.n_layers * tokens * m.dim * b + head
     return {"parameters": params, "states": states, "buffers": buffers, "activations": activations,
             "total": states + buffers + activations}
 

@@ -26,7 +26,6 @@ from ..train.state import RunState
 from .registry import get_task, saved_config
 
 # What each task's runs are, in words, for the errors of commands that take only some of them.
-_RUN_KINDS = {"lm": "language-model", "vit": "ViT image-classification", "dit": "DiT image-diffusion"}
 
 
 def load_trained(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
@@ -125,7 +124,7 @@ def generate_text(run_dir: str | Path, prompt: str | bytes, max_new_tokens: int 
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     task = get_task(cfg.task)
     if task.generate is None:
-        raise ConfigError(f"{run_dir} is a {_RUN_KINDS.get(cfg.task, cfg.task)} run (task: {cfg.task}); "
+        raise ConfigError(f"{run_dir} is a {task.kind} run (task: {cfg.task}); "
                           "generate continues text prompts and is for language-model runs (task: lm)")
     model, _ = load_trained(run_dir, device)
     check_finite_weights(model, RunDir(run_dir).last_checkpoint)

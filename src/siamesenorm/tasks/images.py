@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..config import check_seed
 from ..data import (
@@ -140,3 +141,19 @@ def image_analysis_batches(cfg: Any, run_dir: Path, data: str | None, n: int, *,
     count = min(n, max(1, len(images) // cfg.data.batch_size))
     return image_validation_batches(images, batch_size=min(cfg.data.batch_size, len(images)),
                                     n_batches=count)
+
+
+def image_micro_batch(size_key: str) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:
+    """A task's ``micro_batch``: images of ``cfg.model.<size_key>`` pixels and class labels."""
+    def micro_batch(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        m, b = cfg.model, cfg.data.batch_size
+        size = getattr(m, size_key)
+        return (torch.empty(b, m.in_chans, size, size, device="meta"),
+                torch.empty(b, dtype=torch.long, device="meta"))
+    return micro_batch
+
+
+def image_tokens_per_sample(cfg: Any) -> int:
+    """The tokens an image model sees per image (its sequence, else its patches)."""
+    m = cfg.model
+    return m.seq_len if hasattr(m, "seq_len") else m.num_patches

@@ -349,6 +349,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
+def _micro_batch(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets, on the meta device."""
+    shape = (cfg.data.batch_size, cfg.data.seq_len)
+    return (torch.empty(shape, dtype=torch.long, device="meta"),
+            torch.empty(shape, dtype=torch.long, device="meta"))
+
+
+def _head_memory(cfg: Any, tokens: int) -> tuple[int, int]:
+    """The fp32 logits of ``tokens`` tokens, and the rotary tables (fp32, per layer)."""
+    m = cfg.model
+    return 4 * tokens * m.vocab_size, 4 * m.n_layers * m.max_seq_len * m.head_dim
+
+
 TASK = Task(
     name="lm",
     config_class=LMRunConfig,
@@ -361,5 +374,11 @@ TASK = Task(
     columns=("final_arith_acc",),
     higher_is_better=("final_arith_acc",),
     head_fn=lm_head,
+    kind="language-model",
+    micro_batch=_micro_batch,
+    tokens_per_sample=lambda cfg: cfg.data.seq_len,
     generate=generate_text,
+    multi_process=True,
+    exports_hf=True,
+    head_memory=_head_memory,
 )

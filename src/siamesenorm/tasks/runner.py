@@ -38,12 +38,8 @@ from ..rundir import RunDir, check_out_dir, plain, write_text
 from ..shapes import read_summary
 from ..train import train
 from .dryrun import check_fits
-from .registry import get_task, saved_config
+from .registry import TASKS, get_task, saved_config
 from .spec import TaskData
-
-# Tasks whose runs may span processes: their evaluations run on every rank and write nothing, or
-# write through rank 0 only. The image tasks' sample grids and FD-proxy cache are not there yet.
-PARALLEL_TASKS = ("lm",)
 
 
 class Run:
@@ -259,9 +255,10 @@ def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = 
 def check_distributed(cfg: Any, world: World) -> None:
     """What a run across processes cannot do yet, refused before anything is written."""
     parallel_mode(cfg.train.parallel, world)
-    if cfg.task not in PARALLEL_TASKS:
+    if not get_task(cfg.task).multi_process:
+        parallel = ", ".join(name for name, task in TASKS.items() if task.multi_process)
         raise ConfigError(f"task {cfg.task} trains in one process; runs across processes support "
-                          f"task {', '.join(PARALLEL_TASKS)} (launched with {world.size} processes)")
+                          f"task {parallel} (launched with {world.size} processes)")
     if cfg.analysis.every > 0:
         raise ConfigError("the training probes (analysis.every) run in one process only; set "
                           "analysis.every=0 and run `siamesenorm analyze` on the finished run")

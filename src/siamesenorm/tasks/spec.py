@@ -28,7 +28,7 @@ class TaskData(Protocol):
 
     ``val_batches``: the fixed validation batches (also the probes' batch). ``batches(cfg)``: the
     run's own training batches, seeded by ``cfg.seed``. ``analysis_batches(cfg, n)``: what the
-    analysis at the end of a run reads. ``info()``: added to ``summary.json`` as is (the data's
+    analysis at the end of a run reads. ``info(cfg)``: added to ``summary.json`` as is (the data's
     name and fingerprint). ``save(run_dir)``: what a fresh run keeps besides its config, so that
     it can be reloaded (a tokenizer).
     """
@@ -39,7 +39,7 @@ class TaskData(Protocol):
 
     def analysis_batches(self, cfg: Any, n: int) -> list: ...
 
-    def info(self) -> dict: ...
+    def info(self, cfg: Any) -> dict: ...
 
     def save(self, run_dir: Path) -> None: ...
 
@@ -64,6 +64,14 @@ class Task:
     - ``loss_fn``, ``head_fn``: how the diagnostics run the model and read logits from a hidden
       state (``head_fn=None``: no logits, no logit lens); ``generate``: continue a prompt with a
       finished run (``None``: the task does not generate).
+    - ``kind``: what a run of the task is, in messages (``language-model``).
+    - ``micro_batch(cfg) -> (x, y)``: one micro-batch as the task's sampler yields it, on the meta
+      device; ``tokens_per_sample(cfg)``: the tokens the model sees per sample.
+    - ``multi_process``: whether a run may span processes (``--nproc``): its evaluations run on
+      every rank and write through rank 0 only.
+    - ``exports_hf``: whether ``export --format hf`` writes its runs as Hugging Face folders.
+    - ``head_memory(cfg, tokens) -> (activations, buffers)``: bytes the task's model keeps besides
+      its blocks for ``tokens`` tokens (a language model's fp32 logits and rotary tables).
     """
 
     name: str
@@ -77,5 +85,11 @@ class Task:
     columns: tuple[str, ...]
     higher_is_better: tuple[str, ...]
     head_fn: HeadFn | None
+    kind: str
+    micro_batch: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+    tokens_per_sample: Callable[[Any], int]
     loss_fn: LossFn = lm_loss
     generate: Callable[..., str] | None = None
+    multi_process: bool = False
+    exports_hf: bool = False
+    head_memory: Callable[[Any, int], tuple[int, int]] = lambda cfg, tokens: (0, 0)

@@ -22,7 +22,14 @@ from ..errors import ConfigError
 from ..models import config_checks as check
 from ..models.vit import VisionTransformer, ViTConfig
 from ..train import Evaluation
-from .images import ImageData, ImageDataConfig, image_analysis_batches, load_image_data
+from .images import (
+    ImageData,
+    ImageDataConfig,
+    image_analysis_batches,
+    image_micro_batch,
+    image_tokens_per_sample,
+    load_image_data,
+)
 from .spec import Task
 
 
@@ -123,4 +130,7 @@ TASK = Task(
     columns=("final_val_acc",),
     higher_is_better=("final_val_acc",),
     head_fn=vit_head,  # the lens reads the class token
+    kind="ViT image-classification",
+    micro_batch=image_micro_batch("image_size"),
+    tokens_per_sample=image_tokens_per_sample,
 )
