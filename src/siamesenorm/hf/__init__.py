@@ -20,6 +20,8 @@ The modules:
   ``model.family`` (imports no ``transformers``);
 - :mod:`.adapted`: :func:`adapt`, :func:`adapt_from_pretrained`, the adapted classes;
 - :mod:`.family_lm`: ``FamilyLM``, an adapted family model behind our language model's interface;
+- :mod:`.common`: what the two kinds of model share (transformers' names across versions,
+  activation checkpointing);
 - :mod:`.export`: ``siamesenorm export --format hf``.
 
 Without transformers this package still imports (a run's ``model.family`` is checked, with a

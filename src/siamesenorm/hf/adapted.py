@@ -56,27 +56,17 @@ from __future__ import annotations
 
 import copy
 import importlib
-import inspect
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, PreTrainedModel
 
-try:                                    # transformers 5 names it PreTrainedConfig
-    from transformers import PreTrainedConfig as _BaseConfig
-except ImportError:                     # pragma: no cover - transformers 4
-    from transformers import PretrainedConfig as _BaseConfig
-
 try:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
     from transformers.utils.generic import merge_with_config_defaults
     from transformers.utils.output_capturing import capture_outputs, maybe_install_capturing_hooks
-
-    # the cache's keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
-    _CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters \
-        else "past_key_values"
 except ImportError:                     # pragma: no cover - transformers 4
     capture_outputs = None
 
@@ -84,9 +74,13 @@ from ..errors import ConfigError
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.norms import LayerNorm, build_norm
 from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
+from .common import BaseConfig, SchemeCheckpointing, cache_keyword
 from .families import FAMILIES, Family
 
 __all__ = ["SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
+
+# the cache's keyword in a call (the masks', the attention's)
+_CACHE_ARG = cache_keyword(create_causal_mask) if capture_outputs is not None else "past_key_values"
 
 
 # The scheme norms that play the role of a model norm, by scheme: the attribute holding the norm
@@ -311,9 +305,8 @@ class _SchemeModel:
         if states is not None:
             hidden = tuple(hidden_at(scheme, s) for s in states[:-1]) + (h,)
         out_class = MoeModelOutputWithPast if self.family.moe else BaseModelOutputWithPast
-        field = _CACHE_ARG if _CACHE_ARG in out_class.__dataclass_fields__ else "past_key_values"
         return out_class(last_hidden_state=h, hidden_states=hidden,
-                         **{field: cache if use_cache else None})
+                         **{cache_keyword(out_class): cache if use_cache else None})
 
 
 def _layer_types(family: Family, config: Any) -> list[str]:
@@ -331,12 +324,13 @@ def _layer_types(family: Family, config: Any) -> list[str]:
 
 
 # ---- the causal LM -------------------------------------------------------------------------------
-class _SchemeCausalLM:
+class _SchemeCausalLM(SchemeCheckpointing):
     """The family's causal LM whose ``model`` is a :class:`_SchemeModel` (mixed into the family's
     ``...ForCausalLM``; see :func:`adapted_class`). Its ``forward`` is the family's."""
 
     _base_class: type
     _family_class: type
+    _checkpointing_flag = "model"       # the base model's forward reads gradient_checkpointing
 
     def __init__(self, config: Any, *args: Any, source: PreTrainedModel | None = None,
                  **kwargs: Any) -> None:
@@ -407,14 +401,6 @@ class _SchemeCausalLM:
         """The residual scheme (``model.stack.scheme``)."""
         return self.model.stack.scheme
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = None,
-                                    every_n_layers: int = 1, **kwargs: Any) -> None:
-        """Checkpoint every scheme step (sublayer) with our own mechanism, which keeps the streams
-        of multi-stream schemes consistent (``train.activation_checkpointing=sublayer``)."""
-        if enable and every_n_layers != 1:
-            raise ValueError("adapted models checkpoint every scheme step; every_n_layers must be 1")
-        self.model.stack.set_checkpointing("sublayer" if enable else "none")
-        self.model.gradient_checkpointing = enable
 
 
 def _spec_of(config: Any) -> dict:
@@ -470,7 +456,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
             value (one line each).
     """
     _need_transformers5()
-    if isinstance(config_or_model, _BaseConfig):
+    if isinstance(config_or_model, BaseConfig):
         config, source = copy.deepcopy(config_or_model), None
     elif isinstance(config_or_model, PreTrainedModel):
         source = config_or_model

@@ -30,20 +30,14 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-try:                                    # transformers 5 names it PreTrainedConfig
-    from transformers import PreTrainedConfig as _BaseConfig
-except ImportError:                     # pragma: no cover - transformers 4
-    from transformers import PretrainedConfig as _BaseConfig
-
-from ..models.checkpointing import set_activation_checkpointing
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig, MoEConfig
 from ..models.stack import hidden_at
 from ..nn.rope import RotaryEmbedding
+from .common import BaseConfig, SchemeCheckpointing, cache_keyword
 
 MODEL_TYPE = "siamesenorm"
-# the output's cache field: ``cache`` from transformers 5.2x, ``past_key_values`` before
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_CACHE_FIELD = cache_keyword(CausalLMOutputWithPast)       # the output's cache field
 # every field of our own language model's configuration (a Hugging Face family, model.family, is
 # exported as that family, not as this model)
 _LM_FIELDS = [f.name for f in dataclasses.fields(LMConfig) if f.name not in ("family", "family_options")]
@@ -51,7 +45,7 @@ _LM_FIELDS = [f.name for f in dataclasses.fields(LMConfig) if f.name not in ("fa
 __all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM"]
 
 
-class SiameseNormConfig(_BaseConfig):
+class SiameseNormConfig(BaseConfig):
     """Every :class:`~siamesenorm.models.LMConfig` field under its own name (``moe`` as a dict),
     plus Hugging Face's usual names as aliases (``hidden_size`` = ``dim``, ``num_hidden_layers``
     = ``n_layers``, ``num_attention_heads`` = ``n_heads``, ``max_position_embeddings`` =
@@ -153,7 +147,7 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
 
 
-class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
+class SiameseNormForCausalLM(SchemeCheckpointing, SiameseNormPreTrainedModel, GenerationMixin):
     """A causal language model of any scheme, with Hugging Face's interface (see the module
     docstring). ``model`` is our :class:`~siamesenorm.models.LanguageModel`."""
 
@@ -184,12 +178,11 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         self.model.config = dataclasses.replace(self.model.config, vocab_size=vocab)
         return out
 
-    # ---- activation checkpointing ------------------------------------------------------------
-    def _set_gradient_checkpointing(self, enable: bool = True, *args: Any, **kwargs: Any) -> None:
-        """Checkpoint every scheme step (sublayer) with our own mechanism, which keeps the
-        streams of multi-stream schemes consistent (``train.activation_checkpointing=sublayer``)."""
-        set_activation_checkpointing(self.model, "sublayer" if enable else "none")
-        self.gradient_checkpointing = enable
+    # ---- activation checkpointing (SchemeCheckpointing: every scheme step) --------------------
+    @property
+    def scheme(self):
+        """The residual scheme (``model.scheme``)."""
+        return self.model.scheme
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,

@@ -1,0 +1,56 @@
+"""What our two kinds of ``transformers`` model share: our own language model as one
+(:mod:`.modeling`) and a family's model adapted to a scheme (:mod:`.adapted`).
+
+- :data:`BaseConfig`: the configuration base class, under this transformers' name for it;
+- :func:`cache_keyword`: this transformers' name for the KV cache, in a call or an output;
+- :class:`SchemeCheckpointing`: transformers' activation checkpointing as ours, one scheme step at
+  a time.
+
+This file uses only relative imports of the package and ``transformers``: the exported modelling
+code (:mod:`.export`) ships it with :mod:`.modeling` and :mod:`.adapted`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+try:                                    # transformers 5 names it PreTrainedConfig
+    from transformers import PreTrainedConfig as BaseConfig
+except ImportError:                     # pragma: no cover - transformers 4
+    from transformers import PretrainedConfig as BaseConfig
+
+from ..models.checkpointing import set_scheme_checkpointing
+
+__all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword"]
+
+
+def cache_keyword(obj: Any) -> str:
+    """The name this transformers gives the KV cache in ``obj``: a function (its parameter, e.g.
+    ``create_causal_mask``'s) or an output dataclass (its field, e.g. ``CausalLMOutputWithPast``'s).
+    ``cache`` from transformers 5.2x, ``past_key_values`` before."""
+    names = obj.__dataclass_fields__ if dataclasses.is_dataclass(obj) else inspect.signature(obj).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+class SchemeCheckpointing:
+    """Mixed into a ``PreTrainedModel`` that runs a residual scheme (before ``PreTrainedModel`` in
+    its bases): ``gradient_checkpointing_enable()`` (or ``activation_checkpointing_enable()``)
+    checkpoints every scheme step (sublayer) with our own mechanism, which keeps the streams of
+    multi-stream schemes consistent (``train.activation_checkpointing=sublayer``);
+    ``gradient_checkpointing_disable()`` turns it off. ``every_n_layers`` other than 1 is refused.
+
+    The class has its scheme at ``scheme``, and names in ``_checkpointing_flag`` the submodule whose
+    ``gradient_checkpointing`` its forward reads (``""``: the model itself).
+    """
+
+    _checkpointing_flag = ""
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = None,
+                                    every_n_layers: int = 1, **kwargs: Any) -> None:
+        if enable and every_n_layers != 1:
+            raise ValueError(f"{type(self).__name__} checkpoints every scheme step; every_n_layers "
+                             f"must be 1")
+        set_scheme_checkpointing(self.scheme, "sublayer" if enable else "none")
+        self.get_submodule(self._checkpointing_flag).gradient_checkpointing = enable
