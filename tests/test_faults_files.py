@@ -660,7 +660,8 @@ def _second_save_fails(monkeypatch, writer: str) -> None:
     """Make ``writer`` fail as a full disk makes it, at the second checkpoint (step 4)."""
     from safetensors import SafetensorError
 
-    from siamesenorm.train import checkpoint
+    # the module whose save_checkpoint calls save_file
+    from siamesenorm.train.checkpoint import save as checkpoint
 
     calls = {"n": 0}
     if writer == "safetensors":

@@ -448,8 +448,8 @@ def test_every_reader_of_our_json_states_a_shape():
         "olmo_core/to_run.py": 4,
         # checked: read_json's result compared as a whole (experiment.json), or with EXPERIMENT_ROWS
         "experiments/compare.py": 2,
-        # read_state / checksums / DCP metadata: the checkpoint module's own checks (issue 27 §1)
-        "train/checkpoint.py": None,
+        # checksums.json: every entry's fields read under the check (verify_checksums, issue 27 §1)
+        "train/checkpoint/atomic.py": 1,
         # the lock's holder: a non-object is treated as no holder (locks.held_by)
         "locks.py": 1,
         # the tokenizer descriptor: isinstance(dict) and its kind checked (load_tokenizer)

@@ -4,11 +4,11 @@ It knows nothing of where batches come from: anything with ``next_batch``, ``sta
 ``load_state_dict`` (:class:`BatchSource`) will do.
 """
 
-from .checkpoint import Checkpoints, has_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpoints, load_checkpoint, save_checkpoint
 from .hooks import BatchSource, Evaluation
 from .loop import train
 from .optim import build_optimizer, decay_groups, lr_at
 from .probe_hook import StepProbe
 
 __all__ = ["BatchSource", "Checkpoints", "Evaluation", "StepProbe", "build_optimizer", "decay_groups",
-           "has_checkpoint", "load_checkpoint", "lr_at", "save_checkpoint", "train"]
+           "load_checkpoint", "lr_at", "save_checkpoint", "train"]
