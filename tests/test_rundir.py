@@ -4,6 +4,7 @@ one policy for reading JSON-lines files (and reopening them for a resumed writer
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -92,6 +93,40 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
     (run.path / "notes.txt").write_text("mine")
     run.clear_stopped_run()
     assert sorted(p.name for p in run.path.iterdir()) == ["notes.txt"]
+
+
+def test_the_run_folder_knows_each_entry_a_checkpoint_save_leaves(tmp_path, monkeypatch):
+    """rundir sits below the checkpoint package and cannot import its names, so it spells them:
+    made by the package itself, a cut-short save, a cut-short swap, a kept, a damaged and the last
+    checkpoint are each told apart (a checkpoint to resume or not) and deleted as the run's own."""
+    from siamesenorm.train.checkpoint import STATE_FILE, Checkpoints, atomic, kept_name
+
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    run.mark()
+    last = run.last_checkpoint
+
+    def written(folder: Path) -> Path:
+        (folder / STATE_FILE).write_bytes(b"")
+        return folder
+
+    cut_short = written(atomic.new_temporary(last))             # killed before its swap
+    assert not run.has_checkpoints()
+    with monkeypatch.context() as m:                            # killed between the swap's renames
+        m.setattr(atomic.shutil, "rmtree", lambda *args, **kwargs: None)
+        atomic.install(written(atomic.new_temporary(last)), last)
+        atomic.install(written(atomic.new_temporary(last)), last)
+    shutil.rmtree(last)
+    (old,) = set(run.checkpoints.iterdir()) - {cut_short}
+    assert run.has_checkpoints()
+    os.replace(old, kept_name(last, 3))
+    assert run.has_checkpoints()
+    os.replace(kept_name(last, 3), last)
+    assert run.has_checkpoints()
+    Checkpoints(last, keep=1)._move_aside()                     # damaged: not one to resume
+    assert not run.has_checkpoints() and len(list(run.checkpoints.iterdir())) == 2
+    run.clear_run_files()
+    assert not run.checkpoints.exists()
 
 
 def test_a_run_refuses_a_used_folder_with_the_one_message(tmp_path):
