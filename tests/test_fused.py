@@ -560,19 +560,19 @@ def test_siamese_hybrid_attention_step_keeps_streams_branch_input_and_one_norm(n
 def test_environment_variable_turns_the_lean_path_off():
     code = (
         "import torch\n"
-        "from siamesenorm.nn.fused import fused_enabled, reference_path\n"
+        "from siamesenorm.nn.fused import fused_enabled, lean_path\n"
         "from siamesenorm.schemes import build_scheme\n"
         "s = build_scheme('siamese', 4, 1)\n"
         "def lean():\n"
         "    h = torch.randn(2, 4, requires_grad=True)\n"
         "    out = s.exit(s.step(s.enter(h), 0, torch.tanh))\n"
         "    return 'StreamEntry' in type(out.grad_fn).__name__\n"
-        "with reference_path(False):\n"
+        "with lean_path():\n"
         "    forced = lean()\n"
         "print(fused_enabled(), lean(), forced)\n")
     env = dict(os.environ, SIAMESENORM_FUSED="0", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    # off for the process; reference_path(False) turns it back on, which shows the check works
+    # off for the process; lean_path() turns it back on, which shows the check works
     assert out.stdout.split() == ["False", "False", "True"]

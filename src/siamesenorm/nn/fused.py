@@ -2,7 +2,8 @@
 
 A normalised tensor can always be recomputed from the tensor it normalises and its row statistics
 (the mean and ``1 / sqrt(var + eps)`` of LayerNorm, ``1 / sqrt(mean(x^2) + eps)`` of RMSNorm). This
-module holds three pieces built on that fact, each an ordinary :class:`torch.autograd.Function`:
+module holds what is built on that fact (the lean path), each an ordinary
+:class:`torch.autograd.Function`:
 
 - :func:`rms_norm`: RMSNorm that saves its input and ``rstd`` only. PyTorch's own ``F.rms_norm`` is
   a chain of element-wise ops on the CPU that keeps the normalised tensor as well (and runs a
@@ -40,7 +41,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +83,18 @@ def fused_enabled() -> bool:
 @contextmanager
 def reference_path(enabled: bool = True) -> Iterator[None]:
     """Within the block, every model computes the plain composition of modules (the reference);
-    ``reference_path(False)`` turns the lean path on instead, whatever the default."""
+    with ``enabled=False`` the lean path instead (:func:`lean_path`), whatever the default."""
     before = _switch.enabled
     _switch.enabled = not enabled
     try:
         yield
     finally:
         _switch.enabled = before
+
+
+def lean_path() -> AbstractContextManager[None]:
+    """Within the block, the lean path runs, whatever the default (``SIAMESENORM_FUSED``)."""
+    return reference_path(False)
 
 
 @contextmanager
@@ -137,7 +143,7 @@ def _norm_kind(module: nn.Module) -> str:
 
 
 # ---- one norm, forward and backward, from its input and row statistics ---------------------------
-def _work(t: Tensor) -> Tensor:
+def _upcast(t: Tensor) -> Tensor:
     """``t`` in the dtype norms compute in: float32 for half inputs, its own otherwise."""
     return t.float() if t.dtype in _LOW else t
 
@@ -148,7 +154,7 @@ def _rms_rstd(xf: Tensor, eps: float) -> Tensor:
     return norm.square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
 
 
-def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -161,9 +167,9 @@ def _rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     """RMSNorm of ``x`` over the last dimension and its ``rstd`` (float32 for half inputs)."""
     if x.is_cuda:
         return _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-    xf = _work(x)
+    xf = _upcast(x)
     rstd = _rms_rstd(xf, eps)
-    return _as(_rms_apply(xf, rstd, weight), x.dtype), rstd
+    return _cast(_rms_apply(xf, rstd, weight), x.dtype), rstd
 
 
 def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
@@ -180,14 +186,14 @@ def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
     mask = [needs[0], needs[1] and weight is not None, False]
     if not any(mask):
         return None, None
-    gf, xf, wf = _work(g), _work(x), None if weight is None else _work(weight)
+    gf, xf, wf = _upcast(g), _upcast(x), None if weight is None else _upcast(weight)
     rstd = rstd.contiguous()        # the kernel reads mean and rstd as dense rows
     dx, dw, _ = _aten.native_layer_norm_backward(gf, xf, [d], torch.zeros_like(rstd),
                                                  rstd, wf, None, mask)
     if dx is not None:
         mean_h = (gf.sum(-1) if wf is None else torch.mv(gf.reshape(-1, d), wf)).view(rstd.shape)
-        dx = _as(dx.addcmul_(mean_h, rstd, value=1.0 / d), x.dtype)
-    return dx, None if dw is None else _as(dw, weight.dtype)
+        dx = _cast(dx.addcmul_(mean_h, rstd, value=1.0 / d), x.dtype)
+    return dx, None if dw is None else _cast(dw, weight.dtype)
 
 
 @dataclass(frozen=True)
@@ -217,11 +223,11 @@ class _Norm:
         if self.kind != "rmsnorm" or x.is_cuda:
             out, stats = self.forward(x, w, b, a)
             return base + out, stats
-        xf = _work(x)
+        xf = _upcast(x)
         rstd = _rms_rstd(xf, self.eps)
         scaled = xf * rstd
         out = scaled.add_(base) if w is None else torch.addcmul(base, scaled, w)
-        return _as(out, torch.promote_types(base.dtype, x.dtype)), (rstd,)
+        return _cast(out, torch.promote_types(base.dtype, x.dtype)), (rstd,)
 
     def backward(self, g: Tensor, x: Tensor, stats: tuple, w: Tensor | None, b: Tensor | None,
                  needs: tuple[bool, ...], a: Tensor | None = None) -> tuple[Tensor | None, ...]:
@@ -294,7 +300,7 @@ def _dyt_value(x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | N
 
 def _row_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` summed over every dimension but the last, in ``dtype``."""
-    return _as(t.reshape(-1, t.shape[-1]).sum(0), dtype)
+    return _cast(t.reshape(-1, t.shape[-1]).sum(0), dtype)
 
 
 def _dyt_backward(g: Tensor, x: Tensor, alpha: Tensor, weight: Tensor | None,
@@ -306,8 +312,8 @@ def _dyt_backward(g: Tensor, x: Tensor, alpha: Tensor, weight: Tensor | None,
     t = torch.tanh(alpha * x) if t is None else t
     gw = g if weight is None else g * weight
     s = gw * (1 - t * t)
-    dx = _as(s * alpha, x.dtype) if needs[0] else None
-    d_alpha = _as((s * x).sum().reshape(alpha.shape), alpha.dtype) if needs[1] else None
+    dx = _cast(s * alpha, x.dtype) if needs[0] else None
+    d_alpha = _cast((s * x).sum().reshape(alpha.shape), alpha.dtype) if needs[1] else None
     dw = _row_sum(g * t, weight.dtype) if weight is not None and needs[2] else None
     db = _row_sum(g, bias_dtype) if bias_dtype is not None and needs[3] else None
     return dx, d_alpha, dw, db
@@ -355,7 +361,7 @@ class _EntrySpec:
     inp: bool                # the sum goes through LN^in
 
 
-def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = (),
+def _entry_forward(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = (),
            xa: Tensor | None = None, ya: Tensor | None = None):
     """``x'`` (``LN^X(x)``, ``x * gamma`` or ``x``), ``u = x' + LN^Y(y)`` (or ``x'``) and the
     row statistics of ``LN^X`` and ``LN^Y`` (empty where there is no such norm, and for DyT).
@@ -366,7 +372,7 @@ def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved:
     if saved and rms:
         xs, ys = saved[:1] if spec.x == "norm" else (), saved[-1:] if spec.y else ()
     if spec.x == "norm":
-        xo = _as(_rms_apply(_work(x), xs[0], xw), x.dtype) if xs else None
+        xo = _cast(_rms_apply(_upcast(x), xs[0], xw), x.dtype) if xs else None
         if xo is None:
             xo, xs = n.forward(x, xw, xb, xa)
     elif spec.x == "gain":
@@ -375,11 +381,19 @@ def _front(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved:
         xo = x
     u = xo
     if spec.y and ys:
-        u = torch.addcmul(xo, _work(y) * ys[0], yw) if yw is not None else (_work(y) * ys[0]).add_(xo)
-        u = _as(u, torch.promote_types(xo.dtype, y.dtype))
+        u = torch.addcmul(xo, _upcast(y) * ys[0], yw) if yw is not None else (_upcast(y) * ys[0]).add_(xo)
+        u = _cast(u, torch.promote_types(xo.dtype, y.dtype))
     elif spec.y:
         u, ys = n.added(xo, y, yw, yb, ya)
     return xo, u, xs, ys
+
+
+# The inputs of _StreamEntry.forward after ctx, by name (for needs_input_grad).
+_ENTRY_INPUTS = ("spec", "x", "y", "xw", "xb", "yw", "yb", "iw", "ib", "xa", "ya", "ia")
+
+
+def _of(need: dict[str, bool], *names: str) -> tuple[bool, ...]:
+    return tuple(need[name] for name in names)
 
 
 class _StreamEntry(Function):
@@ -391,7 +405,7 @@ class _StreamEntry(Function):
 
     @staticmethod
     def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia):
-        xo, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, (), xa, ya)
+        xo, u, xs, ys = _entry_forward(spec, x, y, xw, xb, yw, yb, (), xa, ya)
         b, us = spec.norm.forward(u, iw, ib, ia) if spec.inp else (u, ())
         if spec.norm.kind == "dyt":   # keep no tanh: backward recomputes it with x' and u
             xs = ys = us = ()
@@ -410,23 +424,23 @@ class _StreamEntry(Function):
             if g_xo is None:
                 return (None,) * 12
             g_b = torch.zeros_like(g_xo)
-        need = ctx.needs_input_grad
+        need = dict(zip(_ENTRY_INPUTS, ctx.needs_input_grad))
         d_iw = d_ib = d_yw = d_yb = d_xw = d_xb = dy = d_xa = d_ya = d_ia = None
         du = g_b
         us, rest = tuple(stats[:ctx.n_in]), tuple(stats[ctx.n_in:])
         xs, ys = rest[:ctx.split], rest[ctx.split:]
         if spec.inp:
-            _, u, xs, ys = _front(spec, x, y, xw, xb, yw, yb, rest, xa, ya)
-            du, d_iw, d_ib, d_ia = n.backward(g_b, u, us, iw, ib, (True, need[7], need[8], need[11]), ia)
+            _, u, xs, ys = _entry_forward(spec, x, y, xw, xb, yw, yb, rest, xa, ya)
+            du, d_iw, d_ib, d_ia = n.backward(g_b, u, us, iw, ib, (True, *_of(need, "iw", "ib", "ia")), ia)
             del u
         if spec.y:
-            dy, d_yw, d_yb, d_ya = n.backward(du, y, ys, yw, yb, (need[2], need[5], need[6], need[10]), ya)
+            dy, d_yw, d_yb, d_ya = n.backward(du, y, ys, yw, yb, _of(need, "y", "yw", "yb", "ya"), ya)
         d_xo = du if g_xo is None else du + g_xo
         if spec.x == "norm":
-            dx, d_xw, d_xb, d_xa = n.backward(d_xo, x, xs, xw, xb, (need[1], need[3], need[4], need[9]), xa)
+            dx, d_xw, d_xb, d_xa = n.backward(d_xo, x, xs, xw, xb, _of(need, "x", "xw", "xb", "xa"), xa)
         elif spec.x == "gain":
-            dx = d_xo * xw if need[1] else None
-            if need[3]:
+            dx = d_xo * xw if need["x"] else None
+            if need["xw"]:
                 d_xw = (d_xo * x).reshape(-1, x.shape[-1]).sum(0)
         else:
             dx = d_xo
