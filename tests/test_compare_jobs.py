@@ -273,6 +273,45 @@ with DeferredInterrupt() as stop:
     assert res.stdout.split() == ["True", "True"]
 
 
+# Counts every load and fit of the language-model task's data, in whatever process it happens
+# (compare's own, its workers'), one line each in $COUNT_FILE.
+COUNT = '''import dataclasses, os
+from siamesenorm.tasks import registry
+
+_task = registry.TASKS["lm"]
+
+
+def _counted(what, fn):
+    def call(*args, **kwargs):
+        with open(os.environ["COUNT_FILE"], "a") as file:
+            file.write(what + "\\n")
+        return fn(*args, **kwargs)
+    return call
+
+
+registry.TASKS["lm"] = dataclasses.replace(_task, load_data=_counted("load", _task.load_data),
+                                           fit=_counted("fit", _task.fit))
+'''
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, monkeypatch, jobs):
+    """Four runs of one data setting: the data is loaded once (in compare, whose workers get it
+    handed over) and each run's configuration fitted to it once; the workers trust the fitted
+    config.yaml."""
+    folder = tmp_path / "count"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(COUNT)
+    counts = tmp_path / "counts.txt"
+    monkeypatch.setenv("COUNT_FILE", str(counts))
+    res = cli("compare", "tiny", *TINY, "train.steps=2", "train.eval_every=2", "--schemes", "pre,siamese",
+              "--lrs", "0.001,0.002", "--jobs", jobs, "--out", str(tmp_path / "exp"), extra_path=str(folder))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "exp" / "summary.csv").exists()
+    lines = counts.read_text().split()
+    assert lines.count("load") == 1 and lines.count("fit") == 4, lines
+
+
 def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, inject, capsys):
     """A crash (an exception in the training loop of one worker, injected by a sitecustomize that
     only that run's process acts on) leaves the other run training; the same command then trains

@@ -19,6 +19,7 @@ deviation and 95% interval of each figure over the others), ``differences`` (eac
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -117,18 +118,19 @@ def _claim(out: Path, spec: dict) -> None:
     write_text(marker, json.dumps(spec, indent=2) + "\n")
 
 
-def load_data(cells: list) -> dict:
-    """The data of every distinct data setting of the grid (``(task, data section)``), loaded once
-    and checked before the folder is claimed, with every cell's model fitted to it (the vocabulary,
-    the context); the fresh runs of a setting share it."""
+def load_data(cells: list) -> tuple[list, dict]:
+    """The cells with their configurations fitted to their data (the vocabulary, the context),
+    and the data of every distinct data setting of the grid (``(task, data section)``), loaded
+    once and checked before the folder is claimed; the fresh runs of a setting share it."""
     loaded: dict = {}
+    fitted = []
     for cell in cells:
         cfg, task = cell.config, get_task(cell.config.task)
         key = data_key(cfg)
         if key not in loaded:
             loaded[key] = task.load_data(cfg, None, False)
-        task.fit(cfg, loaded[key])
-    return loaded
+        fitted.append(dataclasses.replace(cell, config=task.fit(cfg, loaded[key])))
+    return fitted, loaded
 
 
 def compare(preset: str | None, overrides: list[str], out: str | Path, *,
@@ -160,9 +162,9 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
         for cell in p.cells:
             device = resolve_device(cell.config.train.device)
             check_fits(cell.config, device, 1, concurrency.jobs)
-    data = load_data(p.cells)
+    cells, data = load_data(p.cells)
     with folder_lock(out, "compare"):
-        return _compare(out, p.base, p.spec, p.cells, p.baseline, nproc, concurrency, data, log)
+        return _compare(out, p.base, p.spec, cells, p.baseline, nproc, concurrency, data, log)
 
 
 def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,

@@ -10,6 +10,7 @@ comparison: the runs in training checkpoint and stop, and the same command resum
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
@@ -197,6 +198,7 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
     while this process holds its folder; Ctrl-C or SIGTERM stops them all (checkpointed) and is
     raised once they have ended."""
     pending, running = list(todo), {}
+    pickled: dict = {}      # each data setting pickled once, for the fresh runs' workers
     free = list(range(concurrency.jobs))
     write_lock, passed_on = threading.Lock(), 0
     with StopSignals() as stop:
@@ -206,7 +208,7 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
                     item, slot = pending.pop(0), min(free)
                     log(f"[{item.index}/{done.total}] {item.cell.name}: training")
                     try:
-                        started = _start_worker(item, concurrency, slot, data, write_lock, stop)
+                        started = _start_worker(item, concurrency, slot, data, pickled, write_lock, stop)
                     except Exception as error:
                         failures[item.cell.name] = _failure_of(error)
                         done.failed(item, failures[item.cell.name])
@@ -242,9 +244,10 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
         raise stop.error()
 
 
-def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, write_lock,
-                  stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
+def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, pickled: dict,
+                  write_lock, stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
     """Claim and prepare ``item``'s folder here, then start its worker, which inherits the lock
+    and, for a fresh run, gets the data of its setting (``pickled``: each setting's, pickled once)
     (``None``: a stop came meanwhile; the folder is given back, prepared, and starts afresh next time)."""
     cfg, run_dir = item.cell.config, item.run_dir
     resume = RunDir(run_dir).has_checkpoints()
@@ -260,8 +263,12 @@ def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, w
             return None
         threads = threads_of(item.before, concurrency.threads) if resume else concurrency.threads
         device = concurrency.devices[slot] if concurrency.devices else None
+        key = data_key(cfg)
+        if not resume and key not in pickled:
+            pickled[key] = pickle.dumps(data[key], protocol=pickle.HIGHEST_PROTOCOL)
         worker = Worker(item.cell.name, run_dir, resume, threads, device, lock.fd,
-                        prefix=f"{item.cell.name}: ", write_lock=write_lock)
+                        prefix=f"{item.cell.name}: ", write_lock=write_lock,
+                        data=None if resume else pickled[key])
         worker.start()
     except BaseException:
         claim.close()

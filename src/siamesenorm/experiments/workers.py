@@ -1,13 +1,16 @@
 """The runs of a comparison in processes of their own, several at once (``--jobs`` above 1).
 
-Each run is ``python -m siamesenorm.tasks.worker RUN_DIR [--resume]`` (:mod:`siamesenorm.tasks.worker`)
-in a session of its own, on a folder ``compare`` has claimed and prepared: ``compare`` holds the
-run's lock and hands the worker its open lock file, so the folder stays locked until the last of
-the two is gone, and the worker stops (with a checkpoint) when ``compare`` dies. The worker gets
-its share of the cores (``OMP_NUM_THREADS``), its CUDA device (``CUDA_VISIBLE_DEVICES``) and a
-folder of its own where it reports a failure in one line (:func:`siamesenorm.parallel.launch.report_failure`;
-a crash's traceback is kept there). What it writes to stdout and stderr (its ``[train]`` lines)
-passes through to this process's stderr, each line prefixed with the run's name.
+Each run is ``python -m siamesenorm.tasks.worker RUN_DIR [--resume] [--data FILE]``
+(:mod:`siamesenorm.tasks.worker`) in a session of its own, on a folder ``compare`` has claimed and
+prepared: ``compare`` holds the run's lock and hands the worker its open lock file, so the folder
+stays locked until the last of the two is gone, and the worker stops (with a checkpoint) when
+``compare`` dies. The worker gets its share of the cores (``OMP_NUM_THREADS``), its CUDA device
+(``CUDA_VISIBLE_DEVICES``) and a folder of its own where it reports a failure in one line
+(:func:`siamesenorm.parallel.launch.report_failure`; a crash's traceback is kept there). A fresh
+run's worker gets its data there too, as ``compare`` loaded it (pickled, in this process's own
+folder, as multiprocessing would pass it through a pipe), so that a data setting is loaded once
+however many runs share it. What it writes to stdout and stderr (its ``[train]`` lines) passes
+through to this process's stderr, each line prefixed with the run's name.
 
 Signals reach a worker only through :class:`StopSignals`: Ctrl-C or SIGTERM to ``compare`` is
 passed on to every running worker once (each stops after its step and checkpoints), a second one
@@ -30,7 +33,7 @@ from typing import IO, Any
 
 from ..errors import Terminated
 from ..parallel.launch import ERROR_DIR_ENV, describe_death
-from ..tasks.worker import STOP_WITH_ENV
+from ..tasks.worker import DATA_FILE, STOP_WITH_ENV
 from ..train.interrupt import SignalScope
 
 _STEP = re.compile(r"\[train\] step (\d+)/\d+")
@@ -75,11 +78,16 @@ class Worker:
     step: int | None = None             # the last step its log reported
     signals: int = 0                    # signals passed on to it
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    data: bytes | None = field(default=None, repr=False)     # the run's data, pickled (fresh runs)
 
     def start(self) -> None:
         self.errors = Path(tempfile.mkdtemp(prefix="siamesenorm-run-"))
         argv = [sys.executable, "-m", "siamesenorm.tasks.worker", str(self.run_dir),
                 *(["--resume"] if self.resume else [])]
+        if self.data is not None:   # in this process's own folder (mode 0700), as a pipe would
+            handed = self.errors / DATA_FILE
+            handed.write_bytes(self.data)
+            argv += ["--data", str(handed)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env=worker_env(self.threads, self.device, self.errors),
@@ -120,6 +128,7 @@ class Worker:
         self.reader.join()
         self.proc.stdout.close()
         failure = read_failure(self.errors)
+        (self.errors / DATA_FILE).unlink(missing_ok=True)
         stopped = self.signals > 0 and code == -signal.SIGTERM      # by us, before its handler was up
         if failure is None and code not in (0, 130, 143) and not stopped:
             failure = Failure(f"its process {describe_death(code)} and reported nothing (killed from "

@@ -115,8 +115,12 @@ def load_image_data(cfg: Any, *, augment: Callable[[Any], ImageAugment] | None =
     # Every validation image when they fit in val_batches batches, else evenly spaced full batches.
     few = len(val) <= d.val_batches * d.batch_size
     batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)
-    return ImageData(train, val, batches, height, chans, full.num_classes,
-                     augment or (lambda run_cfg: run_cfg.data.augment))
+    return ImageData(train, val, batches, height, chans, full.num_classes, augment or configured_augment)
+
+
+def configured_augment(cfg: Any) -> ImageAugment:
+    """``data.augment`` (a module-level function, so that the data pickles for compare's workers)."""
+    return cfg.data.augment
 
 
 def image_analysis_batches(cfg: Any, run_dir: Path, data: str | None, n: int, *, size: int,

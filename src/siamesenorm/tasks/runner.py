@@ -117,13 +117,13 @@ class Run:
         return {**info, **({"data_history": history} if history else {})}
 
     def prepare(self, cfg: Any, data: TaskData | None = None) -> tuple[Any, TaskData]:
-        """The data (``data``: already loaded for this setting), the configuration fitted to it,
-        and for a fresh run ``config.yaml`` and the task's assets written (none of them left
-        behind when writing them fails, a full disk)."""
+        """The data and the configuration fitted to it (``data``: already loaded for this
+        setting, with ``cfg`` fitted to it), and for a fresh run ``config.yaml`` and the task's
+        assets written (none of them left behind when writing them fails, a full disk)."""
         task = get_task(cfg.task)
         if data is None:
             data = task.load_data(cfg, self.run_dir, self.resume)
-        cfg = task.fit(cfg, data)
+            cfg = task.fit(cfg, data)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             self.folder.mark()      # the run's first file: from here on the folder is a run of ours
@@ -183,8 +183,9 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
              allow_data_change: bool = False) -> dict:
     """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
     ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
-    setting, already loaded (compare loads each setting once). Every refusal comes before anything
-    is written; a fresh run refuses a folder that already holds one (unless ``restart``).
+    setting, already loaded, with ``cfg`` fitted to it (compare loads each setting once). Every
+    refusal comes before anything is written; a fresh run refuses a folder that already holds one
+    (unless ``restart``).
 
     Under a launcher that runs this in every process, rank 0 claims and prepares the folder while
     the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
@@ -238,16 +239,20 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     return summary
 
 
-def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = False) -> dict:
+def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = False,
+                   data: TaskData | None = None) -> dict:
     """What each rank :func:`launch_task` starts does: train the run its launcher prepared (and
-    holds) in ``run_dir``, from its ``config.yaml``."""
+    holds) in ``run_dir``, from its ``config.yaml``. ``data``: the run's data as its launcher
+    loaded it (compare's workers), to which ``config.yaml`` is fitted already."""
     run = Run(run_dir, resume=resume, allow_data_change=allow_data_change)
     cfg = saved_config(run.run_dir, f"{run.run_dir} holds no config.yaml")
     world, device = init_world(cfg.train.device)
     try:
-        task = get_task(cfg.task)
-        data = task.load_data(cfg, run.run_dir, True)
-        return run.train(task.fit(cfg, data), data, world, device, progress=None)
+        if data is None:
+            task = get_task(cfg.task)
+            data = task.load_data(cfg, run.run_dir, True)
+            cfg = task.fit(cfg, data)
+        return run.train(cfg, data, world, device, progress=None)
     finally:
         leave_world(world)
 

@@ -1,4 +1,4 @@
-"""``python -m siamesenorm.tasks.worker RUN_DIR [--resume]``: one rank of a run that ``--nproc``
+"""``python -m siamesenorm.tasks.worker RUN_DIR [--resume] [--data FILE]``: one rank of a run that ``--nproc``
 started (:func:`~.runner.launch_task`), or one run of a ``compare --jobs N``
 (:mod:`siamesenorm.experiments.workers`). The launcher has claimed and prepared ``RUN_DIR``; the
 rank trains it from its ``config.yaml`` and reports a failure to the launcher as one line
@@ -9,6 +9,7 @@ checkpoint, then the end) when that parent dies, on Linux."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from ..parallel.launch import ERROR_DIR_ENV, report_failure
 from .runner import train_prepared
 
 STOP_WITH_ENV = "SIAMESENORM_STOP_WITH"     # the pid whose death stops this process
+DATA_FILE = "data.pickle"     # the name of the file compare hands a fresh run's data in
 
 
 class _OutlivesReader:
@@ -108,12 +110,21 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def _handed_data(flags: tuple[str, ...]):
+    """The data ``--data FILE`` hands over: pickled by the compare that started this process, in
+    that process's own folder (mode 0700), as multiprocessing hands objects over a pipe."""
+    if "--data" not in flags:
+        return None
+    with open(flags[flags.index("--data") + 1], "rb") as file:
+        return pickle.load(file)
+
+
 def _train(run_dir: str, *flags: str) -> int:
     if not _stop_with_parent():
         return 143
     try:
         train_prepared(run_dir, resume="--resume" in flags,
-                       allow_data_change="--allow-data-change" in flags)
+                       allow_data_change="--allow-data-change" in flags, data=_handed_data(flags))
     except ConfigError as error:
         report_failure(error, user_error=True)
         return 2
