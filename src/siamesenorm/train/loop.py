@@ -34,9 +34,9 @@ from .probe_hook import StepProbe
 from .progress import RunLog, log_interval
 from .resume import fresh_state, resumed_state, save_run
 from .rng import preserved_rng, rng_state, set_rng_state
+from .speed import RunSpeed
 from .state import Phase, RunState
 from .summary import build_summary, perplexity
-from .throughput import Throughput, device_name, find_peak, model_flops_per_token
 
 
 class Trainer:
@@ -62,18 +62,11 @@ class Trainer:
         self.interrupted = False
         self.phase = Phase.IDLE
         self.step_snapshot: tuple[dict, dict] | None = None   # source and RNG before the step
-        self.throughput = Throughput(find_peak(device, cfg.precision, cfg.peak_tflops), world.size)
+        self.throughput = RunSpeed(device, cfg.precision, cfg.peak_tflops, world.size)
         self.started = perf_counter()
 
     def wall_time(self) -> float:
         return self.state.wall_time_s + perf_counter() - self.started
-
-    def mfu_note(self) -> str | None:
-        """Why a GPU run shows no MFU: its device is not in the table of peaks."""
-        if self.throughput.peak is not None or self.device.type != "cuda":
-            return None
-        return (f"MFU unknown: no peak TFLOP/s known for {device_name(self.device)!r}; "
-                "set train.peak_tflops")
 
     # ---- start -------------------------------------------------------------------------------
     def start(self, resume: bool) -> int | None:
@@ -142,11 +135,8 @@ class Trainer:
                 with preserved_rng():
                     self.probe.after_update(self.model, step, diverged)
             row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                                   **self.gradient.loss_parts}
-            row["tokens_per_s"] = tokens / max(seconds, 1e-9)
-            if self.throughput.flops_per_token is None:
-                self.throughput.flops_per_token = model_flops_per_token(self.model, state.seq_len)
-            row.update(self.throughput.figures(row["tokens_per_s"]))
+                                   **self.gradient.loss_parts,
+                                   **self.throughput.step(self.model, state.seq_len, tokens, seconds)}
             if diverged:
                 state.diverged_at = step
                 _write(log, {**row, "diverged": True})
@@ -170,8 +160,16 @@ class Trainer:
         figures = build_summary(self.model, self.state, self.cfg.steps, diverged_at=self.state.diverged_at,
                                 stalled_at=self.state.stalled_at, interrupted=self.interrupted,
                                 wall_time_s=self.wall_time())
-        self.throughput.flops_per_token = figures["flops_per_token"]
-        return {**figures, **self.throughput.summary(figures["tokens_per_s"]), **self.info}
+        return {**self.throughput.of_run(figures), **self.info}
+
+    def finish(self, display: RunLog) -> dict[str, Any]:
+        """The summary, written to ``summary.json`` (by rank 0) and shown as the run's last line."""
+        display.close()
+        summary = self.summary()
+        if self.world.main:
+            write_json(RunDir(self.run_dir).summary, summary)
+        display.finish(summary)
+        return summary
 
     def on_interrupt(self) -> None:
         """Checkpoint the last completed step, unless an optimizer update was cut in half."""
@@ -227,7 +225,7 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     every = log_interval(cfg.log_every, cfg.steps)
     display = RunLog(cfg.steps, trainer.state.step, every,
                      RunLog.choose(progress if world.main else False, every),
-                     trainer.throughput, trainer.mfu_note())
+                     trainer.throughput, trainer.throughput.mfu_note())
     try:
         try:
             with DeferredInterrupt() as ctrl_c:
@@ -237,17 +235,9 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
         except KeyboardInterrupt:
             display.close()
             trainer.on_interrupt()
-            summary = trainer.summary()
-            if world.main:
-                write_json(RunDir(run_dir).summary, summary)
-            display.finish(summary)
+            trainer.finish(display)
             raise
-        display.close()
-        summary = trainer.summary()
-        if world.main:
-            write_json(RunDir(run_dir).summary, summary)
-        display.finish(summary)
-        return summary
+        return trainer.finish(display)
     finally:
         display.close()
         if log is not None:
