@@ -122,7 +122,7 @@ def test_bad_values_are_one_line_config_errors(value, fragment: str) -> None:
 def test_families_refuse_it_in_one_line() -> None:
     with pytest.raises(ConfigError) as err:
         tiny(family="qwen3")
-    assert "model.embed_scale is not available with model.family=qwen3" in str(err.value)
+    assert "model.embed_scale=2.5 is not available with model.family=qwen3" in str(err.value)
     assert "\n" not in str(err.value)
 
 

@@ -237,7 +237,7 @@ def test_attention_needs_the_first_layers_values() -> None:
      "model.value_residual_mix is set but model.value_residual is false"),
     ({"value_residual": False, "value_residual_first": 0.3},
      "model.value_residual_first is set but model.value_residual is false"),
-    ({"family": "qwen3"}, "model.value_residual is not available with model.family=qwen3"),
+    ({"family": "qwen3"}, "model.value_residual=true is not available with model.family=qwen3"),
 ])
 def test_bad_values_are_one_line_config_errors(overrides: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:

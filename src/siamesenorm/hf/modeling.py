@@ -55,32 +55,20 @@ class SiameseNormConfig(BaseConfig):
     attribute_map = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
                      "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"}
 
-    def __init__(self, vocab_size: int = 256, dim: int = 256, n_layers: int = 6, n_heads: int = 4,
-                 n_kv_heads: int | None = None, mlp: str = "swiglu", mlp_hidden: int | None = None,
-                 max_seq_len: int = 256, rope_theta: float = 10000.0, qk_norm: bool = False,
-                 tie_embeddings: bool = True, bias: bool = False, norm: str = "rmsnorm",
-                 norm_eps: float = 1e-5, scheme: str = "pre", scheme_options: dict | None = None,
-                 init: str = "normal", init_std: float = 0.02, dropout: float = 0.0,
-                 moe: dict | MoEConfig | None = None, value_residual: bool = False,
-                 value_residual_mix: str = "fixed", value_residual_own: float = 0.5,
-                 value_residual_first: float = 0.5, embed_scale: float | str | None = None,
-                 use_cache: bool = True, **kwargs: Any) -> None:
-        if isinstance(moe, MoEConfig):
-            moe = dataclasses.asdict(moe)
-        values = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                      n_kv_heads=n_kv_heads, mlp=mlp, mlp_hidden=mlp_hidden,
-                      max_seq_len=max_seq_len, rope_theta=rope_theta, qk_norm=qk_norm,
-                      tie_embeddings=tie_embeddings, bias=bias, norm=norm, norm_eps=norm_eps,
-                      scheme=scheme, scheme_options=dict(scheme_options or {}), init=init,
-                      init_std=init_std, dropout=dropout, moe=dict(moe or {}),
-                      value_residual=value_residual, value_residual_mix=value_residual_mix,
-                      value_residual_own=value_residual_own, value_residual_first=value_residual_first,
-                      embed_scale=embed_scale)
+    def __init__(self, use_cache: bool = True, **kwargs: Any) -> None:
+        for alias, name in self.attribute_map.items():     # Hugging Face's names, as ours
+            if alias in kwargs:
+                kwargs.setdefault(name, kwargs.pop(alias))
+        values = {name: kwargs.pop(name, _default(name)) for name in _LM_FIELDS}
+        if isinstance(values["moe"], MoEConfig):
+            values["moe"] = dataclasses.asdict(values["moe"])
+        values["moe"] = dict(values["moe"] or {})
+        values["scheme_options"] = dict(values["scheme_options"] or {})
         _lm_config(values)                           # refuse what LMConfig refuses, now
         for name, value in values.items():
             setattr(self, name, value)
         self.use_cache = use_cache
-        kwargs.setdefault("tie_word_embeddings", tie_embeddings)
+        kwargs.setdefault("tie_word_embeddings", values["tie_embeddings"])
         super().__init__(**kwargs)
 
     @property
@@ -101,6 +89,13 @@ class SiameseNormConfig(BaseConfig):
     def to_lm_config(self) -> LMConfig:
         """Our :class:`LMConfig` of these values."""
         return _lm_config({name: getattr(self, name) for name in _LM_FIELDS})
+
+
+def _default(name: str) -> Any:
+    """The default of :class:`LMConfig`'s field ``name`` (``moe`` as a dict)."""
+    f = LMConfig.__dataclass_fields__[name]
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return dataclasses.asdict(value) if isinstance(value, MoEConfig) else value
 
 
 def _lm_config(values: dict) -> LMConfig:

@@ -15,6 +15,37 @@ from .config_checks import MAX_EXPERT_LAYERS, MAX_EXPERTS, buildable, linear
 INIT_KINDS = ("normal", "mitchell")
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A value of field ``name`` that the model built on ``host`` cannot carry: any but
+    ``allowed`` (``None``: any but the field's default); ``why`` says what stands in the way."""
+
+    host: str
+    name: str
+    allowed: tuple | None
+    why: str
+
+
+# Where an LMConfig builds a model besides our LanguageModel, and how each names itself: a Hugging
+# Face family's model (model.family; siamesenorm.hf.family_lm) and OLMo-core's (siamesenorm.olmo_core).
+HOSTS = {"family": ("model.family={family}", "use our model (no model.family)"),
+         "olmo_core": ("the OLMo-core model", "train it with our model")}
+
+# What those hosts cannot carry: the one table their refusals come from (LMConfig.check_host).
+UNSUPPORTED = (
+    Unsupported("family", "norm", ("rmsnorm", "layernorm"), "the family's own norm class is used"),
+    Unsupported("family", "mlp", ("swiglu",), "it has its own gated SiLU MLP"),
+    Unsupported("family", "value_residual", None, "the family's own attention"),
+    Unsupported("family", "embed_scale", None, "the family's own embedding"),
+    Unsupported("olmo_core", "family", None, "a Hugging Face family's model has no OLMo-core counterpart"),
+    Unsupported("olmo_core", "norm", ("rmsnorm", "layernorm"), "OLMo-core's per-head norms have no DyT"),
+    Unsupported("olmo_core", "mlp", ("swiglu",), "OLMo-core's feed-forward is gated"),
+    Unsupported("olmo_core", "dropout", None, "OLMo-core drops other things than we do"),
+    Unsupported("olmo_core", "value_residual", None, "its attention takes no first layer's values"),
+    Unsupported("olmo_core", "embed_scale", None, "its embedding has no learnable scale"),
+)
+
+
 def _positive_int(name: str, value: Any, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -173,17 +204,13 @@ class LMConfig:
         if not isinstance(self.family_options, dict):
             raise ConfigError("LMConfig.family_options must be a mapping of the family's configuration "
                               f"fields, got {self.family_options!r}")
-        if self.family and self.norm == "dyt":
-            raise ConfigError(f"model.norm=dyt is not available with model.family={self.family}: the "
-                              "family's own norm class is used; drop model.family or model.norm")
-        if self.family and self.mlp != "swiglu":
-            raise ConfigError(f"model.family={self.family} has its own gated SiLU MLP; model.mlp must "
-                              f"be swiglu, got {self.mlp!r}")
         if not isinstance(self.scheme_options, dict):
             raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
         self._check_value_residual()
         self._check_embed_scale()
+        if self.family:
+            self.check_host("family")
         buildable("LMConfig", self.n_layers, self.estimated_parameters())
         moe_layers = self.moe_layers
         if moe_layers and self.moe.n_experts > MAX_EXPERTS:
@@ -211,9 +238,6 @@ class LMConfig:
             if changed:
                 raise ConfigError(f"model.{changed[0]} is set but model.value_residual is false; add "
                                   "model.value_residual=true")
-        elif self.family:
-            raise ConfigError(f"model.value_residual is not available with model.family={self.family} "
-                              "(the family's own attention); use our model (no model.family)")
 
     def _check_embed_scale(self) -> None:
         value = self.embed_scale
@@ -222,9 +246,21 @@ class LMConfig:
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not value > 0:
             raise ConfigError(f"model.embed_scale must be a positive number, sqrt_dim or null, got {value!r}")
-        if value is not None and self.family:
-            raise ConfigError(f"model.embed_scale is not available with model.family={self.family} (the "
-                              "family's own embedding); use our model (no model.family)")
+
+    def check_host(self, host: str) -> None:
+        """Refuse, in one line, the first value the model on ``host`` (a key of :data:`HOSTS`)
+        cannot carry (:data:`UNSUPPORTED`)."""
+        where, fix = HOSTS[host]
+        for rule in UNSUPPORTED:
+            if rule.host != host:
+                continue
+            value = getattr(self, rule.name)
+            default = self.__dataclass_fields__[rule.name].default
+            if (value != default) if rule.allowed is None else (value not in rule.allowed):
+                allowed = "" if rule.allowed is None else f", choose {' or '.join(rule.allowed)}"
+                value = str(value).lower() if isinstance(value, bool) else value
+                raise ConfigError(f"model.{rule.name}={value} is not available with "
+                                  f"{where.format(family=self.family)} ({rule.why}{allowed}); {fix}")
 
     @property
     def embed_scale_init(self) -> float | None:

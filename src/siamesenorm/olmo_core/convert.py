@@ -49,7 +49,7 @@ from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig
 from ..models.lm_config import MoEConfig as OurMoEConfig
 from ..nn.mlp import default_mlp_hidden
-from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config, refuse_dyt
+from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config
 
 __all__ = ["from_language_model", "from_siamesenorm_state_dict", "lm_config", "olmo_config",
            "olmo_moe_config", "to_language_model", "to_siamesenorm_state_dict"]
@@ -79,26 +79,13 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     Mixture-of-experts blocks (``cfg.moe.every``) get OLMo-core's dropless MoE
     (:func:`olmo_moe_config`); with ``every`` > 1 the others are dense (``block_overrides``).
 
-    Refused: GELU MLPs (OLMo-core's feed-forward is gated), dropout (OLMo-core drops other
-    things than we do), a shared expert (see :func:`olmo_moe_config`), a Hugging Face
-    ``family``, value residuals. ``cfg.init`` and
+    Refused: what :data:`~siamesenorm.models.lm_config.UNSUPPORTED` says OLMo-core cannot carry
+    (DyT, GELU MLPs, dropout, a Hugging Face ``family``, value residuals, an embedding scale), and a
+    shared expert (see :func:`olmo_moe_config`). ``cfg.init`` and
     ``cfg.max_seq_len`` have no counterpart: OLMo-core initialises by its ``init_method``, and
     takes the sequence length from its train module.
     """
-    refuse_dyt(cfg.norm)
-    if cfg.mlp != "swiglu":
-        raise ConfigError(f"OLMo-core's feed-forward is gated: model.mlp must be swiglu, got {cfg.mlp!r}")
-    if cfg.dropout:
-        raise ConfigError("model.dropout must be 0 for the OLMo-core model (its dropout differs)")
-    if getattr(cfg, "family", ""):
-        raise ConfigError(f"model.family={cfg.family} builds a Hugging Face family model, not our "
-                          "LanguageModel: it has no OLMo-core counterpart here")
-    if getattr(cfg, "value_residual", False):
-        raise ConfigError("model.value_residual has no OLMo-core counterpart (its attention takes no first "
-                          "layer's values); train it with our model")
-    if getattr(cfg, "embed_scale", None) is not None:
-        raise ConfigError("model.embed_scale has no OLMo-core counterpart (its embedding has no learnable "
-                          "scale); train it with our model")
+    cfg.check_host("olmo_core")
     dtype = DType(dtype)
     theta = int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta
     head_norm = head_norm_config(cfg.norm, cfg.norm_eps)
