@@ -8,14 +8,12 @@ unscaled ``E`` when tied.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import cli_in_process
 from siamesenorm.config import dump_config
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import LanguageModel, LMConfig
@@ -143,11 +141,7 @@ def test_the_vision_models_have_no_such_option() -> None:
 
 
 def test_the_cli_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.embed_scale=-2",
-                          "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = cli_in_process("train", "tiny", "model.embed_scale=-2", "--out", str(tmp_path / "run"))
     assert out.returncode == 2 and "model.embed_scale must be a positive number" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

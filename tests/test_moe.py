@@ -161,6 +161,7 @@ def test_bfloat16_routes_in_float32_and_runs():
 
 
 # ---- in the language model, with every scheme -------------------------------------------------------
+from helpers import cli_in_process  # noqa: E402
 from siamesenorm.models import LanguageModel, LMConfig, MoEConfig  # noqa: E402
 from siamesenorm.schemes import list_schemes  # noqa: E402
 
@@ -263,12 +264,8 @@ def test_bad_moe_settings_are_config_errors(moe, fragment):
 
 
 def test_bad_moe_settings_on_the_command_line_are_one_line(tmp_path):
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.moe.every=1",
-                          "model.moe.n_experts=2", "model.moe.top_k=3", "--out", str(tmp_path / "r")],
-                         capture_output=True, text=True, timeout=300)
+    res = cli_in_process("train", "tiny", "model.moe.every=1", "model.moe.n_experts=2", "model.moe.top_k=3",
+                         "--out", str(tmp_path / "r"))
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "siamesenorm train: error: model.moe.top_k (3) exceeds model.moe.n_experts (2)"]
@@ -277,14 +274,10 @@ def test_bad_moe_settings_on_the_command_line_are_one_line(tmp_path):
 
 def test_a_run_logs_the_loss_parts_of_an_moe_model(tmp_path):
     import json
-    import subprocess
-    import sys
 
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.moe.every=1",
-                          "model.moe.n_experts=4", "model.moe.top_k=2", "train.steps=3",
-                          "train.eval_every=3", "data.max_bytes=40000", "--out", str(run_dir)],
-                         capture_output=True, text=True, timeout=300)
+    res = cli_in_process("train", "tiny", "model.moe.every=1", "model.moe.n_experts=4", "model.moe.top_k=2",
+                         "train.steps=3", "train.eval_every=3", "data.max_bytes=40000", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     for row in rows:
@@ -321,14 +314,10 @@ def test_torch_compile_of_an_moe_model_matches_eager():
 
 
 def test_compare_reports_expert_load_per_scheme(tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "exp"
-    res = subprocess.run([sys.executable, "-m", "siamesenorm", "compare", "tiny", "model.moe.every=1",
-                          "model.moe.n_experts=4", "model.moe.top_k=2", "train.steps=4",
-                          "train.eval_every=2", "data.max_bytes=40000", "--schemes", "pre,siamese",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    res = cli_in_process("compare", "tiny", "model.moe.every=1", "model.moe.n_experts=4", "model.moe.top_k=2",
+                         "train.steps=4", "train.eval_every=2", "data.max_bytes=40000", "--schemes",
+                         "pre,siamese", "--out", str(out))
     assert res.returncode == 0, res.stderr
     report = (out / "report.md").read_text()
     for name in ("expert_load.png", "expert_load_max.png", "router_entropy.png"):

@@ -9,15 +9,12 @@ weights; ``own = first = 1/2`` (Identity-ResFormer) unless learned (Learnable-Re
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import raises_value_error
+from helpers import cli_in_process, raises_value_error
 from siamesenorm.config import TrainConfig, dump_config
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import LanguageModel, LMConfig
@@ -264,11 +261,8 @@ def test_the_vision_models_have_no_such_option(preset: str) -> None:
 
 
 def test_the_cli_refuses_a_bad_value_in_one_line(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.value_residual=true",
-                          "model.value_residual_mix=sparse", "--out", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = cli_in_process("train", "tiny", "model.value_residual=true", "model.value_residual_mix=sparse",
+                         "--out", str(tmp_path / "run"))
     assert out.returncode == 2 and "model.value_residual_mix: unknown value 'sparse'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
