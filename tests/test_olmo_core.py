@@ -181,9 +181,9 @@ def test_configs_without_a_counterpart_are_refused():
     if "family" in LMConfig.__dataclass_fields__:
         with pytest.raises(ConfigError, match="family"):
             olmo_config(tiny("pre", family="qwen3"))
-    with pytest.raises(ConfigError, match="model.value_residual=true is not available with the OLMo-core model"):
+    with pytest.raises(ConfigError, match="model.value_residual=true is not available with the OLMo-core"):
         olmo_config(tiny("pre", value_residual=True))
-    with pytest.raises(ConfigError, match="model.embed_scale=sqrt_dim is not available with the OLMo-core model"):
+    with pytest.raises(ConfigError, match="model.embed_scale=sqrt_dim is not available with the OLMo-core"):
         olmo_config(tiny("pre", embed_scale="sqrt_dim"))
     config = olmo_config(tiny("pre", qk_norm=True))
     whole_width = replace(config.block.sequence_mixer, use_head_qk_norm=False)
