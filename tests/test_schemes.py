@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 import siamesenorm as sn
 from helpers import make_branches, randomize_, run_scheme
 from siamesenorm.schemes import ResidualScheme, check_scheme_options, get_scheme_class
+from siamesenorm.schemes import base as scheme_base
+from siamesenorm.schemes.base import Flag, Number, OneOf, Option
 
 SCHEMES = sn.list_schemes()
 DIM, LAYERS = 8, 3
@@ -213,43 +216,99 @@ def test_siamese_streams_start_equal_and_split():
     assert not torch.allclose(x, y)
 
 
-# ---- declared option checks -------------------------------------------------------------------
+# ---- declared options --------------------------------------------------------------------------
 HOST_ARGS = {"norm", "eps", "device", "dtype"}  # keyword-only, but set by the host model
 
 
 def _declared(name):
-    return get_scheme_class(name).all_option_checks()
+    return get_scheme_class(name).all_options()
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_every_option_of_the_constructor_has_a_declared_check_and_nothing_else(name):
-    params = inspect.signature(get_scheme_class(name).__init__).parameters
-    kw_only = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - HOST_ARGS
-    assert set(_declared(name)) == kw_only == set(sn.scheme_options(name))
-    for check in _declared(name).values():
-        assert callable(check)
+def test_every_option_is_declared_in_the_table_and_none_in_a_signature(name):
+    cls = get_scheme_class(name)
+    for klass in cls.__mro__[:cls.__mro__.index(ResidualScheme) + 1]:
+        params = inspect.signature(klass.__init__).parameters
+        assert {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} <= HOST_ARGS
+    assert list(_declared(name))[:2] == ["branch_affine", "final_norm"]
+    assert set(_declared(name)) == set(sn.scheme_options(name))
+    for option in _declared(name).values():
+        assert isinstance(option, Option) and callable(option.check)
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_the_constructor_runs_every_declared_check(name, monkeypatch):
+def test_the_constructor_runs_every_declared_check_and_stores_every_option(name, monkeypatch):
     seen = []
-    original = ResidualScheme.checked
 
-    def recording(self, option, value):
-        seen.append(option)
-        return original(self, option, value)
+    def recording(check):
+        def run(scheme, option, value):
+            seen.append(option)
+            return check(scheme, option, value)
+        return run
 
-    monkeypatch.setattr(ResidualScheme, "checked", recording)
-    sn.build_scheme(name, 16, 2)
-    assert sorted(seen) == sorted(_declared(name))
+    cls = get_scheme_class(name)
+    for klass in cls.__mro__:
+        if "options" in vars(klass):
+            monkeypatch.setattr(klass, "options", {k: replace(o, check=recording(o.check))
+                                                   for k, o in vars(klass)["options"].items()})
+    given = {k: good[0] for k, (_, good) in _option_values(name).items()}
+    scheme = sn.build_scheme(name, 16, 2, **given)
+    assert seen == list(_declared(name))                      # each once, base options first
+    for k, option in _declared(name).items():
+        if k not in ("alpha", "beta"):                          # deepnorm resolves None from the table
+            assert getattr(scheme, option.attr or k) == given[k]
+
+
+def test_an_option_not_given_takes_its_default():
+    scheme = sn.build_scheme("siamese", 16, 2)
+    assert (scheme.form, scheme.use_input_norm, scheme.depth_scale, scheme.merge, scheme.topology,
+            scheme.branch_affine, scheme.use_final_norm) == tuple(sn.scheme_options("siamese").values())
+    assert sn.build_scheme("post", 16, 2).use_final_norm is False
 
 
 def test_a_declared_check_is_the_one_the_constructor_uses(monkeypatch):
-    from siamesenorm.schemes.base import Number
     cls = get_scheme_class("mix_ln")
-    monkeypatch.setattr(cls, "option_checks", {"post_fraction": Number(low=0, high=0.5)})
+    monkeypatch.setattr(cls, "options", {"post_fraction": Option(0.25, Number(low=0, high=0.5))})
     with pytest.raises(sn.ConfigError, match=r"post_fraction=0.75 is outside \[0, 0.5\]"):
         sn.build_scheme("mix_ln", 16, 2, post_fraction=0.75)
+
+
+def test_the_constructor_refuses_an_option_as_build_scheme_does():
+    with pytest.raises(sn.ConfigError) as built:
+        sn.build_scheme("siamese", DIM, LAYERS, input_nrom=False)
+    with pytest.raises(sn.ConfigError) as constructed:
+        get_scheme_class("siamese")(DIM, LAYERS, input_nrom=False)
+    assert str(constructed.value) == str(built.value) == (
+        "scheme 'siamese' has no option 'input_nrom'; its options are: branch_affine, depth_scale, "
+        "final_norm, form, input_norm, merge, topology (and norm, eps)")
+
+
+def test_a_scheme_written_with_keyword_arguments_keeps_working(monkeypatch):
+    """A scheme with its options as keyword-only arguments, passing the common ones to the base."""
+    monkeypatch.setattr(scheme_base, "_REGISTRY", dict(scheme_base._REGISTRY))
+
+    @sn.register_scheme
+    class Scaled(ResidualScheme):
+        name = "scaled-test"
+
+        def __init__(self, dim, n_layers, *, gain: float = 1.0, norm="layernorm", eps=1e-5,
+                     branch_affine=True, final_norm=False, device=None, dtype=None):
+            super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
+                             final_norm=final_norm, device=device, dtype=dtype)
+            self.scale = gain
+            self.final_norm = self.make_final_norm()
+
+        def step(self, state, i, branch):
+            return state + self.scale * branch(state)
+
+    assert sn.scheme_options("scaled-test") == {"gain": 1.0, "branch_affine": True, "final_norm": False}
+    scheme = sn.build_scheme("scaled-test", DIM, LAYERS, gain=2.0, norm="rmsnorm")
+    assert scheme.scale == 2.0 and scheme.final_norm is None and not hasattr(scheme, "gain")
+    check_scheme_options("scaled-test", {"gain": 3.0, "final_norm": True})
+    with pytest.raises(sn.ConfigError, match=r"'scaled-test' has no option 'gian'.*final_norm, gain"):
+        sn.build_scheme("scaled-test", DIM, LAYERS, gian=2.0)
+    with pytest.raises(sn.ConfigError, match=r"option final_norm must be true or false, got 3"):
+        sn.build_scheme("scaled-test", DIM, LAYERS, final_norm=3)
 
 
 # (option, bad values, valid values); the common options apply to every scheme.
@@ -370,16 +429,15 @@ def test_an_unknown_scheme_is_refused_by_the_option_check():
         check_scheme_options("siamse", {})
 
 
-def test_the_option_check_functions_keep_their_messages():
-    from siamesenorm.schemes.base import check_bool, check_choice, check_number
+def test_the_option_checks_keep_their_messages():
     with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o='c' is not one of 'a', 'b'$"):
-        check_choice("s", "o", "c", ("a", "b"))
+        OneOf(("a", "b"))("s", "o", "c")
     with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be true or false, got 1$"):
-        check_bool("s", "o", 1)
+        Flag()("s", "o", 1)
     with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be an integer, got 1.0$"):
-        check_number("s", "o", 1.0, integer=True)
+        Number(integer=True)("s", "o", 1.0)
     with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o must be a number, got None$"):
-        check_number("s", "o", None)
+        Number()("s", "o", None)
     with pytest.raises(sn.ConfigError, match=r"^scheme 's': option o=5 is outside \[-inf, 2\]$"):
-        check_number("s", "o", 5, high=2)
-    assert check_number("s", "o", 2, low=2, high=2) == 2
+        Number(high=2)("s", "o", 5)
+    assert Number(low=2, high=2)("s", "o", 2) == 2 and Number(optional=True)("s", "o", None) is None

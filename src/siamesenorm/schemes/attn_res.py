@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from ..nn.depth_mix import depth_mix
 from ..nn.norms import build_norm
-from .base import Branch, Number, ResidualScheme, register_scheme
+from .base import Branch, Number, Option, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -44,14 +44,10 @@ class AttentionResiduals(ResidualScheme):
     name = "attn_res"
     summary = "x = sum_j softmax_j(w . RMSNorm(v_j)) v_j; v = F(LN(x)); out = LN(mix of all v)"
     paper = "Kimi Team 2026, arXiv 2603.15031"
-    option_checks = {"block_size": Number(low=1, integer=True, optional=True)}
+    options = {"block_size": Option(None, Number(low=1, integer=True, optional=True))}
 
-    def __init__(self, dim: int, n_layers: int, *, block_size: int | None = None,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        self.block_size = self.checked("block_size", block_size)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         s, kw = self.n_sublayers, self._factory
         if self.block_size is not None and self.block_size > s:
             raise ConfigError(f"scheme {self.name!r}: option block_size={self.block_size} is more than "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -104,6 +104,17 @@ class Number:
 OptionCheck = Callable[[str, str, Any], Any]
 
 
+@dataclass(frozen=True)
+class Option:
+    """One option of a scheme: its default, its check (:class:`OneOf`, :class:`Flag`,
+    :class:`Number`) and the attribute the constructor stores its value in: the option's own name
+    unless ``attr`` names another (``None``: not stored)."""
+
+    default: Any
+    check: OptionCheck
+    attr: str | None = ""
+
+
 class ResidualScheme(nn.Module, ABC):
     """Base class: owns every norm and mixing parameter of the residual path of one model.
 
@@ -112,35 +123,48 @@ class ResidualScheme(nn.Module, ABC):
         n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
         norm: ``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``, used for every norm the scheme owns.
         eps: epsilon of those norms.
-        branch_affine: ``False`` builds every norm whose output feeds a branch directly (and
-            nothing else) without affine parameters, for hosts whose branches bring their own
-            per-sample affine map (DiT's adaLN modulation). Norms on the residual path stay affine.
-        final_norm: ``False`` leaves the scheme's outermost final norm out of :meth:`exit`, for
-            heads that normalise themselves (DiT's final layer). Each scheme's docstring says what
-            its ``exit`` returns then.
         device, dtype: factory kwargs for the parameters.
+        **options: the scheme's options, declared in :attr:`options`; an option not declared is
+            refused, one not given takes its default. Every scheme has these two:
+            ``branch_affine=False`` builds every norm whose output feeds a branch directly (and
+            nothing else) without affine parameters, for hosts whose branches bring their own
+            per-sample affine map (DiT's adaLN modulation); norms on the residual path stay
+            affine. ``final_norm=False`` leaves the scheme's outermost final norm out of
+            :meth:`exit`, for heads that normalise themselves (DiT's final layer); each scheme's
+            docstring says what its ``exit`` returns then.
+
+    A subclass declares its own options in its ``options`` table (name -> :class:`Option`), takes
+    ``(dim, n_layers, **kwargs)``, calls ``super().__init__`` first and builds its parameters from
+    the attributes that hold the options.
 
     Attributes:
         dim, n_layers, eps: as given; norm_kind: the ``norm`` given.
+        branch_affine, use_final_norm: the two options every scheme has.
         requires: what the scheme asks of its host model (:class:`SchemeRequirements`).
-        option_checks: (class) the check of each keyword-only option the class itself adds;
-            :meth:`all_option_checks` merges them over the class hierarchy.
+        options: (class) the options the class itself declares or redeclares;
+            :meth:`all_options` merges them over the class hierarchy.
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one-line equation, shown by ``siamesenorm schemes``
     paper: ClassVar[str] = ""  # citation, e.g. "SiameseNorm, arXiv 2602.08064"
-    option_checks: ClassVar[dict[str, OptionCheck]] = {"branch_affine": Flag(), "final_norm": Flag()}
+    options: ClassVar[dict[str, Option]] = {
+        "branch_affine": Option(True, Flag()),
+        "final_norm": Option(True, Flag(), attr="use_final_norm"),
+    }
     dim: int
     n_layers: int
     norm_kind: str
     eps: float
+    branch_affine: bool
+    use_final_norm: bool
     requires: SchemeRequirements
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = True, device=None,
-                 dtype=None) -> None:
+                 device=None, dtype=None, **options: Any) -> None:
         super().__init__()
+        declared = self.all_options()
+        _refuse_unknown(self.name, options, declared)
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ConfigError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
         if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
@@ -151,28 +175,30 @@ class ResidualScheme(nn.Module, ABC):
                               f"choose one of {', '.join(NORM_KINDS)}")
         if not eps > 0:
             raise ConfigError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
+        values = {k: o.check(self.name, k, options[k]) if k in options else o.default
+                  for k, o in declared.items()}
+        self.check_together(values, dim)
         self.dim, self.n_layers, self.norm_kind, self.eps = dim, n_layers, norm, float(eps)
-        self.branch_affine = self.checked("branch_affine", branch_affine)
-        self.use_final_norm = self.checked("final_norm", final_norm)
+        for k, o in declared.items():
+            if o.attr is not None:
+                setattr(self, o.attr or k, values[k])
         self._factory = {"device": device, "dtype": dtype}
         self.requires = SchemeRequirements()
 
     @classmethod
-    def all_option_checks(cls) -> dict[str, OptionCheck]:
-        """The declared check of every option: the base class's first, then each subclass's own."""
-        out: dict[str, OptionCheck] = {}
+    def all_options(cls) -> dict[str, Option]:
+        """Every option: the base class's first, then each subclass's own (a subclass redeclaring
+        an option, as ``post`` does ``final_norm``, replaces it in place)."""
+        out: dict[str, Option] = {}
         for klass in reversed(cls.__mro__):
-            out.update(vars(klass).get("option_checks", {}))
+            out.update(vars(klass).get("options", {}))
         return out
 
     @classmethod
     def check_together(cls, options: Mapping[str, Any], dim: int | None = None) -> None:
         """Refuse options that pass their own checks but not together (or not with the model width
-        ``dim``, when known); ``options`` holds the options given. Default: nothing to refuse."""
-
-    def checked(self, option: str, value: Any) -> Any:
-        """``value`` passed through the declared check of ``option``."""
-        return self.all_option_checks()[option](self.name, option, value)
+        ``dim``, when known); ``options`` holds the options given (the constructor gives them all,
+        defaults filled in). Default: nothing to refuse."""
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -256,8 +282,31 @@ def register_scheme(cls: type[ResidualScheme]) -> type[ResidualScheme]:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"a scheme named {cls.name!r} is already registered")
+    _declare_signature_options(cls)
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def _declare_signature_options(cls: type[ResidualScheme]) -> None:
+    """Declare the options a scheme written before option tables takes as keyword-only arguments
+    of its ``__init__``, so that :func:`build_scheme` and :func:`scheme_options` know them: a new
+    one unchecked and not stored (its ``__init__`` keeps it), a declared one with the default the
+    signature gives it."""
+    declared = cls.all_options()
+    found = {}
+    for k, p in inspect.signature(cls.__init__).parameters.items():
+        if p.kind is not p.KEYWORD_ONLY or k in _HOST_ARGS:
+            continue
+        if k not in declared:
+            found[k] = Option(p.default, _unchecked, attr=None)
+        elif p.default != declared[k].default:
+            found[k] = replace(declared[k], default=p.default)
+    if found:
+        cls.options = {**vars(cls).get("options", {}), **found}
+
+
+def _unchecked(scheme: str, option: str, value: Any) -> Any:
+    return value
 
 
 def list_schemes() -> list[str]:
@@ -273,32 +322,33 @@ def get_scheme_class(name: str) -> type[ResidualScheme]:
 
 
 # Constructor arguments every scheme has. ``dim``, ``n_layers``, ``norm``, ``eps``, ``device`` and
-# ``dtype`` come from the host model's own configuration; the two head options below are set
-# through ``scheme_options`` like a scheme's own options, so :func:`scheme_options` lists them
-# (after the scheme's own, with that scheme's defaults: ``post`` has ``final_norm=False``).
+# ``dtype`` come from the host model's own configuration; the two head options below are declared
+# by :class:`ResidualScheme` and set through ``scheme_options`` like a scheme's own options, so
+# :func:`scheme_options` lists them (after the scheme's own, with that scheme's defaults: ``post``
+# has ``final_norm=False``).
 COMMON_OPTIONS = ("branch_affine", "final_norm")
-_COMMON = ("dim", "n_layers", "norm", "eps", *COMMON_OPTIONS, "device", "dtype")
+_HOST_ARGS = ("norm", "eps", "device", "dtype")
 
 
 def scheme_options(name: str) -> dict[str, Any]:
     """The options of ``name`` and their defaults: its own, then ``branch_affine``, ``final_norm``."""
-    cls = get_scheme_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    own = {k: p.default for k, p in params.items() if k != "self" and k not in _COMMON
-           and p.kind is p.KEYWORD_ONLY}
-    base = inspect.signature(ResidualScheme.__init__).parameters  # for ``(*args, **kwargs)`` subclasses
-    return own | {k: (params.get(k) or base[k]).default for k in COMMON_OPTIONS}
+    options = get_scheme_class(name).all_options()
+    own = {k: o.default for k, o in options.items() if k not in COMMON_OPTIONS}
+    return own | {k: options[k].default for k in COMMON_OPTIONS}
+
+
+def _refuse_unknown(name: str, options: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming the ``options`` not in ``declared`` and the valid ones."""
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        raise ConfigError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
+                          f"its options are: {', '.join(sorted(declared)) or 'none'} (and norm, eps)")
 
 
 def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> ResidualScheme:
     """Build the scheme ``name``; an option it does not have is refused with its valid options."""
     cls = get_scheme_class(name)
-    allowed = set(scheme_options(name)) | {"norm", "eps", "device", "dtype"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        valid = ", ".join(sorted(scheme_options(name))) or "none"
-        raise ConfigError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
-                          f"its options are: {valid} (and norm, eps)")
+    _refuse_unknown(name, {k: v for k, v in options.items() if k not in _HOST_ARGS}, cls.all_options())
     return cls(dim, n_layers, **options)
 
 
@@ -308,26 +358,12 @@ def check_scheme_options(name: str, options: Mapping[str, Any], dim: int | None 
     given), without building it: an unknown scheme, an unknown option or a bad value raises
     :class:`ConfigError`."""
     cls = get_scheme_class(name)
-    known = scheme_options(name)
-    unknown = sorted(set(options) - set(known))
+    declared = cls.all_options()
+    unknown = sorted(set(options) - set(declared))
     if unknown:
         raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {name!r} has no option "
-                          f"{unknown[0]!r}; its options are: {', '.join(sorted(known)) or 'none'}")
-    for option, check in cls.all_option_checks().items():  # the order the constructor checks in
+                          f"{unknown[0]!r}; its options are: {', '.join(sorted(declared)) or 'none'}")
+    for option, spec in declared.items():  # the order the constructor checks in
         if option in options:
-            check(name, option, options[option])
+            spec.check(name, option, options[option])
     cls.check_together(options, dim)
-
-
-# ---- option checks as functions (the declared checks above, called directly) -----------------
-def check_choice(scheme: str, option: str, value: Any, choices: tuple) -> Any:
-    return OneOf(tuple(choices))(scheme, option, value)
-
-
-def check_bool(scheme: str, option: str, value: Any) -> bool:
-    return Flag()(scheme, option, value)
-
-
-def check_number(scheme: str, option: str, value: Any, *, low: float | None = None,
-                 high: float | None = None, integer: bool = False) -> Any:
-    return Number(low, high, integer)(scheme, option, value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Branch, Number, OneOf, ResidualScheme, SchemeRequirements, register_scheme
+from .base import Branch, Number, OneOf, Option, ResidualScheme, SchemeRequirements, register_scheme
 
 
 @register_scheme
@@ -13,33 +13,28 @@ class DeepNorm(ResidualScheme):
 
     ``h <- LN_i(alpha * h + F_i(h))``, with Xavier initialisation whose gain is ``beta`` on the
     value and output projections and the FFN weights (q and k keep gain 1; declared in
-    ``requires``). With M (decoder) or N (encoder) layers, from the paper's table::
+    ``requires``). With M (``arch="decoder"``) or N (``"encoder"``) layers, from the paper's table::
 
         decoder-only: alpha = (2M)^(1/4), beta = (8M)^(-1/4)
         encoder-only: alpha = (2N)^(1/4), beta = (8N)^(-1/4)
 
-    ``alpha``/``beta`` override the table. Parameters: ``post_norm[i]``. No norm feeds a branch
-    alone and the last post-norm is on the residual path, so ``branch_affine`` and ``final_norm``
-    change nothing (exit returns the stream).
+    ``alpha``/``beta`` override the table (``None``: the table's value). Parameters:
+    ``post_norm[i]``. No norm feeds a branch alone and the last post-norm is on the residual path,
+    so ``branch_affine`` and ``final_norm`` change nothing (exit returns the stream).
     """
 
     name = "deepnorm"
     summary = "h = LN(alpha*h + F(h)), Xavier init x beta"
     paper = "Wang et al. 2022, arXiv 2203.00555"
-    option_checks = {"arch": OneOf(("decoder", "encoder")), "alpha": Number(low=0, optional=True),
-                     "beta": Number(low=0, optional=True)}
+    options = {"arch": Option("decoder", OneOf(("decoder", "encoder"))),
+               "alpha": Option(None, Number(low=0, optional=True)),
+               "beta": Option(None, Number(low=0, optional=True))}
 
-    def __init__(self, dim: int, n_layers: int, *, arch: str = "decoder",
-                 alpha: float | None = None, beta: float | None = None,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        self.arch = self.checked("arch", arch)
-        alpha, beta = self.checked("alpha", alpha), self.checked("beta", beta)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         # Decoder-only and encoder-only have the same formula, with M or N the layer count.
-        self.alpha = float((2 * n_layers) ** 0.25 if alpha is None else alpha)
-        self.beta = float((8 * n_layers) ** -0.25 if beta is None else beta)
+        self.alpha = float((2 * n_layers) ** 0.25 if self.alpha is None else self.alpha)
+        self.beta = float((8 * n_layers) ** -0.25 if self.beta is None else self.beta)
         self.post_norm = self.make_norms(self.n_sublayers)
         self.requires = SchemeRequirements(init="xavier", branch_gain=self.beta)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import Branch, Flag, ResidualScheme, SchemeRequirements, register_scheme
+from .base import Branch, Flag, Option, ResidualScheme, SchemeRequirements, register_scheme
 
 
 @register_scheme
@@ -31,14 +31,10 @@ class HybridNorm(ResidualScheme):
     name = "hybridnorm"
     summary = "h = h + Attn_qkvnorm(h); hn = LN(h); h = hn + FFN(hn); out = LN(h)"
     paper = "Zhuo et al. 2025, arXiv 2503.04598"
-    option_checks = {"first_layer_pre": Flag()}
+    options = {"first_layer_pre": Option(False, Flag())}
 
-    def __init__(self, dim: int, n_layers: int, *, first_layer_pre: bool = False,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        self.first_layer_pre = self.checked("first_layer_pre", first_layer_pre)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         pre0 = self.first_layer_pre  # block 0's FFN norm is then a pre-norm, feeding the branch only
         self.ffn_norm = nn.ModuleList(self.make_branch_norm() if pre0 and b == 0 else self.make_norm()
                                       for b in range(n_layers))

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..nn.fused import fused_enabled, lean_region
 from ..nn.mixing import stream_mix
 from ..nn.norms import build_norm
-from .base import Branch, Flag, Number, ResidualScheme, register_scheme
+from .base import Branch, Flag, Number, Option, ResidualScheme, register_scheme
 
 
 class MultiStreamScheme(ResidualScheme):
@@ -40,10 +40,10 @@ class HyperConnections(MultiStreamScheme):
     r"""Hyper-connections (Zhu et al., ICLR 2025, arXiv 2409.19606; Algorithm 2 of its Appendix J) and,
     with ``fracs=m``, Frac-Connections (Zhu et al. 2025, arXiv 2503.14125).
 
-    The state is ``H`` of shape ``(..., k, w)``: ``n`` copies of the embedding (``k = n, w = d``), or
-    with ``fracs=m`` its ``m`` fractions (``H = Reshape(h, (m, d/m))``, ``n_streams=1``). Sublayer
-    ``i`` owns ``A = [A_m | A_r]`` (``k x (c+k)``, ``c = 1`` input row, or ``c = m`` with fractions)
-    and ``B`` (``k``)::
+    The state is ``H`` of shape ``(..., k, w)``: ``n = n_streams`` copies of the embedding (``k = n,
+    w = d``), or with ``fracs=m`` its ``m`` fractions (``H = Reshape(h, (m, d/m))``, ``n_streams=1``).
+    Sublayer ``i`` owns ``A = [A_m | A_r]`` (``k x (c+k)``, ``c = 1`` input row, or ``c = m`` with
+    fractions) and ``B`` (``k``)::
 
         mix = A^T H                         # (c+k) rows: mix[:c] is the sublayer input
         H'  = B (.) F_i(LN_i(Cat(mix[:c]))) + mix[c:]     # F's output as (c, w), row j times B_j
@@ -63,19 +63,13 @@ class HyperConnections(MultiStreamScheme):
     name = "hyper"
     summary = "mix = A^T H; H = B F(LN(mix[0])) + mix[1:]; out = LN(sum H)"
     paper = "Zhu et al., ICLR 2025, arXiv 2409.19606; fracs: arXiv 2503.14125"
-    option_checks = {"n_streams": Number(low=1, integer=True), "dynamic": Flag(),
-                     "fracs": Number(low=1, integer=True)}
+    options = {"n_streams": Option(2, Number(low=1, integer=True)),
+               "dynamic": Option(True, Flag()),
+               "fracs": Option(1, Number(low=1, integer=True))}
 
-    def __init__(self, dim: int, n_layers: int, *, n_streams: int = 2, dynamic: bool = True,
-                 fracs: int = 1, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = True, device=None,
-                 dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        n = self.n_streams = self.checked("n_streams", n_streams)
-        self.dynamic = self.checked("dynamic", dynamic)
-        m = self.fracs = self.checked("fracs", fracs)
-        self.check_together({"n_streams": n, "fracs": m}, dim)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
+        n, m = self.n_streams, self.fracs
         k, c, w = max(n, m), m, dim // m      # rows of H, input rows of the mix, row width
         s, kw = self.n_sublayers, self._factory
         self.norm = self.make_branch_norms(s)
@@ -83,7 +77,7 @@ class HyperConnections(MultiStreamScheme):
         self.static_alpha = nn.Parameter(torch.empty(s, k, c + k, **kw))
         self.static_beta = nn.Parameter(torch.empty(s, k, **kw))
         if self.dynamic:
-            self.dyn_norm = nn.ModuleList(build_norm(norm, w, self.eps, **kw) for _ in range(s))
+            self.dyn_norm = nn.ModuleList(build_norm(self.norm_kind, w, self.eps, **kw) for _ in range(s))
             self.alpha_proj = nn.Parameter(torch.empty(s, w, c + k, **kw))
             self.beta_proj = nn.Parameter(torch.empty(s, w, **kw))
             self.alpha_scale = nn.Parameter(torch.empty(s, **kw))

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..nn.fused import fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
-from .base import Branch, Number, register_scheme
+from .base import Branch, Number, Option, register_scheme
 from .hyper import MultiStreamScheme
 
 try:
@@ -38,15 +38,16 @@ def sinkhorn(logits: Tensor, iters: int) -> Tensor:
 class ManifoldHyperConnections(MultiStreamScheme):
     r"""Manifold-constrained hyper-connections, mHC (DeepSeek-AI, arXiv 2512.24880).
 
-    ``x_{l+1} = H^res x_l + H^post^T F(H^pre x_l)`` over ``n`` streams, the three maps computed
-    from the normalised flattened state ``x' = RMSNorm(vec(x_l))``::
+    ``x_{l+1} = H^res x_l + H^post^T F(H^pre x_l)`` over ``n = n_streams`` streams, the three maps
+    computed from the normalised flattened state ``x' = RMSNorm(vec(x_l))``::
 
         H^pre  = sigmoid(a_pre * x' phi_pre + b_pre)          (1 x n)
         H^post = 2 sigmoid(a_post * x' phi_post + b_post)     (1 x n)
         H^res  = SinkhornKnopp(a_res * mat(x' phi_res) + b_res)   (n x n, doubly stochastic)
 
-    The sublayer is Pre-Norm: ``F(LN(H^pre x))``; the output is ``LN_final(sum_k H_k)``.
-    Initialisation (ours; the paper's exact values were not available): ``phi = 0``, ``a = 0.01``,
+    with ``sinkhorn_iters`` Sinkhorn-Knopp iterations. The sublayer is Pre-Norm: ``F(LN(H^pre x))``;
+    the output is ``LN_final(sum_k H_k)``. Initialisation (ours; the paper's exact values were not
+    available): ``phi = 0``, ``a = 0.01``,
     ``b_pre`` = +2 on stream ``i mod n`` and -2 elsewhere (breaks the symmetry between streams, as
     HC's ``e_{i mod n}`` does), ``b_post = 0`` (``H^post = 1``), ``b_res`` = 4 on the diagonal
     (near-identity mixing). Parameters: ``norm[i]``, ``stream_norm[i]``, ``phi_pre``,
@@ -59,17 +60,12 @@ class ManifoldHyperConnections(MultiStreamScheme):
     name = "mhc"
     summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
     paper = "DeepSeek-AI 2025, arXiv 2512.24880"
-    option_checks = {"n_streams": Number(low=1, integer=True),
-                     "sinkhorn_iters": Number(low=1, integer=True)}
+    options = {"n_streams": Option(4, Number(low=1, integer=True)),
+               "sinkhorn_iters": Option(20, Number(low=1, integer=True))}
 
-    def __init__(self, dim: int, n_layers: int, *, n_streams: int = 4, sinkhorn_iters: int = 20,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        n = self.n_streams = self.checked("n_streams", n_streams)
-        self.sinkhorn_iters = self.checked("sinkhorn_iters", sinkhorn_iters)
-        s, kw = self.n_sublayers, self._factory
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
+        n, s, kw = self.n_streams, self.n_sublayers, self._factory
         self.norm = self.make_branch_norms(s)
         self.final_norm = self.make_final_norm()
         self.stream_norm = nn.ModuleList(RMSNorm(n * dim, self.eps, **kw) for _ in range(s))

@@ -6,7 +6,7 @@ import math
 
 from torch import Tensor, nn
 
-from .base import Branch, Number, ResidualScheme, register_scheme
+from .base import Branch, Number, Option, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -25,14 +25,10 @@ class MixLN(ResidualScheme):
     name = "mix_ln"
     summary = "first floor(a*L) blocks h = LN(h + F(h)); rest h = h + F(LN(h))"
     paper = "Li, Yin, Liu, ICLR 2025, arXiv 2412.13795"
-    option_checks = {"post_fraction": Number(low=0, high=1)}
+    options = {"post_fraction": Option(0.25, Number(low=0, high=1))}
 
-    def __init__(self, dim: int, n_layers: int, *, post_fraction: float = 0.25,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        self.post_fraction = self.checked("post_fraction", post_fraction)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.n_post = math.floor(self.post_fraction * n_layers + 1e-9)
         self.norm = nn.ModuleList(
             self.make_norm(role=self.role(i)) if self.block_of(i) < self.n_post

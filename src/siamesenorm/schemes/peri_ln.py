@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Branch, Flag, ResidualScheme, register_scheme
+from .base import Branch, Flag, Option, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -21,17 +21,14 @@ class PeriLN(ResidualScheme):
     name = "peri_ln"
     summary = "h = h + LN(F(LN(h))); out = LN(h)"
     paper = "Kim et al., ICML 2025, arXiv 2502.02732"
-    option_checks = {"embed_norm": Flag()}
+    options = {"embed_norm": Option(False, Flag(), attr="use_embed_norm")}
 
-    def __init__(self, dim: int, n_layers: int, *, embed_norm: bool = False,
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.input_norm = self.make_branch_norms(self.n_sublayers)
         self.output_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
-        self.embed_norm = self.make_norm() if self.checked("embed_norm", embed_norm) else None
+        self.embed_norm = self.make_norm() if self.use_embed_norm else None
 
     def enter(self, h: Tensor) -> Tensor:
         return h if self.embed_norm is None else self.embed_norm(h)

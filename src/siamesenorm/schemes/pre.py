@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import Tensor
 
 from ..nn.fused import add_then_norm, defers_add
@@ -22,11 +24,8 @@ class PreNorm(ResidualScheme):
     summary = "h = h + F(LN(h)); out = LN(h)"
     paper = "Xiong et al. 2020, arXiv 2002.04745"
 
-    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = True, device=None,
-                 dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.pre_norm = self.make_branch_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
 
@@ -63,12 +62,10 @@ class PostNorm(ResidualScheme):
     name = "post"
     summary = "h = LN(h + F(h))"
     paper = "Vaswani et al. 2017, arXiv 1706.03762"
+    options = {"final_norm": replace(ResidualScheme.options["final_norm"], default=False)}
 
-    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = False, device=None,
-                 dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.post_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
 

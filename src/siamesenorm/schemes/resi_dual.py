@@ -27,11 +27,8 @@ class ResiDual(ResidualScheme):
     summary = "O = F(xa); xa = LN(xa + O); xd = xd + O; out = xa + LN(xd)"
     paper = "Xie et al. 2023, arXiv 2304.14802"
 
-    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = True, device=None,
-                 dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.post_norm = self.make_norms(self.n_sublayers)
         self.dual_norm = self.make_norm()
 

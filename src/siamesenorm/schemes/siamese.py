@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.fused import defers_update, stream_entry, stream_update, stream_update_entry
-from .base import Branch, Flag, OneOf, ResidualScheme, SchemeRequirements, register_scheme
+from .base import Branch, Flag, OneOf, Option, ResidualScheme, SchemeRequirements, register_scheme
 
 FORMS = ("post_pre", "hybrid_pre")
 MERGES = ("normed_sum", "sum")
@@ -57,20 +57,14 @@ class SiameseNorm(ResidualScheme):
     name = "siamese"
     summary = "X = LN(X); O = F(LN(X + LN(Y))); X += O/c; Y += O; out = LN(LN(X) + LN(Y))"
     paper = "Li et al., ICML 2026, arXiv 2602.08064"
-    option_checks = {"form": OneOf(FORMS), "input_norm": Flag(), "depth_scale": Flag(),
-                     "merge": OneOf(MERGES), "topology": OneOf(TOPOLOGIES)}
+    options = {"form": Option("post_pre", OneOf(FORMS)),
+               "input_norm": Option(True, Flag(), attr="use_input_norm"),
+               "depth_scale": Option(True, Flag()),
+               "merge": Option("normed_sum", OneOf(MERGES)),
+               "topology": Option("siamese", OneOf(TOPOLOGIES))}
 
-    def __init__(self, dim: int, n_layers: int, *, form: str = "post_pre", input_norm: bool = True,
-                 depth_scale: bool = True, merge: str = "normed_sum", topology: str = "siamese",
-                 norm: str = "layernorm", eps: float = 1e-5, branch_affine: bool = True,
-                 final_norm: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
-        self.form = self.checked("form", form)
-        has_input_norm = self.checked("input_norm", input_norm)
-        self.depth_scale = self.checked("depth_scale", depth_scale)
-        self.merge = self.checked("merge", merge)
-        self.topology = self.checked("topology", topology)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         hybrid = self.form == "hybrid_pre"
         two_streams = self.topology != "single"
 
@@ -80,7 +74,7 @@ class SiameseNorm(ResidualScheme):
         self.pre_norm = self.make_norms(self.n_sublayers) if self.topology == "siamese" else None
         # LN^in: every sublayer (post_pre) or the FFN only (hybrid_pre; attention has QKV-norm).
         n_in = n_layers if hybrid else self.n_sublayers
-        self.input_norm = self.make_branch_norms(n_in) if has_input_norm else None
+        self.input_norm = self.make_branch_norms(n_in) if self.use_input_norm else None
         self.x_gain = nn.ParameterList(
             nn.Parameter(torch.empty(dim, **self._factory)) for _ in range(n_layers)
         ) if hybrid else None

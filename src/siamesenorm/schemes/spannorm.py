@@ -31,11 +31,8 @@ class SpanNorm(ResidualScheme):
     summary = "y = LN(x + Attn(x)); x = LN(x + FFN(y))"
     paper = "Wang et al., ICML 2026, arXiv 2601.22580"
 
-    def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
-                 branch_affine: bool = True, final_norm: bool = True, device=None,
-                 dtype=None) -> None:
-        super().__init__(dim, n_layers, norm=norm, eps=eps, branch_affine=branch_affine,
-                         final_norm=final_norm, device=device, dtype=dtype)
+    def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+        super().__init__(dim, n_layers, **kwargs)
         self.initial_norm = self.make_branch_norm("attention")   # feeds the first attention
         self.attn_norm = nn.ModuleList(self.make_branch_norm("attention") for _ in range(n_layers))
         self.ffn_norm = self.make_norms(n_layers)
