@@ -1,7 +1,21 @@
 """Residual schemes: how the residual stream(s) carry state between sublayers and where norms sit.
 
 Importing this package registers every scheme. Add a scheme with one file here and
-:func:`register_scheme`; the generic tests pick it up from the registry.
+:func:`register_scheme`; the generic tests pick it up from the registry. A scheme declares each of
+its options once, in its ``options`` table, and describes it once, in its docstring::
+
+    @register_scheme
+    class Scaled(ResidualScheme):
+        # docstring: h <- h + gain * F_i(LN_i(h)), the option gain scaling every branch
+        name = "scaled"
+        options = {"gain": Option(1.0, Number(low=0))}
+
+        def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
+            super().__init__(dim, n_layers, **kwargs)   # checks the options, sets self.gain
+            self.pre_norm = self.make_branch_norms(self.n_sublayers)
+
+        def step(self, h, i, branch):
+            return h + self.gain * branch(self.pre_norm[i](h))
 """
 
 # isort: off
@@ -11,6 +25,10 @@ from . import hyper, mhc, attn_res
 # isort: on
 from .base import (
                    SUBLAYERS_PER_BLOCK,
+                   Flag,
+                   Number,
+                   OneOf,
+                   Option,
                    ResidualScheme,
                    SchemeRequirements,
                    build_scheme,
@@ -23,6 +41,6 @@ from .base import (
 
 del pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, peri_ln, lns, hyper, mhc, attn_res
 
-__all__ = ["SUBLAYERS_PER_BLOCK", "ResidualScheme", "SchemeRequirements", "build_scheme",
-           "check_scheme_options", "get_scheme_class", "list_schemes", "register_scheme",
-           "scheme_options"]
+__all__ = ["SUBLAYERS_PER_BLOCK", "Flag", "Number", "OneOf", "Option", "ResidualScheme",
+           "SchemeRequirements", "build_scheme", "check_scheme_options", "get_scheme_class",
+           "list_schemes", "register_scheme", "scheme_options"]
