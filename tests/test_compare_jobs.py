@@ -513,8 +513,9 @@ def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp
     started, running = [], set()
 
     class StandIn:
-        def __init__(self, name, run_dir, resume, threads, device, lock_fd, prefix, write_lock):
+        def __init__(self, name, run_dir, resume, threads, device, lock_fd, prefix, write_lock, data):
             self.name, self.run_dir, self.device, self.lock_fd = name, run_dir, device, lock_fd
+            assert isinstance(data, bytes)      # a fresh run gets its data, pickled
             self.step, self.signals, self.polls = None, 0, 0
 
         def start(self):
@@ -533,8 +534,8 @@ def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp
 
     monkeypatch.setattr(training, "Worker", StandIn)
     p = plan("tiny", list(TINY), schemes=["pre", "post", "siamese"])
-    data = load_data(p.cells)
-    todo = [training.Todo(i, cell, tmp_path / cell.name, None) for i, cell in enumerate(p.cells, 1)]
+    cells, data = load_data(p.cells)
+    todo = [training.Todo(i, cell, tmp_path / cell.name, None) for i, cell in enumerate(cells, 1)]
     eta = Eta()
     for item in todo:
         eta.add(item.cell.name, 20, 1.0)
