@@ -4,13 +4,17 @@ model's own initialisation."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+import siamesenorm
 from siamesenorm.diffusion import DiffusionObjective
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
-from siamesenorm.models.host import SchemeHost
+from siamesenorm.models.host import BranchWeight, SchemeHost, honour_requirements
 from siamesenorm.schemes import SUBLAYERS_PER_BLOCK
 from siamesenorm.schemes.base import SchemeRequirements
 from siamesenorm.train.optim import decay_groups
@@ -90,3 +94,63 @@ def test_qkv_norm_goes_to_the_required_blocks_only(model, monkeypatch):
     with_temp_scheme(monkeypatch, "_test_qkv", SchemeRequirements(qkv_norm_blocks=frozenset({1})))
     host = BUILDERS[model]("_test_qkv")
     assert [host.sublayers[2 * b].v_norm is not None for b in range(3)] == [False, True, False]
+
+
+def test_honour_requirements_over_plain_records():
+    """Each matrix of a stacked weight is drawn on its own, from the generator given; biases become
+    zero; with nothing required and no native init the weights are left as they are."""
+    stack, bias, flat = torch.ones(3, 4, 5), torch.ones(4), torch.ones(2 * 6)
+    records = [BranchWeight(stack, bias, True), BranchWeight(flat, None, False, matrix=(2, 6))]
+    honour_requirements(records, SchemeRequirements(), generator=torch.Generator())
+    assert stack.eq(1).all() and bias.eq(1).all() and flat.eq(1).all()
+    honour_requirements(records, SchemeRequirements(init="xavier", branch_gain=GAIN),
+                        generator=torch.Generator().manual_seed(3))
+    g, want = torch.Generator().manual_seed(3), torch.empty(3, 4, 5)
+    for m in want:
+        nn.init.xavier_normal_(m, gain=GAIN, generator=g)
+    assert torch.equal(stack, want) and bias.eq(0).all()
+    assert torch.equal(flat, nn.init.xavier_normal_(torch.empty(2, 6), generator=g).flatten())
+    calls = []
+    honour_requirements(records, SchemeRequirements(branch_gain=GAIN), native=calls.append)
+    assert [r.weight for r in calls] == [stack, flat] and torch.equal(stack, GAIN * want)
+
+
+# Where a scheme's requirements may be read: the schemes that declare them, and models/host.py,
+# which applies them for every host (our models, the Hugging Face adaptation, OLMo-core).
+REQUIREMENT_ATTRIBUTES = {"branch_gain", "qkv_norm_blocks"}
+
+
+def _reads_of_requirements(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in REQUIREMENT_ATTRIBUTES:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "init" and (
+                isinstance(node.value, ast.Name) and node.value.id == "requires"
+                or isinstance(node.value, ast.Attribute) and node.value.attr == "requires"):
+            found.append(f"line {node.lineno}: requires.init")
+        elif isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == "xavier"
+                for c in (node.left, *node.comparators)):
+            found.append(f"line {node.lineno}: == 'xavier'")
+    return found
+
+
+def test_the_requirements_are_read_in_host_alone():
+    """One place applies what a scheme requires of its host's weights and attention: no other
+    module reads ``branch_gain``, ``qkv_norm_blocks`` or ``requires.init``, or compares with
+    ``"xavier"`` (they build :class:`BranchWeight` records and ask ``needs_qkv_norm``)."""
+    root = Path(siamesenorm.__file__).parent
+    host = root / "models" / "host.py"
+    readers = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "schemes":
+            continue
+        found = _reads_of_requirements(ast.parse(path.read_text(), str(path)))
+        if found:
+            readers[str(rel)] = found
+    assert set(readers) == {str(host.relative_to(root))}, readers
+    # and host.py reads each of them (the scan is not vacuous)
+    assert {r.split(": ")[1] for r in readers["models/host.py"]} == {
+        ".branch_gain", ".qkv_norm_blocks", "requires.init", "== 'xavier'"}

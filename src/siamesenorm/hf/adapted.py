@@ -71,9 +71,10 @@ except ImportError:                     # pragma: no cover - transformers 4
     capture_outputs = None
 
 from ..errors import ConfigError
+from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.norms import LayerNorm, build_norm
-from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
+from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword
 from .families import FAMILIES, Family
 
@@ -205,27 +206,23 @@ def _copy_norm(dst: nn.Module, src: nn.Module) -> None:
             d.copy_(s)
 
 
-@torch.no_grad()
-def _honour_init(sublayers: nn.ModuleList, requires: SchemeRequirements) -> None:
-    """DeepNorm's initialisation on a fresh model: Xavier-normal weights (gain ``branch_gain``, 1 on
-    q and k, zero biases), or the family's weights times ``branch_gain``. Routers keep theirs."""
-    xavier, gain = requires.init == "xavier", requires.branch_gain
-    if not xavier and gain == 1.0:
-        return
+def _branch_weights(sublayers: nn.ModuleList) -> list[BranchWeight]:
+    """Every weight matrix of the family's sublayers (an MoE block's expert stacks too, one matrix
+    per expert), gained but on q and k, a module's ``bias`` with its first matrix (no family's
+    sublayer has a bias without one); routers are left out (an MoE's router scores experts, it is
+    no branch)."""
+    out = []
     for i, sub in enumerate(sublayers):
         for path, module in sub.named_modules():
             if "Router" in type(module).__name__ or path.rsplit(".", 1)[-1] == "gate":
-                continue          # an MoE's router scores experts, it is no branch
-            g = 1.0 if i % 2 == 0 and any(p in path for p in ("q_proj", "k_proj")) else gain
-            for name, p in module.named_parameters(recurse=False):
-                if name == "bias":
-                    if xavier:
-                        p.zero_()
-                elif p.dim() >= 2 and xavier:
-                    for w in (p if p.dim() == 3 else [p]):       # 3-D: one matrix per expert
-                        nn.init.xavier_normal_(w, gain=g)
-                elif p.dim() >= 2:
-                    p.mul_(g)
+                continue
+            gained = not (i % 2 == 0 and any(p in path for p in ("q_proj", "k_proj")))
+            params = dict(module.named_parameters(recurse=False))
+            bias = params.pop("bias", None)
+            weights = [p for p in params.values() if p.dim() >= 2]
+            out += [BranchWeight(w, bias if j == 0 else None, gained, i, path)
+                    for j, w in enumerate(weights)]
+    return out
 
 
 def _mark_initialised(module: nn.Module) -> None:
@@ -354,11 +351,10 @@ class _SchemeCausalLM(SchemeCheckpointing):
                               device=ref.device, dtype=ref.dtype, **spec["scheme_options"])
         if family.norm == "olmo":
             _drop_norm_parameters(scheme)
-        qkv = scheme.requires.qkv_norm_blocks
         sublayers: list[nn.Module] = []
         for b, layer in enumerate(layers):
             attn = _own_tree(layer.self_attn, config)
-            if b in qkv:
+            if needs_qkv_norm(scheme, b):
                 for name in ("q_proj", "k_proj", "v_proj"):
                     if name != "v_proj" and getattr(attn, f"{name[0]}_norm", None) is not None:
                         continue          # the family normalises q and k already (QK-norm)
@@ -383,8 +379,8 @@ class _SchemeCausalLM(SchemeCheckpointing):
                        else layer.post_attention_layernorm)
         if head is not None:
             _copy_norm(head, src_model.norm)
-        if source is None and not meta:
-            _honour_init(stack.sublayers, scheme.requires)
+        if source is None and not meta:       # the family's init, then the scheme's requirements
+            honour_requirements(_branch_weights(stack.sublayers), scheme.requires)
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
         """``PreTrainedModel.resize_token_embeddings``, on an embedding and a head of this model's

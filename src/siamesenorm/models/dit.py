@@ -33,11 +33,12 @@ from ..nn.mlp import GELUMLP
 from ..nn.norms import build_norm
 from .dit_config import DIT_SIZES, DiTConfig
 from .host import (
-    BranchLinear,
+    BranchWeight,
     SchemeHost,
+    branch_weights,
     build_model_scheme,
     build_sublayers,
-    init_branch_weights,
+    honour_requirements,
     reset_sublayer_norms,
     rng_devices,
 )
@@ -214,13 +215,13 @@ class DiT(ResidualStack, SchemeHost):
         return self.config.out_channels
 
     # ---- initialisation ----------------------------------------------------------------------
-    def _init_branch_weight(self, branch: BranchLinear) -> None:
+    def _init_branch_weight(self, branch: BranchWeight) -> None:
         """Xavier-uniform, with q, k and v bounded as one fused matrix (:func:`fused_qkv_bound`)."""
         if branch.name in _QKV:
             bound = fused_qkv_bound(self.sublayers[branch.sublayer])
-            nn.init.uniform_(branch.linear.weight, -bound, bound)
+            nn.init.uniform_(branch.weight, -bound, bound)
         else:
-            nn.init.xavier_uniform_(branch.linear.weight)
+            nn.init.xavier_uniform_(branch.weight)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -233,7 +234,7 @@ class DiT(ResidualStack, SchemeHost):
         (adaLN-Zero: a fresh model outputs exactly 0); norm weights one; the position embedding
         recomputed. DiT's init is Xavier already, so a scheme requiring ``init="xavier"``
         (DeepNorm) only adds its ``branch_gain`` on the v, out and MLP weights, as does any
-        ``branch_gain`` != 1 (:func:`~.host.init_branch_weights`).
+        ``branch_gain`` != 1 (:func:`~.host.honour_requirements`).
         """
         cfg = self.config
         self.scheme.reset_parameters()
@@ -242,8 +243,8 @@ class DiT(ResidualStack, SchemeHost):
         # in that order too; the timestep MLP and the adaLN layers are redrawn or zeroed below.
         for name, module in self.named_modules():
             if module is self.sublayers:
-                init_branch_weights(self.sublayers, self.scheme.requires, self._init_branch_weight,
-                                    native_xavier=True)
+                honour_requirements(branch_weights(self.sublayers), self.scheme.requires,
+                                    native=self._init_branch_weight, native_xavier=True)
             elif isinstance(module, nn.Linear) and not name.startswith(("scheme.", "sublayers.")):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)

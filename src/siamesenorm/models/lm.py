@@ -28,11 +28,12 @@ from ..nn.moe import MoE
 from ..nn.norms import set_llm_dyt_alpha0
 from ..nn.value_residual import FirstValues
 from .host import (
-    BranchLinear,
+    BranchWeight,
     SchemeHost,
+    branch_weights,
     build_model_scheme,
     build_sublayers,
-    init_branch_weights,
+    honour_requirements,
     reset_sublayer_norms,
     rng_devices,
 )
@@ -111,34 +112,38 @@ class LanguageModel(ResidualStack, SchemeHost):
         return [m for m in self.sublayers if isinstance(m, MoE)]
 
     # ---- initialisation ----------------------------------------------------------------------
-    def _init_experts(self, moe: MoE, sublayer: int) -> None:
-        """An MoE's expert matrices (and shared expert) drawn as a dense MLP's gate/up and down
-        projections of the same block (``config.init``), each expert independently; under a
-        scheme that requires Xavier (DeepNorm), Xavier-normal with its ``branch_gain``."""
-        cfg, requires = self.config, self.scheme.requires
-        mitchell = cfg.init == "mitchell"
-        block = self.scheme.block_of(sublayer)
-        mats = [(moe.w_gate, False), (moe.w_up, False), (moe.w_down, True)]
-        if moe.shared is not None:
-            mats += [(moe.shared.gate_proj.weight, False), (moe.shared.up_proj.weight, False),
-                     (moe.shared.down_proj.weight, True)]
-        for weight, down in mats:
-            experts = weight if weight.dim() == 3 else weight.unsqueeze(0)
-            for w in experts:
-                if requires.init == "xavier":
-                    nn.init.xavier_normal_(w, gain=requires.branch_gain)
-                    continue
-                if not down:
-                    std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
-                elif mitchell:
-                    std = 1.0 / math.sqrt(2 * min(w.shape) * (block + 1))
-                else:
-                    std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-                _normal(w, std, mitchell)
-                if requires.branch_gain != 1.0:
-                    w.mul_(requires.branch_gain)
+    def _expert_weights(self) -> list[BranchWeight]:
+        """The expert matrices of every MoE (and its shared expert's), in block order: what
+        :meth:`_init_expert_weight` draws, each expert independently, all gained."""
+        out = []
+        for i, moe in enumerate(self.sublayers):
+            if not isinstance(moe, MoE):
+                continue
+            out += [BranchWeight(moe.w_gate, None, True, i, "w_gate"),
+                    BranchWeight(moe.w_up, None, True, i, "w_up"),
+                    BranchWeight(moe.w_down, None, True, i, "w_down")]
+            if moe.shared is not None:
+                out += [BranchWeight(getattr(moe.shared, name).weight, None, True, i, f"shared.{name}")
+                        for name in ("gate_proj", "up_proj", "down_proj")]
+        return out
 
-    def _init_branch_weight(self, branch: BranchLinear) -> None:
+    def _init_expert_weight(self, expert: BranchWeight) -> None:
+        """An MoE's expert matrices drawn as a dense MLP's gate/up and down projections of the same
+        block (``config.init``), each expert independently."""
+        cfg = self.config
+        mitchell = cfg.init == "mitchell"
+        block = self.scheme.block_of(expert.sublayer)
+        down = expert.name.endswith(("w_down", "down_proj"))
+        for w in expert.weight.view(-1, *expert.weight.shape[-2:]):
+            if not down:
+                std = 1.0 / math.sqrt(cfg.dim) if mitchell else cfg.init_std
+            elif mitchell:
+                std = 1.0 / math.sqrt(2 * min(w.shape) * (block + 1))
+            else:
+                std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+            _normal(w, std, mitchell)
+
+    def _init_branch_weight(self, branch: BranchWeight) -> None:
         """``config.init``'s draw for one sublayer weight (see :meth:`reset_parameters`)."""
         cfg = self.config
         mitchell = cfg.init == "mitchell"
@@ -149,7 +154,7 @@ class LanguageModel(ResidualStack, SchemeHost):
             std = 1.0 / math.sqrt(2 * fan * (self.scheme.block_of(branch.sublayer) + 1))
         else:
             std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        _normal(branch.linear.weight, std, mitchell)
+        _normal(branch.weight, std, mitchell)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -161,8 +166,9 @@ class LanguageModel(ResidualStack, SchemeHost):
         (from 0) std 1/sqrt(2 * dim * (l + 1)); ``down_proj`` std 1/sqrt(2 * mlp_hidden * (l + 1)).
         Biases are zero; norm weights one; the embedding scale, if any, its start. If the scheme
         requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
-        gain ``branch_gain`` on v_proj, out_proj and the MLP; otherwise a ``branch_gain`` != 1
-        multiplies those same weights (:func:`~.host.init_branch_weights`).
+        gain ``branch_gain`` on v_proj, out_proj and the MLP (an MoE's experts too, each drawn on
+        its own; its router with gain 1); otherwise a ``branch_gain`` != 1 multiplies those same
+        weights (:func:`~.host.honour_requirements`).
         """
         cfg = self.config
         mitchell = cfg.init == "mitchell"
@@ -170,10 +176,9 @@ class LanguageModel(ResidualStack, SchemeHost):
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
         _normal(self.embed.weight, head_std, mitchell)
-        init_branch_weights(self.sublayers, self.scheme.requires, self._init_branch_weight)
-        for i, sub in enumerate(self.sublayers):
-            if isinstance(sub, MoE):
-                self._init_experts(sub, i)
+        requires = self.scheme.requires
+        honour_requirements(branch_weights(self.sublayers), requires, native=self._init_branch_weight)
+        honour_requirements(self._expert_weights(), requires, native=self._init_expert_weight)
         if self.lm_head is not None:
             _normal(self.lm_head.weight, head_std, mitchell)
         if self.embed_scale is not None:

@@ -30,9 +30,10 @@ from ..nn.attention import Attention
 from ..nn.mlp import GELUMLP
 from .host import (
     SchemeHost,
+    branch_weights,
     build_model_scheme,
     build_sublayers,
-    init_branch_weights,
+    honour_requirements,
     reset_sublayer_norms,
     rng_devices,
 )
@@ -115,7 +116,7 @@ class VisionTransformer(ResidualStack, SchemeHost):
         embedding keeps PyTorch's default Conv2d init, as the DeiT code does. If the scheme
         requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
         gain ``branch_gain`` on v, out and MLP weights; otherwise a ``branch_gain`` != 1
-        multiplies those weights (:func:`~.host.init_branch_weights`).
+        multiplies those weights (:func:`~.host.honour_requirements`).
         """
         std = self.config.init_std
         self.scheme.reset_parameters()
@@ -123,8 +124,8 @@ class VisionTransformer(ResidualStack, SchemeHost):
         self.patch_embed.reset_parameters()
         _trunc_normal(self.pos_embed, std)
         _trunc_normal(self.cls_token, std)
-        init_branch_weights(self.sublayers, self.scheme.requires,
-                            lambda branch: _trunc_normal(branch.linear.weight, std))
+        honour_requirements(branch_weights(self.sublayers), self.scheme.requires,
+                            native=lambda branch: _trunc_normal(branch.weight, std))
         _trunc_normal(self.head.weight, std)
         nn.init.zeros_(self.head.bias)
 

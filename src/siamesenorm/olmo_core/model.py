@@ -41,7 +41,6 @@ from olmo_core.nn.transformer.config import (
     TransformerDataParallelWrappingStrategy,
     resolve_block_configs,
 )
-from olmo_core.nn.transformer.init import _apply_init
 from olmo_core.utils import mark_dynamic
 from torch import Tensor, nn
 from torch.distributed import DeviceMesh
@@ -50,6 +49,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_m
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
 from ..errors import ConfigError
+from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..schemes import ResidualScheme, build_scheme
 
 __all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
@@ -328,7 +328,7 @@ def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | Non
         if not isinstance(cfg, SchemeBlockConfig):
             raise ConfigError(f"block {i}: SchemeTransformer needs SchemeBlockConfig blocks, got "
                               f"{type(cfg).__name__}")
-        if i in scheme.requires.qkv_norm_blocks and cfg.qkv_norm is None:
+        if needs_qkv_norm(scheme, i) and cfg.qkv_norm is None:
             cfg = replace(cfg, qkv_norm=head_norm_config(norm, norm_eps))
         out[i] = cfg
     return out
@@ -392,8 +392,10 @@ class SchemeTransformer(Transformer):
     @torch.no_grad()
     def init_weights(self, **kwargs: Any) -> torch.Generator:
         """OLMo-core's ``init_weights`` (which also resets the scheme), then the scheme's
-        requirements on the branch weights (DeepNorm: Xavier-normal, gain ``branch_gain`` on v,
-        out and the feed-forward; any other ``branch_gain`` != 1 multiplies those weights).
+        requirements on the branch weights (:meth:`branch_weights`), applied as for our models by
+        :func:`~siamesenorm.models.host.honour_requirements` with OLMo-core's generator (DeepNorm:
+        Xavier-normal, gain ``branch_gain`` on v, out and the feed-forward; any other
+        ``branch_gain`` != 1 multiplies those weights).
 
         Once FSDP or TP has made the scheme's parameters DTensors, a scheme's own
         ``reset_parameters`` may not run on them (hyper-connections write plain tensors into
@@ -407,23 +409,21 @@ class SchemeTransformer(Transformer):
             generator = super().init_weights(**kwargs)
         finally:
             scheme.__dict__.pop("reset_parameters", None)
-        requires = self.scheme.requires
-        if requires.init != "xavier" and requires.branch_gain == 1.0:
-            return generator
-        for block in self.blocks.values():
+        honour_requirements(self.branch_weights(), self.scheme.requires, generator=generator)
+        return generator
+
+    def branch_weights(self) -> list[BranchWeight]:
+        """The weights a scheme's requirements apply to, in the order they are drawn: each
+        block's q, k, v, out (gained but q and k) and its feed-forward's w1, w3, w2."""
+        out = []
+        for b, block in self.blocks.items():
             att, ff = block.attention, getattr(block, "feed_forward", None)   # MoE: .moe
             linears = [(att.w_q, False), (att.w_k, False), (att.w_v, True), (att.w_out, True)]
             if ff is not None:
                 linears += [(ff.w1, True), (ff.w3, True), (ff.w2, True)]
-            for linear, gained in linears:
-                gain = requires.branch_gain if gained else 1.0
-                if requires.init == "xavier":
-                    _apply_init(nn.init.xavier_normal_, linear.weight, gain=gain, generator=generator)
-                    if linear.bias is not None:
-                        nn.init.zeros_(linear.bias)
-                elif gain != 1.0:
-                    linear.weight.mul_(gain)
-        return generator
+            out += [BranchWeight(linear.weight, linear.bias, gained, 2 * int(b))
+                    for linear, gained in linears]
+        return out
 
     @torch.no_grad()
     def _reset_distributed_scheme(self, device: torch.device | None) -> None:

@@ -41,14 +41,14 @@ from olmo_core.nn.transformer.config import (
     TransformerActivationCheckpointingMode,
     TransformerDataParallelWrappingStrategy,
 )
-from olmo_core.nn.transformer.init import _apply_init
 from olmo_core.ops import moe as moe_ops
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ConfigError
+from ..models.host import BranchWeight
 from .model import MOE, SchemeBlock, SchemeTransformer
 
 __all__ = ["CheckpointSafeRouter", "PortableDroplessMLP", "SchemeMoEBlock", "SchemeMoETransformer",
@@ -269,30 +269,20 @@ class SchemeMoETransformer(SchemeTransformer, MoETransformer):
     ``branch_gain``) the router is Xavier-normal with gain 1 and each expert's three matrices
     Xavier-normal with the gain, as our ``LanguageModel`` draws them."""
 
-    @torch.no_grad()
-    def init_weights(self, **kwargs: Any) -> torch.Generator:
-        generator = super().init_weights(**kwargs)
-        requires = self.scheme.requires
-        if requires.init != "xavier" and requires.branch_gain == 1.0:
-            return generator
-        gain = requires.branch_gain
-        for block in self.blocks.values():
+    def branch_weights(self) -> list[BranchWeight]:
+        """:class:`SchemeTransformer`'s, then each MoE block's router (gain 1) and its experts'
+        w1, w3, w2, one matrix per expert."""
+        out = super().branch_weights()
+        for b, block in self.blocks.items():
             if not isinstance(block, SchemeMoEBlock):
                 continue
             moe = block.feed_forward_moe
             router, mlp = moe.router, moe.experts.mlp
-            mats = (mlp.w1, mlp.w3, mlp.w2)
-            if requires.init == "xavier":
-                def xavier(full: Tensor, rows: int, cols: int, gain: float) -> None:
-                    for matrix in full.view(-1, rows, cols):
-                        nn.init.xavier_normal_(matrix, gain=gain, generator=generator)
-                _apply_init(xavier, router.weight, router.num_experts, router.d_model, 1.0)
-                for w in mats:
-                    _apply_init(xavier, w, mlp.hidden_size, mlp.d_model, gain)
-            else:
-                for w in mats:
-                    w.mul_(gain)
-        return generator
+            out.append(BranchWeight(router.weight, None, False, 2 * int(b) + 1, "router",
+                                    (router.num_experts, router.d_model)))
+            out += [BranchWeight(w, None, True, 2 * int(b) + 1, name, (mlp.hidden_size, mlp.d_model))
+                    for name, w in (("w1", mlp.w1), ("w3", mlp.w3), ("w2", mlp.w2))]
+        return out
 
     def apply_tp(self, tp_mesh: DeviceMesh, float8_enabled: bool | None = None) -> None:
         raise NotImplementedError("tensor parallelism of MoE scheme models is not supported; use "
