@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import cli_in_process
 from siamesenorm.errors import ConfigError
 from siamesenorm.locks import LOCK_NAME, folder_lock, held_by
 from siamesenorm.train.progress import LOG_PREFIX
@@ -35,8 +36,9 @@ def _env() -> dict:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
-                          text=True, env=_env(), timeout=300)
+    """The command in this process: what a process adds is checked where it matters (``Live``,
+    the signal tests); the one-line refusals and resumes here need none."""
+    return cli_in_process(*args)
 
 
 def one_line_refusal(res: subprocess.CompletedProcess, *fragments: str) -> str:
