@@ -23,6 +23,7 @@ from siamesenorm import ConfigError, list_schemes  # noqa: E402
 from siamesenorm.hf.adapted import SAME_ROLE, _sublayer_role_norms  # noqa: E402
 from siamesenorm.hf.families import FAMILIES as TABLE  # noqa: E402
 from siamesenorm.models.checkpointing import saved_activation_bytes  # noqa: E402
+from siamesenorm.nn.attention import HeadNormedProjection  # noqa: E402
 
 V = 97
 DENSE = tuple(name for name, family in TABLE.items() if not family.moe)
@@ -331,10 +332,14 @@ def test_hybrid_pre_normalises_q_k_v_per_head_where_the_family_does_not():
     q3 = H.adapt(family_config("qwen3"), "siamese", form="hybrid_pre")
     llama = H.adapt(family_config("llama"), "siamese", form="hybrid_pre")
     attn = q3.model.stack.sublayers[0]
-    assert type(attn.v_proj).__name__ == "_HeadNorm" and type(attn.q_proj).__name__ == "Linear"
+    assert isinstance(attn.v_proj, HeadNormedProjection) and type(attn.q_proj).__name__ == "Linear"
     attn = llama.model.stack.sublayers[0]
-    assert all(type(getattr(attn, n)).__name__ == "_HeadNorm" for n in ("q_proj", "k_proj", "v_proj"))
+    assert all(isinstance(getattr(attn, n), HeadNormedProjection) for n in ("q_proj", "k_proj", "v_proj"))
     assert attn.v_proj.norm.weight.shape == (16,)
+    x = torch.randn(2, 3, 64)           # each head's 16 values normalised on their own
+    with torch.no_grad():
+        want = attn.v_proj.norm(attn.v_proj.proj(x).view(2, 3, -1, 16)).reshape(2, 3, -1)
+        assert torch.equal(attn.v_proj(x), want)
 
 
 def test_deepnorm_initialises_a_fresh_model_as_deepnorm_asks():

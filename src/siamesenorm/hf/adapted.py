@@ -73,7 +73,8 @@ except ImportError:                     # pragma: no cover - transformers 4
 from ..errors import ConfigError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
-from ..nn.norms import LayerNorm, build_norm
+from ..nn.attention import HeadNormedProjection, head_norm
+from ..nn.norms import LayerNorm
 from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword
 from .families import FAMILIES, Family
@@ -120,18 +121,6 @@ def _family(model_type: str | None) -> Family:
 
 
 # ---- the pieces ----------------------------------------------------------------------------------
-class _HeadNorm(nn.Module):
-    """A projection followed by a norm over each head's slice of its output (QKV-norm)."""
-
-    def __init__(self, proj: nn.Module, norm: nn.Module, head_dim: int) -> None:
-        super().__init__()
-        self.proj, self.norm, self.head_dim = proj, norm, head_dim
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.proj(x)
-        return self.norm(out.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-
-
 def _own_copy(module: nn.Module, config: Any = None) -> nn.Module:
     """A shallow copy of ``module``: the same parameters and child modules, its own registries (so
     children and parameters set on it, and hooks, are its own) and ``config`` if given, so that
@@ -164,13 +153,6 @@ def _own_parameters(module: nn.Module) -> nn.Module:
     for name, p in list(new.named_parameters(recurse=False)):
         setattr(new, name, nn.Parameter(p.data, requires_grad=p.requires_grad))
     return new
-
-
-def _make_norm(family: Family, dim: int, eps: float, ref: Tensor) -> nn.Module:
-    kw = {"device": ref.device, "dtype": ref.dtype}
-    if family.norm == "olmo":
-        return LayerNorm(dim, 1e-5, affine=False, **kw)
-    return build_norm("rmsnorm", dim, eps, **kw)
 
 
 def _drop_norm_parameters(scheme: ResidualScheme) -> None:
@@ -358,9 +340,10 @@ class _SchemeCausalLM(SchemeCheckpointing):
                 for name in ("q_proj", "k_proj", "v_proj"):
                     if name != "v_proj" and getattr(attn, f"{name[0]}_norm", None) is not None:
                         continue          # the family normalises q and k already (QK-norm)
-                    proj = getattr(attn, name)
-                    setattr(attn, name, _HeadNorm(proj, _make_norm(family, attn.head_dim, eps, ref),
-                                                  attn.head_dim))
+                    per_head = head_norm(norm, attn.head_dim, eps, affine=family.norm != "olmo",
+                                         device=ref.device, dtype=ref.dtype)
+                    setattr(attn, name, HeadNormedProjection(getattr(attn, name), per_head,
+                                                             attn.head_dim))
             sublayers += [attn, _own_tree(layer.mlp, config)]
         stack = ResidualStack(scheme, sublayers)
         if not meta:              # initialised already: the family's or the scheme's own values

@@ -9,7 +9,11 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
     out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
 
 The norms are optional and act on one head at a time (over ``head_dim``, weights shared by the
-heads). Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
+heads), built by :func:`head_norm` and applied by :func:`norm_heads` (the HF adaptation's too).
+Where a model's own attention code calls its projections (a Hugging Face family), the
+norm rides on the projection instead: :class:`HeadNormedProjection`.
+
+Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
 runs through :func:`torch.nn.functional.scaled_dot_product_attention`. ``causal=False`` drops the
 mask (every query sees every key: ViT, DiT) and ``rope=False`` drops the rotation (the model adds
 absolute position embeddings instead). ``value_residual`` (ResFormer,
@@ -61,6 +65,37 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept)."""
         self.length = 0
+
+
+def head_norm(kind: str, head_dim: int, eps: float = 1e-5, *, affine: bool = True, device=None,
+              dtype=None) -> nn.Module:
+    """The per-head norm of q, k or v (QK-norm, QKV-norm): a ``kind`` norm over ``head_dim``
+    whose weights the heads share (:func:`~.norms.build_norm`, in an attention's role)."""
+    return build_norm(kind, head_dim, eps, affine=affine, role="attention", device=device, dtype=dtype)
+
+
+def norm_heads(norm: nn.Module | None, x: Tensor, head_dim: int, *, recompute: bool = False) -> Tensor:
+    """``x`` (``(..., n * head_dim)``) split into its ``n`` heads (``(..., n, head_dim)``), each
+    normalised by ``norm`` (``None``: as they are). ``recompute``: the same value without autograd,
+    through :func:`~.fused.norm_value` (bit for bit the norm's lean forward)."""
+    x = x.unflatten(-1, (-1, head_dim))
+    if norm is None:
+        return x
+    return norm_value(norm, x) if recompute else norm(x)
+
+
+class HeadNormedProjection(nn.Module):
+    """A projection followed by a per-head norm of its output (``(..., n * head_dim)`` in and
+    out): QKV-norm on a projection that another module's code calls, as a Hugging Face family's
+    attention calls its ``q_proj``, ``k_proj`` and ``v_proj`` (:func:`siamesenorm.hf.adapt`).
+    Parameters: ``proj.*`` and ``norm.*``."""
+
+    def __init__(self, proj: nn.Module, norm: nn.Module, head_dim: int) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head_dim = proj, norm, head_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return norm_heads(self.norm, self.proj(x), self.head_dim).flatten(-2)
 
 
 def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
@@ -115,12 +150,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(dim, dim, bias=bias, **kw)
 
-        def head_norm(wanted: bool) -> nn.Module | None:
-            return build_norm(norm, self.head_dim, norm_eps, role="attention", **kw) if wanted else None
+        def per_head(wanted: bool) -> nn.Module | None:
+            return head_norm(norm, self.head_dim, norm_eps, **kw) if wanted else None
 
-        self.q_norm = head_norm(qk_norm or qkv_norm)
-        self.k_norm = head_norm(qk_norm or qkv_norm)
-        self.v_norm = head_norm(qkv_norm)
+        self.q_norm = per_head(qk_norm or qkv_norm)
+        self.k_norm = per_head(qk_norm or qkv_norm)
+        self.v_norm = per_head(qkv_norm)
         self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw) if rope else None
         self.value_residual = value_residual
         self.value_mix = ValueMix(*value_weights, learned=value_residual == "learned", **kw) \
@@ -133,25 +168,20 @@ class Attention(nn.Module):
             if module is not None:
                 module.reset_parameters()
 
-    def _heads(self, x: Tensor, n: int, norm: nn.Module | None, pos: int | Tensor, rotate: bool,
+    def _heads(self, x: Tensor, norm: nn.Module | None, pos: int | Tensor, rotate: bool,
                recompute: bool = False) -> Tensor:
-        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked and
-        rotated by RoPE if ``rotate``. ``recompute``: the same value without autograd (the
-        norm through :func:`~siamesenorm.nn.fused.norm_value`, bit for bit its lean forward)."""
-        b, t, _ = x.shape
-        x = x.view(b, t, n, self.head_dim)
-        if norm is not None:
-            x = norm_value(norm, x) if recompute else norm(x)
-        x = x.transpose(1, 2)
+        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked
+        (:func:`norm_heads`) and rotated by RoPE if ``rotate``."""
+        x = norm_heads(norm, x, self.head_dim, recompute=recompute).transpose(1, 2)
         return self.rope(x, pos) if rotate and self.rope is not None else x
 
     def _recipes(self, inputs: dict) -> dict:
         """For the lean path: the per-head normalised q, k, v that attention saves for backward,
         each recomputable from its projection (which the norm keeps anyway) and row statistics,
-        so it need not be kept too. ``inputs``: name -> (projection, heads, norm, rotate, out,
-        pos), the arguments of :meth:`_heads` and its output."""
-        return {id(out): partial(self._heads, proj, n, norm, pos, rotate, recompute=True)
-                for proj, n, norm, rotate, out, pos in inputs.values() if norm is not None}
+        so it need not be kept too. ``inputs``: name -> (projection, norm, rotate, out, pos), the
+        arguments of :meth:`_heads` and its output."""
+        return {id(out): partial(self._heads, proj, norm, pos, rotate, recompute=True)
+                for proj, norm, rotate, out, pos in inputs.values() if norm is not None}
 
     def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0,
                 positions: Tensor | None = None, key_mask: Tensor | None = None,
@@ -170,13 +200,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         rot = pos if positions is None else positions
         parts = {}
-        for name, proj, n, norm, rotate in (
-                ("q", self.q_proj, self.n_heads, self.q_norm, True),
-                ("k", self.k_proj, self.n_kv_heads, self.k_norm, True),
-                ("v", self.v_proj, self.n_kv_heads, self.v_norm, False)):
+        for name, proj, norm, rotate in (("q", self.q_proj, self.q_norm, True),
+                                         ("k", self.k_proj, self.k_norm, True),
+                                         ("v", self.v_proj, self.v_norm, False)):
             p = proj(x)
-            parts[name] = (p, n, norm, rotate, self._heads(p, n, norm, rot, rotate), rot)
-        q, k, v = (parts[name][4] for name in "qkv")
+            parts[name] = (p, norm, rotate, self._heads(p, norm, rot, rotate), rot)
+        q, k, v = (parts[name][3] for name in "qkv")
         if self.value_residual is not None:
             v = self._value_residual(v, first_values)
         lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
