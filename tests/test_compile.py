@@ -2,11 +2,14 @@
 
 ``fullgraph=True`` turns any graph break into an error and a recompile limit of 1 (with
 ``fail_on_recompile_limit_hit``) turns any recompile into one; two steps run, so a guard that
-fails on the second step (a counter, a changed flag) shows too. The models have 12 blocks: a block
-index that made dynamo specialise would show as a break or a recompile there. Dynamo alone
-(``backend="eager"``) covers every case at 12 blocks; AOTAutograd (``aot_eager``, which traces the
-backward and applies selective checkpointing's policy) runs the cases with a code path of their
-own at 2 blocks, where tracing is cheap.
+fails on the second step (a counter, a changed flag) shows too. Every scheme's model has 12
+blocks: a block index that made dynamo specialise would show as a break or a recompile there.
+Each option with a code path of its own runs at 4 blocks, where every part of that path is
+present (mix_ln's Post-LN and Pre-LN blocks, two AttnRes blocks of 4 sublayers, blocks after the
+first): tracing costs about 2 s a block, and the options' paths differ from block to block no
+more than the schemes' do. Dynamo alone (``backend="eager"``) covers those; AOTAutograd
+(``aot_eager``, which traces the backward and applies selective checkpointing's policy) runs the
+cases with a code path of their own at 2 blocks, where tracing is cheap.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ OPTION_CASES = [
     ("mhc", {}, {}, "sublayer"),
     ("attn_res", {}, {}, "selective"),
 ]
-CASES = [(name, SCHEME_OPTIONS.get(name, {}), {}, "none") for name in list_schemes()] + [
-    (name, {**SCHEME_OPTIONS.get(name, {}), **options}, model, ac)
-    for name, options, model, ac in OPTION_CASES]
+SCHEME_CASES = [(name, SCHEME_OPTIONS.get(name, {}), {}, "none") for name in list_schemes()]
+OPTION_CASES = [(name, {**SCHEME_OPTIONS.get(name, {}), **options}, model, ac)
+                for name, options, model, ac in OPTION_CASES]
+CASES = SCHEME_CASES + OPTION_CASES
 
 
 def _id(case) -> str:
@@ -102,17 +106,26 @@ def test_the_lean_path_is_off_while_compiling():
     dynamo.reset()
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_the_training_step_is_one_graph_at_12_blocks(case, strict_dynamo):
-    model = _model(*case, layers=12)
+def _one_graph(case, layers: int) -> None:
+    model = _model(*case, layers=layers)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     _steps(model, compiled)
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("case", SCHEME_CASES, ids=_id)
+def test_the_training_step_is_one_graph_at_12_blocks(case, strict_dynamo):
+    _one_graph(case, layers=12)
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=_id)
+def test_each_option_s_training_step_is_one_graph(case, strict_dynamo):
+    _one_graph(case, layers=4)
+
+
 @pytest.mark.parametrize("reference", [False, True], ids=["lean", "reference"])
 def test_both_paths_compile_as_one_graph(reference, strict_dynamo):
-    model = _model("siamese", {"form": "hybrid_pre"}, {}, "none", layers=12)
+    model = _model("siamese", {"form": "hybrid_pre"}, {}, "none", layers=4)
     with reference_path(reference):
         _steps(model, torch.compile(model, backend="eager", fullgraph=True))
     assert counters["stats"]["unique_graphs"] == 1
