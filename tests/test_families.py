@@ -14,6 +14,7 @@ pytest.importorskip("transformers.masking_utils", reason="model.family needs tra
 from helpers import HIDE_SIAMESENORM  # noqa: E402
 from siamesenorm.hf.families import FAMILIES, FAMILY_NAMES  # noqa: E402
 from siamesenorm.hf.family_lm import FamilyLM, family_config  # noqa: E402
+from siamesenorm.models.lm import lm_flops_per_token  # noqa: E402
 from siamesenorm.run import run_training  # noqa: E402
 from siamesenorm.tasks import load_config  # noqa: E402
 from test_cli import run  # noqa: E402
@@ -43,6 +44,26 @@ def test_with_pre_the_family_model_is_the_familys_own():
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-6)
     assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())
+
+
+def test_the_family_models_loss_and_flops_are_our_language_models():
+    """One loss (cross-entropy over shifted targets, -100 ignored, plus the router's weighted
+    auxiliary loss) and one FLOP formula (``models.lm``) for our model and a family's."""
+    cfg = load_config("moe-tiny", ["model.family=qwen3_moe", "model.moe.aux_loss=0.25"]).model
+    torch.manual_seed(0)
+    model = FamilyLM(cfg).train()
+    x = torch.randint(0, 256, (2, 16))
+    y = x.roll(-1, 1)
+    y[:, -1] = -100
+    out = model(x, y)
+    parts = model.loss_parts
+    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 256), y.reshape(-1))
+    assert torch.equal(parts["ce_loss"], ce.detach()) and set(parts) == {"ce_loss", "aux_loss"}
+    assert torch.equal(out.loss.detach(), ce.detach() + 0.25 * parts["aux_loss"])
+    n = model.num_parameters() - model.embed.weight.numel()
+    head = 256 * cfg.dim if cfg.tie_embeddings else 0       # a tied head counts once
+    assert model.flops_per_token(8) == lm_flops_per_token(cfg, n, 8) \
+        == 6 * (n + head) + 12 * cfg.n_layers * cfg.dim * 8
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -15,10 +15,10 @@ import inspect
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.host import SchemeHost
+from ..models.lm import lm_flops_per_token, lm_loss
 from .adapted import adapt
 from .families import FAMILIES
 
@@ -102,12 +102,11 @@ class FamilyLM(nn.Module, SchemeHost):
         out = self.hf(input_ids=x, output_router_logits=router) if router else self.hf(input_ids=x)
         loss = None
         if y is not None:
-            wide = torch.promote_types(out.logits.dtype, torch.float32)
-            loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).to(wide), y.reshape(-1),
-                                   ignore_index=-100)
-            if router and out.aux_loss is not None:
-                self.loss_parts = {"ce_loss": loss.detach(), "aux_loss": out.aux_loss.detach()}
-                loss = loss + self.config.moe.aux_loss * out.aux_loss
+            extra = [("aux_loss", self.config.moe.aux_loss, out.aux_loss)] \
+                if router and out.aux_loss is not None else []
+            loss, parts = lm_loss(out.logits, y, extra)
+            if parts:
+                self.loss_parts = parts
         return FamilyOutput(out.logits, loss)
 
     @torch.no_grad()
@@ -133,15 +132,11 @@ class FamilyLM(nn.Module, SchemeHost):
         return x.numel()
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """``6 * N + 12 * n_layers * dim * seq_len`` as for our language model, with ``N`` the
-        parameters but the embedding (the head counted once when tied); an MoE counts every
-        expert (an upper bound: a token uses ``top_k`` of them)."""
-        cfg = self.config
-        seq_len = cfg.max_seq_len if seq_len is None else seq_len
-        n = self.num_parameters() - self.embed.weight.numel()
-        if cfg.tie_embeddings:
-            n += cfg.vocab_size * cfg.dim
-        return float(6 * n + 12 * cfg.n_layers * cfg.dim * seq_len)
+        """:func:`~siamesenorm.models.lm.lm_flops_per_token`, as for our language model, of the
+        parameters but the embedding; an MoE counts every expert (an upper bound: a token uses
+        ``top_k`` of them)."""
+        return lm_flops_per_token(self.config, self.num_parameters() - self.embed.weight.numel(),
+                                  seq_len)
 
     def reset_parameters(self) -> None:
         self.hf.init_weights()

@@ -15,6 +15,7 @@ DeepNorm's Xavier initialisation, a gain on the branch weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -40,7 +41,7 @@ from .host import (
 from .lm_config import LMConfig
 from .stack import ResidualStack
 
-__all__ = ["LMConfig", "LMOutput", "LanguageModel"]
+__all__ = ["LMConfig", "LMOutput", "LanguageModel", "lm_flops_per_token", "lm_loss"]
 
 
 class LMOutput(NamedTuple):
@@ -48,6 +49,38 @@ class LMOutput(NamedTuple):
 
     logits: Tensor
     loss: Tensor | None
+
+
+def lm_loss(logits: Tensor, targets: Tensor,
+            extra: Sequence[tuple[str, float, Tensor]] = ()) -> tuple[Tensor, dict[str, Tensor]]:
+    """A language model's loss: the mean cross-entropy of ``logits`` (``(B, T, vocab)``) against
+    the already shifted ``targets`` (``(B, T)``, ``-100`` ignored), in float32 at least, plus each
+    ``(name, weight, loss)`` of ``extra`` (an MoE's load-balancing and z-losses) times its weight.
+
+    Returns the loss and its parts by name (``ce_loss`` and each extra's, detached), or no parts
+    when there is no extra. Our :class:`LanguageModel` and a Hugging Face family's
+    (:class:`~siamesenorm.hf.family_lm.FamilyLM`) both take their loss from here."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide), targets.reshape(-1),
+                           ignore_index=-100)
+    if not extra:
+        return loss, {}
+    parts = {"ce_loss": loss.detach()} | {name: part.detach() for name, _, part in extra}
+    for _, weight, part in extra:
+        loss = loss + weight * part
+    return loss, parts
+
+
+def lm_flops_per_token(config: LMConfig, non_embedding_params: int,
+                       seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward) of a language model of ``config`` at context
+    ``seq_len`` (``max_seq_len``): ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` is
+    ``non_embedding_params`` plus ``vocab_size * dim`` for the output projection when it is tied
+    to the embedding (so every matmul weight counts once; norm weights are included, being
+    negligible). The second term is attention's scores and weighted sum over ``seq_len`` keys."""
+    seq_len = config.max_seq_len if seq_len is None else seq_len
+    n = non_embedding_params + (config.vocab_size * config.dim if config.tie_embeddings else 0)
+    return float(6 * n + 12 * config.n_layers * config.dim * seq_len)
 
 
 def _normal(weight: Tensor, std: float, truncated: bool) -> None:
@@ -234,24 +267,21 @@ class LanguageModel(ResidualStack, SchemeHost):
             cache.length = pos + t
         loss = None
         if targets is not None:
-            wide = torch.promote_types(logits.dtype, torch.float32)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide),
-                                   targets.reshape(-1), ignore_index=-100)
-            if self.training:
-                loss = self._with_router_losses(loss)
+            loss, parts = lm_loss(logits, targets, self._router_losses() if self.training else ())
+            if parts:
+                self.loss_parts = parts
         return LMOutput(logits, loss)
 
-    def _with_router_losses(self, loss: Tensor) -> Tensor:
-        """The training loss: cross-entropy plus the MoE layers' load-balancing and z-losses,
-        weighted by ``config.moe`` (the parts are left in :attr:`loss_parts`, detached)."""
+    def _router_losses(self) -> list[tuple[str, float, Tensor]]:
+        """The MoE layers' load-balancing and z-losses of the last forward pass, summed over the
+        layers, with their weights from ``config.moe`` (none for a dense model): the training loss
+        adds them to the cross-entropy (the parts are left in :attr:`loss_parts`, detached)."""
         layers = self.moe_layers()
         if not layers:
-            return loss
+            return []
         moe = self.config.moe
-        aux = torch.stack([m.aux_loss for m in layers]).sum()
-        z = torch.stack([m.z_loss for m in layers]).sum()
-        self.loss_parts = {"ce_loss": loss.detach(), "aux_loss": aux.detach(), "z_loss": z.detach()}
-        return loss + moe.aux_loss * aux + moe.z_loss * z
+        return [("aux_loss", moe.aux_loss, torch.stack([m.aux_loss for m in layers]).sum()),
+                ("z_loss", moe.z_loss, torch.stack([m.z_loss for m in layers]).sum())]
 
     # ---- accounting --------------------------------------------------------------------------
     def tokens_in(self, input_ids: Tensor) -> int:
@@ -270,19 +300,10 @@ class LanguageModel(ResidualStack, SchemeHost):
         return self.num_parameters(non_embedding) - unused
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward) at context ``seq_len`` (max_seq_len).
-
-        ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` is the non-embedding parameter
-        count plus ``vocab_size * dim`` for the output projection when it is tied to the embedding
-        (so every matmul weight counts once; norm weights are included, being negligible). The
-        second term is attention's scores and weighted sum over ``seq_len`` keys.
-        """
-        cfg = self.config
-        seq_len = cfg.max_seq_len if seq_len is None else seq_len
-        n = self.active_parameters(non_embedding=True)     # an MoE counts its active experts
-        if self.lm_head is None:
-            n += cfg.vocab_size * cfg.dim
-        return float(6 * n + 12 * cfg.n_layers * cfg.dim * seq_len)
+        """Training FLOPs per token (forward + backward) at context ``seq_len`` (max_seq_len):
+        :func:`lm_flops_per_token` of the non-embedding parameters (an MoE counts the experts a
+        token is routed to)."""
+        return lm_flops_per_token(self.config, self.active_parameters(non_embedding=True), seq_len)
 
     # ---- generation --------------------------------------------------------------------------
     @staticmethod
