@@ -52,10 +52,8 @@ from .. import __version__
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir, library_os_error
 from ..shapes import read_summary
-from ..tasks.finished import load_trained
+from ..tasks.finished import open_trained
 from ..tasks.registry import TASKS, get_task, saved_config
-from ..train.checkpoint import checkpoint_extra
-from ..train.state import RunState
 
 __all__ = ["MODELING_FILE", "VENDOR_ALLOWED", "byte_level_backend", "export_hf", "hf_tokenizer",
            "modeling_source", "vendored_modules"]
@@ -89,8 +87,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
         raise ConfigError(f"{run_dir} is a {get_task(cfg.task).kind} run (task: {cfg.task}); "
                           f"--format hf exports {kinds}")
     _check_out(out, run_dir, force)
-    model, cfg = load_trained(run_dir, "cpu")
-    step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
+    model, cfg, step = open_trained(run_dir, "cpu", cfg)
     tokenizer = _run_tokenizer(run_dir)
     summary = read_summary(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
     info = {"folder": str(out), "parameters": sum(p.numel() for p in model.parameters()),

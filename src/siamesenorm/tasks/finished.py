@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,21 +21,38 @@ from ..devices import resolve_device
 from ..errors import ConfigError
 from ..rundir import RunDir, check_out_dir, replacing
 from ..train import load_checkpoint
-from ..train.checkpoint import checkpoint_extra, unique_tensors
+from ..train.checkpoint import unique_tensors
 from ..train.state import RunState
 from .registry import get_task, saved_config
 
 # What each task's runs are, in words, for the errors of commands that take only some of them.
 
 
+class Trained(NamedTuple):
+    """A finished run's module (eval mode), its configuration and the step of its checkpoint."""
+
+    model: nn.Module
+    config: Any
+    step: int
+
+
+def open_trained(run_dir: str | Path, device: str = "cpu", cfg: Any = None) -> Trained:
+    """The weights of ``run_dir``'s last checkpoint in its module, its configuration (``cfg``:
+    already read from its ``config.yaml``) and the step, from one read of each file; ``device``
+    as ``--device`` takes it."""
+    run_dir = Path(run_dir)
+    if cfg is None:
+        cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
+    model = get_task(cfg.task).build_model(cfg, resolve_device(device, "--device"))
+    extra = load_checkpoint(RunDir(run_dir).last_checkpoint, model, None)
+    return Trained(model.eval(), cfg, RunState.from_dict(extra.get("run", {})).step)
+
+
 def load_trained(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     """The trained module of ``run_dir`` (the weights of its last checkpoint, eval mode) and its
     configuration; ``device`` as ``--device`` takes it."""
-    run_dir = Path(run_dir)
-    cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
-    model = get_task(cfg.task).build_model(cfg, resolve_device(device, "--device"))
-    load_checkpoint(RunDir(run_dir).last_checkpoint, model, None)
-    return model.eval(), cfg
+    model, cfg, _ = open_trained(run_dir, device)
+    return model, cfg
 
 
 def export_run(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
@@ -53,9 +70,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
     if out.exists():
         raise ConfigError(f"--out {out} already exists; remove it or choose another name")
     check_out_dir(out.parent)
-    model, cfg = load_trained(run_dir, "cpu")
+    model, cfg, step = open_trained(run_dir, "cpu")
     tensors = {k: v.detach().contiguous() for k, v in unique_tensors(model.state_dict()).items()}
-    step = RunState.from_dict(checkpoint_extra(RunDir(run_dir).last_checkpoint).get("run", {})).step
     out.parent.mkdir(parents=True, exist_ok=True)
     with replacing(out) as tmp:     # a fresh file: a full disk leaves nothing, names --out
         save_file(tensors, str(tmp), metadata={"format": "pt", "siamesenorm_config": dump_config(cfg),
