@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from siamesenorm.config import read_preset
 from siamesenorm.errors import ConfigError
-from siamesenorm.experiments.grid import build_grid, read_section
+from siamesenorm.experiments.grid import build_grid, check_section
 from siamesenorm.tasks import load_config
 
 
@@ -87,5 +88,5 @@ def test_packaged_presets_have_valid_sections():
     from siamesenorm.config import PRESET_DIR
 
     for path in sorted(PRESET_DIR.glob("*.yaml")):
-        read_section(str(path))
+        check_section(read_preset(str(path)), str(path))
         build_grid(str(path), [])

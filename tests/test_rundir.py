@@ -87,11 +87,12 @@ def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
         run.refuse_existing_run()
     run.summary.unlink()
     run.tokenizer.mkdir()
-    run.clear_stopped_run()             # only the run's own files go, the marker last
+    assert run.stopped_before_first_checkpoint()
+    run.clear_run_files()               # only the run's own files go, the marker last
     assert not run.path.exists() or sorted(p.name for p in run.path.iterdir()) == []
     run.mark()
     (run.path / "notes.txt").write_text("mine")
-    run.clear_stopped_run()
+    run.clear_run_files()
     assert sorted(p.name for p in run.path.iterdir()) == ["notes.txt"]
 
 

@@ -202,12 +202,6 @@ class RunDir:
         raise ConfigError(f"{where} is {what} that holds other files ({shown}) and no run of "
                           "siamesenorm; train into a new or empty folder (choose another --out)")
 
-    def clear_stopped_run(self) -> None:
-        """Delete the files of a run stopped before its first checkpoint (and only those the run
-        writes, by name), so that it starts again from nothing."""
-        if self.stopped_before_first_checkpoint():
-            self.clear_run_files()
-
     def clear_run_files(self) -> None:
         """Delete what a run of this tool writes here, by name: its files (and their temporary
         versions), its checkpoints, and the known files of its tokenizer, TensorBoard, sample and

@@ -95,11 +95,6 @@ def _check_list(key: str, value: Any, kind: type) -> list:
     return out
 
 
-def read_section(preset: str | None) -> dict:
-    """The preset's ``compare`` section, checked (``{}`` when there is none)."""
-    return check_section(read_preset(preset) if preset else {}, preset)
-
-
 def check_section(data: dict, preset: str | None) -> dict:
     """The ``compare`` section of the preset ``data`` (read from ``preset``), checked."""
     section = data.get("compare") or {}
