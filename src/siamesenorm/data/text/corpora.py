@@ -20,7 +20,7 @@ from typing import Any
 from ...errors import ConfigError
 from .arithmetic import check_arithmetic_options, load_arithmetic
 from .corpus import Corpus
-from .hf import load_hf
+from .hf_datasets import load_hf
 from .pystdlib import load_pystdlib
 from .textfiles import folder_files, load_text_files
 from .tokenfiles import load_token_files
