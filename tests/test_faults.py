@@ -89,7 +89,7 @@ def test_the_lock_is_exclusive_names_its_holder_and_is_gone_after(tmp_path):
                 f"with folder_lock({str(folder)!r}, 'train'): pass\n")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=_env(), timeout=120)
-        assert res.returncode != 0 and "ConfigError" in res.stderr
+        assert res.returncode != 0 and "UserError" in res.stderr
         assert f"pid {os.getpid()}" in res.stderr and "siamesenorm train" in res.stderr
     assert not folder.exists()         # created for the lock, nothing else written: removed again
 

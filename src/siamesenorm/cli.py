@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ConfigError, RankFailed, Terminated, environment_problem
+from .errors import RankFailed, Terminated, UserError, environment_problem
 
 DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
 
@@ -73,15 +73,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     preset, overrides = _split_preset(args.args)
     if args.dry_run:
         if args.resume:
-            raise ConfigError("--dry-run sizes a new run from a preset and overrides; drop --resume")
+            raise UserError("--dry-run sizes a new run from a preset and overrides; drop --resume")
         from .tasks.dryrun import dry_run, format_dry_run
 
         print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset or ""))
         return 0
     if args.resume and (preset or overrides):
-        raise ConfigError("--resume takes the run's own config.yaml; give no preset or overrides")
+        raise UserError("--resume takes the run's own config.yaml; give no preset or overrides")
     if args.allow_data_change and not args.resume:
-        raise ConfigError("--allow-data-change goes with --resume (a new run records its data)")
+        raise UserError("--allow-data-change goes with --resume (a new run records its data)")
     cfg = None if args.resume else load_config(preset, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
@@ -138,7 +138,7 @@ def _jobs(text: str) -> int | str:
 
     try:
         return check_jobs(text, "--jobs")
-    except ConfigError as error:
+    except UserError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--jobs ")) from None
 
 
@@ -150,9 +150,9 @@ def _csv(text: str | None, kind: type, flag: str) -> list | None:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list") from None
+        raise UserError(f"{flag}: cannot read {text!r} as a comma-separated list") from None
     if not values:
-        raise ConfigError(f"{flag} is empty")
+        raise UserError(f"{flag} is empty")
     return values
 
 
@@ -160,7 +160,7 @@ def _path_arg(value: str | None, name: str) -> None:
     """Refuse an empty (or blank) path given to ``name`` (``--out``, ``RUN_DIR``): it would mean
     the current folder. ``None`` (an optional path not given) passes."""
     if value is not None and not value.strip():
-        raise ConfigError(f"{name} is empty ({value!r}); give a path")
+        raise UserError(f"{name} is empty ({value!r}); give a path")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -185,7 +185,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         return _export_hf(args)
     if args.force:
-        raise ConfigError("--force replaces a model folder of --format hf; a .safetensors export "
+        raise UserError("--force replaces a model folder of --format hf; a .safetensors export "
                           "never overwrites: remove the file or choose another --out")
     info = export_run(args.run_dir, args.out)
     print(f"{args.out}: {info['tensors']} tensors, {info['parameters']:,} parameters, step {info['step']}")
@@ -196,7 +196,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
-        raise ConfigError("--format hf needs transformers: pip install 'siamesenorm[hf]'")
+        raise UserError("--format hf needs transformers: pip install 'siamesenorm[hf]'")
     from .hf.export import export_hf
 
     info = export_hf(args.run_dir, args.out, force=args.force)
@@ -230,7 +230,7 @@ def _cmd_import_olmo_core(args: argparse.Namespace) -> int:
     _path_arg(args.checkpoint, "CKPT")
     _path_arg(args.out, "--out")
     if importlib.util.find_spec("olmo_core") is None:
-        raise ConfigError("import-olmo-core reads the checkpoint's model config with OLMo-core: "
+        raise UserError("import-olmo-core reads the checkpoint's model config with OLMo-core: "
                           "pip install 'siamesenorm[olmo]'")
     from .olmo_core.to_run import import_olmo_core
 
@@ -249,7 +249,7 @@ def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
         preset, rest = None, items
     stray = [x for x in rest if "=" not in x]
     if stray:
-        raise ConfigError(f"expected key=value, got {stray[0]!r} (only the first argument may be a preset)")
+        raise UserError(f"expected key=value, got {stray[0]!r} (only the first argument may be a preset)")
     return preset, rest
 
 
@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except ConfigError as err:
+    except UserError as err:
         print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RankFailed as err:

@@ -8,7 +8,7 @@ needs); the sections every task shares, ``train`` (:class:`TrainConfig`) and ``a
 (``model.n_layers=24 train.lr=2e-3 model.scheme_options.depth_scale=false``), and checks every value
 against its field's type, then every section's own checks, then the scheme's name and options,
 before any work starts. An unknown key, a wrong type or a bad value is a
-:class:`~siamesenorm.errors.ConfigError` that names the key. Which class a preset fills is the
+:class:`~siamesenorm.errors.UserError` that names the key. Which class a preset fills is the
 task registry's business (:func:`siamesenorm.tasks.load_config` reads the ``task`` key).
 """
 
@@ -30,7 +30,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from .devices import check_device_name
-from .errors import ConfigError
+from .errors import UserError
 from .schemes import check_scheme_options
 
 PRESET_DIR = Path(__file__).parent / "configs"
@@ -94,30 +94,30 @@ class TrainConfig:
         for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),
                               ("activation_checkpointing", CHECKPOINTING_MODES)):
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, "
+                raise UserError(f"train.{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
         for name in ("steps", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "stall_steps"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must not be negative, got {getattr(self, name)}")
+                raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:
-            raise ConfigError(f"train.lr must be a positive finite number, got {self.lr}")
+            raise UserError(f"train.lr must be a positive finite number, got {self.lr}")
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
-                raise ConfigError(f"train.betas[{i}] must be in [0, 1), got {beta} (AdamW's decay "
+                raise UserError(f"train.betas[{i}] must be in [0, 1), got {beta} (AdamW's decay "
                                   "rates, e.g. train.betas=[0.9,0.95])")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.divergence_factor > 1:
-            raise ConfigError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
+            raise UserError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
         if self.log_every is not None and self.log_every < 0:
-            raise ConfigError(f"train.log_every must not be negative (0: only the final line; null: "
+            raise UserError(f"train.log_every must not be negative (0: only the final line; null: "
                               f"at most 100 lines per run), got {self.log_every}")
         if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
-            raise ConfigError(f"train.peak_tflops must be a positive number (the device's peak "
+            raise UserError(f"train.peak_tflops must be a positive number (the device's peak "
                               f"TFLOP/s), got {self.peak_tflops}")
         check_device_name(self.device)      # its presence is checked where the run starts
 
@@ -140,16 +140,16 @@ class AnalysisConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0:
-            raise ConfigError(f"analysis.every must not be negative (0 turns probes off), got {self.every}")
+            raise UserError(f"analysis.every must not be negative (0 turns probes off), got {self.every}")
         for name in ("batch_size", "batches"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"analysis.{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"analysis.{name} must be positive, got {getattr(self, name)}")
 
 
 def check_seed(value: Any, key: str = "seed") -> None:
     """Refuse a seed that is not an integer in ``0 .. SEED_MAX`` (what every generator takes)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
-        raise ConfigError(f"{key} must be an integer from 0 to 2**63-1 ({SEED_MAX}), got {value!r}")
+        raise UserError(f"{key} must be an integer from 0 to 2**63-1 ({SEED_MAX}), got {value!r}")
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -173,31 +173,31 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         for option in inner:                  # the first type that takes it (float before str)
             try:
                 return _coerce(key, value, option)
-            except ConfigError:
+            except UserError:
                 pass
-        raise ConfigError(f"{key} must be {' or '.join(_type_name(a) for a in inner)}, got {value!r}")
+        raise UserError(f"{key} must be {' or '.join(_type_name(a) for a in inner)}, got {value!r}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+            raise UserError(f"{key} must be a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+            raise UserError(f"{key} must be a mapping, got {value!r}")
         return dict(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" (no dot) as a string
         try:
             value = float(value)
         except ValueError:
-            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+            raise UserError(f"{key} must be a number, got {value!r}") from None
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
-            raise ConfigError(f"{key} must be finite, got {value!r}")
+            raise UserError(f"{key} must be finite, got {value!r}")
         return float(value)
     if tp in (int, float, bool, str):
         if isinstance(value, bool) != (tp is bool) or not isinstance(value, tp):
-            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+            raise UserError(f"{key} must be {_type_name(tp)}, got {value!r}")
         return value
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # a programming error, kept loud
+    raise UserError(f"{key}: unsupported field type {tp!r}")  # a programming error, kept loud
 
 
 @functools.cache
@@ -205,12 +205,12 @@ def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
-def _unknown_key(cls: type, name: str, full_key: str, rest: list[str]) -> ConfigError:
+def _unknown_key(cls: type, name: str, full_key: str, rest: list[str]) -> UserError:
     fields = sorted(f.name for f in dataclasses.fields(cls))
     prefix = full_key[: len(full_key) - len(".".join([name, *rest]))]
     close = difflib.get_close_matches(name, fields, n=1)
     hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys here: {', '.join(fields)}"
-    return ConfigError(f"unknown key {full_key!r}{hint}")
+    return UserError(f"unknown key {full_key!r}{hint}")
 
 
 def _assign(cls: type, raw: dict, path: list[str], value: Any, full_key: str) -> None:
@@ -230,11 +230,11 @@ def _assign(cls: type, raw: dict, path: list[str], value: Any, full_key: str) ->
             for k, v in value.items():
                 _assign(tp, section, [str(k)], v, f"{full_key}.{k}")
         else:
-            raise ConfigError(f"{full_key} is a section; set its keys, e.g. {full_key}.KEY=VALUE")
+            raise UserError(f"{full_key} is a section; set its keys, e.g. {full_key}.KEY=VALUE")
         return
     if rest:
         if not _is_mapping(tp):
-            raise ConfigError(f"unknown key {full_key!r}: {name} has no sub-keys")
+            raise UserError(f"unknown key {full_key!r}: {name} has no sub-keys")
         current = raw[name] if name in raw else _default(cls, name)
         raw[name] = {**current, ".".join(rest): value}
         return
@@ -299,13 +299,13 @@ def _refuse_deep_or_cyclic(text: str, where: str) -> None:
             open_anchors.append(event.anchor)
             if depth > MAX_YAML_DEPTH:
                 line = event.start_mark.line + 1
-                raise ConfigError(f"{where} nests mappings or lists more than {MAX_YAML_DEPTH} levels "
+                raise UserError(f"{where} nests mappings or lists more than {MAX_YAML_DEPTH} levels "
                                   f"deep (line {line}); no configuration needs that many")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
             open_anchors.pop()
         elif isinstance(event, yaml.AliasEvent) and event.anchor in open_anchors:
-            raise ConfigError(f"{where}: the alias *{event.anchor} (line {event.start_mark.line + 1}) "
+            raise UserError(f"{where}: the alias *{event.anchor} (line {event.start_mark.line + 1}) "
                               f"is inside the node &{event.anchor} names; a value cannot contain itself")
 
 
@@ -347,7 +347,7 @@ def _refuse_repeated_keys(root: yaml.Node, where: str, path: str) -> None:
                 if (key.tag, key.value) in lines:
                     first = lines[key.tag, key.value]
                     where_lines = f"lines {first} and {line}" if first != line else f"line {line}"
-                    raise ConfigError(f"{where} gives the key {name} twice ({where_lines}); keep one")
+                    raise UserError(f"{where} gives the key {name} twice ({where_lines}); keep one")
                 lines[key.tag, key.value] = line
                 stack.append((value, name))
 
@@ -368,7 +368,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     that gives a key twice is refused), or kept as the text when it is not YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.lr=2e-3)")
+        raise UserError(f"override {text!r} is not KEY=VALUE (e.g. train.lr=2e-3)")
     key = key.strip()
     try:
         shown = text if len(text) <= 80 else f"{text[:60]}...({len(text)} characters)"
@@ -384,7 +384,7 @@ def _refuse_repeated_overrides(overrides: list[str] | tuple[str, ...],
     first: dict[str, str] = {}
     for text, (key, _) in zip(overrides, parsed):
         if key in first:
-            raise ConfigError(f"{key} is given twice on the command line ({first[key]}, {text}); "
+            raise UserError(f"{key} is given twice on the command line ({first[key]}, {text}); "
                               "give it once")
         first[key] = text
 
@@ -402,13 +402,13 @@ def preset_path(preset: str) -> Path:
     if bare and (PRESET_DIR / f"{preset}.yaml").is_file():
         return PRESET_DIR / f"{preset}.yaml"
     if path.is_dir():
-        raise ConfigError(f"preset {preset} is a folder, not a preset file; give a YAML file or one "
+        raise UserError(f"preset {preset} is a folder, not a preset file; give a YAML file or one "
                           f"of {_packaged_presets()}")
     if path.exists() and not path.is_file():
-        raise ConfigError(f"preset {preset} is not a regular file; give a YAML file or one of "
+        raise UserError(f"preset {preset} is not a regular file; give a YAML file or one of "
                           f"{_packaged_presets()}")
     if not path.is_file():
-        raise ConfigError(f"preset {preset!r} not found: give a YAML file or one of {_packaged_presets()}")
+        raise UserError(f"preset {preset!r} not found: give a YAML file or one of {_packaged_presets()}")
     return path
 
 
@@ -421,12 +421,12 @@ def read_preset(preset: str) -> dict:
         data = load_yaml(raw.decode("utf-8-sig"), f"preset {path}") or {}
     except UnicodeDecodeError as err:     # err.object: the bytes after a byte-order mark
         offset = len(raw) - len(err.object) + err.start
-        raise ConfigError(f"cannot read {path}: it is not UTF-8 text (byte 0x{raw[offset]:02x} at "
+        raise UserError(f"cannot read {path}: it is not UTF-8 text (byte 0x{raw[offset]:02x} at "
                           f"offset {offset}); save it as UTF-8") from None
     except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read preset {path}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot read preset {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"preset {path} must be a mapping of sections, got {type(data).__name__}")
+        raise UserError(f"preset {path} must be a mapping of sections, got {type(data).__name__}")
     return data
 
 
@@ -483,7 +483,7 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     task = next((v.text if isinstance(v, Override) else v for k, v in reversed(later) if k == "task"),
                 data.get("task", default))
     if task not in classes:
-        raise ConfigError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
+        raise UserError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
     cls, raw = classes[task], {}
     for key, value in _flatten(data, cls) + later:
         _assign(cls, raw, key.split("."), value, key)

@@ -18,7 +18,7 @@ import torch
 
 from .analysis.probes import block_grad_norms, stream_rms
 from .devices import machine_memory
-from .errors import ConfigError
+from .errors import UserError
 from .models import LanguageModel, LMConfig
 from .schemes import list_schemes
 from .tasks.dryrun import refuse_beyond_memory
@@ -48,9 +48,9 @@ def run_demo(schemes: list[str], n_layers: int = 12, dim: int = 64, steps: int =
              lr: float = 3e-3, seed: int = 0, batch: int = 8, seq: int = 64) -> dict:
     unknown = [s for s in schemes if s not in list_schemes()]
     if unknown:
-        raise ConfigError(f"unknown scheme {unknown[0]!r}; choose from {', '.join(list_schemes())}")
+        raise UserError(f"unknown scheme {unknown[0]!r}; choose from {', '.join(list_schemes())}")
     if steps <= 0 or n_layers <= 0 or dim <= 0 or not lr > 0:
-        raise ConfigError("steps, layers, dim and lr must be positive")
+        raise UserError("steps, layers, dim and lr must be positive")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     data = torch.frombuffer(bytearray(embedded_text()), dtype=torch.uint8).long()
     split = int(0.9 * len(data))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import UserError
 
 __all__ = ["check_device_name", "deterministic", "environment", "machine_memory", "resolve_device"]
 
@@ -29,19 +29,19 @@ def check_device_name(name: Any, option: str = "train.device") -> None:
     torch device, or a kind other than :data:`DEVICE_KINDS` (``meta``: no data to compute with).
     Whether the device is present is :func:`resolve_device`'s to check, where it is used."""
     if not isinstance(name, str) or not name:
-        raise ConfigError(f"{_setting(option, repr(name))}: give auto, cpu, cuda, cuda:N or mps")
+        raise UserError(f"{_setting(option, repr(name))}: give auto, cpu, cuda, cuda:N or mps")
     if name == "auto":
         return
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda") from None
+        raise UserError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda") from None
     if device.type == "meta":
-        raise ConfigError(f"{_setting(option, name)}: the meta device holds shapes, not numbers, and "
+        raise UserError(f"{_setting(option, name)}: the meta device holds shapes, not numbers, and "
                           "cannot train or generate; use cpu or cuda (train --dry-run sizes a model "
                           "without memory)")
     if device.type not in DEVICE_KINDS:
-        raise ConfigError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda")
+        raise UserError(f"{_setting(option, repr(name))}: unknown device; use auto, cpu or cuda")
 
 
 def resolve_device(name: str, option: str = "train.device") -> torch.device:
@@ -57,14 +57,14 @@ def resolve_device(name: str, option: str = "train.device") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"{_setting(option, name)} but no CUDA device is available; use "
+            raise UserError(f"{_setting(option, name)} but no CUDA device is available; use "
                               f"{_setting(option, 'cpu')}")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"{_setting(option, name)} but this machine has "
+            raise UserError(f"{_setting(option, name)} but this machine has "
                               f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
                               f"cuda:{torch.cuda.device_count() - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"{_setting(option, name)} but no MPS device (Apple GPU) is available; use "
+        raise UserError(f"{_setting(option, name)} but no MPS device (Apple GPU) is available; use "
                           f"{_setting(option, 'cpu')}")
     return device
 

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import UserError
 
 try:
     import fcntl
@@ -68,7 +68,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getatt
 
 def _open_lock(path: Path, flags: int) -> int:
     """``os.open`` of the lock file ``path`` without following a link; a link, a folder, a device
-    or a FIFO under its name is a :class:`ConfigError` (one line), and is left as it is."""
+    or a FIFO under its name is a :class:`UserError` (one line), and is left as it is."""
     try:
         fd = os.open(path, flags | _NOFOLLOW, 0o644)
     except OSError as error:
@@ -82,7 +82,7 @@ def _open_lock(path: Path, flags: int) -> int:
 
 
 def _not_a_lock(path: Path) -> None:
-    raise ConfigError(f"{path} is not a regular file (a symbolic link, a folder or a device), so it "
+    raise UserError(f"{path} is not a regular file (a symbolic link, a folder or a device), so it "
                       "is not siamesenorm's lock and is not written through; remove it and try again")
 
 
@@ -91,7 +91,7 @@ def held_by(folder: str | os.PathLike) -> dict | None:
     one that is not a regular file)."""
     try:
         fd = _open_lock(Path(folder) / LOCK_NAME, os.O_RDONLY)
-    except (OSError, ConfigError):
+    except (OSError, UserError):
         return None
     try:
         with os.fdopen(fd, "rb") as f:
@@ -136,7 +136,7 @@ class FolderLock:
             raise
 
     def _refuse(self, info: dict | None) -> None:
-        raise ConfigError(f"{self.folder} is in use by {_describe(info)}; wait for it to finish, "
+        raise UserError(f"{self.folder} is in use by {_describe(info)}; wait for it to finish, "
                           "or choose another folder")
 
     def _flock(self) -> bool:
@@ -221,7 +221,7 @@ class FolderLock:
 
 
 def check_free(folder: str | os.PathLike, command: str) -> None:
-    """Refuse ``folder`` (:class:`~.errors.ConfigError`, one line) when a live process holds its
+    """Refuse ``folder`` (:class:`~.errors.UserError`, one line) when a live process holds its
     lock; take nothing. The first check of a command, so that its message is about the holder
     rather than about what the holder has written there."""
     key = _key(Path(folder))
@@ -251,7 +251,7 @@ def check_free(folder: str | os.PathLike, command: str) -> None:
 def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[FolderLock | None]:
     """Hold the exclusive lock of ``folder`` (created if missing) for the ``with`` block.
 
-    A :class:`~.errors.ConfigError` (one line naming the folder and the holder) when another live
+    A :class:`~.errors.UserError` (one line naming the folder and the holder) when another live
     process holds it. Nested use within one process is free. When the folder did not exist and
     nothing but the lock was written in it, it is removed again at the end.
     """

@@ -30,7 +30,7 @@ that a symbolic link planted under its name cannot redirect.
 JSON-lines files (``metrics.jsonl``, ``probes.jsonl``) are read by :func:`read_jsonl` alone, with
 one policy: a missing file reads as no rows; blank lines are ignored; a last line without its
 newline that is not valid JSON is a write cut short by a killed writer and is skipped; any other
-line that is not a JSON object is a damaged file, a :class:`~.errors.ConfigError` naming the file
+line that is not a JSON object is a damaged file, a :class:`~.errors.UserError` naming the file
 and the line. :func:`open_jsonl` reopens such a file for a (resumed) writer.
 """
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import ENVIRONMENT_ERRNOS, ConfigError
+from .errors import ENVIRONMENT_ERRNOS, UserError
 
 __all__ = ["MARKER_NAME", "RunDir", "check_out_dir", "library_os_error", "open_jsonl", "plain",
            "read_json", "read_jsonl", "replacing", "save_figure", "write_json", "write_text"]
@@ -176,7 +176,7 @@ class RunDir:
             return []
 
     def refuse_existing_run(self, restart: bool = False) -> None:
-        """The check of a fresh run (:class:`ConfigError`, one line): the folder must be missing,
+        """The check of a fresh run (:class:`UserError`, one line): the folder must be missing,
         empty, or a run this tool marked that stopped before its first checkpoint (``restart``: any
         run this tool marked: compare's own, started again). Anything else is not ours to replace:
         a run, a compare experiment, the root folder, a repository, a folder of a user's files."""
@@ -187,30 +187,30 @@ class RunDir:
             return
         where = str(self)
         if self.holds_run() and (self.marked() or self.has_checkpoints() or self.summary.exists()):
-            raise ConfigError(f"{where} already holds a run; resume it with --resume or choose "
+            raise UserError(f"{where} already holds a run; resume it with --resume or choose "
                               "another --out")
         if self.holds_run():
-            raise ConfigError(f"{where} already holds a run without a checkpoint that siamesenorm "
+            raise UserError(f"{where} already holds a run without a checkpoint that siamesenorm "
                               "did not mark as its own (an older version's?); delete it or choose "
                               "another --out")
         if (self.path / "experiment.json").exists():
-            raise ConfigError(f"{where} is a compare experiment folder (its runs are inside it); "
+            raise UserError(f"{where} is a compare experiment folder (its runs are inside it); "
                               "choose another --out")
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         full = self.path.resolve()
         what = "the root folder" if full == Path(full.anchor) else "a folder"
-        raise ConfigError(f"{where} is {what} that holds other files ({shown}) and no run of "
+        raise UserError(f"{where} is {what} that holds other files ({shown}) and no run of "
                           "siamesenorm; train into a new or empty folder (choose another --out)")
 
     def clear_run_files(self) -> None:
         """Delete what a run of this tool writes here, by name: its files (and their temporary
         versions), its checkpoints, and the known files of its tokenizer, TensorBoard, sample and
         plot folders, which go once empty; a user's files among them stay. The marker goes last.
-        Only for a marked folder (a :class:`ConfigError` otherwise)."""
+        Only for a marked folder (a :class:`UserError` otherwise)."""
         import shutil
 
         if not self.marked():
-            raise ConfigError(f"{self} was not created by siamesenorm as a run; nothing is deleted")
+            raise UserError(f"{self} was not created by siamesenorm as a run; nothing is deleted")
         for file in (self.metrics, self.config, self.summary, self.probes, self.analysis):
             file.unlink(missing_ok=True)
             for tmp in self.path.glob(f".{file.name}.tmp-*"):
@@ -280,7 +280,7 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> None:
         if candidate.exists():
             if not candidate.is_dir():
                 where = "is" if candidate == path else f"lies inside {candidate}, which is"
-                raise ConfigError(f"{flag} {path} {where} a file, not a folder; remove it or choose "
+                raise UserError(f"{flag} {path} {where} a file, not a folder; remove it or choose "
                                   f"another {flag}")
             return
 
@@ -293,7 +293,7 @@ def _lines(path: Path) -> list[tuple[int, str, dict[str, Any]]]:
     except FileNotFoundError:
         return []
     except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror or error}") from None
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     raw = data.split(b"\n")
     last = len(raw) - 1     # an unterminated last line (b"" when the file ends with a newline)
     rows = []
@@ -307,10 +307,10 @@ def _lines(path: Path) -> list[tuple[int, str, dict[str, Any]]]:
             if i == last:   # cut short by a killed writer
                 break
             why = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
-            raise ConfigError(f"{path}, line {i + 1}: not valid JSON ({why}); the file is damaged: "
+            raise UserError(f"{path}, line {i + 1}: not valid JSON ({why}); the file is damaged: "
                               "delete or repair that line") from None
         if not isinstance(row, dict):
-            raise ConfigError(f"{path}, line {i + 1}: a JSON {type(row).__name__}, not an object; the "
+            raise UserError(f"{path}, line {i + 1}: a JSON {type(row).__name__}, not an object; the "
                               "file is damaged: delete or repair that line")
         rows.append((i + 1, text, row))
     return rows
@@ -321,7 +321,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
     A missing file is no rows; blank lines are ignored; a last line that lacks its newline and is
     not valid JSON (a write cut short by a killed writer) is skipped. Any other line that is not a
-    JSON object raises :class:`ConfigError`, one line naming the file and the line number.
+    JSON object raises :class:`UserError`, one line naming the file and the line number.
     """
     return [row for _, _, row in _lines(Path(path))]
 
@@ -458,15 +458,15 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in ``path``; a file that is not valid UTF-8 JSON (cut short, overwritten)
-    is a :class:`ConfigError` naming it, one line."""
+    is a :class:`UserError` naming it, one line."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror or error}") from None
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         why = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
-        raise ConfigError(f"{path} is damaged (not valid JSON: {why}); delete it or restore it "
+        raise UserError(f"{path} is damaged (not valid JSON: {why}); delete it or restore it "
                           "from a copy") from None

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import UserError
 from .rundir import read_json, read_jsonl
 
 __all__ = ["ANALYSIS", "ANY", "BOOL", "EXPERIMENT_ROWS", "INT", "METRICS_ROW", "NUMBER", "OPT_INT",
@@ -116,10 +116,10 @@ def mismatch(value: Any, shape: Any, at: str = "") -> str | None:
 
 def check(value: Any, shape: Any, where: str) -> Any:
     """``value`` (a document read from ``where``, a file) when it has ``shape``; otherwise a
-    :class:`ConfigError` in one line: the file, the place and what was expected."""
+    :class:`UserError` in one line: the file, the place and what was expected."""
     problem = mismatch(value, shape)
     if problem is not None:
-        raise ConfigError(f"{where} is damaged (not what siamesenorm wrote: {problem}); delete it or "
+        raise UserError(f"{where} is damaged (not what siamesenorm wrote: {problem}); delete it or "
                           "restore it from a copy")
     return value
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..rundir import RunDir, open_jsonl, plain
 from ..shapes import PROBE_ROW, read_rows
 from .adapters import LossFn, lm_loss
@@ -45,7 +45,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
 def read_probes(run_dir: str | Path) -> list[dict]:
     """The records of ``run_dir/probes.jsonl``, read by :func:`~siamesenorm.shapes.read_rows`
     (``[]`` when there is none; a last line a killed run cut short is skipped; a damaged line
-    elsewhere is a ConfigError)."""
+    elsewhere is a UserError)."""
     return read_rows(RunDir(run_dir).probes, PROBE_ROW)
 
 
@@ -60,7 +60,7 @@ class TrainingProbes:
 
     def __init__(self, every: int, batch: Any, loss_fn: LossFn = lm_loss) -> None:
         if not isinstance(every, int) or every <= 0:
-            raise ConfigError(f"analysis.every must be a positive number of steps, got {every!r}")
+            raise UserError(f"analysis.every must be a positive number of steps, got {every!r}")
         self.every, self.batch, self.loss_fn = every, batch, loss_fn
         self.pending: dict[str, Any] | None = None
         self.path: Path | None = None

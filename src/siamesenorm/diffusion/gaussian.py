@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .schedule import make_betas, space_timesteps
 
 __all__ = ["FIXED_VARIANCES", "GaussianDiffusion", "PMeanVariance", "create_diffusion"]
@@ -60,15 +60,15 @@ class GaussianDiffusion:
                  timestep_map: Sequence[int] | None = None) -> None:
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or len(betas) == 0 or not ((betas > 0) & (betas < 1)).all():
-            raise ConfigError("betas must be a non-empty 1-D sequence of values in (0, 1)")
+            raise UserError("betas must be a non-empty 1-D sequence of values in (0, 1)")
         if fixed_variance not in FIXED_VARIANCES:
-            raise ConfigError(f"fixed_variance must be {' or '.join(FIXED_VARIANCES)}, "
+            raise UserError(f"fixed_variance must be {' or '.join(FIXED_VARIANCES)}, "
                               f"got {fixed_variance!r}")
         self.fixed_variance = fixed_variance
         self.num_timesteps = len(betas)
         self.timestep_map = [int(t) for t in (range(len(betas)) if timestep_map is None else timestep_map)]
         if len(self.timestep_map) != len(betas):
-            raise ConfigError(f"timestep_map has {len(self.timestep_map)} entries for {len(betas)} betas")
+            raise UserError(f"timestep_map has {len(self.timestep_map)} entries for {len(betas)} betas")
         alphas = 1.0 - betas
         abar = np.cumprod(alphas)
         abar_prev = np.append(1.0, abar[:-1])
@@ -108,7 +108,7 @@ class GaussianDiffusion:
         """
         keep = space_timesteps(self.num_timesteps, steps) if isinstance(steps, int) else sorted(set(steps))
         if not keep or keep[0] < 0 or keep[-1] >= self.num_timesteps:
-            raise ConfigError(f"respaced timesteps must lie in [0, {self.num_timesteps}), got {steps}")
+            raise UserError(f"respaced timesteps must lie in [0, {self.num_timesteps}), got {steps}")
         abar = self._cpu["alphas_cumprod"].numpy()
         last, betas = 1.0, []
         for t in keep:

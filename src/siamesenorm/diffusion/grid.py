@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 __all__ = ["image_grid", "save_image_grid"]
 
@@ -24,10 +24,10 @@ def image_grid(images: Tensor, nrow: int = 8, padding: int = 1, upscale: int = 1
     pixel is repeated ``upscale`` times per axis (8x8 digits are easier to see at 4x).
     """
     if images.ndim != 4 or images.shape[1] not in (1, 3) or len(images) == 0:
-        raise ConfigError(f"an image grid needs a non-empty (B, 1 or 3, H, W) batch, "
+        raise UserError(f"an image grid needs a non-empty (B, 1 or 3, H, W) batch, "
                           f"got {tuple(images.shape)}")
     if nrow < 1 or padding < 0 or upscale < 1:
-        raise ConfigError(f"need nrow >= 1, padding >= 0, upscale >= 1; got {nrow}, {padding}, {upscale}")
+        raise UserError(f"need nrow >= 1, padding >= 0, upscale >= 1; got {nrow}, {padding}, {upscale}")
     x = ((images.detach().float().cpu().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
     if upscale > 1:
         x = x.repeat_interleave(upscale, dim=2).repeat_interleave(upscale, dim=3)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.dit import DiT
 
 __all__ = ["guided_output", "null_label_of"]
@@ -25,7 +25,7 @@ def null_label_of(model: nn.Module, null_label: int | None = None) -> int:
         return int(null_label)
     if isinstance(model, DiT):
         return model.config.num_classes
-    raise ConfigError("classifier-free guidance needs the null class: the model is not a DiT; "
+    raise UserError("classifier-free guidance needs the null class: the model is not a DiT; "
                       "pass null_label=NUM_CLASSES")
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.dit import DiT
 from .gaussian import GaussianDiffusion
 from .guidance import guided_output, null_label_of
@@ -50,7 +50,7 @@ def _start(shape: tuple[int, ...], labels: Tensor, generator: torch.Generator | 
            noise: Tensor | None) -> Tensor:
     if noise is not None:
         if tuple(noise.shape) != tuple(shape):
-            raise ConfigError(f"starting noise has shape {tuple(noise.shape)}, expected {tuple(shape)}")
+            raise UserError(f"starting noise has shape {tuple(noise.shape)}, expected {tuple(shape)}")
         return noise.to(labels.device, torch.float32)
     return _noise(shape, generator, labels.device)
 
@@ -84,7 +84,7 @@ def ddim_sample(model: nn.Module, diffusion: GaussianDiffusion, shape: tuple[int
                 noise: Tensor | None = None) -> Tensor:
     """DDIM sampling over every step of ``diffusion`` (respace it for fewer steps)."""
     if eta < 0:
-        raise ConfigError(f"DDIM eta must not be negative, got {eta}")
+        raise UserError(f"DDIM eta must not be negative, got {eta}")
     denoise = _denoiser(model, cfg_scale, null_label)
     x = _start(shape, labels, generator, noise)
     for step in reversed(range(diffusion.num_timesteps)):
@@ -103,11 +103,11 @@ def ddim_sample(model: nn.Module, diffusion: GaussianDiffusion, shape: tuple[int
 def _image_shape(model: nn.Module, count: int, shape: tuple[int, int, int] | None) -> tuple[int, ...]:
     if shape is None:
         if not isinstance(model, DiT):
-            raise ConfigError("cannot tell the image shape from the model (it is not a DiT); "
+            raise UserError("cannot tell the image shape from the model (it is not a DiT); "
                               "pass shape=(C, H, W)")
         shape = (model.config.in_chans, model.config.input_size, model.config.input_size)
     if len(shape) != 3:
-        raise ConfigError(f"shape must be (C, H, W), got {shape}")
+        raise UserError(f"shape must be (C, H, W), got {shape}")
     return (count, *(int(s) for s in shape))
 
 
@@ -127,7 +127,7 @@ def sample(model: nn.Module, labels: Tensor, diffusion: GaussianDiffusion | None
     DiT config's ``in_chans`` and ``input_size``). ``noise`` fixes ``x_T``.
     """
     if method not in METHODS:
-        raise ConfigError(f"unknown sampling method {method!r}; choose {' or '.join(METHODS)}")
+        raise UserError(f"unknown sampling method {method!r}; choose {' or '.join(METHODS)}")
     if isinstance(model, DiffusionObjective):
         diffusion = model.diffusion if diffusion is None else diffusion
         model = model.model

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 # The step count at which a linear schedule's ``beta_start``/``beta_end`` hold unscaled (ADM, DiT).
 LINEAR_REFERENCE_STEPS = 1000
@@ -33,12 +33,12 @@ def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: 
     small that the scaled ``beta_end`` reaches 1 is refused.
     """
     if not 0 < beta_start <= beta_end < 1:
-        raise ConfigError(f"need 0 < beta_start <= beta_end < 1, got {beta_start} and {beta_end}")
+        raise UserError(f"need 0 < beta_start <= beta_end < 1, got {beta_start} and {beta_end}")
     scale = LINEAR_REFERENCE_STEPS / num_timesteps
     start, end = beta_start * scale, beta_end * scale
     if end >= 1:
         least = math.floor(LINEAR_REFERENCE_STEPS * beta_end) + 1
-        raise ConfigError(f"a linear schedule over {num_timesteps} steps scales beta_end {beta_end:g} by "
+        raise UserError(f"a linear schedule over {num_timesteps} steps scales beta_end {beta_end:g} by "
                           f"1000/{num_timesteps} to {end:g} >= 1; use at least {least} timesteps or a "
                           "smaller beta_end")
     return np.linspace(start, end, num_timesteps, dtype=np.float64)
@@ -63,12 +63,12 @@ def make_betas(schedule: str = "linear", num_timesteps: int = 1000, beta_start: 
     """The betas of a named schedule (``linear`` uses ``beta_start``/``beta_end``, the 1,000-step
     endpoints, scaled by ``1000 / num_timesteps``: see :func:`linear_betas`)."""
     if not isinstance(num_timesteps, int) or num_timesteps < 1:
-        raise ConfigError(f"num_timesteps must be a positive integer, got {num_timesteps!r}")
+        raise UserError(f"num_timesteps must be a positive integer, got {num_timesteps!r}")
     if schedule == "linear":
         return linear_betas(num_timesteps, beta_start, beta_end)
     if schedule == "cosine":
         return cosine_betas(num_timesteps)
-    raise ConfigError(f"unknown noise schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
+    raise UserError(f"unknown noise schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
 
 
 def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
@@ -78,7 +78,7 @@ def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
     them all.
     """
     if not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"sampling steps must be a positive integer, got {steps!r}")
+        raise UserError(f"sampling steps must be a positive integer, got {steps!r}")
     if steps >= num_timesteps:
         return list(range(num_timesteps))
     if steps == 1:

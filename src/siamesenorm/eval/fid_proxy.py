@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..data.images.imageset import ImageSet, to_model_range
 from ..data.images.split import stratified_split_indices
-from ..errors import ConfigError
+from ..errors import UserError
 from .frechet import frechet_distance
 from .proxy_net import ProxyNet, ProxySettings
 
@@ -76,7 +76,7 @@ class ProxyClassifier:
             images = torch.as_tensor(x)         # float tensors: already in [-1, 1]
         if images.ndim != 4 or images.shape[1:] != (self.net.in_chans, self.net.image_size,
                                                     self.net.image_size):
-            raise ConfigError(f"the FD-proxy classifier takes ({self.net.in_chans}, {self.net.image_size}, "
+            raise UserError(f"the FD-proxy classifier takes ({self.net.in_chans}, {self.net.image_size}, "
                               f"{self.net.image_size}) images, got {tuple(images.shape)}")
         self.net.eval()
         for part in images.split(batch_size):
@@ -104,7 +104,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 def proxy_cache_key(train: ImageSet, settings: ProxySettings) -> str:
     """A hex digest of the training set's fingerprint and the settings (and this file's format)."""
     if any(train.meta.get(k) is None for k in _IDENTITY):
-        raise ConfigError("the FD-proxy needs an ImageSet with a fingerprint (sha256, labels_sha256, ...); "
+        raise UserError("the FD-proxy needs an ImageSet with a fingerprint (sha256, labels_sha256, ...); "
                           "load it with load_images")
     blob = json.dumps({"format": FORMAT, "data": {k: train.meta[k] for k in _IDENTITY},
                        "settings": settings.to_dict()}, sort_keys=True)
@@ -134,7 +134,7 @@ def train_proxy(train: ImageSet, settings: ProxySettings | None = None, *,
     settings = settings or ProxySettings()
     c, h, w = train.shape
     if h != w:
-        raise ConfigError(f"the FD-proxy classifier takes square images, got {h}x{w}")
+        raise UserError(f"the FD-proxy classifier takes square images, got {h}x{w}")
     fit_idx, val_idx = stratified_split_indices(train.labels, settings.val_fraction, settings.seed)
     device = torch.device(device)
     x = to_model_range(train.images).to(device)
@@ -230,7 +230,7 @@ def sample_quality(proxy: ProxyClassifier, real: Tensor | ImageSet, generated: T
     """
     labels = torch.as_tensor(labels).long().cpu()
     if labels.shape != (len(generated),):
-        raise ConfigError(f"{len(generated)} generated images but labels of shape {tuple(labels.shape)}")
+        raise UserError(f"{len(generated)} generated images but labels of shape {tuple(labels.shape)}")
     generated_features = proxy.features(generated)
     real_features = proxy.features(real)
     accuracy = float((proxy.predict(generated) == labels).double().mean())

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 __all__ = ["feature_statistics", "frechet_distance", "frechet_distance_from_stats"]
 
@@ -22,9 +22,9 @@ __all__ = ["feature_statistics", "frechet_distance", "frechet_distance_from_stat
 def _as_features(features: Tensor | np.ndarray, name: str) -> Tensor:
     x = torch.as_tensor(features).detach().to("cpu", torch.float64)
     if x.ndim != 2 or len(x) < 2:
-        raise ConfigError(f"{name} must be an (N, D) array of N >= 2 feature vectors, got {tuple(x.shape)}")
+        raise UserError(f"{name} must be an (N, D) array of N >= 2 feature vectors, got {tuple(x.shape)}")
     if not torch.isfinite(x).all():
-        raise ConfigError(f"{name} holds NaN or infinite values")
+        raise UserError(f"{name} holds NaN or infinite values")
     return x
 
 
@@ -44,7 +44,7 @@ def _sym_sqrt(matrix: Tensor) -> Tensor:
 def frechet_distance_from_stats(mean_a: Tensor, cov_a: Tensor, mean_b: Tensor, cov_b: Tensor) -> float:
     """The Frechet distance (squared, as FID reports it) between two Gaussians."""
     if mean_a.shape != mean_b.shape or cov_a.shape != cov_b.shape:
-        raise ConfigError(f"feature dimensions differ: {tuple(mean_a.shape)} and {tuple(mean_b.shape)}")
+        raise UserError(f"feature dimensions differ: {tuple(mean_a.shape)} and {tuple(mean_b.shape)}")
     root_a = _sym_sqrt(cov_a)
     middle = root_a @ cov_b @ root_a
     trace_root = torch.linalg.eigvalsh((middle + middle.T) / 2).clamp_min(0).sqrt().sum()
@@ -56,5 +56,5 @@ def frechet_distance(feats_a: Tensor | np.ndarray, feats_b: Tensor | np.ndarray)
     """The Frechet distance between feature sets ``(N_a, D)`` and ``(N_b, D)`` (see the module doc)."""
     a, b = _as_features(feats_a, "feats_a"), _as_features(feats_b, "feats_b")
     if a.shape[1] != b.shape[1]:
-        raise ConfigError(f"feature sets have different widths: {a.shape[1]} and {b.shape[1]}")
+        raise UserError(f"feature sets have different widths: {a.shape[1]} and {b.shape[1]}")
     return frechet_distance_from_stats(*feature_statistics(a), *feature_statistics(b))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 __all__ = ["ProxyNet", "ProxySettings"]
 
@@ -39,9 +39,9 @@ class ProxySettings:
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
-            raise ConfigError(f"proxy settings need positive width, epochs, batch_size and lr, got {self}")
+            raise UserError(f"proxy settings need positive width, epochs, batch_size and lr, got {self}")
         if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"proxy val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise UserError(f"proxy val_fraction must be in (0, 1), got {self.val_fraction}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +58,7 @@ class ProxyNet(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if in_chans < 1 or image_size < 1 or num_classes < 2:
-            raise ConfigError(f"the proxy classifier needs in_chans >= 1, image_size >= 1 and at least 2 "
+            raise UserError(f"the proxy classifier needs in_chans >= 1, image_size >= 1 and at least 2 "
                               f"classes, got {in_chans}, {image_size}, {num_classes}")
         self.in_chans, self.image_size, self.num_classes = in_chans, image_size, num_classes
         factory = {"device": device, "dtype": dtype}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..config import config_to_dict
 from ..devices import resolve_device
-from ..errors import ConfigError
+from ..errors import UserError
 from ..locks import LOCK_NAME, check_free, folder_lock
 from ..parallel.env import launched_world_size
 from ..rundir import RunDir, check_out_dir, read_json, write_text
@@ -62,7 +62,7 @@ def read_runs(path: str | Path) -> list[dict]:
         return check(data, EXPERIMENT_ROWS, str(path))
     if isinstance(data, dict) and isinstance(data.get("runs"), list):
         return check(data["runs"], EXPERIMENT_ROWS, f"{path} (its runs)")
-    raise ConfigError(f"{path} is not a comparison's summary (no list of runs); run compare again")
+    raise UserError(f"{path} is not a comparison's summary (no list of runs); run compare again")
 
 
 def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str = "final_val_loss") -> str:
@@ -109,11 +109,11 @@ def _claim(out: Path, spec: dict) -> None:
     if marker.exists():
         old = read_json(marker)
         if old != spec:
-            raise ConfigError(f"{out} holds another experiment's runs (its experiment.json differs); "
+            raise UserError(f"{out} holds another experiment's runs (its experiment.json differs); "
                               "choose another --out")
         return
     if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
-        raise ConfigError(f"{out} is not empty and holds no experiment.json; choose another --out")
+        raise UserError(f"{out} is not empty and holds no experiment.json; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     write_text(marker, json.dumps(spec, indent=2) + "\n")
 
@@ -149,7 +149,7 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
 
     A run that fails (an exception, a user's error such as a full disk) does not stop the others;
     once they have ended, the failures are raised as one line (:class:`RunsFailed`, or
-    :class:`ConfigError` when every one was a user's error) and no table is written. Ctrl-C or
+    :class:`UserError` when every one was a user's error) and no table is written. Ctrl-C or
     SIGTERM stops every run at its next step with a checkpoint; the same command resumes them.
     """
     p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import check_seed, derive, read_preset
-from ..errors import ConfigError
+from ..errors import UserError
 from ..schemes import list_schemes
 from ..tasks import load_config
 from .jobs import AUTO, check_jobs
@@ -81,7 +81,7 @@ def run_name(label: str, lr: float, seed: int) -> str:
 
 def _check_list(key: str, value: Any, kind: type) -> list:
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"compare.{key} must be a non-empty list, got {value!r}")
+        raise UserError(f"compare.{key} must be a non-empty list, got {value!r}")
     out = []
     for v in value:
         if kind is float and isinstance(v, str):
@@ -90,7 +90,7 @@ def _check_list(key: str, value: Any, kind: type) -> list:
             except ValueError:
                 pass
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
-            raise ConfigError(f"compare.{key}: {v!r} is not {'a number' if kind is float else kind.__name__}")
+            raise UserError(f"compare.{key}: {v!r} is not {'a number' if kind is float else kind.__name__}")
         out.append(kind(v))
     return out
 
@@ -99,10 +99,10 @@ def check_section(data: dict, preset: str | None) -> dict:
     """The ``compare`` section of the preset ``data`` (read from ``preset``), checked."""
     section = data.get("compare") or {}
     if not isinstance(section, dict):
-        raise ConfigError(f"compare section of preset {preset!r} must be a mapping")
+        raise UserError(f"compare section of preset {preset!r} must be a mapping")
     for key in section:
         if key not in _SECTION_KEYS:
-            raise ConfigError(f"unknown key 'compare.{key}'; known keys: {', '.join(_SECTION_KEYS)}")
+            raise UserError(f"unknown key 'compare.{key}'; known keys: {', '.join(_SECTION_KEYS)}")
     out: dict = {}
     if "schemes" in section:
         out["schemes"] = _check_list("schemes", section["schemes"], str)
@@ -112,51 +112,51 @@ def check_section(data: dict, preset: str | None) -> dict:
         out["seeds"] = _check_list("seeds", section["seeds"], int)
     if "baseline" in section:
         if not isinstance(section["baseline"], str) or not section["baseline"]:
-            raise ConfigError(f"compare.baseline must be a scheme or variant label, got "
+            raise UserError(f"compare.baseline must be a scheme or variant label, got "
                               f"{section['baseline']!r}")
         out["baseline"] = section["baseline"]
     if "jobs" in section:
         out["jobs"] = check_jobs(section["jobs"], "compare.jobs")
     variants = section.get("variants") or {}
     if not isinstance(variants, dict):
-        raise ConfigError("compare.variants must map a label to {scheme, options, overrides}")
+        raise UserError("compare.variants must map a label to {scheme, options, overrides}")
     out["variants"] = {check_label(label): _variant(str(label), spec) for label, spec in variants.items()}
     return out
 
 
 def check_label(label: Any) -> str:
     """A variant's label, which names its runs' folders (``<label>-lr<lr>-s<seed>``) and the rows
-    of the report: a name, refused (:class:`ConfigError`) when empty, ``.`` or ``..``, or when it
+    of the report: a name, refused (:class:`UserError`) when empty, ``.`` or ``..``, or when it
     holds a path separator or a control character (a newline, a tab, ...)."""
     text = str(label)
     bad = next((c for c in text if c in "/\\" or not c.isprintable() or c.isspace() and c != " "),
                None)
     if not text.strip() or text in (".", "..") or bad is not None:
         why = "is empty" if not text.strip() else f"holds {bad!r}" if bad is not None else "is a path"
-        raise ConfigError(f"compare.variants: the label {text!r} {why}; a label names its runs' folders, "
+        raise UserError(f"compare.variants: the label {text!r} {why}; a label names its runs' folders, "
                           "so it is a name without path separators or control characters")
     return text
 
 
 def _variant(label: str, spec: Any) -> Variant:
     if not isinstance(spec, dict) or "scheme" not in spec:
-        raise ConfigError(f"compare.variants.{label} must be a mapping with a 'scheme' key")
+        raise UserError(f"compare.variants.{label} must be a mapping with a 'scheme' key")
     for key in spec:
         if key not in _VARIANT_KEYS:
-            raise ConfigError(f"unknown key 'compare.variants.{label}.{key}'; known keys: "
+            raise UserError(f"unknown key 'compare.variants.{label}.{key}'; known keys: "
                               f"{', '.join(_VARIANT_KEYS)}")
     options, overrides = spec.get("options"), spec.get("overrides") or {}
     if options is not None and not isinstance(options, dict):
-        raise ConfigError(f"compare.variants.{label}.options must be a mapping")
+        raise UserError(f"compare.variants.{label}.options must be a mapping")
     if not isinstance(overrides, dict):
-        raise ConfigError(f"compare.variants.{label}.overrides must be a mapping of dotted keys")
+        raise UserError(f"compare.variants.{label}.overrides must be a mapping of dotted keys")
     return Variant(label, str(spec["scheme"]), options, overrides)
 
 
 def _refuse_repeats(source: str, what: str, names: list[str]) -> None:
     """Refuse a grid list (``--schemes``, ``compare.lrs``, ...) that names one value twice."""
     if len(set(names)) != len(names):
-        raise ConfigError(f"{source} names {what} twice: {', '.join(names)}")
+        raise UserError(f"{source} names {what} twice: {', '.join(names)}")
 
 
 def _check_lrs(lrs: list[float], source: str) -> list[float]:
@@ -164,7 +164,7 @@ def _check_lrs(lrs: list[float], source: str) -> list[float]:
     ``train.lr`` must be, no two alike as a run's name writes them (``{lr:g}``)."""
     for lr in lrs:
         if not 0 < lr < math.inf:
-            raise ConfigError(f"{source}: each learning rate must be a positive finite number (as "
+            raise UserError(f"{source}: each learning rate must be a positive finite number (as "
                               f"train.lr), got {lr}")
     _refuse_repeats(source, "a learning rate", [format(lr, "g") for lr in lrs])
     return lrs
@@ -190,7 +190,7 @@ def resolve_variants(names: list[str], variants: dict[str, Variant],
             out.append(Variant(name, name))
         else:
             known = ", ".join(list(variants) + list_schemes())
-            raise ConfigError(f"unknown scheme {name!r}; choose one of {known}")
+            raise UserError(f"unknown scheme {name!r}; choose one of {known}")
     _refuse_repeats(source, "a scheme", [v.label for v in out])
     return out
 
@@ -252,7 +252,7 @@ def choose_baseline(labels: list[str], baseline: str | None = None, section: dic
     for source, name in (("--baseline", baseline), ("compare.baseline", (section or {}).get("baseline"))):
         if name is not None:
             if name not in labels:
-                raise ConfigError(f"{source} {name!r} is not among the compared schemes "
+                raise UserError(f"{source} {name!r} is not among the compared schemes "
                                   f"({', '.join(labels)}); name one of them")
             return name
     return DEFAULT_BASELINE if DEFAULT_BASELINE in labels else labels[0]

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 AUTO = "auto"
 # a run's FLOPs (steps x micro-batches x work of one) below which starting a process for it
@@ -52,13 +52,13 @@ def check_jobs(value: Any, source: str = "compare.jobs") -> int | str:
         try:
             value = int(text)
         except ValueError:
-            raise ConfigError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
+            raise UserError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
                               f"got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
+        raise UserError(f"{source} must be a whole number of runs at once (1 or more) or auto, "
                           f"got {value!r}")
     if value < 1:
-        raise ConfigError(f"{source} must be at least 1 (runs at once) or auto, got {value}")
+        raise UserError(f"{source} must be at least 1 (runs at once) or auto, got {value}")
     return value
 
 
@@ -150,7 +150,7 @@ def choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, w
     if spread:
         if jobs != AUTO and jobs > 1:
             what = f"--nproc {nproc}" if (nproc or 1) > 1 else f"a launcher's world of {world_size}"
-            raise ConfigError(f"--jobs {jobs} with {what}: each run already spans several processes "
+            raise UserError(f"--jobs {jobs} with {what}: each run already spans several processes "
                               "on this machine; give --jobs 1 (or leave it to auto), or leave out --nproc")
         return Concurrency(1, cores, None, "--nproc trains one run at a time" if (nproc or 1) > 1
                            else "one run at a time under a launcher")

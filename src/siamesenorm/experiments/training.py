@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, RankFailed, environment_problem
+from ..errors import RankFailed, UserError, environment_problem
 from ..locks import folder_lock
 from ..rundir import RunDir
 from ..shapes import METRICS_ROW, read_rows, read_summary
@@ -140,7 +140,7 @@ def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: in
 
 def _failure_of(error: Exception) -> Failure:
     """A run's exception as one line; a crash's traceback is printed (stderr) first."""
-    if isinstance(error, ConfigError):
+    if isinstance(error, UserError):
         return Failure(str(error), user=True)
     if isinstance(error, OSError) and environment_problem(error):
         return Failure(environment_problem(error), user=True)
@@ -295,7 +295,7 @@ def _collect(item: Todo, code: int, failure: Failure | None, stopping: bool, don
     if failure is None and code == 0:
         try:
             summaries[name] = read_summary(path)
-        except ConfigError as error:
+        except UserError as error:
             failure = Failure(str(error), user=True)
         else:
             done.finished(item, summaries[name])
@@ -312,10 +312,10 @@ def _collect(item: Todo, code: int, failure: Failure | None, stopping: bool, don
 
 
 def raise_failures(failures: dict[str, Failure], total: int) -> None:
-    """One line naming every failed run; :class:`ConfigError` when all were a user's errors."""
+    """One line naming every failed run; :class:`UserError` when all were a user's errors."""
     which = "; ".join(f"{name}: {failure.line}" for name, failure in failures.items())
     line = (f"{len(failures)} of {total} runs failed ({which}); the others ended as usual, and the "
             "same command trains the failed ones again (finished runs are skipped)")
     if all(f.user for f in failures.values()):
-        raise ConfigError(line)
+        raise UserError(line)
     raise RunsFailed(line)

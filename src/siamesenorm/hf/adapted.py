@@ -70,7 +70,7 @@ try:
 except ImportError:                     # pragma: no cover - transformers 4
     capture_outputs = None
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.attention import HeadNormedProjection, head_norm
@@ -116,7 +116,7 @@ def _family(model_type: str | None) -> Family:
     try:
         return FAMILIES[model_type]
     except KeyError:
-        raise ConfigError(f"adapt supports the model types {', '.join(FAMILIES)}; "
+        raise UserError(f"adapt supports the model types {', '.join(FAMILIES)}; "
                           f"got {model_type!r}") from None
 
 
@@ -294,7 +294,7 @@ def _layer_types(family: Family, config: Any) -> list[str]:
         types = list(config.layer_types[:n])
         unknown = sorted(set(types) - set(_LAYER_TYPES))
         if unknown:
-            raise ConfigError(f"adapt: layer type {unknown[0]!r} of {config.model_type} is not "
+            raise UserError(f"adapt: layer type {unknown[0]!r} of {config.model_type} is not "
                               f"supported; supported: {', '.join(_LAYER_TYPES)}")
         return types
     if family.masks == "window" and getattr(config, "sliding_window", None) is not None:
@@ -385,7 +385,7 @@ class _SchemeCausalLM(SchemeCheckpointing):
 def _spec_of(config: Any) -> dict:
     spec = getattr(config, "siamesenorm", None)
     if not isinstance(spec, dict) or not isinstance(spec.get("scheme"), str):
-        raise ConfigError("this configuration records no scheme (config.siamesenorm); build the model "
+        raise UserError("this configuration records no scheme (config.siamesenorm); build the model "
                           "with siamesenorm.hf.adapt(config, scheme=...)")
     return {"scheme": spec["scheme"], "scheme_options": dict(spec.get("scheme_options") or {})}
 
@@ -431,7 +431,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
             eps come from the family.
 
     Raises:
-        ConfigError: an unsupported family, an unknown scheme, an option the scheme lacks or a bad
+        UserError: an unsupported family, an unknown scheme, an option the scheme lacks or a bad
             value (one line each).
     """
     _need_transformers5()
@@ -440,7 +440,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
     elif isinstance(config_or_model, PreTrainedModel):
         source = config_or_model
         if isinstance(source, _SchemeCausalLM):
-            raise ConfigError("this model runs a scheme already; adapt the family's model it was "
+            raise UserError("this model runs a scheme already; adapt the family's model it was "
                               "built from")
         config = copy.deepcopy(source.config)
     else:
@@ -449,13 +449,13 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
     family = _family(getattr(config, "model_type", None))
     cls = adapted_class(config.model_type)
     if source is not None and not isinstance(source, cls._family_class):
-        raise ConfigError(f"adapt takes a {family.causal_lm} (or its configuration); got "
+        raise UserError(f"adapt takes a {family.causal_lm} (or its configuration); got "
                           f"{type(source).__name__}")
     taken = sorted({"norm", "eps", "device", "dtype"} & set(scheme_options))
     if taken:
-        raise ConfigError(f"adapt: {', '.join(taken)} come(s) from the {config.model_type} "
+        raise UserError(f"adapt: {', '.join(taken)} come(s) from the {config.model_type} "
                           f"configuration, not from scheme options")
-    # every check of the scheme and its options (one-line ConfigErrors), on the meta device
+    # every check of the scheme and its options (one-line UserErrors), on the meta device
     build_scheme(scheme, config.hidden_size, config.num_hidden_layers, device="meta",
                  **scheme_options)
     config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
@@ -471,7 +471,7 @@ def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
     _need_transformers5()
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
     if getattr(config, "siamesenorm", None) is None:
-        raise ConfigError(f"{path}: not saved from siamesenorm.hf.adapt (its config has no "
+        raise UserError(f"{path}: not saved from siamesenorm.hf.adapt (its config has no "
                           f"'siamesenorm' entry); load it with its family's from_pretrained and "
                           f"call siamesenorm.hf.adapt on it")
     _spec_of(config)

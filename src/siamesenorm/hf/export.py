@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import UserError
 from ..rundir import RunDir, check_out_dir, library_os_error
 from ..shapes import read_summary
 from ..tasks.finished import open_trained
@@ -79,12 +79,12 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
 
     A folder that is not a run, a run that is not a language model, a run without a checkpoint and
     an ``out`` that is a file, or a non-empty folder without ``force``, are refused
-    (:class:`ConfigError`) before anything is written."""
+    (:class:`UserError`) before anything is written."""
     run_dir, out = Path(run_dir), Path(out)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     if not get_task(cfg.task).exports_hf:
         kinds = ", ".join(f"{t.kind} runs (task: {t.name})" for t in TASKS.values() if t.exports_hf)
-        raise ConfigError(f"{run_dir} is a {get_task(cfg.task).kind} run (task: {cfg.task}); "
+        raise UserError(f"{run_dir} is a {get_task(cfg.task).kind} run (task: {cfg.task}); "
                           f"--format hf exports {kinds}")
     _check_out(out, run_dir, force)
     model, cfg, step = open_trained(run_dir, "cpu", cfg)
@@ -118,16 +118,16 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
     check_out_dir(out)
     target, run = out.resolve(), run_dir.resolve()
     if run in target.parents:
-        raise ConfigError(f"--out {out} lies inside the run {run_dir} (its files would be replaced); "
+        raise UserError(f"--out {out} lies inside the run {run_dir} (its files would be replaced); "
                           "write the model folder outside the run")
     for inside, what in ((run_dir, f"the run {run_dir}"), (Path.cwd(), "the current folder")):
         if (out.exists() or inside == run_dir) and \
                 (target == inside.resolve() or target in inside.resolve().parents):
-            raise ConfigError(f"--out {out} holds {what}; choose another folder")
+            raise UserError(f"--out {out} holds {what}; choose another folder")
     if not out.exists():
         return
     if any(out.iterdir()) and not force:
-        raise ConfigError(f"--out {out} is a folder that is not empty; add --force to replace it, or "
+        raise UserError(f"--out {out} is a folder that is not empty; add --force to replace it, or "
                           "choose another folder")
 
 

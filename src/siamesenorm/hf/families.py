@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 __all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "check_family"]
 
@@ -65,16 +65,16 @@ def check_family(family: str, options: dict) -> None:
     """A configuration's ``model.family`` and ``model.family_options``: a known family, transformers
     5 installed, and options that are fields of the family's configuration (one-line errors)."""
     if family not in FAMILIES:
-        raise ConfigError(f"model.family: unknown value {family!r}; choose one of "
+        raise UserError(f"model.family: unknown value {family!r}; choose one of "
                           f"{', '.join(FAMILIES)} (or leave it empty for our own language model)")
     try:
         import transformers
         from transformers import masking_utils  # noqa: F401 - transformers 5
     except ImportError:
-        raise ConfigError(f"model.family={family} needs transformers 5: pip install 'siamesenorm[hf]'") \
+        raise UserError(f"model.family={family} needs transformers 5: pip install 'siamesenorm[hf]'") \
             from None
     cls = getattr(transformers, FAMILIES[family].config_class)
     accepted = set(inspect.signature(cls.__init__).parameters) | {"attn_implementation"}
     unknown = sorted(set(options) - accepted - {"self", "kwargs"})
     if unknown:
-        raise ConfigError(f"model.family_options.{unknown[0]}: {cls.__name__} has no field {unknown[0]!r}")
+        raise UserError(f"model.family_options.{unknown[0]}: {cls.__name__} has no field {unknown[0]!r}")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..nn.mlp import MLP_KINDS, default_mlp_hidden
 from ..nn.norms import NORM_KINDS
 from ..nn.value_residual import VALUE_RESIDUAL_MIXES
@@ -50,12 +50,12 @@ def _positive_int(name: str, value: Any, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"LMConfig.{name} must be a positive integer, got {value!r}")
+        raise UserError(f"LMConfig.{name} must be a positive integer, got {value!r}")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"LMConfig.{name}: unknown value {value!r}; choose one of "
+        raise UserError(f"LMConfig.{name}: unknown value {value!r}; choose one of "
                           f"{', '.join(choices)}")
 
 
@@ -82,27 +82,27 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
-            raise ConfigError(f"model.moe.every must be 0 (dense) or a positive integer, got "
+            raise UserError(f"model.moe.every must be 0 (dense) or a positive integer, got "
                               f"{self.every!r}")
         for name in ("n_experts", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"model.moe.{name} must be a positive integer, got {value!r}")
+                raise UserError(f"model.moe.{name} must be a positive integer, got {value!r}")
         if self.top_k > self.n_experts:
-            raise ConfigError(f"model.moe.top_k ({self.top_k}) exceeds model.moe.n_experts "
+            raise UserError(f"model.moe.top_k ({self.top_k}) exceeds model.moe.n_experts "
                               f"({self.n_experts})")
         if self.hidden is not None and (isinstance(self.hidden, bool)
                                         or not isinstance(self.hidden, int) or self.hidden < 1):
-            raise ConfigError(f"model.moe.hidden must be a positive integer, got {self.hidden!r}")
+            raise UserError(f"model.moe.hidden must be a positive integer, got {self.hidden!r}")
         if isinstance(self.shared_hidden, bool) or not isinstance(self.shared_hidden, int) \
                 or self.shared_hidden < 0:
-            raise ConfigError("model.moe.shared_hidden must be 0 (none) or a positive integer, got "
+            raise UserError("model.moe.shared_hidden must be 0 (none) or a positive integer, got "
                               f"{self.shared_hidden!r}")
         for name in ("aux_loss", "z_loss"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"model.moe.{name} must be a finite number >= 0, got {value!r}")
+                raise UserError(f"model.moe.{name} must be a finite number >= 0, got {value!r}")
 
     def expert_hidden(self, dim: int) -> int:
         return max(1, dim // 2) if self.hidden is None else self.hidden
@@ -169,13 +169,13 @@ class LMConfig:
         _positive_int("n_kv_heads", self.n_kv_heads, optional=True)
         _positive_int("mlp_hidden", self.mlp_hidden, optional=True)
         if self.dim % self.n_heads:
-            raise ConfigError(f"LMConfig.dim ({self.dim}) must be divisible by "
+            raise UserError(f"LMConfig.dim ({self.dim}) must be divisible by "
                               f"LMConfig.n_heads ({self.n_heads})")
         if self.head_dim % 2:
-            raise ConfigError(f"LMConfig.dim / LMConfig.n_heads = {self.head_dim} must be even "
+            raise UserError(f"LMConfig.dim / LMConfig.n_heads = {self.head_dim} must be even "
                               "for rotary embeddings")
         if self.n_heads % self.kv_heads:
-            raise ConfigError(f"LMConfig.n_heads ({self.n_heads}) must be divisible by "
+            raise UserError(f"LMConfig.n_heads ({self.n_heads}) must be divisible by "
                               f"LMConfig.n_kv_heads ({self.kv_heads})")
         _choice("mlp", self.mlp, MLP_KINDS)
         _choice("norm", self.norm, NORM_KINDS)
@@ -183,29 +183,29 @@ class LMConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"LMConfig.{name} must be a positive number, got {value!r}")
+                raise UserError(f"LMConfig.{name} must be a positive number, got {value!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            raise UserError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.scheme, str) or not self.scheme:
-            raise ConfigError(f"LMConfig.scheme must be a scheme name, got {self.scheme!r}")
+            raise UserError(f"LMConfig.scheme must be a scheme name, got {self.scheme!r}")
         if isinstance(self.moe, dict):
             unknown = sorted(set(self.moe) - {f for f in MoEConfig.__dataclass_fields__})
             if unknown:
-                raise ConfigError(f"unknown key 'model.moe.{unknown[0]}'")
+                raise UserError(f"unknown key 'model.moe.{unknown[0]}'")
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if not isinstance(self.moe, MoEConfig):
-            raise ConfigError(f"LMConfig.moe must be an MoEConfig, got {self.moe!r}")
+            raise UserError(f"LMConfig.moe must be an MoEConfig, got {self.moe!r}")
         if self.moe.every and self.mlp != "swiglu":
-            raise ConfigError(f"model.moe needs model.mlp=swiglu (its experts are SwiGLU), got "
+            raise UserError(f"model.moe needs model.mlp=swiglu (its experts are SwiGLU), got "
                               f"{self.mlp!r}")
         if not isinstance(self.family, str):
-            raise ConfigError(f"LMConfig.family must be a family name or empty, got {self.family!r}")
+            raise UserError(f"LMConfig.family must be a family name or empty, got {self.family!r}")
         if not isinstance(self.family_options, dict):
-            raise ConfigError("LMConfig.family_options must be a mapping of the family's configuration "
+            raise UserError("LMConfig.family_options must be a mapping of the family's configuration "
                               f"fields, got {self.family_options!r}")
         if not isinstance(self.scheme_options, dict):
-            raise ConfigError("LMConfig.scheme_options must be a mapping of option names to "
+            raise UserError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
         self._check_value_residual()
         self._check_embed_scale()
@@ -214,29 +214,29 @@ class LMConfig:
         buildable("LMConfig", self.n_layers, self.estimated_parameters())
         moe_layers = self.moe_layers
         if moe_layers and self.moe.n_experts > MAX_EXPERTS:
-            raise ConfigError(f"model.moe.n_experts={self.moe.n_experts:,} is beyond what this library "
+            raise UserError(f"model.moe.n_experts={self.moe.n_experts:,} is beyond what this library "
                               f"builds (at most {MAX_EXPERTS:,} per layer; the largest published "
                               "mixtures have a few hundred)")
         if moe_layers * self.moe.n_experts > MAX_EXPERT_LAYERS:
-            raise ConfigError(f"{moe_layers} MoE layers of {self.moe.n_experts} experts are beyond what "
+            raise UserError(f"{moe_layers} MoE layers of {self.moe.n_experts} experts are beyond what "
                               f"this library builds (at most {MAX_EXPERT_LAYERS:,} experts in all: each "
                               "runs in turn); fewer layers, experts, or a larger model.moe.every")
 
     def _check_value_residual(self) -> None:
         if not isinstance(self.value_residual, bool):
-            raise ConfigError(f"model.value_residual must be true or false, got {self.value_residual!r}")
+            raise UserError(f"model.value_residual must be true or false, got {self.value_residual!r}")
         if self.value_residual_mix not in VALUE_RESIDUAL_MIXES:
-            raise ConfigError(f"model.value_residual_mix: unknown value {self.value_residual_mix!r}; choose "
+            raise UserError(f"model.value_residual_mix: unknown value {self.value_residual_mix!r}; choose "
                               f"one of {', '.join(VALUE_RESIDUAL_MIXES)}")
         for name in ("value_residual_own", "value_residual_first"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f"model.{name} must be a finite number, got {value!r}")
+                raise UserError(f"model.{name} must be a finite number, got {value!r}")
         if not self.value_residual:
             changed = [name for name in ("value_residual_mix", "value_residual_own", "value_residual_first")
                        if getattr(self, name) != self.__dataclass_fields__[name].default]
             if changed:
-                raise ConfigError(f"model.{changed[0]} is set but model.value_residual is false; add "
+                raise UserError(f"model.{changed[0]} is set but model.value_residual is false; add "
                                   "model.value_residual=true")
 
     def _check_embed_scale(self) -> None:
@@ -245,7 +245,7 @@ class LMConfig:
             pass
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not value > 0:
-            raise ConfigError(f"model.embed_scale must be a positive number, sqrt_dim or null, got {value!r}")
+            raise UserError(f"model.embed_scale must be a positive number, sqrt_dim or null, got {value!r}")
 
     def check_host(self, host: str) -> None:
         """Refuse, in one line, the first value the model on ``host`` (a key of :data:`HOSTS`)
@@ -259,7 +259,7 @@ class LMConfig:
             if (value != default) if rule.allowed is None else (value not in rule.allowed):
                 allowed = "" if rule.allowed is None else f", choose {' or '.join(rule.allowed)}"
                 value = str(value).lower() if isinstance(value, bool) else value
-                raise ConfigError(f"model.{rule.name}={value} is not available with "
+                raise UserError(f"model.{rule.name}={value} is not available with "
                                   f"{where.format(family=self.family)} ({rule.why}{allowed}); {fix}")
 
     @property

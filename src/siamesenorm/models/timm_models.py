@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .vit import VisionTransformer
 from .vit_config import ViTConfig
 
@@ -74,7 +74,7 @@ class TimmVisionTransformer(VisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A fresh head for ``num_classes`` classes (0: no head, the features come out)."""
         if global_pool not in (None, "token"):
-            raise ConfigError(f"only the class-token pool is supported, got global_pool={global_pool!r}")
+            raise UserError(f"only the class-token pool is supported, got global_pool={global_pool!r}")
         self.config = copy.copy(self.config)   # frozen; 0 (no head) is no ViTConfig value
         object.__setattr__(self.config, "num_classes", num_classes)
         w = self.head.weight if isinstance(self.head, nn.Linear) else self.cls_token
@@ -100,12 +100,12 @@ def _timm_config(size: str, scheme: str, kwargs: dict[str, Any]) -> ViTConfig:
         elif key in ViTConfig.__dataclass_fields__:
             fields[key] = value
         else:
-            raise ConfigError(f"argument {key}={value!r} is not supported by the siamesenorm ViT; "
+            raise UserError(f"argument {key}={value!r} is not supported by the siamesenorm ViT; "
                               f"pass ViTConfig fields or {', '.join(_RENAMED)}")
     if isinstance(fields.get("image_size"), (tuple, list)):
         height, width = fields["image_size"]
         if height != width:
-            raise ConfigError(f"img_size must be square, got {height}x{width}")
+            raise UserError(f"img_size must be square, got {height}x{width}")
         fields["image_size"] = height
     return ViTConfig.from_size(_SIZES[size], **fields)
 
@@ -115,7 +115,7 @@ def create_entrypoint(scheme: str, size: str) -> Callable[..., TimmVisionTransfo
 
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> TimmVisionTransformer:
         if pretrained:
-            raise ConfigError("there are no pretrained siamesenorm weights; use pretrained=False and "
+            raise UserError("there are no pretrained siamesenorm weights; use pretrained=False and "
                               "load a checkpoint file (checkpoint_path=...)")
         return TimmVisionTransformer(_timm_config(size, scheme, kwargs))
 

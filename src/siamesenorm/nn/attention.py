@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .fused import _autocast_on, fused_enabled, norm_value, recomputed_inputs
 from .norms import build_norm
 from .rope import RotaryEmbedding
@@ -134,11 +134,11 @@ class Attention(nn.Module):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if dim % n_heads:
-            raise ConfigError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
+            raise UserError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
-            raise ConfigError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+            raise UserError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
         if value_residual not in (None, *VALUE_RESIDUAL_MIXES):
-            raise ConfigError(f"value_residual must be None or one of {', '.join(VALUE_RESIDUAL_MIXES)}, "
+            raise UserError(f"value_residual must be None or one of {', '.join(VALUE_RESIDUAL_MIXES)}, "
                               f"got {value_residual!r}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads

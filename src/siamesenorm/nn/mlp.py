@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 MLP_KINDS = ("swiglu", "gelu")
 
@@ -22,7 +22,7 @@ def default_mlp_hidden(kind: str, dim: int) -> int:
         return -(-8 * dim // (3 * 64)) * 64
     if kind == "gelu":
         return 4 * dim
-    raise ConfigError(f"unknown mlp {kind!r}; choose one of {', '.join(MLP_KINDS)}")
+    raise UserError(f"unknown mlp {kind!r}; choose one of {', '.join(MLP_KINDS)}")
 
 
 class SwiGLUMLP(nn.Module):
@@ -60,7 +60,7 @@ class GELUMLP(nn.Module):
                  approximate: str = "none", device=None, dtype=None) -> None:
         super().__init__()
         if approximate not in GELU_APPROXIMATIONS:
-            raise ConfigError(f"unknown GELU approximation {approximate!r}; choose one of "
+            raise UserError(f"unknown GELU approximation {approximate!r}; choose one of "
                               f"{', '.join(GELU_APPROXIMATIONS)}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.hidden, self.dropout = dim, hidden, dropout
@@ -81,7 +81,7 @@ def build_mlp(kind: str, dim: int, hidden: int | None = None, *, bias: bool = Fa
               dropout: float = 0.0, device=None, dtype=None) -> nn.Module:
     """Build an MLP by name (``"swiglu"`` or ``"gelu"``); ``hidden=None`` uses the default size."""
     if kind not in MLP_KINDS:
-        raise ConfigError(f"unknown mlp {kind!r}; choose one of {', '.join(MLP_KINDS)}")
+        raise UserError(f"unknown mlp {kind!r}; choose one of {', '.join(MLP_KINDS)}")
     hidden = default_mlp_hidden(kind, dim) if hidden is None else hidden
     cls = SwiGLUMLP if kind == "swiglu" else GELUMLP
     return cls(dim, hidden, bias=bias, dropout=dropout, device=device, dtype=dtype)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .mlp import SwiGLUMLP
 
 __all__ = ["MoE"]
@@ -46,12 +46,12 @@ class MoE(nn.Module):
                  normalize: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         if n_experts < 1:
-            raise ConfigError(f"an MoE needs at least one expert, got n_experts={n_experts}")
+            raise UserError(f"an MoE needs at least one expert, got n_experts={n_experts}")
         if not 1 <= top_k <= n_experts:
-            raise ConfigError(f"top_k must be between 1 and the number of experts ({n_experts}), "
+            raise UserError(f"top_k must be between 1 and the number of experts ({n_experts}), "
                               f"got {top_k}")
         if hidden < 1 or shared_hidden < 0:
-            raise ConfigError(f"expert hidden sizes must be positive, got hidden={hidden}, "
+            raise UserError(f"expert hidden sizes must be positive, got hidden={hidden}, "
                               f"shared_hidden={shared_hidden}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.n_experts, self.top_k, self.hidden = dim, n_experts, top_k, hidden

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from .fused import dyt, rms_norm
 
 NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         if bias:
-            raise ConfigError("RMSNorm has no bias; use norm='layernorm' for a norm with a bias")
+            raise UserError("RMSNorm has no bias; use norm='layernorm' for a norm with a bias")
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype)) if affine else None
         self.reset_parameters()
@@ -92,7 +92,7 @@ class DyT(nn.Module):
                  bias: bool = True, role: str = "other", device=None, dtype=None) -> None:
         super().__init__()
         if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not alpha0 > 0:
-            raise ConfigError(f"DyT alpha0 must be a positive number, got {alpha0!r}")
+            raise UserError(f"DyT alpha0 must be a positive number, got {alpha0!r}")
         self.dim, self.eps, self.alpha0, self.role = dim, eps, float(alpha0), role
         kw = {"device": device, "dtype": dtype}
         self.alpha = nn.Parameter(torch.empty(1, **kw))
@@ -144,4 +144,4 @@ def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, r
         return LayerNorm(dim, eps, affine=affine, device=device, dtype=dtype)
     if kind == "rmsnorm":
         return RMSNorm(dim, eps, affine=affine, device=device, dtype=dtype)
-    raise ConfigError(f"unknown norm {kind!r}; choose one of {', '.join(NORM_KINDS)}")
+    raise UserError(f"unknown norm {kind!r}; choose one of {', '.join(NORM_KINDS)}")

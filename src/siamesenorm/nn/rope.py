@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,11 +34,11 @@ class RotaryEmbedding(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         if head_dim <= 0 or head_dim % 2:
-            raise ConfigError(f"RoPE needs an even head_dim (dim // n_heads), got {head_dim}")
+            raise UserError(f"RoPE needs an even head_dim (dim // n_heads), got {head_dim}")
         if max_seq_len <= 0:
-            raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
+            raise UserError(f"max_seq_len must be positive, got {max_seq_len}")
         if not theta > 0:
-            raise ConfigError(f"rope_theta must be positive, got {theta!r}")
+            raise UserError(f"rope_theta must be positive, got {theta!r}")
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, float(theta)
         table_dtype = torch.float32
         if dtype is not None and dtype.is_floating_point:

@@ -44,7 +44,7 @@ from olmo_core.nn.rope import RoPEConfig, RoPEType
 from olmo_core.nn.transformer.config import resolve_block_configs
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig
 from ..models.lm_config import MoEConfig as OurMoEConfig
@@ -130,7 +130,7 @@ def olmo_moe_config(cfg: LMConfig, dtype: DType | str = DType.float32) -> MoECon
     """
     moe = cfg.moe
     if moe.shared_hidden:
-        raise ConfigError("model.moe.shared_hidden must be 0 for OLMo-core: it averages a shared expert "
+        raise UserError("model.moe.shared_hidden must be 0 for OLMo-core: it averages a shared expert "
                           "with the routed experts (shared/(k+1) + routed*k/(k+1)), ours adds them")
     return MoEConfig(
         name=MoEType.dropless, num_experts=moe.n_experts, hidden_size=moe.expert_hidden(cfg.dim),
@@ -142,7 +142,7 @@ def olmo_moe_config(cfg: LMConfig, dtype: DType | str = DType.float32) -> MoECon
 
 def _our_moe(moe: MoEConfig, every: int, d_model: int, n_layers: int) -> OurMoEConfig:
     """Our ``MoEConfig`` of OLMo-core's ``moe`` on every ``every``-th block (the inverse of
-    :func:`olmo_moe_config`), or a ``ConfigError`` naming what has no counterpart."""
+    :func:`olmo_moe_config`), or a ``UserError`` naming what has no counterpart."""
     router = moe.router
     problems = [what for what, bad in (
         ("a capacity-factor MoE (ours is dropless)", moe.name != MoEType.dropless),
@@ -157,7 +157,7 @@ def _our_moe(moe: MoEConfig, every: int, d_model: int, n_layers: int) -> OurMoEC
         ("a per-instance load-balancing loss (ours is over the batch)",
          moe.lb_loss_granularity != MoELoadBalancingLossGranularity.local_batch)) if bad]
     if problems:
-        raise ConfigError("the OLMo-core MoE has no counterpart in our MoE: " + "; ".join(problems))
+        raise UserError("the OLMo-core MoE has no counterpart in our MoE: " + "; ".join(problems))
     depth = n_layers if moe.scale_loss_by_num_layers else 1
 
     def weight(w: float | None, per: int) -> float:   # ours, rounded off the float noise of * and /
@@ -175,11 +175,11 @@ def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, F
     """One attention for every block, one dense feed-forward (or none) and one MoE (on every
     ``every``-th block, ours; ``every=0``: none), read off the block configs and overrides."""
     if not isinstance(config.block, SchemeBlockConfig) or config.block_pattern:
-        raise ConfigError("lm_config maps SchemeBlockConfig blocks (no named block patterns)")
+        raise UserError("lm_config maps SchemeBlockConfig blocks (no named block patterns)")
     blocks = resolve_block_configs(config.n_layers, config.block,
                                    block_overrides=config.block_overrides)
     if not all(isinstance(b, SchemeBlockConfig) for b in blocks):
-        raise ConfigError("lm_config maps SchemeBlockConfig blocks only")
+        raise UserError("lm_config maps SchemeBlockConfig blocks only")
     moe_at = [i for i, b in enumerate(blocks) if b.feed_forward_moe is not None]
     every = moe_at[0] + 1 if moe_at else 0
     dense = [b.feed_forward for b in blocks if b.feed_forward is not None]
@@ -189,7 +189,7 @@ def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, F
     if (any(rest(b) != rest(blocks[0]) for b in blocks) or any(d != dense[0] for d in dense)
             or any(blocks[i].feed_forward_moe != blocks[moe_at[0]].feed_forward_moe for i in moe_at)
             or moe_at != [b for b in range(config.n_layers) if every and b % every == every - 1]):
-        raise ConfigError("lm_config maps blocks that differ only in an MoE on every n-th block "
+        raise UserError("lm_config maps blocks that differ only in an MoE on every n-th block "
                           "(blocks n-1, 2n-1, ...) with one MoE config")
     moe = OurMoEConfig() if not moe_at else _our_moe(
         blocks[moe_at[0]].feed_forward_moe, every, config.d_model, config.n_layers)
@@ -204,7 +204,7 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
     block, ff, moe = _split_blocks(config)
     att = block.sequence_mixer
     if not isinstance(att, AttentionConfig):
-        raise ConfigError("lm_config needs an attention")
+        raise UserError("lm_config needs an attention")
     head_dim = config.d_model // att.n_heads
     problems = [
         what for what, bad in (
@@ -227,7 +227,7 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
             ("dropout", bool(block.dropout) or bool(att.dropout)))
         if bad]
     if problems:
-        raise ConfigError("the OLMo-core config has no LMConfig counterpart: " + "; ".join(problems))
+        raise UserError("the OLMo-core config has no LMConfig counterpart: " + "; ".join(problems))
     return LMConfig(
         vocab_size=config.vocab_size, dim=config.d_model, n_layers=config.n_layers,
         n_heads=att.n_heads, n_kv_heads=att.n_kv_heads, mlp="swiglu",
@@ -366,4 +366,4 @@ def _olmo_dtype(dtype: torch.dtype) -> DType:
     for d in DType:
         if d.as_pt() == dtype:
             return d
-    raise ConfigError(f"OLMo-core has no dtype {dtype}")
+    raise UserError(f"OLMo-core has no dtype {dtype}")

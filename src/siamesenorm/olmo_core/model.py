@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..schemes import ResidualScheme, build_scheme
 
@@ -70,7 +70,7 @@ def refuse_dyt(norm: str) -> None:
     """DyT (``norm="dyt"``) is not offered inside OLMo-core: its blocks' per-head norms are
     OLMo-core's own norm classes, which have no DyT."""
     if norm == "dyt":
-        raise ConfigError("norm='dyt' is not available in OLMo-core models (OLMo-core's per-head "
+        raise UserError("norm='dyt' is not available in OLMo-core models (OLMo-core's per-head "
                           "norms have no DyT); use rmsnorm or layernorm there")
 
 
@@ -81,7 +81,7 @@ def head_norm_config(norm: str, eps: float) -> LayerNormConfig:
         return LayerNormConfig(name=LayerNormType.rms, eps=eps, bias=False)
     if norm == "layernorm":
         return LayerNormConfig(name=LayerNormType.default, eps=eps, bias=True)
-    raise ConfigError(f"unknown norm {norm!r}; choose rmsnorm or layernorm")
+    raise UserError(f"unknown norm {norm!r}; choose rmsnorm or layernorm")
 
 
 class QKVNormAttention(Attention):
@@ -96,9 +96,9 @@ class QKVNormAttention(Attention):
     def from_attention(cls, att: Attention, v_norm: LayerNormConfig,
                        init_device: str = "cpu") -> QKVNormAttention:
         if type(att) is not Attention:
-            raise ConfigError(f"QKV-norm needs OLMo-core's default attention, got {type(att).__name__}")
+            raise UserError(f"QKV-norm needs OLMo-core's default attention, got {type(att).__name__}")
         if not att.use_head_qk_norm or att.q_norm is None:
-            raise ConfigError("QKV-norm needs per-head q/k norms (use_head_qk_norm=True)")
+            raise UserError("QKV-norm needs per-head q/k norms (use_head_qk_norm=True)")
         att.__class__ = cls
         att.v_norm = v_norm.build(size=att.head_dim, init_device=init_device)
         return cast(QKVNormAttention, att)
@@ -129,7 +129,7 @@ def check_tp_degree(block: nn.Module, degree: int) -> None:
         sizes.append(("feed-forward hidden size", ff.hidden_size))
     for what, n in sizes:
         if n % degree:
-            raise ConfigError(f"tensor parallelism of degree {degree} does not divide the {n} {what}")
+            raise UserError(f"tensor parallelism of degree {degree} does not divide the {n} {what}")
 
 
 def map_state(fn: Callable[[Tensor], Tensor], state: Any) -> Any:
@@ -184,7 +184,7 @@ class SchemeBlock(TransformerBlockBase):
     def bind_scheme(self, scheme: ResidualScheme) -> None:
         """Run under ``scheme`` (held by reference, not registered as a submodule)."""
         if scheme.n_layers != self.n_layers:
-            raise ConfigError(f"the scheme has {scheme.n_layers} blocks, the model {self.n_layers}")
+            raise UserError(f"the scheme has {scheme.n_layers} blocks, the model {self.n_layers}")
         self._scheme = (scheme,)
 
     @property
@@ -217,10 +217,10 @@ class SchemeBlock(TransformerBlockBase):
         tensors they expect (FSDP hands a zero gradient, as a plain tensor, to a stream that a
         block passes on unused, which a DTensor could not take)."""
         if input_layout not in (None, Replicate()):
-            raise ConfigError(f"a scheme block takes the scheme's state replicated over the TP group, "
+            raise UserError(f"a scheme block takes the scheme's state replicated over the TP group, "
                               f"not {input_layout}")
         if self.dropout is not None:
-            raise ConfigError("tensor parallelism of scheme blocks with dropout is not supported: "
+            raise UserError("tensor parallelism of scheme blocks with dropout is not supported: "
                               "the replicated streams would need one mask on every rank")
         check_tp_degree(self, tp_mesh.size())
         for sublayer in (self.attention, self.feed_forward):
@@ -276,17 +276,17 @@ class SchemeBlockConfig(TransformerBlockConfig):
     def __post_init__(self, attention: AttentionConfig | None = None) -> None:
         super().__post_init__(attention)
         if self.layer_norm is not None:
-            raise ConfigError("SchemeBlockConfig.layer_norm must be None: the scheme owns the norms")
+            raise UserError("SchemeBlockConfig.layer_norm must be None: the scheme owns the norms")
         if (self.feed_forward is None) == (self.feed_forward_moe is None):
-            raise ConfigError("SchemeBlockConfig needs feed_forward or feed_forward_moe (one of them)")
+            raise UserError("SchemeBlockConfig needs feed_forward or feed_forward_moe (one of them)")
         if self.feed_forward_moe is not None:
             MOE["check"](self.feed_forward_moe)
         if not isinstance(self.sequence_mixer, AttentionConfig):
-            raise ConfigError("SchemeBlockConfig needs an AttentionConfig as sequence_mixer, got "
+            raise UserError("SchemeBlockConfig needs an AttentionConfig as sequence_mixer, got "
                               f"{type(self.sequence_mixer).__name__}")
         for name in ("attention_residual_alpha", "feed_forward_residual_alpha"):
             if getattr(self, name) not in (None, 1.0):
-                raise ConfigError(f"SchemeBlockConfig.{name} is not supported: the scheme scales")
+                raise UserError(f"SchemeBlockConfig.{name} is not supported: the scheme scales")
 
     def build(self, *, d_model: int, block_idx: int, n_layers: int, init_device: str = "cpu",
               cache: BufferCache | None = None) -> SchemeBlock:
@@ -326,7 +326,7 @@ def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | Non
     out = {}
     for i, cfg in enumerate(configs):
         if not isinstance(cfg, SchemeBlockConfig):
-            raise ConfigError(f"block {i}: SchemeTransformer needs SchemeBlockConfig blocks, got "
+            raise UserError(f"block {i}: SchemeTransformer needs SchemeBlockConfig blocks, got "
                               f"{type(cfg).__name__}")
         if needs_qkv_norm(scheme, i) and cfg.qkv_norm is None:
             cfg = replace(cfg, qkv_norm=head_norm_config(norm, norm_eps))
@@ -362,7 +362,7 @@ class SchemeTransformer(Transformer):
                  dtype: torch.dtype = torch.float32, block_overrides: dict | None = None,
                  block_pattern: list | None = None, **kwargs: Any) -> None:
         if lm_head.layer_norm is not None:
-            raise ConfigError("SchemeTransformer: lm_head.layer_norm must be None (the scheme's exit "
+            raise UserError("SchemeTransformer: lm_head.layer_norm must be None (the scheme's exit "
                               "applies the final norm)")
         refuse_dyt(norm)
         # Built before the blocks: its requirements decide which attentions get QKV-norm.
@@ -385,7 +385,7 @@ class SchemeTransformer(Transformer):
 
     def _validate_block(self, block: TransformerBlockBase) -> TransformerBlockBase:
         if not isinstance(block, SchemeBlock):
-            raise ConfigError(f"SchemeTransformer needs SchemeBlock blocks, got {type(block).__name__}")
+            raise UserError(f"SchemeTransformer needs SchemeBlock blocks, got {type(block).__name__}")
         return block
 
     # ---- initialisation ----------------------------------------------------------------------
@@ -506,7 +506,7 @@ class SchemeTransformer(Transformer):
         if self.embeddings is None or self.lm_head is None:
             raise NotImplementedError(PP_REFUSAL)
         if self.tie_word_embeddings and self.lm_head.loss_implementation == LMLossImplementation.fused_linear:
-            raise ConfigError("tensor parallelism with tied embeddings needs the default loss, not "
+            raise UserError("tensor parallelism with tied embeddings needs the default loss, not "
                               "fused_linear (OLMo-core shards the embedding over the vocabulary)")
         if float8_enabled is None:
             float8_enabled = self.fp8_enabled
@@ -531,7 +531,7 @@ class SchemeTransformer(Transformer):
 
     def apply_ddp(self, *args: Any, **kwargs: Any) -> None:
         if self._tp_enabled:
-            raise ConfigError("DDP of a tensor-parallel model is not supported (OLMo-core's own "
+            raise UserError("DDP of a tensor-parallel model is not supported (OLMo-core's own "
                               "Transformer trains to wrong losses that way); use FSDP or HSDP")
         super().apply_ddp(*args, **kwargs)
 
@@ -556,7 +556,7 @@ class SchemeTransformer(Transformer):
             scheme_names = [n for n, _ in self.named_modules() if n == "scheme" or n.startswith("scheme.")]
             hit = sorted({p for p in modules or () for n in scheme_names if fnmatch(n, p)})
             if hit:
-                raise ConfigError(f"activation checkpointing modules {hit} match the scheme's modules; "
+                raise UserError(f"activation checkpointing modules {hit} match the scheme's modules; "
                                   "name blocks or their attention/feed_forward instead")
         super().apply_activation_checkpointing(mode, block_interval=block_interval, modules=modules,
                                                **kwargs)

@@ -47,7 +47,7 @@ from torch.distributed import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.host import BranchWeight
 from .model import MOE, SchemeBlock, SchemeTransformer
 
@@ -58,9 +58,9 @@ __all__ = ["CheckpointSafeRouter", "PortableDroplessMLP", "SchemeMoEBlock", "Sch
 def check_moe_config(config: MoEConfig) -> None:
     """Refuse an MoE config a scheme block cannot run (one line each)."""
     if not isinstance(config, MoEConfig):
-        raise ConfigError(f"feed_forward_moe must be an OLMo-core MoEConfig, got {type(config).__name__}")
+        raise UserError(f"feed_forward_moe must be an OLMo-core MoEConfig, got {type(config).__name__}")
     if config.name != MoEType.dropless:
-        raise ConfigError(f"MoE scheme blocks are dropless (MoEType.dropless), got {config.name!r}: "
+        raise UserError(f"MoE scheme blocks are dropless (MoEType.dropless), got {config.name!r}: "
                           "the capacity-factor MoE drops tokens and needs OLMo-core's Triton kernels")
 
 
@@ -74,7 +74,7 @@ class CheckpointSafeRouter(MoELinearRouter):
     @classmethod
     def adopt(cls, moe: MoEBase) -> MoEBase:
         if type(moe.router) is not MoELinearRouter:
-            raise ConfigError(f"expected OLMo-core's linear router, got {type(moe.router).__name__}")
+            raise UserError(f"expected OLMo-core's linear router, got {type(moe.router).__name__}")
         moe.router.__class__ = cls
         return moe
 
@@ -119,7 +119,7 @@ class PortableDroplessMLP(ParallelDroplessMLP):
     def adopt(cls, moe: MoEBase) -> MoEBase:
         """Make ``moe``'s dispatcher (an OLMo-core ``ParallelDroplessMLP``) this class."""
         if type(moe.experts) is not ParallelDroplessMLP:
-            raise ConfigError(f"expected OLMo-core's ParallelDroplessMLP experts, got "
+            raise UserError(f"expected OLMo-core's ParallelDroplessMLP experts, got "
                               f"{type(moe.experts).__name__}")
         moe.experts.__class__ = cls
         return moe
@@ -301,7 +301,7 @@ class SchemeMoETransformer(SchemeTransformer, MoETransformer):
             names = [n for n, m in self.named_modules() if isinstance(m, MoEBase)]
             hit = sorted({p for p in modules or () for n in names if fnmatch(n, p)})
             if hit:
-                raise ConfigError(f"activation checkpointing modules {hit} match whole MoE modules, "
+                raise UserError(f"activation checkpointing modules {hit} match whole MoE modules, "
                                   "which OLMo-core does not wrap; name modules inside them")
         super().apply_activation_checkpointing(mode, block_interval=block_interval, modules=modules,
                                                **kwargs)

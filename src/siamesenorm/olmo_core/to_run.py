@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import TrainConfig, dump_config
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.lm import LanguageModel
 from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_json, write_text
 from ..tasks.lm import UNSET_CORPUS, DataConfig, LMRunConfig
@@ -84,31 +84,31 @@ def _is_checkpoint(folder: Path) -> bool:
 
 def find_checkpoint(path: str | os.PathLike) -> OLMoCoreCheckpoint:
     """The checkpoint ``path`` names: a ``stepN/`` folder, or the latest complete one of a save
-    folder. Not a folder, no checkpoint, no ``config.json``: a :class:`ConfigError`."""
+    folder. Not a folder, no checkpoint, no ``config.json``: a :class:`UserError`."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"OLMo-core checkpoint {path} does not exist")
+        raise UserError(f"OLMo-core checkpoint {path} does not exist")
     if not path.is_dir():
-        raise ConfigError(f"OLMo-core checkpoint {path} is a file; give a stepN/ folder or the run's "
+        raise UserError(f"OLMo-core checkpoint {path} is a file; give a stepN/ folder or the run's "
                           "save folder")
     if not _is_checkpoint(path):
         steps = [(int(m[1]), p) for p in path.iterdir()
                  if p.is_dir() and (m := _STEP.fullmatch(p.name)) and _is_checkpoint(p)]
         if not steps:
-            raise ConfigError(f"{path} is not an OLMo-core checkpoint: it has neither model_and_optim/ "
+            raise UserError(f"{path} is not an OLMo-core checkpoint: it has neither model_and_optim/ "
                               "nor stepN/ folders that hold one")
         path = max(steps)[1]
     m = _STEP.fullmatch(path.name)
     if m is None:
-        raise ConfigError(f"cannot tell the step of the checkpoint {path}: OLMo-core names its "
+        raise UserError(f"cannot tell the step of the checkpoint {path}: OLMo-core names its "
                           "checkpoint folders stepN; give it that name")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"{path} has no config.json, so its model cannot be rebuilt (OLMo-core's "
+        raise UserError(f"{path} has no config.json, so its model cannot be rebuilt (OLMo-core's "
                           "ConfigSaverCallback writes it)")
     config = read_json(config_file)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise ConfigError(f"{config_file} has no model configuration (a 'model' object)")
+        raise UserError(f"{config_file} has no model configuration (a 'model' object)")
     return OLMoCoreCheckpoint(path, int(m[1]), config)
 
 
@@ -133,19 +133,19 @@ def model_config(ckpt: OLMoCoreCheckpoint):
     model = ckpt.config["model"]
     kind = model.get(_CLASS_FIELD)
     if kind != _MODEL_CLASS:
-        raise ConfigError(f"the checkpoint's model is a {kind or 'model of unknown class'}, not a residual "
+        raise UserError(f"the checkpoint's model is a {kind or 'model of unknown class'}, not a residual "
                           f"scheme model of siamesenorm.olmo_core ({_MODEL_CLASS}); only those map to "
                           "our LanguageModel")
     foreign = _foreign_classes(model)
     if foreign:
-        raise ConfigError(f"the checkpoint's config.json names the class {foreign[0]!r}, which is neither "
+        raise UserError(f"the checkpoint's config.json names the class {foreign[0]!r}, which is neither "
                           "OLMo-core's nor siamesenorm.olmo_core's; refusing to import it")
     try:
         config = SchemeTransformerConfig.from_dict(json.loads(json.dumps(model)))
     except Exception as error:
-        raise ConfigError(f"cannot read the model of {ckpt.folder / 'config.json'}: {error}") from None
+        raise UserError(f"cannot read the model of {ckpt.folder / 'config.json'}: {error}") from None
     if not isinstance(config, SchemeTransformerConfig):
-        raise ConfigError(f"the model of {ckpt.folder / 'config.json'} does not read as {_MODEL_CLASS}")
+        raise UserError(f"the model of {ckpt.folder / 'config.json'} does not read as {_MODEL_CLASS}")
     return config
 
 
@@ -161,7 +161,7 @@ def _sequence_length(ckpt: OLMoCoreCheckpoint) -> int:
     seq_len = _number(ckpt.config, "train_module", "max_sequence_length") or \
         _number(ckpt.config, "dataset", "sequence_length")
     if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ConfigError(f"{ckpt.folder / 'config.json'} records no sequence length "
+        raise UserError(f"{ckpt.folder / 'config.json'} records no sequence length "
                           "(train_module.max_sequence_length or dataset.sequence_length)")
     return seq_len
 
@@ -193,8 +193,8 @@ def _train_config(ckpt: OLMoCoreCheckpoint, seq_len: int) -> tuple[TrainConfig, 
         settings["grad_accum"] = max(global_tokens // (microbatch * seq_len), 1)
     try:
         return TrainConfig(**settings), microbatch
-    except (ConfigError, TypeError, ValueError) as error:
-        raise ConfigError(f"the OLMo-core run's training settings do not map: {error}") from None
+    except (UserError, TypeError, ValueError) as error:
+        raise UserError(f"the OLMo-core run's training settings do not map: {error}") from None
 
 
 def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig:
@@ -211,7 +211,7 @@ def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig
     try:
         model = lm_config(config, max_seq_len=seq_len, **options)
     except NotImplementedError as error:
-        raise ConfigError(f"the checkpoint's model has no LanguageModel counterpart: {error}") from None
+        raise UserError(f"the checkpoint's model has no LanguageModel counterpart: {error}") from None
     train, microbatch = _train_config(ckpt, seq_len)
     seed = config.init_seed if isinstance(config.init_seed, int) and config.init_seed >= 0 else 0
     corpus = UNSET_CORPUS if data is None else _absolute(data)
@@ -221,7 +221,7 @@ def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig
 
 def _absolute(spec: str) -> str:
     if not spec.strip():
-        raise ConfigError("--data is empty; give token files (.bin)")
+        raise UserError("--data is empty; give token files (.bin)")
     return os.path.abspath(os.path.expanduser(spec))
 
 
@@ -234,16 +234,16 @@ def check_data(cfg: LMRunConfig, run_dir: Path) -> None:
     spec = cfg.data.corpus
     files, _ = resolve_paths(spec)
     if any(f.suffix == ".npy" for f in files):
-        raise ConfigError(f"--data {spec}: siamesenorm reads token files named .bin; OLMo-core's uint16 .npy "
+        raise UserError(f"--data {spec}: siamesenorm reads token files named .bin; OLMo-core's uint16 .npy "
                           "files hold the same bytes (headerless ids): link them (ln -s X.npy X.bin)")
     corpus = load_corpus(spec)
     if not corpus.is_tokenized:
-        raise ConfigError(f"--data {spec} is text, and the OLMo-core run has no tokenizer here: give "
+        raise UserError(f"--data {spec} is text, and the OLMo-core run has no tokenizer here: give "
                           "token files (.bin: headerless uint16 ids, or modded-nanogpt shards)")
     top = max(int(corpus.meta["max_token"]),
               int(corpus.val_tokens.max()) if corpus.val_tokens is not None and len(corpus.val_tokens) else 0)
     if top >= cfg.model.vocab_size:
-        raise ConfigError(f"--data {spec} holds token id {top}, beyond the model's vocabulary of "
+        raise UserError(f"--data {spec} holds token id {top}, beyond the model's vocabulary of "
                           f"{cfg.model.vocab_size}; give data tokenized for this model")
     get_task("lm").analysis_batches(cfg, run_dir, None, 1)
 
@@ -260,10 +260,10 @@ def read_model_tensors(folder: str | os.PathLike) -> dict[str, Tensor]:
                read_dcp_metadata(folder).state_dict_metadata.items() if key.startswith(MODEL_PREFIX)}
     odd = next((name for name, e in entries.items() if not isinstance(e, TensorStorageMetadata)), None)
     if odd is not None:
-        raise ConfigError(f"{folder}: the model entry {odd} is not a tensor; not an OLMo-core model "
+        raise UserError(f"{folder}: the model entry {odd} is not a tensor; not an OLMo-core model "
                           "checkpoint")
     if not entries:
-        raise ConfigError(f"{folder} holds no model tensors ({MODEL_PREFIX}* entries): it is not an "
+        raise UserError(f"{folder} holds no model tensors ({MODEL_PREFIX}* entries): it is not an "
                           "OLMo-core model_and_optim checkpoint")
     state = {MODEL_PREFIX + name: torch.empty(tuple(e.size), dtype=e.properties.dtype)
              for name, e in entries.items()}
@@ -279,7 +279,7 @@ def trained_model(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, tie_embeddings: bo
     try:
         state = to_siamesenorm_state_dict(tensors, tie_embeddings=tie_embeddings)
     except KeyError as error:
-        raise ConfigError(f"the checkpoint's tensor {error.args[0]} has no counterpart in our "
+        raise UserError(f"the checkpoint's tensor {error.args[0]} has no counterpart in our "
                           "LanguageModel") from None
     model = LanguageModel(cfg.model)
     expected = model.state_dict()
@@ -289,7 +289,7 @@ def trained_model(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, tie_embeddings: bo
     if missing or unexpected or shape:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected \
             else f"{shape} has shape {tuple(state[shape].shape)}, the model {tuple(expected[shape].shape)}"
-        raise ConfigError(f"the tensors of {ckpt.model_and_optim} do not fit the model its config.json "
+        raise UserError(f"the tensors of {ckpt.model_and_optim} do not fit the model its config.json "
                           f"describes ({detail})")
     model.load_state_dict(state, strict=True)
     return model.eval()
@@ -345,7 +345,7 @@ def summary(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, model: LanguageModel,
 def _check_out(out: Path) -> None:
     check_out_dir(out)
     if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is a folder that is not empty; the import writes a new run "
+        raise UserError(f"--out {out} is a folder that is not empty; the import writes a new run "
                           "directory: choose another --out")
 
 
@@ -358,7 +358,7 @@ def import_olmo_core(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
     Everything is checked before ``out`` appears: the folder is written beside it under a temporary
     name and renamed at the end, so a failure leaves nothing. Errors a user can cause raise
-    :class:`ConfigError`."""
+    :class:`UserError`."""
     out = Path(out)
     _check_out(out)
     ckpt = find_checkpoint(checkpoint)
@@ -395,7 +395,7 @@ def import_olmo_core(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             os.replace(tmp, target)
         except OSError:
             if target.exists() and any(target.iterdir()):
-                raise ConfigError(f"--out {out} was written by something else during the import; "
+                raise UserError(f"--out {out} was written by something else during the import; "
                                   "choose another --out") from None
             raise
     finally:

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.lm_config import LMConfig
 
 # Global batches in sequences: not in the paper; our presets' ranks x batch_size x grad_accum at 8
@@ -164,7 +164,7 @@ def resolve(args: argparse.Namespace) -> RunShape:
         options = dict(DEFAULT_OPTIONS.get(scheme, {}))
     try:
         check_scheme_options(scheme, options)
-    except ConfigError as err:
+    except UserError as err:
         raise UsageError(str(err)) from None
     _check_tp_cp_pp(args, shape)
     _check_ep(args, shape)
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train(args, shape)
         return 0
-    except (UsageError, ConfigError) as err:
+    except (UsageError, UserError) as err:
         print(f"siamesenorm.olmo_core.train: error: {err}", file=sys.stderr)
         return 2
 

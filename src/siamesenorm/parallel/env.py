@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import resolve_device
-from ..errors import ConfigError
+from ..errors import UserError
 
 __all__ = ["SINGLE", "World", "all_max", "all_mean", "barrier", "broadcast_object", "current_world",
            "exit_process", "gather_objects", "init_world", "launched_world_size", "leave_world",
@@ -68,14 +68,14 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def launched_world_size() -> int:
     """The world size a launcher asked for (``WORLD_SIZE``; 1 when not launched by one)."""
     size = _env_int("WORLD_SIZE", 1)
     if size < 1:
-        raise ConfigError(f"environment variable WORLD_SIZE={size} is not a world size (at least 1); "
+        raise UserError(f"environment variable WORLD_SIZE={size} is not a world size (at least 1); "
                           "unset it to run in one process")
     return size
 
@@ -90,13 +90,13 @@ def _check_launched_world(size: int) -> None:
     (torch.distributed would raise its own ValueError), or a ``RANK`` outside the world."""
     missing = [name for name in _WORLD_VARIABLES if not os.environ.get(name)]
     if missing:
-        raise ConfigError(f"WORLD_SIZE={size} says this process is part of a torchrun world, but "
+        raise UserError(f"WORLD_SIZE={size} says this process is part of a torchrun world, but "
                           f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; start "
                           f"it with torchrun (or --nproc {size}), or unset WORLD_SIZE to run in one "
                           "process")
     rank = _env_int("RANK", 0)
     if not 0 <= rank < size:
-        raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={size} processes "
+        raise UserError(f"RANK={rank} is outside the world of WORLD_SIZE={size} processes "
                           f"(0 to {size - 1})")
 
 
@@ -128,7 +128,7 @@ def init_world(device_name: str) -> tuple[World, torch.device]:
     rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA "
+            raise UserError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA "
                               "devices; start at most one process per GPU")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -171,7 +171,7 @@ def exit_process(code: int) -> NoReturn:
 
 
 def on_main(world: World, fn: Callable[[], T]) -> T | None:
-    """Run ``fn`` on rank 0 only; the others wait for it. A :class:`ConfigError` there is raised
+    """Run ``fn`` on rank 0 only; the others wait for it. A :class:`UserError` there is raised
     on every rank with the same line, and any other failure on rank 0 stops the others with a
     one-line error, so no rank is left waiting in a collective for a peer that is gone."""
     if not world.distributed:
@@ -180,7 +180,7 @@ def on_main(world: World, fn: Callable[[], T]) -> T | None:
     if world.main:
         try:
             result = fn()
-        except ConfigError as error:
+        except UserError as error:
             failure = ("config", str(error))
             broadcast_object(world, failure)
             raise
@@ -191,7 +191,7 @@ def on_main(world: World, fn: Callable[[], T]) -> T | None:
     if failure is not None and not world.main:
         kind, text = failure
         if kind == "config":
-            raise ConfigError(text)
+            raise UserError(text)
         raise RuntimeError(f"rank 0 failed: {text}")
     return result
 

@@ -5,7 +5,7 @@ The agent watches the processes: when one fails it stops the others (within seco
 and none is restarted. What the user sees of a failure is one line. Each process reports its error
 into a folder the launcher gives it (:data:`ERROR_DIR_ENV`, see :func:`report_failure`) instead of
 printing it, and the launcher raises the first of them: a user's error (a rank's exit status 2) as
-:class:`~siamesenorm.errors.ConfigError` with the rank's own line, anything else as
+:class:`~siamesenorm.errors.UserError` with the rank's own line, anything else as
 :class:`~siamesenorm.errors.RankFailed`, naming the rank, the exception, and the file that keeps
 its traceback.
 """
@@ -23,7 +23,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from ..errors import ConfigError, RankFailed, Terminated
+from ..errors import RankFailed, Terminated, UserError
 
 __all__ = ["ERROR_DIR_ENV", "launch", "report_failure"]
 
@@ -32,7 +32,7 @@ ERROR_DIR_ENV = "SIAMESENORM_ERROR_DIR"   # where each process reports its failu
 
 def report_failure(error: BaseException, user_error: bool) -> bool:
     """Under :func:`launch`, record this process's failure for the launcher and return True (the
-    caller then prints nothing); elsewhere return False. ``user_error``: a ConfigError's line."""
+    caller then prints nothing); elsewhere return False. ``user_error``: a UserError's line."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return False
@@ -76,11 +76,11 @@ def _quiet_agent() -> None:
 
 def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     """Run ``python ARGS...`` in ``nproc`` processes of one world on this machine; returns when all
-    succeeded, raises :class:`ConfigError` or :class:`RankFailed` (one line) when one failed."""
+    succeeded, raises :class:`UserError` or :class:`RankFailed` (one line) when one failed."""
     if nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
     if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
-        raise ConfigError("--nproc starts its own processes; it cannot run under torchrun "
+        raise UserError("--nproc starts its own processes; it cannot run under torchrun "
                           f"(WORLD_SIZE={os.environ['WORLD_SIZE']}): leave out --nproc")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -127,7 +127,7 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     rank, kind, line = report
     if kind == "user":
         _remove(folder)
-        raise ConfigError(line)
+        raise UserError(line)
     raise RankFailed(f"rank {rank} of the {what} failed: {line} "
                      f"(traceback: {folder / f'rank{rank}.traceback'})")
 

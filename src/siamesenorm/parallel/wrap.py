@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.host import SchemeHost
 from .env import World
 
@@ -35,7 +35,7 @@ def parallel_mode(setting: str, world: World) -> str:
     if not world.distributed:
         return "none"
     if setting == "none":
-        raise ConfigError(f"train.parallel=none trains in one process, but {world.size} were "
+        raise UserError(f"train.parallel=none trains in one process, but {world.size} were "
                           "launched; use auto, ddp or fsdp, or launch one process")
     return "fsdp" if setting == "auto" else setting
 

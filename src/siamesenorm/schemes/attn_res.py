@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..nn.depth_mix import depth_mix
 from ..nn.norms import build_norm
 from .base import Branch, Number, Option, ResidualScheme, register_scheme
@@ -50,7 +50,7 @@ class AttentionResiduals(ResidualScheme):
         super().__init__(dim, n_layers, **kwargs)
         s, kw = self.n_sublayers, self._factory
         if self.block_size is not None and self.block_size > s:
-            raise ConfigError(f"scheme {self.name!r}: option block_size={self.block_size} is more than "
+            raise UserError(f"scheme {self.name!r}: option block_size={self.block_size} is more than "
                               f"the {s} sublayers ({n_layers} blocks of attention and MLP)")
         # Sublayer 0 reads the embedding alone (a softmax over one source is 1): no query, no key
         # norm. Row i - 1 of pseudo_query and key_norm[i - 1] belong to sublayer i >= 1.

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..nn.norms import NORM_KINDS, build_norm
 
 State = Tensor | tuple
@@ -53,7 +53,7 @@ class SchemeRequirements:
 
 # ---- declared option checks ------------------------------------------------------------------
 # Each is called as ``check(scheme_name, option_name, value)``, returns the value and raises
-# :class:`ConfigError` when it is refused; a configuration can run them without building a scheme.
+# :class:`UserError` when it is refused; a configuration can run them without building a scheme.
 @dataclass(frozen=True)
 class OneOf:
     """The value must be one of ``choices``."""
@@ -62,7 +62,7 @@ class OneOf:
 
     def __call__(self, scheme: str, option: str, value: Any) -> Any:
         if value not in self.choices:
-            raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is not one of "
+            raise UserError(f"scheme {scheme!r}: option {option}={value!r} is not one of "
                               f"{', '.join(map(repr, self.choices))}")
         return value
 
@@ -73,7 +73,7 @@ class Flag:
 
     def __call__(self, scheme: str, option: str, value: Any) -> bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"scheme {scheme!r}: option {option} must be true or false, got {value!r}")
+            raise UserError(f"scheme {scheme!r}: option {option} must be true or false, got {value!r}")
         return value
 
 
@@ -92,12 +92,12 @@ class Number:
             return value
         kind = int if self.integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise ConfigError(f"scheme {scheme!r}: option {option} must be "
+            raise UserError(f"scheme {scheme!r}: option {option} must be "
                               f"{'an integer' if self.integer else 'a number'}, got {value!r}")
         low, high = self.low, self.high
         if (low is not None and value < low) or (high is not None and value > high):
             rng = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
-            raise ConfigError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
+            raise UserError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
         return value
 
 
@@ -166,15 +166,15 @@ class ResidualScheme(nn.Module, ABC):
         declared = self.all_options()
         _refuse_unknown(self.name, options, declared)
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
-            raise ConfigError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
+            raise UserError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
         if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
-            raise ConfigError(
+            raise UserError(
                 f"scheme {self.name!r}: n_layers must be a positive integer, got {n_layers!r}")
         if norm not in NORM_KINDS:
-            raise ConfigError(f"scheme {self.name!r}: unknown norm {norm!r}; "
+            raise UserError(f"scheme {self.name!r}: unknown norm {norm!r}; "
                               f"choose one of {', '.join(NORM_KINDS)}")
         if not eps > 0:
-            raise ConfigError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
+            raise UserError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
         values = {k: o.check(self.name, k, options[k]) if k in options else o.default
                   for k, o in declared.items()}
         self.check_together(values, dim)
@@ -318,7 +318,7 @@ def get_scheme_class(name: str) -> type[ResidualScheme]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown scheme {name!r}; choose one of {', '.join(_REGISTRY)}") from None
+        raise UserError(f"unknown scheme {name!r}; choose one of {', '.join(_REGISTRY)}") from None
 
 
 # Constructor arguments every scheme has. ``dim``, ``n_layers``, ``norm``, ``eps``, ``device`` and
@@ -338,10 +338,10 @@ def scheme_options(name: str) -> dict[str, Any]:
 
 
 def _refuse_unknown(name: str, options: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
-    """Raise :class:`ConfigError` naming the ``options`` not in ``declared`` and the valid ones."""
+    """Raise :class:`UserError` naming the ``options`` not in ``declared`` and the valid ones."""
     unknown = sorted(set(options) - set(declared))
     if unknown:
-        raise ConfigError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
+        raise UserError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
                           f"its options are: {', '.join(sorted(declared)) or 'none'} (and norm, eps)")
 
 
@@ -356,12 +356,12 @@ def check_scheme_options(name: str, options: Mapping[str, Any], dim: int | None 
     """Check ``options`` (a configuration's ``scheme_options``) against the scheme ``name``'s
     declared checks and :meth:`~ResidualScheme.check_together` (with the model width ``dim`` when
     given), without building it: an unknown scheme, an unknown option or a bad value raises
-    :class:`ConfigError`."""
+    :class:`UserError`."""
     cls = get_scheme_class(name)
     declared = cls.all_options()
     unknown = sorted(set(options) - set(declared))
     if unknown:
-        raise ConfigError(f"model.scheme_options.{unknown[0]}: scheme {name!r} has no option "
+        raise UserError(f"model.scheme_options.{unknown[0]}: scheme {name!r} has no option "
                           f"{unknown[0]!r}; its options are: {', '.join(sorted(declared)) or 'none'}")
     for option, spec in declared.items():  # the order the constructor checks in
         if option in options:

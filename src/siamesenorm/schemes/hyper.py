@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import UserError
 from ..nn.fused import fused_enabled, lean_region
 from ..nn.mixing import stream_mix
 from ..nn.norms import build_norm
@@ -88,10 +88,10 @@ class HyperConnections(MultiStreamScheme):
     def check_together(cls, options: Mapping[str, Any], dim: int | None = None) -> None:
         n, m = options.get("n_streams", 2), options.get("fracs", 1)
         if m > 1 and n > 1:
-            raise ConfigError(f"scheme 'hyper': fracs={m} splits one stream (Frac-Connections); set "
+            raise UserError(f"scheme 'hyper': fracs={m} splits one stream (Frac-Connections); set "
                               f"n_streams=1, streams of fractions (n_streams={n}) are not defined")
         if dim is not None and dim % m:
-            raise ConfigError(f"scheme 'hyper': fracs={m} must divide the model width dim={dim}")
+            raise UserError(f"scheme 'hyper': fracs={m} must divide the model width dim={dim}")
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

@@ -25,7 +25,7 @@ from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import ImageSet, check_image_options
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
 from ..diffusion.schedule import linear_betas
-from ..errors import ConfigError
+from ..errors import UserError
 from ..eval.fid_proxy import get_proxy, sample_quality
 from ..models import config_checks as check
 from ..models.dit import DiT, DiTConfig
@@ -77,28 +77,28 @@ class DiffusionConfig:
     def __post_init__(self) -> None:
         for name in ("timesteps", "sample_steps", "eval_samples", "grid_per_class"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"diffusion.{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"diffusion.{name} must be positive, got {getattr(self, name)}")
         for name, most in DIFFUSION_LIMITS.items():
             if getattr(self, name) > most:
-                raise ConfigError(f"diffusion.{name}={getattr(self, name):,} is more than a run uses "
+                raise UserError(f"diffusion.{name}={getattr(self, name):,} is more than a run uses "
                                   f"(at most {most:,}: {DIFFUSION_LIMIT_REASONS[name]})")
         if self.schedule not in ("linear", "cosine"):
-            raise ConfigError(f"diffusion.schedule: unknown value {self.schedule!r}; choose linear or cosine")
+            raise UserError(f"diffusion.schedule: unknown value {self.schedule!r}; choose linear or cosine")
         if self.sampler not in ("ddim", "ddpm"):
-            raise ConfigError(f"diffusion.sampler: unknown value {self.sampler!r}; choose ddim or ddpm")
+            raise UserError(f"diffusion.sampler: unknown value {self.sampler!r}; choose ddim or ddpm")
         if self.sample_steps > self.timesteps:
-            raise ConfigError(f"diffusion.sample_steps ({self.sample_steps}) exceeds diffusion.timesteps "
+            raise UserError(f"diffusion.sample_steps ({self.sample_steps}) exceeds diffusion.timesteps "
                               f"({self.timesteps})")
         if not 0 < self.beta_start < self.beta_end < 1:
-            raise ConfigError("diffusion needs 0 < beta_start < beta_end < 1, got "
+            raise UserError("diffusion needs 0 < beta_start < beta_end < 1, got "
                               f"{self.beta_start} and {self.beta_end}")
         if self.schedule == "linear":
             try:
                 linear_betas(self.timesteps, self.beta_start, self.beta_end)
-            except ConfigError as error:
-                raise ConfigError(f"diffusion: {error}") from None
+            except UserError as error:
+                raise UserError(f"diffusion: {error}") from None
         if self.eta < 0 or self.cfg_scale < 0:
-            raise ConfigError(f"diffusion.eta and diffusion.cfg_scale must not be negative, got "
+            raise UserError(f"diffusion.eta and diffusion.cfg_scale must not be negative, got "
                               f"{self.eta} and {self.cfg_scale}")
 
 
@@ -125,7 +125,7 @@ class DiTRunConfig:
         check_seed(self.seed)
         a = self.data.augment
         if a.mixes or a.smoothing > 0:
-            raise ConfigError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "
+            raise UserError("data.augment.mixup_alpha, cutmix_alpha and smoothing make soft class targets, "
                               "which a DiT cannot take (it is conditioned on one label per image); set them "
                               "to 0 for task=dit")
         check_image_options(self.data.dataset, self.data.dataset_options)
@@ -137,7 +137,7 @@ def check_dit_images(cfg: DiTRunConfig, images: ImageSet) -> None:
     the model draws."""
     chans = images.shape[0]
     if chans not in (1, 3):
-        raise ConfigError(f"{cfg.data.dataset}: images have {chans} channels; task=dit draws its samples as "
+        raise UserError(f"{cfg.data.dataset}: images have {chans} channels; task=dit draws its samples as "
                           "a grey (1 channel) or RGB (3 channel) PNG grid, so give 1- or 3-channel images "
                           "(e.g. drop an alpha channel)")
 

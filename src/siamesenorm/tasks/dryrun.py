@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from ..config import CHECKPOINTING_MODES
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models.host import SchemeHost
 from ..parallel.env import World, launched_world_size
 from ..parallel.wrap import parallel_mode
@@ -77,7 +77,7 @@ def world_size(nproc: int | None = None) -> int:
     """``nproc``, else the launcher's ``WORLD_SIZE``, else 1."""
     n = launched_world_size() if nproc is None else nproc
     if n < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {n}")
+        raise UserError(f"--nproc must be at least 1, got {n}")
     return n
 
 
@@ -274,7 +274,7 @@ def refuse_beyond_memory(need: int, available: int, device: torch.device, detail
     """The one-line refusal of :func:`check_fits`, for any estimate ``need`` (``detail``: what it
     is made of; ``fix``: what to do)."""
     if need > MEMORY_MARGIN * available:
-        raise ConfigError(f"this run needs at least {_bytes(need)} ({detail}) but {device.type} memory "
+        raise UserError(f"this run needs at least {_bytes(need)} ({detail}) but {device.type} memory "
                           f"here is {_bytes(available)}; {fix}")
 
 

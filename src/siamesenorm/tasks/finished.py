@@ -18,7 +18,7 @@ from ..analysis import analyze_model, write_analysis
 from ..analysis.training_probes import to_device
 from ..config import check_seed, dump_config
 from ..devices import resolve_device
-from ..errors import ConfigError
+from ..errors import UserError
 from ..rundir import RunDir, check_out_dir, replacing
 from ..train import load_checkpoint
 from ..train.checkpoint import unique_tensors
@@ -66,9 +66,9 @@ def export_run(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
 
     out = Path(out)
     if out.suffix != ".safetensors":
-        raise ConfigError(f"--out {out}: the export is a .safetensors file; name it so")
+        raise UserError(f"--out {out}: the export is a .safetensors file; name it so")
     if out.exists():
-        raise ConfigError(f"--out {out} already exists; remove it or choose another name")
+        raise UserError(f"--out {out} already exists; remove it or choose another name")
     check_out_dir(out.parent)
     model, cfg, step = open_trained(run_dir, "cpu")
     tensors = {k: v.detach().contiguous() for k, v in unique_tensors(model.state_dict()).items()}
@@ -89,13 +89,13 @@ def analyze_run(run_dir: str | Path, data: str | None = None, *, batches: int | 
     batches of the run's batch size (default ``analysis.batches`` of its config): the first of the
     run's own evaluation batches, or batches spread evenly over ``data``; ``out``: where
     ``analysis.json`` and its plots go (default ``run_dir``). Errors a user can cause (no run, no
-    checkpoint, unreadable or too little data) raise :class:`~siamesenorm.errors.ConfigError`.
+    checkpoint, unreadable or too little data) raise :class:`~siamesenorm.errors.UserError`.
     """
     if batches is not None and batches <= 0:
-        raise ConfigError(f"--batches must be positive, got {batches}")
+        raise UserError(f"--batches must be positive, got {batches}")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ConfigError(f"run directory {run_dir} does not exist")
+        raise UserError(f"run directory {run_dir} does not exist")
     check_out_dir(out if out is not None else run_dir)
     model, cfg = load_trained(run_dir, device)
     task = get_task(cfg.task)
@@ -114,7 +114,7 @@ def check_finite_weights(model: nn.Module, source: Path) -> None:
     NaN or infinity: nothing computed from them means anything."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ConfigError(f"{source} holds non-finite weights (NaN or infinity in {name}): the run "
+            raise UserError(f"{source} holds non-finite weights (NaN or infinity in {name}): the run "
                               "diverged before this checkpoint; train it again (a lower train.lr, "
                               "more train.warmup)")
 
@@ -127,20 +127,20 @@ def generate_text(run_dir: str | Path, prompt: str | bytes, max_new_tokens: int 
     (0 takes the most likely token, as ``greedy``); ``seed`` an integer from 0 to 2**63-1.
     ``note`` receives a one-line notice before a long generation (the task's)."""
     if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must not be negative, got {max_new_tokens}")
+        raise UserError(f"max_new_tokens must not be negative, got {max_new_tokens}")
     if not math.isfinite(temperature):
-        raise ConfigError(f"--temperature must be a finite number, got {temperature}")
+        raise UserError(f"--temperature must be a finite number, got {temperature}")
     if temperature < 0:
-        raise ConfigError(f"--temperature must not be negative, got {temperature}")
+        raise UserError(f"--temperature must not be negative, got {temperature}")
     if top_k is not None and top_k <= 0:
-        raise ConfigError(f"--top-k must be positive, got {top_k}")
+        raise UserError(f"--top-k must be positive, got {top_k}")
     check_seed(seed, "--seed")
     resolve_device(device, "--device")
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     task = get_task(cfg.task)
     if task.generate is None:
-        raise ConfigError(f"{run_dir} is a {task.kind} run (task: {cfg.task}); "
+        raise UserError(f"{run_dir} is a {task.kind} run (task: {cfg.task}); "
                           "generate continues text prompts and is for language-model runs (task: lm)")
     model, _ = load_trained(run_dir, device)
     check_finite_weights(model, RunDir(run_dir).last_checkpoint)

@@ -20,7 +20,7 @@ from ..data import (
     load_images,
     split_images,
 )
-from ..errors import ConfigError
+from ..errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +47,9 @@ class ImageDataConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "val_batches"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"data.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         check_seed(self.split_seed, "data.split_seed")
 
 
@@ -89,12 +89,12 @@ def check_training_images(cfg: Any, images: ImageSet) -> None:
     d = cfg.data
     _, height, width = images.shape
     if height != width:
-        raise ConfigError(f"{d.dataset}: images are {height}x{width}; the models take square images "
+        raise UserError(f"{d.dataset}: images are {height}x{width}; the models take square images "
                           "(resize them, e.g. a folder's image_size option)")
     present = np.unique(images.labels)
     if len(present) < 2:
         name = images.class_names[int(present[0])] if len(present) else "none"
-        raise ConfigError(f"{d.dataset}: every image is of one class ({name!r}); task={cfg.task} needs "
+        raise UserError(f"{d.dataset}: every image is of one class ({name!r}); task={cfg.task} needs "
                           "images of at least 2 classes (add another class)")
 
 
@@ -111,7 +111,7 @@ def load_image_data(cfg: Any, *, augment: Callable[[Any], ImageAugment] | None =
     chans, height, _ = full.shape
     train, val = split_images(full, d.val_fraction, d.split_seed)
     if len(val) == 0:
-        raise ConfigError(f"{d.dataset}: data.val_fraction={d.val_fraction} leaves no validation images")
+        raise UserError(f"{d.dataset}: data.val_fraction={d.val_fraction} leaves no validation images")
     # Every validation image when they fit in val_batches batches, else evenly spaced full batches.
     few = len(val) <= d.val_batches * d.batch_size
     batches = image_validation_batches(val, batch_size=d.batch_size, n_batches=None if few else d.val_batches)
@@ -134,13 +134,13 @@ def image_analysis_batches(cfg: Any, run_dir: Path, data: str | None, n: int, *,
     images = load_images(data, **cfg.data.dataset_options)
     chans, height, width = images.shape
     if (height, width) != (size, size):
-        raise ConfigError(f"{data}: images are {height}x{width}, the run's model takes "
+        raise UserError(f"{data}: images are {height}x{width}, the run's model takes "
                           f"{cfg.data.dataset_options or 'its own size'}; give images of that size")
     if chans != cfg.model.in_chans:
-        raise ConfigError(f"{data}: images have {chans} channels, the run's model takes "
+        raise UserError(f"{data}: images have {chans} channels, the run's model takes "
                           f"{cfg.model.in_chans}; give images with that many channels")
     if len(images) and int(images.labels.max()) >= cfg.model.num_classes:
-        raise ConfigError(f"{data}: holds class {int(images.labels.max())}, the run's model knows "
+        raise UserError(f"{data}: holds class {int(images.labels.max())}, the run's model knows "
                           f"{cfg.model.num_classes} classes; give images of the run's classes")
     count = min(n, max(1, len(images) // cfg.data.batch_size))
     return image_validation_batches(images, batch_size=min(cfg.data.batch_size, len(images)),

@@ -35,7 +35,7 @@ from ..data import (
     train_val_tokens,
     validation_batches,
 )
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models import LanguageModel, LMConfig
 from ..rundir import RunDir
 from .lm_eval import LMEvaluation
@@ -65,12 +65,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("bytes", "bpe"):
-            raise ConfigError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
+            raise UserError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
         for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches", "eval_problems"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"data.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+            raise UserError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass(frozen=True)
@@ -156,14 +156,14 @@ def _model_vocab(cfg: LMRunConfig, needed: int, why: str) -> int:
     if given == _DEFAULT_VOCAB:
         return needed
     if given < needed:
-        raise ConfigError(f"model.vocab_size={given} is too small: {why} needs {needed} ids; raise "
+        raise UserError(f"model.vocab_size={given} is too small: {why} needs {needed} ids; raise "
                           f"model.vocab_size to at least {needed} or leave it unset")
     return given
 
 
 def _load_corpus(cfg: LMRunConfig) -> Corpus:
     if cfg.data.corpus == UNSET_CORPUS:
-        raise ConfigError("data.corpus is not set: name the training data, e.g. "
+        raise UserError("data.corpus is not set: name the training data, e.g. "
                           "data.corpus=PATH/TO/train.bin (a .bin token file, a folder of .bin shards "
                           "or a glob) or data.corpus=hf:NAME")
     return load_corpus(cfg.data.corpus, **corpus_options(cfg))
@@ -189,7 +189,7 @@ def _fit(cfg: LMRunConfig, data: LMData) -> LMRunConfig:
     """The model's vocabulary from the data (:func:`_model_vocab`): the one value fitting sets;
     and the model's context must hold the data's sequences."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
+        raise UserError(f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len "
                           f"({cfg.model.max_seq_len}); raise model.max_seq_len or lower data.seq_len")
     if data.tokenizer is not None and data.tokenizer.kind == "bpe":     # it may use all it was allowed
         _model_vocab(cfg, cfg.data.vocab_size, f"the BPE tokenizer (data.vocab_size={cfg.data.vocab_size})")
@@ -236,24 +236,24 @@ def analysis_tokens(run_dir: str | Path, cfg: LMRunConfig, data: str | None = No
     tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
     if data is None:
         if cfg.data.corpus == UNSET_CORPUS:     # e.g. a run imported from OLMo-core without --data
-            raise ConfigError(f"{run_dir} names no data to analyse (its data.corpus is unset); give --data "
+            raise UserError(f"{run_dir} names no data to analyse (its data.corpus is unset); give --data "
                               "token files of its vocabulary")
         corpus = load_corpus(cfg.data.corpus, **corpus_options(cfg))
         if not corpus.is_tokenized and tokenizer is None:
-            raise ConfigError(f"{run_dir} has no tokenizer/ to encode its corpus; give --data a token file")
+            raise UserError(f"{run_dir} has no tokenizer/ to encode its corpus; give --data a token file")
         return train_val_tokens(corpus, tokenizer, cfg.data.val_fraction)[1]
     corpus = load_corpus(data)
     if corpus.is_tokenized:
         parts = [corpus.tokens] + ([corpus.val_tokens] if corpus.val_tokens is not None else [])
     else:
         if tokenizer is None:
-            raise ConfigError(f"{run_dir} was trained on token files and has no tokenizer for the text "
+            raise UserError(f"{run_dir} was trained on token files and has no tokenizer for the text "
                               f"in {data}; give a token file")
         texts = [corpus.text] + ([corpus.val_text] if corpus.val_text is not None else [])
         parts = [tokenizer.encode_array(t) for t in texts]
     tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
     if len(tokens) and int(tokens.max()) >= cfg.model.vocab_size:
-        raise ConfigError(f"{data} holds token id {int(tokens.max())}, beyond the model's vocabulary "
+        raise UserError(f"{data} holds token id {int(tokens.max())}, beyond the model's vocabulary "
                           f"of {cfg.model.vocab_size}; give data tokenized for this run")
     return tokens
 
@@ -270,7 +270,7 @@ def run_tokenizer(run_dir: str | Path) -> Tokenizer:
     """The tokenizer a text run saved (a run on token files has none: a one-line error)."""
     tok_dir = RunDir(run_dir).tokenizer
     if not tok_dir.is_dir():
-        raise ConfigError(f"{run_dir} was trained on token files and has no tokenizer to turn text "
+        raise UserError(f"{run_dir} was trained on token files and has no tokenizer to turn text "
                           "into tokens")
     return load_tokenizer(tok_dir)
 
@@ -282,14 +282,14 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | bytes) -> list[int]:
     try:
         raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError as err:          # a lone surrogate that stands for no byte
-        raise ConfigError(f"the prompt holds {prompt[err.start]!r} at character {err.start}, which is "
+        raise UserError(f"the prompt holds {prompt[err.start]!r} at character {err.start}, which is "
                           "no character nor byte; give the prompt as UTF-8 text") from None
     if tokenizer.kind == "bytes":
         return list(raw)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"the prompt is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset "
+        raise UserError(f"the prompt is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset "
                           f"{err.start}); this run's {tokenizer.kind} tokenizer reads text: give the "
                           "prompt as UTF-8 (a byte-level run, data.tokenizer=bytes, takes any "
                           "bytes)") from None
@@ -316,7 +316,7 @@ def generate_text(run_dir: Path, model: LanguageModel, prompt: str | bytes, max_
     tokenizer = run_tokenizer(run_dir)
     ids = prompt_ids(tokenizer, prompt)
     if not ids:
-        raise ConfigError("the prompt is empty; give at least one character")
+        raise UserError("the prompt is empty; give at least one character")
     x = torch.tensor([ids], device=model.embed.weight.device)
     context = model.config.max_seq_len
     gen = torch.Generator(x.device).manual_seed(seed)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import build_config
-from ..errors import ConfigError
+from ..errors import UserError
 from ..rundir import RunDir
 from . import dit, lm, vit
 from .spec import Task
@@ -25,7 +25,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ConfigError(f"task: unknown value {name!r}; choose one of {', '.join(TASKS)}") from None
+        raise UserError(f"task: unknown value {name!r}; choose one of {', '.join(TASKS)}") from None
 
 
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -45,5 +45,5 @@ def saved_config(run_dir: str | Path, missing: str) -> Any:
     when it has none."""
     path = RunDir(run_dir).config
     if not path.is_file():
-        raise ConfigError(missing)
+        raise UserError(missing)
     return load_config(str(path))

@@ -28,7 +28,7 @@ import torch
 from ..analysis import TrainingProbes, analyze_model, write_analysis
 from ..config import dump_config
 from ..devices import deterministic, environment, resolve_device
-from ..errors import ConfigError
+from ..errors import UserError
 from ..locks import check_free, folder_lock
 from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
@@ -75,7 +75,7 @@ class Run:
         with folder_lock(self.run_dir, self.command):
             if self.resume:     # (the caller reads its config.yaml)
                 if self.folder.stopped_before_first_checkpoint():
-                    raise ConfigError(f"cannot resume {self.run_dir}: it stopped before its first "
+                    raise UserError(f"cannot resume {self.run_dir}: it stopped before its first "
                                       "checkpoint; start it again without --resume (the same "
                                       "command that started it)")
             else:
@@ -101,7 +101,7 @@ class Run:
         history = self.folder.data_history()
         if before is not None and before != now:
             if not self.allow_data_change:
-                raise ConfigError(f"cannot resume {self.run_dir}: its data changed since the run "
+                raise UserError(f"cannot resume {self.run_dir}: its data changed since the run "
                                   f"started ({_difference(before, now)}); restore the data it "
                                   "trained on, or add --allow-data-change to go on with the new "
                                   "data (both records are kept)")
@@ -222,7 +222,7 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     """:func:`run_task` across ``nproc`` processes of this machine: this process claims and
     prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
     ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
-    (ConfigError or RankFailed) after all have stopped."""
+    (UserError or RankFailed) after all have stopped."""
     run = Run(run_dir, resume=resume, command=command, restart=restart)
     with run.claimed():
         if resume:
@@ -262,8 +262,8 @@ def check_distributed(cfg: Any, world: World) -> None:
     parallel_mode(cfg.train.parallel, world)
     if not get_task(cfg.task).multi_process:
         parallel = ", ".join(name for name, task in TASKS.items() if task.multi_process)
-        raise ConfigError(f"task {cfg.task} trains in one process; runs across processes support "
+        raise UserError(f"task {cfg.task} trains in one process; runs across processes support "
                           f"task {parallel} (launched with {world.size} processes)")
     if cfg.analysis.every > 0:
-        raise ConfigError("the training probes (analysis.every) run in one process only; set "
+        raise UserError("the training probes (analysis.every) run in one process only; set "
                           "analysis.every=0 and run `siamesenorm analyze` on the finished run")

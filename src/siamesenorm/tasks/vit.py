@@ -18,7 +18,7 @@ from torch import nn
 from ..analysis.adapters import vit_head
 from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import ImageAugment, check_image_options
-from ..errors import ConfigError
+from ..errors import UserError
 from ..models import config_checks as check
 from ..models.vit import VisionTransformer, ViTConfig
 from ..train import Evaluation
@@ -54,10 +54,10 @@ class ViTRunConfig:
         # model.label_smoothing (training_augment); two different values contradict.
         a, smoothing = self.data.augment, self.model.label_smoothing
         if a.smoothing > 0 and not a.mixes:
-            raise ConfigError(f"data.augment.smoothing={a.smoothing} only smooths mixup/cutmix targets, and "
+            raise UserError(f"data.augment.smoothing={a.smoothing} only smooths mixup/cutmix targets, and "
                               "both are off; set model.label_smoothing instead")
         if a.smoothing > 0 and smoothing > 0 and a.smoothing != smoothing:
-            raise ConfigError(f"data.augment.smoothing={a.smoothing} and model.label_smoothing={smoothing} "
+            raise UserError(f"data.augment.smoothing={a.smoothing} and model.label_smoothing={smoothing} "
                               "disagree; under mixup/cutmix one smoothing applies: set one of them (or both "
                               "to the same value)")
         check_image_options(self.data.dataset, self.data.dataset_options)

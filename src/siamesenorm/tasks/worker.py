@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from ..errors import ConfigError, Terminated, environment_problem
+from ..errors import Terminated, UserError, environment_problem
 from ..parallel.env import exit_process
 from ..parallel.launch import ERROR_DIR_ENV, report_failure
 from .runner import train_prepared
@@ -125,7 +125,7 @@ def _train(run_dir: str, *flags: str) -> int:
     try:
         train_prepared(run_dir, resume="--resume" in flags,
                        allow_data_change="--allow-data-change" in flags, data=_handed_data(flags))
-    except ConfigError as error:
+    except UserError as error:
         report_failure(error, user_error=True)
         return 2
     except Terminated:      # the launcher passed on a SIGTERM: the checkpoint is saved
@@ -134,7 +134,7 @@ def _train(run_dir: str, *flags: str) -> int:
         return 130
     except OSError as error:
         problem = environment_problem(error)
-        report_failure(ConfigError(problem) if problem else error, user_error=problem is not None)
+        report_failure(UserError(problem) if problem else error, user_error=problem is not None)
         return 2 if problem else 1
     except BaseException as error:
         report_failure(error, user_error=False)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import UserError
 
 __all__ = ["ImageAugment", "cutmix_box", "one_hot_targets"]
 
@@ -55,13 +55,13 @@ class ImageAugment:
 
     def __post_init__(self) -> None:
         if self.translate < 0 or self.mixup_alpha < 0 or self.cutmix_alpha < 0:
-            raise ConfigError("augment translate, mixup_alpha and cutmix_alpha must not be negative, got "
+            raise UserError("augment translate, mixup_alpha and cutmix_alpha must not be negative, got "
                               f"{self.translate}, {self.mixup_alpha}, {self.cutmix_alpha}")
         for name in ("erase_prob", "switch_prob", "mix_prob"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"augment {name} must be in [0, 1], got {getattr(self, name)}")
+                raise UserError(f"augment {name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.smoothing < 1:
-            raise ConfigError(f"augment smoothing must be in [0, 1), got {self.smoothing}")
+            raise UserError(f"augment smoothing must be in [0, 1), got {self.smoothing}")
 
     @property
     def mixes(self) -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .augment import ImageAugment
 from .imageset import ImageSet, to_model_range
 
@@ -21,11 +21,11 @@ def _arrays(images: np.ndarray | Tensor, labels: np.ndarray | Tensor) -> tuple[T
     x = torch.as_tensor(np.ascontiguousarray(images) if isinstance(images, np.ndarray) else images)
     y = torch.as_tensor(np.asarray(labels) if isinstance(labels, np.ndarray) else labels)
     if x.ndim != 4:
-        raise ConfigError(f"images must be N x C x H x W, got shape {tuple(x.shape)}")
+        raise UserError(f"images must be N x C x H x W, got shape {tuple(x.shape)}")
     if x.dtype != torch.uint8 and not x.is_floating_point():
-        raise ConfigError(f"images must be uint8 (0..255) or float (0..1), got {x.dtype}")
+        raise UserError(f"images must be uint8 (0..255) or float (0..1), got {x.dtype}")
     if y.shape != (len(x),) or y.is_floating_point() or y.dtype == torch.bool:
-        raise ConfigError(f"labels must be one integer per image, got {y.dtype} {tuple(y.shape)} for "
+        raise UserError(f"labels must be one integer per image, got {y.dtype} {tuple(y.shape)} for "
                           f"{len(x)} images")
     return x, y.long()
 
@@ -48,13 +48,13 @@ class ImageBatchSampler:
                  num_classes: int | None = None) -> None:
         self.images, self.labels = _arrays(images, labels)
         if batch_size < 1:
-            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+            raise UserError(f"batch_size must be positive, got {batch_size}")
         if len(self.images) == 0:
-            raise ConfigError("the training image set is empty")
+            raise UserError("the training image set is empty")
         self.batch_size, self.seed, self.augment = batch_size, seed, augment
         self.num_classes = int(self.labels.max()) + 1 if num_classes is None else int(num_classes)
         if int(self.labels.max()) >= self.num_classes or int(self.labels.min()) < 0:
-            raise ConfigError(f"labels must lie in [0, {self.num_classes}); pass the right num_classes")
+            raise UserError(f"labels must lie in [0, {self.num_classes}); pass the right num_classes")
         self.generator = torch.Generator().manual_seed(seed)
         self.perm = torch.zeros(0, dtype=torch.int64)
         self.pos = 0
@@ -106,13 +106,13 @@ class ImageBatchSampler:
         """Continue from ``state``; refuses a state drawn for other data or another batch size."""
         for key, mine in (("batch_size", self.batch_size), ("n_images", len(self.images))):
             if key in state and int(state[key]) != mine:
-                raise ConfigError(f"sampler state was saved with {key}={int(state[key])}, this run has "
+                raise UserError(f"sampler state was saved with {key}={int(state[key])}, this run has "
                                   f"{mine}; resume with the same images and batch_size")
         try:
             self.generator.set_state(state["generator"])
             perm = torch.as_tensor(state["perm"], dtype=torch.int64).clone()
         except (KeyError, RuntimeError, TypeError) as exc:
-            raise ConfigError(f"image sampler state is incomplete or invalid: {exc}") from None
+            raise UserError(f"image sampler state is incomplete or invalid: {exc}") from None
         self.perm, self.pos = perm, int(state.get("pos", len(perm)))
         self.epoch = int(state.get("epoch", 0))
         self.batches_drawn = int(state.get("batches_drawn", 0))
@@ -131,16 +131,16 @@ def image_validation_batches(images: np.ndarray | Tensor | ImageSet,
     if isinstance(images, ImageSet):
         images, labels = images.images, images.labels
     if labels is None:
-        raise ConfigError("image_validation_batches needs labels (or an ImageSet)")
+        raise UserError("image_validation_batches needs labels (or an ImageSet)")
     x, y = _arrays(images, labels)
     if batch_size < 1 or (n_batches is not None and n_batches < 1):
-        raise ConfigError(f"batch_size and n_batches must be positive, got {batch_size} and {n_batches}")
+        raise UserError(f"batch_size and n_batches must be positive, got {batch_size} and {n_batches}")
     if n_batches is None:
         index = torch.arange(len(x))
     else:
         n_batches = min(n_batches, len(x) // batch_size)
         if n_batches == 0:
-            raise ConfigError(f"validation set has {len(x)} images, fewer than batch_size={batch_size}")
+            raise UserError(f"validation set has {len(x)} images, fewer than batch_size={batch_size}")
         wanted = n_batches * batch_size
         index = torch.arange(wanted) * len(x) // wanted
     return [(to_model_range(x[part]).contiguous(), y[part].contiguous())

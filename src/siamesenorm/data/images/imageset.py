@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import UserError
 
 __all__ = ["ImageSet", "image_fingerprint", "to_model_range"]
 
@@ -42,15 +42,15 @@ class ImageSet:
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4:
-            raise ConfigError(f"images must be N x C x H x W, got shape {self.images.shape}")
+            raise UserError(f"images must be N x C x H x W, got shape {self.images.shape}")
         if not (self.images.dtype == np.uint8 or np.issubdtype(self.images.dtype, np.floating)):
-            raise ConfigError(f"images must be uint8 or float, got {self.images.dtype}")
+            raise UserError(f"images must be uint8 or float, got {self.images.dtype}")
         if self.labels.shape != (len(self.images),):
-            raise ConfigError(f"{len(self.images)} images but labels of shape {self.labels.shape}")
+            raise UserError(f"{len(self.images)} images but labels of shape {self.labels.shape}")
         if len(self.class_names) != self.num_classes:
-            raise ConfigError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+            raise UserError(f"{len(self.class_names)} class names for {self.num_classes} classes")
         if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= self.num_classes):
-            raise ConfigError(f"labels must lie in [0, {self.num_classes}), got "
+            raise UserError(f"labels must lie in [0, {self.num_classes}), got "
                               f"{self.labels.min()}..{self.labels.max()}")
 
     def __len__(self) -> int:
@@ -97,5 +97,5 @@ def to_model_range(images: np.ndarray | Tensor) -> Tensor:
     if images.dtype == torch.uint8:
         return images.float() / 127.5 - 1.0
     if not images.is_floating_point():
-        raise ConfigError(f"images must be uint8 or float, got {images.dtype}")
+        raise UserError(f"images must be uint8 or float, got {images.dtype}")
     return images.float() * 2.0 - 1.0

@@ -16,7 +16,7 @@ Nothing here downloads. Sources (``spec``):
   4-D array whose channel axis is ambiguous.
 
 Each loader returns an :class:`~.imageset.ImageSet` in the package's pixel convention (uint8 0..255
-or float32 0..1, ``N x C x H x W``) or refuses its input with one :class:`ConfigError` line naming
+or float32 0..1, ``N x C x H x W``) or refuses its input with one :class:`UserError` line naming
 what is wrong.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .imageset import ImageSet, image_fingerprint
 
 __all__ = ["IMAGE_SUFFIXES", "MAX_CLASSES", "check_image_options", "load_digits_set", "load_image_folder",
@@ -50,7 +50,7 @@ def _import(module: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"{what} needs {module.split('.')[0]}: {_VISION}") from None
+        raise UserError(f"{what} needs {module.split('.')[0]}: {_VISION}") from None
 
 
 # ---- digits ------------------------------------------------------------------------------------
@@ -71,14 +71,14 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _unreadable(path: Path, error: OSError) -> ConfigError:
+def _unreadable(path: Path, error: OSError) -> UserError:
     reason = error.strerror or type(error).__name__
-    return ConfigError(f"cannot read {path} while reading an image folder: {reason}; make the folder "
+    return UserError(f"cannot read {path} while reading an image folder: {reason}; make the folder "
                        "and everything under it readable")
 
 
 def _folder_entries(root: Path) -> list[Path]:
-    """The non-hidden entries of ``root``; an OS error (no permission, ...) is a ConfigError."""
+    """The non-hidden entries of ``root``; an OS error (no permission, ...) is a UserError."""
     try:
         return [p for p in root.iterdir() if not p.name.startswith(".")]
     except OSError as error:
@@ -98,7 +98,7 @@ def _raise_unreadable(error: OSError) -> NoReturn:
 
 def _class_files(folder: Path) -> list[Path]:
     """The image files under ``folder`` (recursively, by suffix, sorted by path; symlinked folders
-    are not entered). A folder that cannot be listed is a ConfigError, never skipped silently."""
+    are not entered). A folder that cannot be listed is a UserError, never skipped silently."""
     files = []
     for top, _, names in os.walk(folder, onerror=_raise_unreadable):
         files += [Path(top) / n for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES]
@@ -125,10 +125,10 @@ def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarr
             warnings.simplefilter("error", image_module.DecompressionBombWarning)
             return _decoded(image_module, path, mode, size, resample)
     except (image_module.DecompressionBombError, image_module.DecompressionBombWarning) as error:
-        raise ConfigError(f"image {path} is too large to read safely: {str(error).rstrip('.')}; "
+        raise UserError(f"image {path} is too large to read safely: {str(error).rstrip('.')}; "
                           "shrink it or remove it from the folder") from None
     except (OSError, ValueError, SyntaxError) as error:
-        raise ConfigError(f"cannot read image {path}: {error}; remove or replace the file") from None
+        raise UserError(f"cannot read image {path}: {error}; remove or replace the file") from None
 
 
 def _decoded(image_module: Any, path: Path, mode: str, size: int, resample: Any) -> np.ndarray:
@@ -151,26 +151,26 @@ def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> 
     suffix, recursively, sorted by path) follow each other. Files with other suffixes are ignored.
     """
     if channels not in (1, 3):
-        raise ConfigError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+        raise UserError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
     if not isinstance(image_size, int) or image_size < 1:
-        raise ConfigError(f"image_size must be a positive integer, got {image_size!r}")
+        raise UserError(f"image_size must be a positive integer, got {image_size!r}")
     root = Path(spec).expanduser()
     try:
         exists, is_dir = root.exists(), root.is_dir()
     except OSError as error:
         raise _unreadable(root, error) from None
     if not exists:
-        raise ConfigError(f"image set {root} does not exist; give digits, an ImageFolder directory or "
+        raise UserError(f"image set {root} does not exist; give digits, an ImageFolder directory or "
                           "an .npz file")
     if not is_dir:
-        raise ConfigError(f"image set {root} is a file but not .npz; give digits, an ImageFolder "
+        raise UserError(f"image set {root} is a file but not .npz; give digits, an ImageFolder "
                           "directory or an .npz file")
     entries = _folder_entries(root)
     if not entries:
-        raise ConfigError(f"image folder {root} is empty; put one sub-folder of images per class in it")
+        raise UserError(f"image folder {root} is empty; put one sub-folder of images per class in it")
     classes = sorted((p for p in entries if _is_dir(p)), key=lambda p: p.name)
     if not classes:
-        raise ConfigError(f"image folder {root} has no class sub-folders; put each class's images in a "
+        raise UserError(f"image folder {root} has no class sub-folders; put each class's images in a "
                           "sub-folder named after the class")
     pil = _import("PIL.Image", "reading an image folder")
     mode = "L" if channels == 1 else "RGB"
@@ -179,7 +179,7 @@ def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> 
     for index, folder in enumerate(classes):
         files = _class_files(folder)
         if not files:
-            raise ConfigError(f"class folder {folder} holds no image files "
+            raise UserError(f"class folder {folder} holds no image files "
                               f"({', '.join(sorted(IMAGE_SUFFIXES))}); remove it or add images")
         images += [_read_image(pil, f, mode, image_size) for f in files]
         labels += [index] * len(files)
@@ -198,7 +198,7 @@ def _channel_layout(shape: tuple[int, ...], layout: str | None, name: str) -> st
     """``"nchw"`` or ``"nhwc"`` for a 4-D images array."""
     if layout is not None:
         if layout not in ("nchw", "nhwc"):
-            raise ConfigError(f"layout must be 'nchw' or 'nhwc', got {layout!r}")
+            raise UserError(f"layout must be 'nchw' or 'nhwc', got {layout!r}")
         return layout
     first, last = shape[1] in (1, 3, 4), shape[3] in (1, 3, 4)
     if first and not last:
@@ -209,7 +209,7 @@ def _channel_layout(shape: tuple[int, ...], layout: str | None, name: str) -> st
         return "nhwc"
     if first and last and shape[1] != shape[2] and shape[2] == shape[3]:
         return "nchw"
-    raise ConfigError(f"{name}: cannot tell the channel axis of images {shape}; pass layout='nchw' or "
+    raise UserError(f"{name}: cannot tell the channel axis of images {shape}; pass layout='nchw' or "
                       "'nhwc' (channels must be 1, 3 or 4)")
 
 
@@ -217,17 +217,17 @@ def _pixels(images: np.ndarray, value_range: tuple[float, float] | None, name: s
     """uint8 as is; float rescaled from ``value_range`` (default (0, 1)) to float32 [0, 1]."""
     if images.dtype == np.uint8:
         if value_range is not None:
-            raise ConfigError(f"{name}: value_range applies to float images; uint8 images are 0..255")
+            raise UserError(f"{name}: value_range applies to float images; uint8 images are 0..255")
         return images
     if not np.issubdtype(images.dtype, np.floating):
-        raise ConfigError(f"{name}: images must be uint8 or float, got {images.dtype}; convert them")
+        raise UserError(f"{name}: images must be uint8 or float, got {images.dtype}; convert them")
     if not np.isfinite(images).all():
-        raise ConfigError(f"{name}: images hold NaN or infinite values")
+        raise UserError(f"{name}: images hold NaN or infinite values")
     lo, hi = (0.0, 1.0) if value_range is None else (float(value_range[0]), float(value_range[1]))
     if not hi > lo:
-        raise ConfigError(f"value_range must be (low, high) with high > low, got {value_range}")
+        raise UserError(f"value_range must be (low, high) with high > low, got {value_range}")
     if images.size and (images.min() < lo or images.max() > hi):
-        raise ConfigError(f"{name}: float pixels span {images.min():g}..{images.max():g}, outside "
+        raise UserError(f"{name}: float pixels span {images.min():g}..{images.max():g}, outside "
                           f"[{lo:g}, {hi:g}]; pass value_range=(low, high)")
     return ((images.astype(np.float64) - lo) / (hi - lo)).astype(np.float32)
 
@@ -238,11 +238,11 @@ def _check_class_count(labels: np.ndarray, k: int, path: Path, *, inferred: bool
     label such as 10**9, or labels that are ids rather than class numbers)."""
     if k > MAX_CLASSES:
         source = f"its largest label {int(labels.max())}" if inferred else f"num_classes={k}"
-        raise ConfigError(f"{path}: {source} makes {k} classes, more than the {MAX_CLASSES} supported; "
+        raise UserError(f"{path}: {source} makes {k} classes, more than the {MAX_CLASSES} supported; "
                           "number the classes 0..K-1")
     used = len(np.unique(labels))
     if inferred and 2 * used < k:
-        raise ConfigError(f"{path}: labels run up to {int(labels.max())} but only {used} of those {k} "
+        raise UserError(f"{path}: labels run up to {int(labels.max())} but only {used} of those {k} "
                           f"classes have an image; number the classes 0..{used - 1} (or pass "
                           f"num_classes={k} if the empty classes are meant)")
 
@@ -252,43 +252,43 @@ def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None
     """Arrays ``images`` and ``labels`` (and optional ``class_names``) of an ``.npz`` file."""
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ConfigError(f"image file {path} does not exist")
+        raise UserError(f"image file {path} does not exist")
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = [k for k in ("images", "labels") if k not in data.files]
             if missing:
-                raise ConfigError(f"{path} lacks the array(s) {', '.join(missing)}; an image .npz holds "
+                raise UserError(f"{path} lacks the array(s) {', '.join(missing)}; an image .npz holds "
                                   f"'images' and 'labels' (it has {', '.join(data.files) or 'none'})")
             images, labels = data["images"], data["labels"]
             names = data["class_names"] if "class_names" in data.files else None
     except (OSError, ValueError, zipfile.BadZipFile) as error:
-        raise ConfigError(f"cannot read {path} as .npz: {error}") from None
+        raise UserError(f"cannot read {path} as .npz: {error}") from None
     if images.ndim == 3:
         images = images[:, None]
     elif images.ndim == 4:
         if _channel_layout(images.shape, layout, str(path)) == "nhwc":
             images = images.transpose(0, 3, 1, 2)
     else:
-        raise ConfigError(f"{path}: images must be N,H,W or N,H,W,C or N,C,H,W, got rank {images.ndim} "
+        raise UserError(f"{path}: images must be N,H,W or N,H,W,C or N,C,H,W, got rank {images.ndim} "
                           f"{images.shape}")
     if labels.ndim != 1 or len(labels) != len(images):
-        raise ConfigError(f"{path}: {len(images)} images but labels of shape {labels.shape}; give one "
+        raise UserError(f"{path}: {len(images)} images but labels of shape {labels.shape}; give one "
                           "label per image")
     if not np.issubdtype(labels.dtype, np.integer):
-        raise ConfigError(f"{path}: labels must be integers, got {labels.dtype}")
+        raise UserError(f"{path}: labels must be integers, got {labels.dtype}")
     labels = labels.astype(np.int64)
     if len(labels) == 0:
-        raise ConfigError(f"{path} holds no images")
+        raise UserError(f"{path} holds no images")
     if labels.min() < 0:
-        raise ConfigError(f"{path}: labels must be non-negative, got {labels.min()}")
+        raise UserError(f"{path}: labels must be non-negative, got {labels.min()}")
     pixels = np.ascontiguousarray(_pixels(images, value_range, str(path)))
     k = int(labels.max()) + 1 if num_classes is None else int(num_classes)
     if k <= labels.max():
-        raise ConfigError(f"num_classes={k} but {path} has label {labels.max()}")
+        raise UserError(f"num_classes={k} but {path} has label {labels.max()}")
     _check_class_count(labels, k, path, inferred=num_classes is None)
     class_names = [str(n) for n in names.tolist()] if names is not None else [str(i) for i in range(k)]
     if len(class_names) != k:
-        raise ConfigError(f"{path}: {len(class_names)} class_names for {k} classes")
+        raise UserError(f"{path}: {len(class_names)} class_names for {k} classes")
     meta = image_fingerprint("npz", pixels, labels, k)
     meta.update(path=str(path), value_range=None if value_range is None else list(value_range), layout=layout)
     return ImageSet(pixels, labels, k, class_names, meta)
@@ -308,13 +308,13 @@ def check_image_options(spec: str | Path, options: dict) -> tuple[Callable[..., 
     """Refuse an option the loader of ``spec`` does not take; returns the loader."""
     spec = str(spec) if isinstance(spec, Path) else spec
     if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"image set must be a non-empty string, got {spec!r}")
+        raise UserError(f"image set must be a non-empty string, got {spec!r}")
     loader, takes_spec = _loader(spec)
     accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         kind = "digits" if spec == "digits" else ("npz" if spec.lower().endswith(".npz") else "folder")
-        raise ConfigError(f"image set {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
+        raise UserError(f"image set {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
                           f"{', '.join(accepted) or 'none'}")
     return loader, takes_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .imageset import ImageSet
 
 __all__ = ["split_images", "stratified_split_indices"]
@@ -20,7 +20,7 @@ def stratified_split_indices(labels: np.ndarray, val_fraction: float = 0.1,
     on the seed, the class and its images, never on the other classes. Same inputs, same split.
     """
     if not 0 < val_fraction < 1:
-        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise UserError(f"val_fraction must be in (0, 1), got {val_fraction}")
     labels = np.asarray(labels)
     val_parts = []
     for c in np.unique(labels):
@@ -31,7 +31,7 @@ def stratified_split_indices(labels: np.ndarray, val_fraction: float = 0.1,
             val_parts.append(rng.permutation(members)[:n_val])
     val = np.sort(np.concatenate(val_parts)) if val_parts else np.zeros(0, dtype=np.int64)
     if len(val) == 0:
-        raise ConfigError(f"val_fraction={val_fraction} leaves no validation image among {len(labels)}; "
+        raise UserError(f"val_fraction={val_fraction} leaves no validation image among {len(labels)}; "
                           "raise val_fraction or use more images")
     is_val = np.zeros(len(labels), dtype=bool)
     is_val[val] = True

@@ -4,7 +4,7 @@ resumes exactly. See :mod:`siamesenorm.data` for the corpora and their options."
 
 from __future__ import annotations
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .arithmetic import ArithmeticProblem, load_arithmetic, make_problems
 from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
 from .batches import BatchSampler, validation_batches
@@ -32,9 +32,9 @@ def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024,
     same ``val_fraction`` keeps for training (see :func:`~.splits.train_text`).
     """
     if kind not in TOKENIZER_KINDS:
-        raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
+        raise UserError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
     if corpus.is_tokenized:
-        raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it takes no tokenizer")
+        raise UserError(f"corpus {corpus.name} is already tokens (.bin); it takes no tokenizer")
     if kind == "bytes":
         return ByteTokenizer()
     return BPETokenizer.train(train_text(corpus, val_fraction), vocab_size)

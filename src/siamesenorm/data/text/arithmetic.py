@@ -21,7 +21,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 
 __all__ = ["OPERATIONS", "ArithmeticProblem", "check_arithmetic_options", "load_arithmetic",
@@ -65,20 +65,20 @@ def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train:
     ops = "".join(op for op in OPERATIONS if op in set(operations))
     unknown = set(operations) - set(OPERATIONS)
     if unknown or not ops:
-        raise ConfigError(f"arithmetic operations must be a non-empty subset of '+-*', got {operations!r}")
+        raise UserError(f"arithmetic operations must be a non-empty subset of '+-*', got {operations!r}")
     if not 1 <= min_digits <= max_digits <= 18:
-        raise ConfigError(f"arithmetic needs 1 <= min_digits <= max_digits <= 18, got "
+        raise UserError(f"arithmetic needs 1 <= min_digits <= max_digits <= 18, got "
                           f"{min_digits} and {max_digits}")
     if n_train < 1 or n_heldout < 1:
-        raise ConfigError(f"arithmetic needs n_train >= 1 and n_heldout >= 1, got {n_train} and {n_heldout}")
+        raise UserError(f"arithmetic needs n_train >= 1 and n_heldout >= 1, got {n_train} and {n_heldout}")
     if n_train + n_heldout > MAX_PROBLEMS:
-        raise ConfigError(f"arithmetic: n_train + n_heldout = {n_train + n_heldout:,} problems is more than "
+        raise UserError(f"arithmetic: n_train + n_heldout = {n_train + n_heldout:,} problems is more than "
                           f"it generates (at most {MAX_PROBLEMS:,}, about 150 MB of text and a minute "
                           "to draw); lower n_train or n_heldout")
     operands = 10**max_digits - (10 ** (min_digits - 1) if min_digits > 1 else 0)
     space = len(ops) * operands**2
     if n_heldout > space // 2:
-        raise ConfigError(f"arithmetic: {n_heldout} held-out problems leave too few for training: only "
+        raise UserError(f"arithmetic: {n_heldout} held-out problems leave too few for training: only "
                           f"{space} distinct problems exist; use at most {space // 2} or more digits")
     return ops, space
 

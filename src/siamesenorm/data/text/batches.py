@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import UserError
 
 __all__ = ["BatchSampler", "validation_batches"]
 
@@ -18,13 +18,13 @@ __all__ = ["BatchSampler", "validation_batches"]
 def _as_array(tokens: np.ndarray | Tensor) -> np.ndarray:
     array = tokens.detach().cpu().numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ConfigError(f"tokens must be a 1-D integer array, got shape {array.shape} of {array.dtype}")
+        raise UserError(f"tokens must be a 1-D integer array, got shape {array.shape} of {array.dtype}")
     return array
 
 
 def _check_sizes(batch_size: int, seq_len: int) -> None:
     if batch_size < 1 or seq_len < 1:
-        raise ConfigError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+        raise UserError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
 
 
 def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -46,7 +46,7 @@ class BatchSampler:
         _check_sizes(batch_size, seq_len)
         self.tokens = _as_array(tokens)
         if len(self.tokens) < seq_len + 1:
-            raise ConfigError(f"training data has {len(self.tokens)} tokens; seq_len={seq_len} needs at "
+            raise UserError(f"training data has {len(self.tokens)} tokens; seq_len={seq_len} needs at "
                               f"least {seq_len + 1}; use a shorter seq_len or more data")
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -76,12 +76,12 @@ class BatchSampler:
         for key in ("batch_size", "seq_len", "n_tokens"):
             mine = len(self.tokens) if key == "n_tokens" else getattr(self, key)
             if key in state and int(state[key]) != mine:
-                raise ConfigError(f"sampler state was saved with {key}={int(state[key])}, this run has "
+                raise UserError(f"sampler state was saved with {key}={int(state[key])}, this run has "
                                   f"{mine}; resume with the same data, batch_size and seq_len")
         try:
             self.generator.set_state(state["generator"])
         except (KeyError, RuntimeError, TypeError) as exc:
-            raise ConfigError(f"sampler state has no valid generator state: {exc}") from None
+            raise UserError(f"sampler state has no valid generator state: {exc}") from None
         self.batches_drawn = int(state.get("batches_drawn", 0))
         self.seed = int(state.get("seed", self.seed))
 
@@ -97,11 +97,11 @@ def validation_batches(tokens: np.ndarray | Tensor, batch_size: int, seq_len: in
     """
     _check_sizes(batch_size, seq_len)
     if n_batches < 1:
-        raise ConfigError(f"n_batches must be positive, got {n_batches}")
+        raise UserError(f"n_batches must be positive, got {n_batches}")
     array = _as_array(tokens)
     available = (len(array) - 1) // seq_len
     if available < batch_size:
-        raise ConfigError(f"validation data has {len(array)} tokens: fewer than batch_size={batch_size} "
+        raise UserError(f"validation data has {len(array)} tokens: fewer than batch_size={batch_size} "
                           f"windows of seq_len={seq_len}; it needs at least {batch_size * seq_len + 1}")
     n_batches = min(n_batches, available // batch_size)
     wanted = n_batches * batch_size

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .arithmetic import check_arithmetic_options, load_arithmetic
 from .corpus import Corpus
 from .hf_datasets import load_hf
@@ -53,23 +53,23 @@ def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
             return shards, True
         files = folder_files(path)
         if not files:
-            raise ConfigError(f"corpus folder {path} is empty")
+            raise UserError(f"corpus folder {path} is empty")
         return files, False
     if path.exists():
         if not path.is_file():
-            raise ConfigError(f"corpus path {path} is {_file_kind(path)}, not a regular file; give a "
+            raise UserError(f"corpus path {path} is {_file_kind(path)}, not a regular file; give a "
                               "text file, a folder or a .bin file")
         files = [path]
     elif _GLOB_CHARS & set(text):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
-            raise ConfigError(f"corpus pattern {text} matches no file")
+            raise UserError(f"corpus pattern {text} matches no file")
     else:
-        raise ConfigError(f"corpus path {path} does not exist; give pystdlib, arithmetic, hf:NAME, or "
+        raise UserError(f"corpus path {path} does not exist; give pystdlib, arithmetic, hf:NAME, or "
                           "an existing text file, folder or .bin file")
     bins = [f.suffix == ".bin" for f in files]
     if any(bins) and not all(bins):
-        raise ConfigError(f"corpus {text} mixes .bin token files and text files; name one kind")
+        raise UserError(f"corpus {text} mixes .bin token files and text files; name one kind")
     return files, all(bins)
 
 
@@ -78,11 +78,11 @@ def _load_path(spec: str, *, max_bytes: int | None = None, val: str | None = Non
     files, is_tokens = resolve_paths(spec)
     val_files, val_is_tokens = resolve_paths(val) if val is not None else (None, is_tokens)
     if val_is_tokens != is_tokens:
-        raise ConfigError(f"corpus {spec} and its val={val} must both be text or both .bin tokens")
+        raise UserError(f"corpus {spec} and its val={val} must both be text or both .bin tokens")
     if not is_tokens:
         return load_text_files(files, spec, max_bytes=max_bytes, val_files=val_files)
     if max_bytes is not None:
-        raise ConfigError(f"corpus {spec} is .bin tokens; max_bytes applies to text corpora only")
+        raise UserError(f"corpus {spec} is .bin tokens; max_bytes applies to text corpora only")
     return load_token_files(files, name=spec, val=val_files)
 
 
@@ -132,7 +132,7 @@ def _check_option_types(loader: Callable[..., Corpus], kind: str, options: dict)
     hints = typing.get_type_hints(loader)
     for name, value in options.items():
         if name in hints and not _matches(value, hints[name]):
-            raise ConfigError(f"corpus {kind!r}: option {name} must be {_describe(hints[name])}, got "
+            raise UserError(f"corpus {kind!r}: option {name} must be {_describe(hints[name])}, got "
                               f"{value!r}; fix data.corpus_options.{name}")
 
 
@@ -140,13 +140,13 @@ def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus
     """Refuse an option the loader of ``spec`` does not take, or a value of the wrong type;
     returns the loader (see :func:`_loader`)."""
     if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"corpus must be a non-empty string, got {spec!r}")
+        raise UserError(f"corpus must be a non-empty string, got {spec!r}")
     loader, takes_spec = _loader(spec)
     accepted = [n for n, p in inspect.signature(loader).parameters.items() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))
     kind = spec if not takes_spec else ("hf" if spec.startswith("hf:") else "path")
     if unknown:
-        raise ConfigError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
+        raise UserError(f"corpus {kind!r} has no option {', '.join(map(repr, unknown))}; its options: "
                           f"{', '.join(accepted) or 'none'}")
     _check_option_types(loader, kind, options)
     if loader is load_arithmetic:       # its counts too: a generated corpus is made in memory

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 
 __all__ = ["Corpus"]
 
@@ -37,7 +37,7 @@ class Corpus:
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.tokens is None):
-            raise ConfigError(f"corpus {self.name!r} must hold either text or tokens, not "
+            raise UserError(f"corpus {self.name!r} must hold either text or tokens, not "
                               f"{'both' if self.text is not None else 'neither'}")
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 from .textfiles import SEPARATOR, text_fingerprint
 
@@ -29,7 +29,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None]:
     body = spec.removeprefix("hf:")
     name, _, config = body.partition(":")
     if not name:
-        raise ConfigError(f"corpus {spec!r}: write hf:NAME or hf:NAME:CONFIG, "
+        raise UserError(f"corpus {spec!r}: write hf:NAME or hf:NAME:CONFIG, "
                           "e.g. hf:wikitext:wikitext-2-raw-v1")
     return name, config or None
 
@@ -65,7 +65,7 @@ def _join_rows(rows: Any, field: str, spec: str, max_bytes: int | None) -> str:
     pieces, size = [], 0
     for row in rows:
         if field not in row:
-            raise ConfigError(f"corpus {spec}: rows have no field {field!r} (fields: "
+            raise UserError(f"corpus {spec}: rows have no field {field!r} (fields: "
                               f"{', '.join(map(str, row))}); set text_field")
         piece = (SEPARATOR if pieces else "") + str(row[field])
         data = piece.encode("utf-8")
@@ -84,23 +84,23 @@ def load_hf(spec: str, *, split: str = "train", val_split: str | None = None, te
     try:
         datasets = importlib.import_module("datasets")
     except ImportError:
-        raise ConfigError(f"corpus {spec} needs the datasets package: pip install datasets") from None
+        raise UserError(f"corpus {spec} needs the datasets package: pip install datasets") from None
 
     def load(which: str) -> str:
         try:
             with _offline():
                 rows = datasets.load_dataset(name, config, split=which)
                 return _join_rows(rows, text_field, spec, max_bytes if which == split else None)
-        except ConfigError:
+        except UserError:
             raise
         except Exception as exc:  # any failure of the loader (not cached, bad name, bad split, ...)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"cannot load dataset {name!r}{f' ({config})' if config else ''} split "
+            raise UserError(f"cannot load dataset {name!r}{f' ({config})' if config else ''} split "
                               f"{which!r} offline: {first}") from None
 
     text = load(split)
     if not text.strip():
-        raise ConfigError(f"corpus {spec}: split {split!r} has no text in field {text_field!r}")
+        raise UserError(f"corpus {spec}: split {split!r} has no text in field {text_field!r}")
     val_text = load(val_split) if val_split is not None else None
     meta = {"dataset": name, "config": config, "split": split, "val_split": val_split,
             "text_field": text_field, "max_bytes": max_bytes, "fingerprint": text_fingerprint(text, 0)}

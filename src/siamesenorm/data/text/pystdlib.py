@@ -14,7 +14,7 @@ import platform
 import sysconfig
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 from .textfiles import join_text_files, text_fingerprint
 
@@ -44,7 +44,7 @@ def load_pystdlib(*, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     joined = join_text_files(stdlib_files(root), max_bytes)
     if not joined.text:
-        raise ConfigError(f"pystdlib: no standard-library Python source under {root}; "
+        raise UserError(f"pystdlib: no standard-library Python source under {root}; "
                           "this interpreter ships without it, so name a text corpus instead")
     fingerprint = text_fingerprint(joined.text, len(joined.used))
     fingerprint["python"] = platform.python_version()

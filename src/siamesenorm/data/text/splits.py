@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
@@ -31,9 +31,9 @@ def _val_count(n: int, val_fraction: float, what: str) -> int:
     """How many of ``n`` items the last ``val_fraction`` is: ``round(n * val_fraction)``, at least one,
     leaving at least one for training."""
     if not 0 < val_fraction < 1:
-        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise UserError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if n < 2:
-        raise ConfigError(f"cannot split {n} {what} into train and validation")
+        raise UserError(f"cannot split {n} {what} into train and validation")
     return min(max(1, round(n * val_fraction)), n - 1)
 
 
@@ -45,7 +45,7 @@ def split_text(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
     while cut > 0 and data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
         cut -= 1
     if cut == 0:
-        raise ConfigError(f"cannot split {len(text)} character(s) of text into train and validation")
+        raise UserError(f"cannot split {len(text)} character(s) of text into train and validation")
     return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
 
 
@@ -53,7 +53,7 @@ def train_text(corpus: Corpus, val_fraction: float = 0.1) -> str:
     """The training text of a text corpus: all of ``corpus.text`` when it has its own validation
     text, else the part :func:`split_text` keeps for training (what a tokenizer may learn from)."""
     if corpus.is_tokenized:
-        raise ConfigError(f"corpus {corpus.name} is already tokens (.bin); it has no text")
+        raise UserError(f"corpus {corpus.name} is already tokens (.bin); it has no text")
     return corpus.text if corpus.val_text is not None else split_text(corpus.text, val_fraction)[0]
 
 
@@ -73,12 +73,12 @@ def train_val_tokens(corpus: Corpus, tokenizer: Tokenizer | None = None,
             return split_tokens(train, val_fraction)
     else:
         if tokenizer is None:
-            raise ConfigError(f"corpus {corpus.name} is text and needs a tokenizer")
+            raise UserError(f"corpus {corpus.name} is text and needs a tokenizer")
         texts = (corpus.text, corpus.val_text) if corpus.val_text is not None else \
             split_text(corpus.text, val_fraction)
         train, val = (tokenizer.encode_array(t) for t in texts)
         if len(train) == 0:
-            raise ConfigError(f"corpus {corpus.name}: its training text encodes to no tokens")
+            raise UserError(f"corpus {corpus.name}: its training text encodes to no tokens")
     if len(val) == 0:
-        raise ConfigError(f"corpus {corpus.name}: its validation data is empty")
+        raise UserError(f"corpus {corpus.name}: its validation data is empty")
     return train, val

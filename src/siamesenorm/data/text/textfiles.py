@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 
 __all__ = ["SEPARATOR", "JoinedText", "folder_files", "join_text_files", "load_text_files",
@@ -59,7 +59,7 @@ def join_text_files(paths: list[Path], max_bytes: int | None = None) -> JoinedTe
     """Concatenate the UTF-8 files among ``paths`` (in order) up to ``max_bytes`` bytes, reading
     no more of each than :func:`read_utf8` with the bytes still to fill."""
     if max_bytes is not None and max_bytes <= 0:
-        raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
+        raise UserError(f"max_bytes must be positive, got {max_bytes}")
     out = JoinedText("")
     pieces: list[bytes] = []
     size = 0
@@ -99,8 +99,8 @@ def _joined_or_refused(files: list[Path], name: str, max_bytes: int | None) -> J
     if not joined.text.strip():
         if len(files) == 1:
             problem = "is not UTF-8 text" if joined.skipped else "is empty"
-            raise ConfigError(f"corpus file {files[0]} {problem}")
-        raise ConfigError(f"corpus {name} has no readable text: {len(files)} files, "
+            raise UserError(f"corpus file {files[0]} {problem}")
+        raise UserError(f"corpus {name} has no readable text: {len(files)} files, "
                           f"{len(joined.skipped)} not UTF-8 text, the rest empty")
     return joined
 
@@ -109,7 +109,7 @@ def load_text_files(files: list[Path], name: str, *, max_bytes: int | None = Non
                     val_files: list[Path] | None = None) -> Corpus:
     """The UTF-8 text of ``files`` (in order) as a text corpus; ``val_files`` give validation text."""
     if not files:
-        raise ConfigError(f"corpus {name} holds no files")
+        raise UserError(f"corpus {name} holds no files")
     joined = _joined_or_refused(files, name, max_bytes)
     val_text = _joined_or_refused(val_files, "val", None).text if val_files else None
     meta = {"files": len(files), "max_bytes": max_bytes, "skipped_files": len(joined.skipped),

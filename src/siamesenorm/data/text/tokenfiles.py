@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .corpus import Corpus
 
 __all__ = ["SHARD_MAGIC", "SHARD_VERSION", "load_token_files", "read_token_file", "write_shard"]
@@ -51,16 +51,16 @@ def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
     """``(tokens, format)`` of one ``.bin`` file; tokens are a read-only ``uint16`` memmap."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError(f"token file {path} is a folder, not a .bin file")
+        raise UserError(f"token file {path} is a folder, not a .bin file")
     if not path.is_file():
-        raise ConfigError(f"token file {path} does not exist")
+        raise UserError(f"token file {path} does not exist")
     size = path.stat().st_size
     fmt = _format(path)
     if fmt == "nanogpt":
         if size == 0:
-            raise ConfigError(f"token file {path} is empty")
+            raise UserError(f"token file {path} is empty")
         if size % 2:
-            raise ConfigError(f"token file {path} has an odd size ({size} bytes); a headerless .bin "
+            raise UserError(f"token file {path} has an odd size ({size} bytes); a headerless .bin "
                               "must hold whole uint16 tokens")
         header = _header_like(path, size)
         if header is not None:
@@ -70,15 +70,15 @@ def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
                   "damaged shard? write it again)", file=sys.stderr, flush=True)
         return np.memmap(path, dtype="<u2", mode="r"), fmt
     if size < _HEADER_BYTES:
-        raise ConfigError(f"token file {path} starts with the shard magic {SHARD_MAGIC} but is shorter "
+        raise UserError(f"token file {path} starts with the shard magic {SHARD_MAGIC} but is shorter "
                           f"than its {_HEADER_BYTES}-byte header ({size} bytes)")
     header = np.fromfile(path, dtype="<i4", count=_HEADER_INTS)
     version, count = int(header[1]), int(header[2])
     if version != SHARD_VERSION:
-        raise ConfigError(f"token file {path} is a modded-nanogpt shard of version {version}; only "
+        raise UserError(f"token file {path} is a modded-nanogpt shard of version {version}; only "
                           f"version {SHARD_VERSION} is supported")
     if count < 0 or size != _HEADER_BYTES + 2 * count:
-        raise ConfigError(f"token file {path}: header says {count} tokens but the file holds "
+        raise UserError(f"token file {path}: header says {count} tokens but the file holds "
                           f"{(size - _HEADER_BYTES) / 2:g} ({size} bytes)")
     if count == 0:
         return np.zeros(0, dtype="<u2"), fmt
@@ -89,7 +89,7 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     """Write ``tokens`` (all below 65536) as a modded-nanogpt shard (header + ``uint16``)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
-        raise ConfigError("a shard holds uint16 tokens: every token must be in 0..65535")
+        raise UserError("a shard holds uint16 tokens: every token must be in 0..65535")
     header = np.zeros(_HEADER_INTS, dtype="<i4")
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
     with Path(path).open("wb") as f:
@@ -107,10 +107,10 @@ def load_token_files(paths: list[Path], *, name: str | None = None,
                      val: list[Path] | None = None) -> Corpus:
     """Tokens of ``paths`` (taken in the order given) as a token corpus; ``val``: validation files."""
     if not paths:
-        raise ConfigError(f"no .bin token files in {name}")
+        raise UserError(f"no .bin token files in {name}")
     tokens, formats = _read_many(paths)
     if tokens.size == 0:
-        raise ConfigError(f"token files {name or paths[0]} hold no tokens")
+        raise UserError(f"token files {name or paths[0]} hold no tokens")
     val_tokens = _read_many(val)[0] if val else None
     meta = {"files": [str(p) for p in paths], "formats": sorted(set(formats)),
             "max_token": int(tokens.max()),

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import UserError
 from ...rundir import replacing, write_text
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "Tokenizer", "import_tokenizers", "load_tokenizer"]
@@ -111,11 +111,11 @@ class ByteTokenizer(Tokenizer):
 
 
 def import_tokenizers():
-    """The ``tokenizers`` package, or a ConfigError that says how to install it."""
+    """The ``tokenizers`` package, or a UserError that says how to install it."""
     try:
         return importlib.import_module("tokenizers")
     except ImportError:
-        raise ConfigError("the BPE tokenizer needs the tokenizers package: pip install tokenizers "
+        raise UserError("the BPE tokenizer needs the tokenizers package: pip install tokenizers "
                           "(or pip install 'siamesenorm[bpe]')") from None
 
 
@@ -156,9 +156,9 @@ class BPETokenizer(Tokenizer):
         """Learn merges on ``text`` up to ``vocab_size`` ids (at least 256: the bytes)."""
         tk = import_tokenizers()
         if vocab_size < 256:
-            raise ConfigError(f"BPE vocab_size must be at least 256 (the byte alphabet), got {vocab_size}")
+            raise UserError(f"BPE vocab_size must be at least 256 (the byte alphabet), got {vocab_size}")
         if not text:
-            raise ConfigError("cannot train a BPE tokenizer on empty text")
+            raise UserError("cannot train a BPE tokenizer on empty text")
         backend = tk.Tokenizer(tk.models.BPE())
         backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = tk.decoders.ByteLevel()
@@ -194,11 +194,11 @@ class BPETokenizer(Tokenizer):
         tk = import_tokenizers()
         path = directory / _BPE_FILE
         if not path.is_file():
-            raise ConfigError(f"tokenizer in {directory} is BPE but {_BPE_FILE} is missing")
+            raise UserError(f"tokenizer in {directory} is BPE but {_BPE_FILE} is missing")
         try:
             return cls(tk.Tokenizer.from_file(str(path)))
         except Exception as exc:  # the backend raises its own exception types
-            raise ConfigError(f"cannot read BPE tokenizer {path}: {exc}") from None
+            raise UserError(f"cannot read BPE tokenizer {path}: {exc}") from None
 
 
 _KINDS: dict[str, type[Tokenizer]] = {cls.kind: cls for cls in (ByteTokenizer, BPETokenizer)}
@@ -211,15 +211,15 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     try:
         descriptor = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"no saved tokenizer in {directory}: {DESCRIPTOR} is missing") from None
+        raise UserError(f"no saved tokenizer in {directory}: {DESCRIPTOR} is missing") from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read tokenizer descriptor {path}: {exc}") from None
+        raise UserError(f"cannot read tokenizer descriptor {path}: {exc}") from None
     kind = descriptor.get("kind") if isinstance(descriptor, dict) else None
     if kind not in _KINDS:
-        raise ConfigError(f"{path}: unknown tokenizer kind {kind!r}; known kinds: {', '.join(_KINDS)}")
+        raise UserError(f"{path}: unknown tokenizer kind {kind!r}; known kinds: {', '.join(_KINDS)}")
     tokenizer = _KINDS[kind]._load(directory, descriptor)
     saved = descriptor.get("vocab_size")
     if saved is not None and saved != tokenizer.vocab_size:
-        raise ConfigError(f"{path} says vocab_size={saved} but the saved {kind} tokenizer has "
+        raise UserError(f"{path} says vocab_size={saved} but the saved {kind} tokenizer has "
                           f"{tokenizer.vocab_size}")
     return tokenizer

@@ -10,7 +10,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .names import CHECKSUM_FILE
 
 
@@ -67,7 +67,7 @@ def write_checksums(folder: Path) -> None:
 
 
 def verify_checksums(path: str | os.PathLike) -> None:
-    """Refuse (:class:`ConfigError`, one line) a checkpoint whose files do not match the checksums
+    """Refuse (:class:`UserError`, one line) a checkpoint whose files do not match the checksums
     written with it; a checkpoint without ``checksums.json`` (an older version's) passes."""
     path = Path(path)
     file = path / CHECKSUM_FILE
@@ -78,13 +78,13 @@ def verify_checksums(path: str | os.PathLike) -> None:
         sums = json.loads(file.read_text(encoding="utf-8"))
         entries = [(rel, want["sha256"], want["bytes"]) for rel, want in sums.items()]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        raise ConfigError(f"{damaged}: its {CHECKSUM_FILE} is unreadable") from None
+        raise UserError(f"{damaged}: its {CHECKSUM_FILE} is unreadable") from None
     for rel, sha, size in entries:
         part = path / rel
         if not part.is_file():
-            raise ConfigError(f"{damaged}: {rel} is missing")
+            raise UserError(f"{damaged}: {rel} is missing")
         if part.stat().st_size != size or _digest(part) != sha:
-            raise ConfigError(f"{damaged}: {rel} does not match the checksum written with it "
+            raise UserError(f"{damaged}: {rel} does not match the checksum written with it "
                               "(changed, flipped or cut-short bytes); restore it from a copy")
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import ConfigError
+from ...errors import UserError
 from .safe import UnsafeCheckpoint, _refuse_unsafe, problem, read_dcp_metadata
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as error:
             _refuse_unsafe(error, where)
-            raise ConfigError(f"cannot read checkpoint {where}: {problem(error)}") from None
+            raise UserError(f"cannot read checkpoint {where}: {problem(error)}") from None
         plain = io.BytesIO()        # handed on as torch's planner takes it: as bytes it unpickles
         torch.save(obj, plain)
         plain.seek(0)
@@ -77,7 +77,7 @@ class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
 def read_dcp(folder: str | os.PathLike, state: dict) -> None:
     """``dcp.load(state)`` from the ``torch.distributed.checkpoint`` folder ``folder`` without
     running code: its metadata through :func:`read_dcp_metadata`, its non-tensor values with
-    ``weights_only``. A damaged folder is a :class:`ConfigError`, an altered one an
+    ``weights_only``. A damaged folder is a :class:`UserError`, an altered one an
     :class:`UnsafeCheckpoint` (one line each, on every rank alike). A collective under a process
     group, as ``dcp.load`` is; a single process without one reads it too."""
     from torch.distributed import checkpoint as dcp
@@ -93,9 +93,9 @@ def read_dcp(folder: str | os.PathLike, state: dict) -> None:
                      planner=_on_dcp(_PlainValuesPlanner, "DefaultLoadPlanner")(reader))
     except (Exception, CheckpointException) as error:
         cause = _first_failure(error)
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, UserError):
             raise type(cause)(str(cause)) from None
-        raise ConfigError(f"cannot read checkpoint {folder}: {problem(cause)}") from None
+        raise UserError(f"cannot read checkpoint {folder}: {problem(cause)}") from None
 
 
 def _first_failure(error: BaseException) -> BaseException:

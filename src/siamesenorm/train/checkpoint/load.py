@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ...errors import ConfigError
+from ...errors import UserError
 from ...parallel.env import SINGLE, World, broadcast_object
 from .aliases import _bare, _expected, _is_sharded
 from .atomic import _recover, verify_checksums
@@ -39,7 +39,7 @@ def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as error:
-        raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
+        raise UserError(f"cannot read checkpoint {file}: {problem(error)}") from None
     unique, aliases = _expected(model)
     missing = sorted(set(unique) - set(tensors))
     unexpected = sorted(set(tensors) - set(unique))
@@ -48,7 +48,7 @@ def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
         detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
                   if unexpected else f"{bad[0]} has shape {tuple(tensors[bad[0]].shape)}, "
                   f"the model has {tuple(unique[bad[0]].shape)}")
-        raise ConfigError(f"checkpoint {file} does not fit this model ({detail}); "
+        raise UserError(f"checkpoint {file} does not fit this model ({detail}); "
                           "was it written by a model with another configuration?")
     tensors.update({alias: tensors[name] for alias, name in aliases.items()})
     return tensors
@@ -62,10 +62,10 @@ def read_state(file: Path, format: int = FORMAT) -> dict:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:
         _refuse_unsafe(error, file)
-        raise ConfigError(f"cannot read checkpoint {file}: {problem(error)}") from None
+        raise UserError(f"cannot read checkpoint {file}: {problem(error)}") from None
     if not isinstance(state, dict) or state.get("format") != format \
             or not isinstance(state.get("extra"), dict) or (format == FORMAT and "optimizer" not in state):
-        raise ConfigError(f"cannot read checkpoint {file}: not a siamesenorm training state "
+        raise UserError(f"cannot read checkpoint {file}: not a siamesenorm training state "
                           f"(format {format})")
     return state
 
@@ -75,7 +75,7 @@ def checkpoint_extra(path: str | os.PathLike) -> dict:
     path = Path(path)
     kind = layout(path)
     if kind is None:
-        raise ConfigError(f"no checkpoint at {path}")
+        raise UserError(f"no checkpoint at {path}")
     verify_checksums(path)
     return read_state(path / STATE_FILE, FORMAT if kind == "single" else SHARDED_FORMAT)["extra"]
 
@@ -87,7 +87,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     return ``extra``. A collective when ``world`` is distributed: every rank calls it.
 
     A missing, damaged or unreadable checkpoint, or one written by a model of another shape, raises
-    :class:`ConfigError` with the path and the problem on one line. One process reading a
+    :class:`UserError` with the path and the problem on one line. One process reading a
     single-process checkpoint checks both files before anything is changed, leaving ``module`` and
     ``optimizer`` as they were.
     """
@@ -106,7 +106,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         try:
             optimizer.load_state_dict(state["optimizer"])
         except Exception as error:
-            raise ConfigError(f"checkpoint {path / STATE_FILE} does not fit this optimizer: "
+            raise UserError(f"checkpoint {path / STATE_FILE} does not fit this optimizer: "
                               f"{problem(error)}") from None
     bare.load_state_dict(tensors, strict=True)
     return state["extra"]
@@ -114,20 +114,20 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
 
 def _verified_layout(path: Path, world: World) -> str:
     """:func:`layout` of ``path`` after :func:`verify_checksums`, both by rank 0 once for every
-    rank; a missing or damaged checkpoint raises :class:`ConfigError` on every rank alike."""
+    rank; a missing or damaged checkpoint raises :class:`UserError` on every rank alike."""
     kind, damaged = None, None
     if world.main:
         kind = layout(path)
         try:
             if kind is not None:
                 verify_checksums(path)
-        except ConfigError as error:
+        except UserError as error:
             damaged = str(error)
     kind, damaged = broadcast_object(world, (kind, damaged))
     if damaged is not None:
-        raise ConfigError(damaged)
+        raise UserError(damaged)
     if kind is None:
-        raise ConfigError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
+        raise UserError(f"no checkpoint at {path} (expected {MODEL_FILE} and {STATE_FILE} there, "
                           f"or {DCP_DIR}/ and {STATE_FILE})")
     return kind
 
@@ -148,7 +148,7 @@ def _optimizer_by_name(saved: dict, optimizer: torch.optim.Optimizer, model: nn.
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ConfigError("the checkpoint's optimizer has other parameter groups than this model's")
+        raise UserError("the checkpoint's optimizer has other parameter groups than this model's")
     by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                                  "params": [order[i] for i in g["params"]]} for g in groups]}
@@ -200,11 +200,11 @@ def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimize
 
 def _fits(path: Path, apply) -> None:
     """``apply()`` (putting what was read into the model and optimizer); what does not fit them is
-    a :class:`ConfigError` naming the checkpoint."""
+    a :class:`UserError` naming the checkpoint."""
     try:
         apply()
     except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as error:
-        raise ConfigError(f"checkpoint {path / DCP_DIR} does not fit this model and optimizer: "
+        raise UserError(f"checkpoint {path / DCP_DIR} does not fit this model and optimizer: "
                           f"{problem(error)}") from None
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from ...errors import UserError
 from ...parallel.env import SINGLE, World, barrier, gather_objects
 from .keep import kept_name, older_checkpoints, prune_checkpoints
 from .load import load_checkpoint
@@ -34,7 +34,7 @@ class Saved:
     def micro_batches_per_rank(self, micro_batches: int) -> int:
         """Micro-batches per rank that keep a resumed run's global batch of ``micro_batches``."""
         if micro_batches % self.world_size:
-            raise ConfigError(f"the checkpoint's global batch is {micro_batches} micro-batches, which "
+            raise UserError(f"the checkpoint's global batch is {micro_batches} micro-batches, which "
                               f"{self.world_size} processes cannot split evenly; resume with a "
                               "number of processes that divides it")
         return micro_batches // self.world_size
@@ -69,11 +69,11 @@ class Checkpoints:
                 saved = Saved(extra["run"], extra["source"], extra["rng"], extra.get("rng_ranks"),
                               self.world.size)
             except KeyError as error:
-                raise ConfigError(f"checkpoint {path} lacks the training state {error}; it was not "
+                raise UserError(f"checkpoint {path} lacks the training state {error}; it was not "
                                   "written by siamesenorm.train") from None
             except UnsafeCheckpoint:        # altered, not damaged: no fallback, nothing moved
                 raise
-            except ConfigError as error:
+            except UserError as error:
                 first = first or error
                 continue
             if first is not None and self.world.main:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import ConfigError
+from ...errors import UserError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -28,7 +28,7 @@ def problem(error: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-class UnsafeCheckpoint(ConfigError):
+class UnsafeCheckpoint(UserError):
     """A checkpoint file that names a Python object a checkpoint never holds (a function or class to
     call while unpickling): altered, possibly to run code. Refused unread, never fallen back from."""
 
@@ -110,7 +110,7 @@ def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """The metadata of the ``torch.distributed.checkpoint`` folder ``path`` (or its ``.metadata``
     file), read without running code: the pickle may name only the checkpoint's metadata classes,
     ``torch.Size``, dtypes and layouts (:class:`UnsafeCheckpoint` otherwise), and what it holds is
-    checked to be DCP metadata whose data files lie in the folder (:class:`ConfigError`, one line).
+    checked to be DCP metadata whose data files lie in the folder (:class:`UserError`, one line).
     Written by PyTorch's writer or OLMo-core's; the result is what ``dcp.load`` expects."""
     file = Path(path)
     if file.is_dir():
@@ -121,12 +121,12 @@ def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     except UnsafeCheckpoint:
         raise
     except OSError as error:
-        raise ConfigError(f"cannot read checkpoint {file}: {error.strerror or error}") from None
+        raise UserError(f"cannot read checkpoint {file}: {error.strerror or error}") from None
     except Exception as error:      # cut short, flipped bytes: whatever the unpickler says
-        raise ConfigError(f"cannot read checkpoint {file}: {problem(error) or 'damaged'}") from None
+        raise UserError(f"cannot read checkpoint {file}: {problem(error) or 'damaged'}") from None
     reason = _metadata_problem(metadata)
     if reason is not None:
-        raise ConfigError(f"cannot read checkpoint {file}: not torch.distributed.checkpoint metadata "
+        raise UserError(f"cannot read checkpoint {file}: not torch.distributed.checkpoint metadata "
                           f"({reason}); the file is damaged")
     return metadata
 
