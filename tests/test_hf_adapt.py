@@ -20,10 +20,10 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 import siamesenorm.hf as H  # noqa: E402
 from siamesenorm import ConfigError, list_schemes  # noqa: E402
-from siamesenorm.hf.adapted import SAME_ROLE, _sublayer_role_norms  # noqa: E402
 from siamesenorm.hf.families import FAMILIES as TABLE  # noqa: E402
 from siamesenorm.models.checkpointing import saved_activation_bytes  # noqa: E402
 from siamesenorm.nn.attention import HeadNormedProjection  # noqa: E402
+from siamesenorm.schemes import get_scheme_class  # noqa: E402
 
 V = 97
 DENSE = tuple(name for name, family in TABLE.items() if not family.moe)
@@ -220,11 +220,12 @@ def test_the_attention_implementation_is_the_adapted_models_own():
     close(out.logits, before, 1e-5)
 
 
-@pytest.mark.parametrize("scheme", sorted(SAME_ROLE))
+@pytest.mark.parametrize("scheme", [n for n in list_schemes()
+                                    if get_scheme_class(n).role_norm_names != (None, None)])
 def test_scheme_norms_with_a_model_norms_role_start_as_copies_of_it(scheme):
     m = family_model("llama")
     a = H.adapt(m, scheme)
-    per, head = _sublayer_role_norms(a.scheme)
+    per, head = a.scheme.role_norms()
     assert per or head is not None
     for i, norm in per.items():
         layer = m.model.layers[i // 2]

@@ -20,7 +20,7 @@ one that runs. Replaced are the norms and the residual wiring only: each decoder
 ``input_layernorm`` and ``post_attention_layernorm`` and the model's final ``norm`` are gone, and
 the scheme owns every norm (of the family's kind: RMSNorm with the config's ``rms_norm_eps``, or
 for OLMo a LayerNorm without parameters). A scheme norm with the role of a model norm starts as a
-copy of it (:data:`SAME_ROLE`: for ``pre`` ``pre_norm[2b]`` <- layer ``b``'s ``input_layernorm``,
+copy of it (``scheme.role_norms()``: for ``pre`` ``pre_norm[2b]`` <- layer ``b``'s ``input_layernorm``,
 ``pre_norm[2b+1]`` <- its ``post_attention_layernorm``, ``final_norm`` <- ``model.norm``); the
 others keep the scheme's own initialisation. So ``adapt(model, "pre")`` computes what ``model``
 computes.
@@ -79,29 +79,11 @@ from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword
 from .families import FAMILIES, Family
 
-__all__ = ["SAME_ROLE", "adapt", "adapt_from_pretrained", "adapted_class"]
+__all__ = ["adapt", "adapt_from_pretrained", "adapted_class"]
 
 # the cache's keyword in a call (the masks', the attention's)
 _CACHE_ARG = cache_keyword(create_causal_mask) if capture_outputs is not None else "past_key_values"
 
-
-# The scheme norms that play the role of a model norm, by scheme: the attribute holding the norm
-# that normalises the (Pre-Norm) residual stream into sublayer ``i`` (the role of
-# ``input_layernorm`` / ``post_attention_layernorm``) and the attribute holding the norm that feeds
-# the head (the role of ``model.norm``). SiameseNorm's ``pre_norm`` is LN^Y, the norm of its
-# Pre-Norm stream Y before each sublayer. Schemes not listed (post, deepnorm, resi_dual, spannorm)
-# have no such norm; a norm absent from a built scheme (``None``) is skipped.
-SAME_ROLE: dict[str, tuple[str | None, str | None]] = {
-    "pre": ("pre_norm", "final_norm"),
-    "lns": ("pre_norm", "final_norm"),
-    "siamese": ("pre_norm", "final_norm"),
-    "peri_ln": ("input_norm", "final_norm"),
-    "hyper": ("norm", "final_norm"),
-    "mhc": ("norm", "final_norm"),
-    "mix_ln": ("norm", "final_norm"),           # only its Pre-LN blocks (see _sublayer_role_norms)
-    "hybridnorm": ("attn_norm", "final_norm"),  # block 0's attention norm, with pre0
-    "attn_res": ("input_norm", "final_norm"),   # the norm of each sublayer's mix of sources
-}
 
 _CLASSES: dict[str, type] = {}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -163,21 +145,6 @@ def _drop_norm_parameters(scheme: ResidualScheme) -> None:
                 w = child.weight
                 setattr(module, name, LayerNorm(child.dim, child.eps, affine=False, device=w.device,
                                                 dtype=w.dtype))
-
-
-def _sublayer_role_norms(scheme: ResidualScheme) -> tuple[dict[int, nn.Module], nn.Module | None]:
-    """The scheme norms with a model norm's role (:data:`SAME_ROLE`): by sublayer, and the one
-    feeding the head."""
-    per, final = SAME_ROLE.get(scheme.name, (None, None))
-    norms: dict[int, nn.Module] = {}
-    held = getattr(scheme, per, None) if per else None
-    if isinstance(held, nn.ModuleList) and len(held) == scheme.n_sublayers:
-        n_post = getattr(scheme, "n_post", 0)       # mix_ln: its first blocks are Post-LN
-        norms = {i: m for i, m in enumerate(held) if scheme.block_of(i) >= n_post}
-    elif isinstance(held, nn.Module):               # hybridnorm's attn_norm: block 0's attention
-        norms = {0: held}
-    head = getattr(scheme, final, None) if final else None
-    return norms, head if isinstance(head, nn.Module) else None
 
 
 @torch.no_grad()
@@ -355,7 +322,7 @@ class _SchemeCausalLM(SchemeCheckpointing):
         self.model, self.lm_head = base, lm_head
         self.post_init()
         # norms with a model norm's role start as copies of it (after post_init, which would reset)
-        per, head = _sublayer_role_norms(scheme)
+        per, head = scheme.role_norms()
         for i, dst in per.items():
             layer = layers[scheme.block_of(i)]
             _copy_norm(dst, layer.input_layernorm if scheme.is_attention(i)

@@ -42,6 +42,7 @@ class AttentionResiduals(ResidualScheme):
     """
 
     name = "attn_res"
+    role_norm_names = ("input_norm", "final_norm")  # each sublayer"s mix of sources
     summary = "x = sum_j softmax_j(w . RMSNorm(v_j)) v_j; v = F(LN(x)); out = LN(mix of all v)"
     paper = "Kimi Team 2026, arXiv 2603.15031"
     options = {"block_size": Option(None, Number(low=1, integer=True, optional=True))}

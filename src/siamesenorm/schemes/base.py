@@ -159,6 +159,10 @@ class ResidualScheme(nn.Module, ABC):
     branch_affine: bool
     use_final_norm: bool
     requires: SchemeRequirements
+    # The attributes holding the norms in a Pre-Norm model's norms' roles (adapting a pretrained
+    # model starts them as copies): the norm of the stream into each sublayer (or one module: block
+    # 0's), and the norm feeding the head; None where the scheme has no such norm.
+    role_norm_names: ClassVar[tuple[str | None, str | None]] = (None, None)
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
                  device=None, dtype=None, **options: Any) -> None:
@@ -247,6 +251,19 @@ class ResidualScheme(nn.Module, ABC):
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+    def role_norms(self) -> tuple[dict[int, nn.Module], nn.Module | None]:
+        """The norms in a Pre-Norm model's norms' roles (:attr:`role_norm_names`): by sublayer,
+        and the one feeding the head (a norm the built scheme lacks is left out)."""
+        per, final = self.role_norm_names
+        held = getattr(self, per, None) if per else None
+        norms: dict[int, nn.Module] = {}
+        if isinstance(held, nn.ModuleList) and len(held) == self.n_sublayers:
+            norms = dict(enumerate(held))
+        elif isinstance(held, nn.Module):
+            norms = {0: held}
+        head = getattr(self, final, None) if final else None
+        return norms, head if isinstance(head, nn.Module) else None
 
     # ---- the interface --------------------------------------------------------------------
     def enter(self, h: Tensor) -> State:

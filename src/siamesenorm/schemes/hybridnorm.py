@@ -29,6 +29,7 @@ class HybridNorm(ResidualScheme):
     """
 
     name = "hybridnorm"
+    role_norm_names = ("attn_norm", "final_norm")  # block 0"s attention norm (pre0)
     summary = "h = h + Attn_qkvnorm(h); hn = LN(h); h = hn + FFN(hn); out = LN(h)"
     paper = "Zhuo et al. 2025, arXiv 2503.04598"
     options = {"first_layer_pre": Option(False, Flag())}

@@ -61,6 +61,7 @@ class HyperConnections(MultiStreamScheme):
     """
 
     name = "hyper"
+    role_norm_names = ("norm", "final_norm")
     summary = "mix = A^T H; H = B F(LN(mix[0])) + mix[1:]; out = LN(sum H)"
     paper = "Zhu et al., ICLR 2025, arXiv 2409.19606; fracs: arXiv 2503.14125"
     options = {"n_streams": Option(2, Number(low=1, integer=True)),

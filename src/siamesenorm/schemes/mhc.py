@@ -58,6 +58,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
     """
 
     name = "mhc"
+    role_norm_names = ("norm", "final_norm")
     summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
     paper = "DeepSeek-AI 2025, arXiv 2512.24880"
     options = {"n_streams": Option(4, Number(low=1, integer=True)),

@@ -23,6 +23,7 @@ class MixLN(ResidualScheme):
     """
 
     name = "mix_ln"
+    role_norm_names = ("norm", "final_norm")  # its Pre-LN blocks only (role_norms)
     summary = "first floor(a*L) blocks h = LN(h + F(h)); rest h = h + F(LN(h))"
     paper = "Li, Yin, Liu, ICLR 2025, arXiv 2412.13795"
     options = {"post_fraction": Option(0.25, Number(low=0, high=1))}
@@ -46,3 +47,7 @@ class MixLN(ResidualScheme):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, n_post={self.n_post}"
+
+    def role_norms(self) -> tuple[dict[int, nn.Module], nn.Module | None]:
+        norms, head = super().role_norms()      # the first n_post blocks are Post-LN: no such role
+        return {i: m for i, m in norms.items() if self.block_of(i) >= self.n_post}, head

@@ -19,6 +19,7 @@ class PeriLN(ResidualScheme):
     """
 
     name = "peri_ln"
+    role_norm_names = ("input_norm", "final_norm")
     summary = "h = h + LN(F(LN(h))); out = LN(h)"
     paper = "Kim et al., ICML 2025, arXiv 2502.02732"
     options = {"embed_norm": Option(False, Flag(), attr="use_embed_norm")}

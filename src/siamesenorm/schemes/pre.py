@@ -21,6 +21,7 @@ class PreNorm(ResidualScheme):
     """
 
     name = "pre"
+    role_norm_names = ("pre_norm", "final_norm")
     summary = "h = h + F(LN(h)); out = LN(h)"
     paper = "Xiong et al. 2020, arXiv 2002.04745"
 

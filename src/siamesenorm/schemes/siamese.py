@@ -55,6 +55,7 @@ class SiameseNorm(ResidualScheme):
     """
 
     name = "siamese"
+    role_norm_names = ("pre_norm", "final_norm")  # LN^Y: the norm of the Pre-Norm stream Y
     summary = "X = LN(X); O = F(LN(X + LN(Y))); X += O/c; Y += O; out = LN(LN(X) + LN(Y))"
     paper = "Li et al., ICML 2026, arXiv 2602.08064"
     options = {"form": Option("post_pre", OneOf(FORMS)),
