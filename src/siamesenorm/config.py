@@ -48,24 +48,16 @@ CHECKPOINTING_MODES = ("none", "sublayer", "selective")
 class TrainConfig:
     """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation.
 
-    ``grad_accum`` micro-batches of ``data.batch_size`` per process and step: the global batch is
-    world size x batch size x grad_accum. ``parallel`` chooses the engine across processes:
-    ``auto`` (FSDP2 when the world size is above 1), ``none`` (one process only), ``ddp`` or
-    ``fsdp``. ``precision``: ``auto`` (bf16 autocast on CUDA, float32 elsewhere), ``fp32`` or
-    ``bf16``. ``activation_checkpointing``: ``none``, ``sublayer`` (recompute each attention/MLP
-    step of the residual scheme in backward) or ``selective`` (keep the matrix products, recompute
-    the norms and element-wise work). ``keep_checkpoints``: how many checkpoints a run keeps (the
-    last in ``checkpoints/last``, older ones in ``checkpoints/step_<N>``); ``--resume`` falls back
-    to the newest one that loads when a newer one is damaged. ``stall_steps``: a run whose
-    gradient is exactly zero for that many steps in a row stops as stalled (failed).
-    ``deterministic``: PyTorch's deterministic algorithms for the run (an operation without one
-    raises), so that a run repeats bit for bit on the same machine; ``summary.json`` records the
-    environment (torch, device and its name, threads) either way. ``log_every``: steps between the
-    plain log lines a run writes when stderr is not a terminal (also at every evaluation); ``null``
-    (the default) gives at most a hundred per run, every ``ceil(steps / 100)`` steps; 0 only the
-    final line.
-    ``peak_tflops``: the device's peak dense TFLOP/s that MFU is measured against; ``null`` looks
-    the GPU up in :data:`siamesenorm.train.throughput.PEAK_TFLOPS` (a CPU then has no MFU).
+    The global batch is world size x ``data.batch_size`` x ``grad_accum``. ``parallel``: ``auto``
+    (FSDP2 above one process), ``none``, ``ddp`` or ``fsdp``; ``precision``: ``auto`` (bf16
+    autocast on CUDA, else float32), ``fp32`` or ``bf16``; ``activation_checkpointing``: ``none``,
+    ``sublayer`` or ``selective`` (docs/scaling.md). ``keep_checkpoints``: how many a run keeps
+    (``--resume`` falls back to the newest that loads). ``stall_steps``: that many steps of an
+    exactly zero gradient stop the run as stalled. ``deterministic``: PyTorch's deterministic
+    algorithms, for a bit-for-bit repeat. ``log_every``: steps between plain log lines when stderr
+    is not a terminal (``null``: at most a hundred per run; 0: the final line only).
+    ``peak_tflops``: the device's peak dense TFLOP/s for MFU (``null``: the GPU's entry in
+    :data:`siamesenorm.train.throughput.PEAK_TFLOPS`; a CPU then has no MFU).
     """
 
     steps: int = 200

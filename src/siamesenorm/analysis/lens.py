@@ -1,26 +1,13 @@
 """Logit lens per stream: which stream's reading of the vocabulary the model's prediction follows.
 
-Definition (the one this library uses; the SiameseNorm paper, arXiv 2602.08064, says only that it
-projects each stream's final state to the vocabulary):
-
-* ``S_s``: stream ``s`` of the scheme (``scheme.streams(state)``) after the last sublayer, or after
-  block ``b`` for the by-depth curve.
-* Lens logits of ``s``: ``head_fn(model, N(S_s))``, where ``N`` is the *parameter-free* norm of
-  the scheme's kind (``rmsnorm`` or ``layernorm``, no weight or bias, the scheme's ``eps``; for
-  ``dyt``, which removes no scale, the parameter-free RMSNorm). The
-  streams live at very different scales (the Pre-Norm-like Y grows with depth) and the head always
-  reads a normalised vector; a parameter-free norm removes the scale without lending one stream
-  the learned gains of another.
-* The model's prediction: the argmax of ``head_fn(model, exit_output)``, its own logits.
-* Every position of the logits' leading dimensions counts once (each token of each sequence).
-
-Reported: ``agreement[s]``, the fraction of positions where the argmax of the lens of ``s``
-equals the model's prediction; ``disagree_fraction``, the fraction of positions where the streams'
-lenses do not all have the same argmax; ``follows[s]``, on those positions only, the fraction
-where ``s`` has the model's prediction (with two streams the two ``follows`` add up to at most 1:
-the model may follow neither); ``by_depth[s][b]``, the agreement of ``s`` after ``b`` blocks
-(``b = 0``: the entry state). The paper reports for its 1.3B model: X agrees 42.6%, Y 16.2%; where
-they disagree the model follows X 41.2% and Y 14.3%.
+The SiameseNorm paper (arXiv 2602.08064) only says it projects each stream's final state to the
+vocabulary; ours: the lens of stream ``s`` is ``head_fn(model, N(S_s))``, ``S_s`` the stream after
+the last sublayer (or after block ``b``; ``b = 0`` is the entry state) and ``N`` the parameter-free
+norm of the scheme's kind (:func:`plain_norm`), so no stream borrows another's learned gains. Every
+position counts once. Reported: ``agreement[s]`` (lens argmax = the model's), ``disagree_fraction``,
+``follows[s]`` (on the positions where the lenses disagree) and ``by_depth[s][b]``. The paper's
+1.3B model: X agrees 42.6%, Y 16.2%; where they disagree the model follows X 41.2%, Y 14.3%
+(docs/analysis.md, "Logit lens per stream").
 """
 
 from __future__ import annotations

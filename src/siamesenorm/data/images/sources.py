@@ -1,23 +1,11 @@
 """Loading image sets: ``load_images(spec, **options)`` and its loaders (digits, ImageFolder, ``.npz``).
 
-Nothing here downloads. Sources (``spec``):
-
-* ``digits`` (no options): scikit-learn's embedded ``load_digits``, 1,797 grey 8x8 images of the
-  ten digits with values 0..16, stored as float32 ``value / 16`` in [0, 1].
-* a folder in ImageFolder layout (``image_size=32``, ``channels=3``): one sub-folder per class
-  (classes in sorted name order), every image file under it read with Pillow in sorted path order,
-  centre-cropped to a square and resized to ``image_size``, grey (``channels=1``) or RGB (3).
-* an ``.npz`` file (``value_range=None``, ``layout=None``, ``num_classes=None``) with arrays
-  ``images`` (``N,H,W``, ``N,H,W,C`` or ``N,C,H,W``; uint8 or float) and ``labels`` (integers
-  ``0..K-1``; ``K`` is ``num_classes``, else the largest label plus one, and labels that leave most
-  of those ``K`` classes without an image, or ``K`` over 100,000, are refused), optionally
-  ``class_names``. Float pixels must lie in [0, 1] unless ``value_range=(lo, hi)``
-  says where they lie (they are then rescaled to [0, 1]); ``layout="nhwc"`` or ``"nchw"`` settles a
-  4-D array whose channel axis is ambiguous.
-
-Each loader returns an :class:`~.imageset.ImageSet` in the package's pixel convention (uint8 0..255
-or float32 0..1, ``N x C x H x W``) or refuses its input with one :class:`UserError` line naming
-what is wrong.
+Nothing here downloads. ``spec`` is ``digits`` (scikit-learn's embedded 8x8 digits), a folder in
+ImageFolder layout (classes in sorted name order, images centre-cropped and resized with Pillow)
+or an ``.npz`` file of ``images`` and ``labels`` (``0..K-1``; labels that leave most classes
+empty are refused); the options of each: docs/tasks.md, "The data a task reads". Each loader
+returns an :class:`~.imageset.ImageSet` in the package's pixel convention (uint8 0..255 or float32
+0..1, ``N x C x H x W``) or refuses its input with one :class:`UserError` line naming what is wrong.
 """
 
 from __future__ import annotations

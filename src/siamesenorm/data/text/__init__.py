@@ -1,6 +1,6 @@
 """Text for the language models: corpora (:mod:`.corpora` loads any of them into a
 :class:`~.corpus.Corpus`), tokenizers, train/validation splits and the seeded batch sampler that
-resumes exactly. See :mod:`siamesenorm.data` for the corpora and their options."""
+resumes exactly. The corpora and their options: docs/tasks.md."""
 
 from __future__ import annotations
 

@@ -155,6 +155,6 @@ def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus
 
 
 def load_corpus(spec: str, **options) -> Corpus:
-    """Load the corpus ``spec`` names, with the options of its loader (see the package docstring)."""
+    """Load the corpus ``spec`` names, with the options of its loader (docs/tasks.md)."""
     loader, takes_spec = check_corpus_options(spec, options)
     return loader(spec, **options) if takes_spec else loader(**options)
