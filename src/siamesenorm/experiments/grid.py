@@ -1,32 +1,15 @@
 """The grid of a comparison: which variants, learning rates and seeds, from a preset and the command line.
 
-A preset may carry a ``compare`` section next to its run sections::
-
-    compare:
-      schemes: [pre, post, siamese-noscale]   # scheme names, or names of the variants below
-      lrs: [1.0e-3, 4.0e-3]                    # default: train.lr
-      seeds: [0]                               # default: seed
-      baseline: pre                            # what the others are compared with (default: pre)
-      jobs: auto                               # runs at once, or auto (see .jobs; default: auto)
-      variants:                                # optional: named scheme settings
-        siamese-noscale: {scheme: siamese, options: {depth_scale: false}}
-        pre-24L: {scheme: pre, overrides: {model.n_layers: 24, model.dim: 48}}
-
-Learning rates must be positive finite numbers and seeds integers from 0 to 2**63-1, and no list
-may name a value twice (two runs of one name): each is refused before anything runs.
-
-The baseline (``--baseline``, else ``compare.baseline``) is the label every other variant's seeds
-are paired with in the report (see :mod:`.stats`); it must be one of the compared labels. Without
-either it is ``pre`` when ``pre`` is compared, else the first label. It only shapes the report, so
-it is not part of the grid that ``experiment.json`` records: another baseline re-reports the same
-runs. Nor is ``jobs`` (``--jobs`` replaces it): how many runs train at once changes no run's
-configuration.
-
-A variant is a scheme with its own options (replacing the preset's ``model.scheme_options``) and its
-own overrides of any run key, applied after the command line's overrides, so the variant is what
-tells its cells apart. A bare scheme name is that scheme with its default options (or the preset's
-options when it is the preset's own scheme). ``--schemes``, ``--lrs`` and ``--seeds`` on the command
-line replace the section's lists; they may name the section's variants too.
+A preset's optional ``compare`` section (README, "Comparing schemes") holds ``schemes`` (scheme or
+variant names), ``lrs`` (default: ``train.lr``), ``seeds`` (default: ``seed``), ``baseline``,
+``jobs`` (:mod:`.jobs`) and ``variants``: a variant is a scheme with its own options (replacing
+``model.scheme_options``) and overrides of any key, applied after the command line's, e.g.
+``pre-24L: {scheme: pre, overrides: {model.n_layers: 24}}``. A bare scheme name has its default
+options (the preset's, for the preset's own scheme). ``--schemes``, ``--lrs`` and ``--seeds``
+replace the section's lists. Learning rates must be positive and finite, seeds in 0..2**63-1, and
+no list may repeat a value: refused before anything runs. The baseline (``--baseline``, else
+``compare.baseline``, else ``pre`` when compared, else the first label) and ``jobs`` only shape the
+report and the scheduling, so neither is part of the grid ``experiment.json`` records.
 """
 
 from __future__ import annotations

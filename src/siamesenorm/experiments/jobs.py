@@ -1,28 +1,15 @@
 """How many runs of a comparison train at once, and with how many threads each (``--jobs``,
 ``compare.jobs``).
 
-``jobs`` is a whole number from 1, or ``auto``. With N runs at once, each run is its own process
-with ``cores // N`` intra-op threads (at least 1), ``cores`` being the CPUs this process may use.
-The thread count is fixed by N and the machine, never by how many runs are left, so a re-run that
-resumes some of the runs gives each the thread count it started with; a resumed run keeps the
-thread count its ``summary.json`` recorded in any case (:func:`threads_of`).
-
-``auto`` on the CPU: as many runs at once as there are cores, no more than the grid has runs, nor
-than the machine's memory holds (by each run's floor, in :data:`MEMORY_SHARE` of it); the cores
-left over become threads (a grid of 3 runs on 32 cores: 3 runs of 10 threads). Runs too short to
-pay for a process of their own (less than :data:`WORK_PER_PROCESS` FLOPs in all: the ``tiny``
-preset, tests) train one at a time in this process. Measured on this project's 2-core machine
-(2026-11-25): the default comparison (width 64, 4 GFLOP a micro-batch) took 153 s two
-single-threaded runs at a time, 173 s one two-threaded run at a time; two width-256 runs (60 GFLOP)
-took 21.8 s side by side, 20.6 s in turn with two threads each. With other processes on the
-machine, the two-threaded runs were 5 to 9 times slower than the single-threaded ones side by side
-at both widths: a two-threaded run waits at every parallel region for its thread that another
-process displaced. One run per core is never far from the best, and far better on a shared machine.
-On CUDA, ``auto`` is one run per device (``train.device`` ``auto`` or ``cuda``; a named device
-``cuda:K`` takes one run at a time), each process seeing its own device as ``cuda:0`` through
-``CUDA_VISIBLE_DEVICES``; more jobs than devices share them round-robin. ``--nproc`` above 1 (each
-run across several processes) trains one run at a time: ``auto`` is then 1, and a ``jobs`` above 1
-is refused.
+``jobs`` is a whole number from 1, or ``auto``. With N runs at once each run is its own process
+with ``cores // N`` intra-op threads (at least 1), fixed by N and the machine, never by how many
+runs are left; a resumed run keeps the thread count its ``summary.json`` recorded
+(:func:`threads_of`). ``auto`` on the CPU: one run per core, no more than the grid has runs nor
+than :data:`MEMORY_SHARE` of memory holds, leftover cores as threads; runs under
+:data:`WORK_PER_PROCESS` FLOPs train one at a time in this process. On CUDA, one run per device
+(each seeing its own as ``cuda:0``; a named ``cuda:K`` takes one at a time). ``--nproc`` above 1
+trains one run at a time (``auto`` is 1; more is refused). Why one run per core: docs/performance.md,
+"Runs at once".
 """
 
 from __future__ import annotations

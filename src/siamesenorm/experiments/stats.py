@@ -1,28 +1,14 @@
 """Seeds of a comparison, summed up honestly: means, 95% intervals, paired differences, verdicts.
 
-A cell of a comparison is one (scheme, learning rate) pair; its seeds are repeated runs. For every
-figure of the runs (final and best validation loss, and the task's columns: accuracy, exact match,
-FD-proxy, ...) a cell gets the number of seeds ``n``, their mean, the sample standard deviation
-(divisor ``n - 1``) and a 95% confidence interval of the mean, ``mean +- t * sd / sqrt(n)`` with
-Student's t quantile at ``n - 1`` degrees of freedom. A run that diverged or stalled (``failed``)
-enters no mean: it is counted per cell instead ("1 of 3 diverged"), and ``n`` says how many seeds
-a mean is over.
-
-A language-model run that neither diverged nor stalled but whose final validation loss stays
-within :data:`PLATEAU_MARGIN` (2%) of the unigram loss (``unigram_val_loss`` in its summary: what a
-model that knows only the training tokens' frequencies scores) is *at the plateau*: it learned
-nothing the frequencies do not give. It is counted per cell ("2 of 3 at the unigram plateau") and,
-having a loss, stays in the means: the count tells a reader why a mean is high or its interval wide.
-
-Each scheme is compared with a baseline scheme, per learning rate and figure, on the seeds where
-both ran without failing: the mean of the paired differences (scheme minus baseline) and its
-interval, by the same t formula on the differences. A verdict is given only when that interval
-excludes zero; with one pair there is no interval, and so no verdict (never a zero-width interval).
-Whether lower or higher is better is the figure's own: lower for losses and the FD-proxy, higher
-for accuracies (a task's ``higher_is_better`` columns).
-
-Pure Python, no SciPy: the t quantiles are a table for 1 to 30 degrees of freedom and a
-Cornish-Fisher expansion around the normal quantile beyond.
+Per cell (scheme, learning rate) and figure: ``n``, the mean, the sample sd (divisor ``n - 1``) and
+the 95% interval ``mean +- t * sd / sqrt(n)`` (Student's t, ``n - 1`` degrees of freedom). Failed
+runs (diverged, stalled) enter no mean and are counted per cell. A language-model run whose final
+loss stays within :data:`PLATEAU_MARGIN` (2%) of ``unigram_val_loss`` is counted *at the plateau*
+and stays in the means. Each scheme is paired seed by seed with the baseline, on the seeds where
+both ran: the mean difference (scheme minus baseline) and its interval; a verdict only when the
+interval excludes zero (one pair: no interval, no verdict). Lower is better except for a task's
+``higher_is_better`` columns. Pure Python: t quantiles from a table for 1 to 30 degrees of freedom,
+a Cornish-Fisher expansion beyond. The method, with examples: docs/reproduction.md, README.
 """
 
 from __future__ import annotations
