@@ -1,55 +1,17 @@
 """Any scheme inside a Hugging Face causal LM of a supported family: :func:`adapt`.
 
-``adapt(config_or_model, scheme="siamese", **scheme_options)`` returns a causal LM of the model's
-own family (a subclass of its ``...ForCausalLM``, e.g. ``Qwen3SchemeForCausalLM``) whose residual
-path is the scheme, run by :class:`~siamesenorm.ResidualStack`:
-
-- given a configuration (``Qwen3Config(...)``), a fresh model, initialised as the family
-  initialises it (the family's own ``__init__`` builds it);
-- given a model (``Qwen3ForCausalLM``), the same built from that model's own embedding,
-  attention, MLP or MoE modules and head, sharing their weights: ``adapt(m, "pre")`` and
-  ``adapt(m, "siamese")`` start from the same weights. The model itself is left as it was and
-  keeps working (its decoder layers still hold the shared modules; training one trains both).
-
-Everything of the family stays: its attention (``config._attn_implementation``: eager, sdpa, ...),
-RoPE and its scaling, GQA, QK-norm, sliding windows and their masks, the MoE block with its router
-(``output_router_logits`` gives ``router_logits`` and ``aux_loss``, added to the loss as the family
-adds it), the KV cache and ``generate``, ``labels``, left-padded ``attention_mask``,
-``output_attentions``, ``resize_token_embeddings``; the family's ``ForCausalLM.forward`` is the
-one that runs. Replaced are the norms and the residual wiring only: each decoder layer's
-``input_layernorm`` and ``post_attention_layernorm`` and the model's final ``norm`` are gone, and
-the scheme owns every norm (of the family's kind: RMSNorm with the config's ``rms_norm_eps``, or
-for OLMo a LayerNorm without parameters). A scheme norm with the role of a model norm starts as a
-copy of it (``scheme.role_norms()``: for ``pre`` ``pre_norm[2b]`` <- layer ``b``'s ``input_layernorm``,
-``pre_norm[2b+1]`` <- its ``post_attention_layernorm``, ``final_norm`` <- ``model.norm``); the
-others keep the scheme's own initialisation. So ``adapt(model, "pre")`` computes what ``model``
-computes.
-
-What a scheme requires of its host (``scheme.requires``) is honoured: per-head QKV-norm on the
-blocks that need it (HybridNorm, SiameseNorm's ``hybrid_pre``; a per-head norm after ``v_proj``,
-and after ``q_proj`` and ``k_proj`` unless the family's attention normalises q and k already), and
-DeepNorm's Xavier initialisation with its ``branch_gain``, applied to a fresh model only
-(``adapt(model)`` keeps the model's weights as they are).
-
-Parameter names: ``model.embed_tokens``, ``model.stack.scheme.*`` (the scheme's norms),
-``model.stack.sublayers.{2b}`` (block ``b``'s attention), ``model.stack.sublayers.{2b+1}`` (its
-MLP or MoE block), ``lm_head``.
-
-Hidden states (``output_hidden_states=True``): one per block boundary, the embedding output first,
-as the family gives them; for a scheme with several streams (SiameseNorm) a boundary's entry is the
-scheme's exit applied there, as in :mod:`siamesenorm.hf.modeling`. The last is the head's input.
-
-Activation checkpointing: ``gradient_checkpointing_enable()`` (or
-``activation_checkpointing_enable()``) checkpoints every scheme step
-(``train.activation_checkpointing=sublayer``), which keeps all streams consistent;
-``every_n_layers`` and ``offload`` are not supported.
-
-Saving and loading: the configuration records the scheme (``config.siamesenorm = {"scheme": ...,
-"scheme_options": {...}}``; the family is its ``model_type``), so ``model.save_pretrained(path)``
-then :func:`adapt_from_pretrained` ``(path)`` gives the model back. (The family's own
-``from_pretrained`` would load such a folder as a model of the family, without its scheme.)
-
-Needs transformers 5 (``masking_utils``, ``output_capturing``).
+``adapt(config_or_model, scheme="siamese", **scheme_options)`` returns a subclass of the family's
+own ``...ForCausalLM`` (e.g. ``Qwen3SchemeForCausalLM``) whose residual path is the scheme, run by
+:class:`~siamesenorm.ResidualStack`. From a configuration: a fresh model, initialised by the
+family's own ``__init__``. From a model: built from its own embedding, attention, MLP or MoE modules
+and head, sharing their weights (the model keeps working; training one trains both). Everything of
+the family stays (attention implementation, RoPE, masks, MoE router and aux loss, KV cache,
+``generate``); only the norms and the residual wiring change: the scheme owns every norm, of the
+family's kind, and one in a model norm's role starts as a copy of it (``scheme.role_norms()``), so
+``adapt(model, "pre")`` computes what ``model`` computes. ``scheme.requires`` is honoured (QKV-norm;
+DeepNorm's init, fresh models only). Hidden states: one per block boundary, a multi-stream scheme's
+exit applied there. ``save_pretrained`` records the scheme in ``config.siamesenorm``; load it with
+:func:`adapt_from_pretrained`. Parameter names and the rest: docs/own_model.md. Needs transformers 5.
 """
 
 from __future__ import annotations

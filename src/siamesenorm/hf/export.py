@@ -1,37 +1,15 @@
 """``siamesenorm export RUN_DIR --format hf --out DIR``: a language-model run as a Hugging Face
 model folder that ``from_pretrained`` loads with transformers alone.
 
-The folder holds::
-
-    config.json              SiameseNormConfig (every LMConfig field) + auto_map -> the file below
-    model.safetensors        the weights of the run's last checkpoint, our names under ``model.``
-    generation_config.json   end and padding token, the context length as max_length
-    tokenizer.json, tokenizer_config.json   the run's tokenizer as a transformers fast tokenizer
-    modeling_siamesenorm.py  the modelling code, self-contained (see below)
-    README.md                a model card: scheme, equation, paper, size, data, final metrics
-
-**Tokenizer.** The byte tokenizer (id = byte value) becomes a ``tokenizers`` BPE model whose
-vocabulary is the 256 byte-level symbols at their byte values, with no merges, behind the
-byte-level pre-tokenizer (no regex split, no prefix space) and decoder: the same ids for any text
-and the same text for any ids. A BPE run's own ``tokenizers`` file is wrapped as it is. Neither
-tokenizer has special tokens, and the model was trained without an end-of-text token; the end and
-padding token is the NUL byte's token (id 0 for bytes), a byte that ordinary text never holds.
-``split_special_tokens`` keeps its symbol, typed as text, encoding as text; padding is on the left
-(the side generation needs).
-
-**Modelling code.** ``modeling_siamesenorm.py`` is generated: it embeds the source of
-:mod:`siamesenorm.hf.modeling` and of every package module it needs (the closure of their relative
-imports, found with :mod:`ast`, with each package's ``__init__.py``; ``siamesenorm.hf``'s own is
-replaced by an empty one, so nothing is registered with the Auto classes) as plain string literals,
-each line behind a ``|`` (so a user can read what ``trust_remote_code`` will run, and transformers'
-scan of the file for imports does not read theirs), and serves them from memory under a private
-package name (``_siamesenorm_export_<hash>``), so that an installed
-siamesenorm, of any version, is never touched. Transformers checks a remote file's top-level
-imports; this one's are the standard library, torch and transformers, and the vendored modules may
-import at top level only torch, numpy, yaml, safetensors and transformers (what transformers brings).
-
-The folder is written next to ``DIR`` under a temporary name and renamed at the end: a failure
-leaves nothing, and ``--force`` replaces an existing folder only once the new one is complete.
+The folder holds ``config.json`` (with ``auto_map``), ``model.safetensors``,
+``generation_config.json``, the run's tokenizer as a transformers fast tokenizer (bytes become a
+merge-free byte-level BPE with the same ids; the end and padding token is the NUL byte's),
+``modeling_siamesenorm.py`` and a model card ``README.md``. The modelling file is generated: it
+vendors :mod:`siamesenorm.hf.modeling` and its relative imports as ``|``-prefixed string literals
+served under a private package name, so an installed siamesenorm is never touched and its
+top-level imports are only the standard library, torch and transformers. The folder is written
+under a temporary name and renamed at the end (``--force`` replaces one only then). What each file
+holds and why: docs/own_model.md, "The exported folder".
 """
 
 from __future__ import annotations
