@@ -1,41 +1,18 @@
 """Activation checkpointing of a scheme host, and the bytes a forward pass keeps for backward.
 
-``train.activation_checkpointing`` (:func:`set_activation_checkpointing`) trades compute for memory
-at the granularity every model shares: one ``scheme.step(state, i, branch)``, that is one attention
-or MLP sublayer together with the norms, gates and residual updates its scheme puts around it.
+``train.activation_checkpointing`` (:func:`set_activation_checkpointing`) checkpoints one
+``scheme.step(state, i, branch)`` at a time: a sublayer with the norms, gates and residual updates
+its scheme puts around it. ``sublayer`` keeps only the step's input state (one tensor per stream)
+and recomputes the step; ``selective`` also keeps the outputs of the matrix products and attention
+(:data:`_SAVED_OPS`) and recomputes the norms and element-wise work. Eager ``selective`` uses this
+module's own dispatch modes, which count only the kept ops, because PyTorch's contexts require the
+recompute to replay every op and FSDP2's hooks do not (docs/scaling.md, "Activation
+checkpointing"). Both restore the RNG state and apply only in training with gradients on. The
+wrapping is an instance attribute of the model's scheme, set before DDP or FSDP2 wrap the model.
 
-- ``none``: autograd keeps what every op saves for backward.
-- ``sublayer``: each step runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`. Only
-  the step's input state is kept (one tensor per residual stream: two for SiameseNorm, n for
-  hyper-connections); backward recomputes the step. Costs about one more forward.
-- ``selective``: the same checkpoint with a selective policy: the outputs of matrix products and of
-  attention (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear``, every
-  ``scaled_dot_product_*attention`` kernel) are kept, everything else is recomputed: the norms, the
-  element-wise work (activations, gates, RoPE, residual adds, depth scales), which is where
-  SiameseNorm's second stream costs memory. Costs a few element-wise passes, no matmul.
-
-  In eager mode the kept outputs are tracked by this module's own pair of dispatch modes, which look
-  only at the kept ops. PyTorch's :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`
-  (used under ``torch.compile``, where its policy only tags the graph) insists that the recompute
-  replays every op of the forward one for one, and FSDP2's hooks, which run inside a step (the
-  sublayer's all-gather and profiler ranges), run a different number of ops when the recompute
-  comes before the sublayer's gradient (Post-Norm, SiameseNorm's post stream, hyper-connections...):
-  its contexts then fail the backward.
-
-Both keep random draws (dropout, drop-path) identical between forward and recompute (the
-checkpoint restores the RNG state) and only apply in training mode with gradients on: evaluation
-and generation run the plain step. The wrapping is an instance attribute of the model's scheme
-(models never branch on it; setting a mode again replaces it, ``none`` removes it), applied before
-DDP or FSDP2 wrap the model. Neither wrapper replaces the scheme, so the checkpoint survives them:
-DDP's hooks are outside the steps, and FSDP2's per-sublayer hooks run again in the recompute
-(gathering that sublayer's parameters in backward where they are not gathered already).
-
-:func:`saved_activation_bytes` measures what a forward keeps alive for backward, on any device,
-the meta device included (that is how ``train --dry-run`` estimates activations without memory):
-every storage an op creates during the forward and that is still alive when it returns, counted
-once; parameters, buffers and inputs, which existed before, are not. On the meta device attention
-is counted as a fused kernel keeps it (output and log-sum-exp, not the T x T weights), which is
-what SDPA runs on a GPU and on a CPU.
+:func:`saved_activation_bytes` measures what a forward keeps alive for backward, on any device
+including meta (``train --dry-run``): every storage an op creates and that outlives the forward,
+counted once; on meta, attention counts as a fused kernel keeps it (output and log-sum-exp).
 """
 
 from __future__ import annotations

@@ -11,13 +11,10 @@ DiT (Peebles & Xie 2023, arXiv 2212.09748) as the SiameseNorm paper trains it (a
         state = scheme.step(state, i, u -> gate * sublayer(u * (1 + scale) + shift))
     out = unpatchify(final_layer(scheme.exit(state), c))
 
-The scheme is built with ``branch_affine=False, final_norm=False`` (``scheme_options`` may
-override them): the norm that feeds each branch is non-affine because adaLN modulation follows, and
-the final layer normalises by itself. So ``scheme="pre"`` is exactly DiT (``norm1``/``norm2`` are
-the scheme's non-affine pre-norms, and the final layer reads the bare stream), and
-``scheme="siamese"`` is exactly the official SiameseNorm DiT: the non-affine input norm feeds the
-modulation, the X update is divided by ``sqrt(2 (b + 1))``, and the final layer reads
-``LN_X(X) + LN_Y(Y)``.
+The scheme is built with ``branch_affine=False, final_norm=False`` (``scheme_options`` may override
+them): adaLN modulation follows each branch norm, and the final layer normalises by itself. So
+``scheme="pre"`` is exactly DiT, and ``scheme="siamese"`` the official SiameseNorm DiT (the X
+update divided by ``sqrt(2 (b + 1))``, the final layer reading ``LN_X(X) + LN_Y(Y)``).
 """
 
 from __future__ import annotations

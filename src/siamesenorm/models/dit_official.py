@@ -1,44 +1,16 @@
 """The official DiT interface: ``DiT_models`` and the official state-dict layout.
 
-The DiT repository's scripts (Peebles & Xie 2023, arXiv 2212.09748) build a model as
-``DiT_models[name](input_size=..., num_classes=...)`` and call ``forward(x, t, y)`` and
-``forward_with_cfg(x, t, y, cfg_scale)``. :data:`DiT_models` has the same twelve names (DiT-XL, -L,
--B and -S with patch 2, 4 and 8) and the same keyword arguments, plus ``scheme`` (default
-``"siamese"``: the official SiameseNorm DiT) and ``scheme_options``; each builds an
-:class:`OfficialDiT`, our :class:`~.dit.DiT` under the official names::
-
-    model = DiT_models["DiT-XL/2"](input_size=32, num_classes=1000, scheme="pre")
-    model.load_state_dict(torch.load("DiT-XL-2-256x256.pt"))      # an official checkpoint, strict
-
-``state_dict()`` has the official keys, in the official order, and ``load_state_dict`` reads them
-(and also a plain :class:`~.dit.DiT`'s own keys). The mapping, ``b`` a block, our key on the left::
-
-    pos_embed (buffer, not saved by DiT)           pos_embed                  (1, T, d), saved
-    x_embedder.{weight,bias}                       x_embedder.proj.{weight,bias}
-    t_embedder.mlp.{0,2}.*                         t_embedder.mlp.{0,2}.*
-    y_embedder.table.weight                        y_embedder.embedding_table.weight
-    sublayers.{2b}.{q,k,v}_proj.{weight,bias}      blocks.{b}.attn.qkv.{weight,bias}  (q; k; v rows)
-    sublayers.{2b}.out_proj.*                      blocks.{b}.attn.proj.*
-    sublayers.{2b}.<other>.*  (per-head norms)     blocks.{b}.attn.<other>.*
-    sublayers.{2b+1}.{up,down}_proj.*              blocks.{b}.mlp.{fc1,fc2}.*
-    modulation.{b}.1.*                             blocks.{b}.adaLN_modulation.1.*
-    final_layer.linear.*                           final_layer.linear.*
-    final_layer.modulation.1.*                     final_layer.adaLN_modulation.1.*
-    scheme.*  (the scheme's own norms, gains)      scheme.*  (none for scheme="pre")
-
-DiT's ``norm1``, ``norm2`` (the Pre-Norm scheme's non-affine norms) and ``norm_final`` have no
-parameters, so no keys. The fused ``qkv`` holds q, k and v stacked by rows, heads contiguous
-within each (the split of timm's attention, which the official code uses); the adaLN chunks are
-shift, scale, gate of the attention then of the MLP, and shift, scale in the final layer, in the
-same order in both codes. With ``class_dropout_prob == 0`` the official table has no null row:
-the saved table drops it and a loaded one keeps the model's own.
-
-Behaviour as the official code's: ``forward`` drops labels with probability
-``class_dropout_prob`` in training mode; ``forward_with_cfg`` runs the first half of the batch
-twice (labels of the conditional then of the unconditional half) and guides the first 3 output
-channels only, as the official code does "for exact reproducibility" (:attr:`guided_channels`),
-never dropping labels. The timestep features are computed in float64 and then rounded (the
-official code computes them in float32), so float32 outputs agree to rounding, float64 exactly.
+For the DiT repository's scripts (Peebles & Xie 2023, arXiv 2212.09748): :data:`DiT_models` has the
+official twelve names and keyword arguments, plus ``scheme`` (default ``"siamese"``: the official
+SiameseNorm DiT) and ``scheme_options``; each builds an :class:`OfficialDiT`, our :class:`~.dit.DiT`
+whose ``state_dict()`` has the official keys in the official order (:func:`official_key`;
+``load_state_dict`` also reads our own keys), so an official checkpoint loads strictly with
+``scheme="pre"``. The fused ``qkv`` stacks q, k, v by rows (timm's split); the adaLN chunks keep the
+official order; with ``class_dropout_prob == 0`` the saved label table drops the null row.
+``forward`` drops labels as the official code does; ``forward_with_cfg`` guides the first 3
+channels only (:attr:`guided_channels`), never dropping labels. Timestep features are computed in
+float64 then rounded: float32 outputs agree to rounding, float64 exactly. The key mapping:
+docs/own_model.md, "The official DiT interface".
 """
 
 from __future__ import annotations
