@@ -8,17 +8,12 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
     v = own * v + first * v_first                     # value residual, layers after the first
     out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
 
-The norms are optional and act on one head at a time (over ``head_dim``, weights shared by the
-heads), built by :func:`head_norm` and applied by :func:`norm_heads` (the HF adaptation's too).
-Where a model's own attention code calls its projections (a Hugging Face family), the
-norm rides on the projection instead: :class:`HeadNormedProjection`.
-
-Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The softmax product
-runs through :func:`torch.nn.functional.scaled_dot_product_attention`. ``causal=False`` drops the
-mask (every query sees every key: ViT, DiT) and ``rope=False`` drops the rotation (the model adds
-absolute position embeddings instead). ``value_residual`` (ResFormer,
-:mod:`~siamesenorm.nn.value_residual`) mixes the first layer's values ``v_first`` into the values of
-every later layer, before they enter the cache.
+The optional norms act per head (over ``head_dim``, weights shared by the heads): :func:`head_norm`,
+:func:`norm_heads`, or :class:`HeadNormedProjection` where a model's own code calls the
+projections (a Hugging Face family). Query head ``h`` reads key/value head
+``h // (n_heads // n_kv_heads)``; the product runs through ``scaled_dot_product_attention``.
+``causal=False`` drops the mask (ViT, DiT), ``rope=False`` the rotation. ``value_residual``
+(ResFormer, :mod:`~siamesenorm.nn.value_residual`) mixes in ``v_first`` before the cache.
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """Memory-lean norms: what a norm keeps for backward is its input and per-row statistics, nothing more.
 
-A normalised tensor can always be recomputed from the tensor it normalises and its row statistics
-(the mean and ``1 / sqrt(var + eps)`` of LayerNorm, ``1 / sqrt(mean(x^2) + eps)`` of RMSNorm). This
-module holds what is built on that fact (the lean path), each an ordinary
-:class:`torch.autograd.Function`:
-
-- :func:`rms_norm`: RMSNorm that saves its input and ``rstd`` only. PyTorch's own ``F.rms_norm`` is
-  a chain of element-wise ops on the CPU that keeps the normalised tensor as well (and runs a
-  dozen kernels in backward); on CUDA we call PyTorch's fused kernels. LayerNorm needs no such
-  function: ``F.layer_norm`` already saves only its input, mean and rstd.
-- :func:`stream_entry`: the entry of a sublayer of a two-stream scheme (SiameseNorm): the norm of
-  the X stream (or its gain), the norm of the Y stream, their sum and the branch's input norm, as
-  one function that keeps the two streams and the three norms' row statistics and recomputes the
-  intermediate sum in backward. Written as separate modules, autograd would keep the sum too (the
-  input of the branch's input norm): one more residual-width tensor per sublayer.
-- :func:`dyt`: DyT (``weight * tanh(alpha x) + bias``, arXiv 2503.10622) that keeps its input
-  only and recomputes the tanh in backward; as a composition of ops autograd keeps the tanh's
-  output as well (one more tensor of the input's size per norm). :func:`stream_entry` computes
-  DyT norms as the plain composition of modules (each through :func:`dyt`).
-- On CUDA with Triton, :func:`stream_entry` runs as one fused Triton kernel each way
-  (:func:`siamesenorm.kernels.siamese_update_entry`; ``SIAMESENORM_KERNELS=0`` turns it off), and
-  :func:`stream_update_entry` fuses a sublayer's stream writes into the next sublayer's entry, as
-  :func:`add_then_norm` fuses Pre-Norm's residual add into the next norm.
-- :func:`recomputed_inputs`: a context in which chosen tensors that an op saves for backward (the
-  normalised, rotated q, k, v that attention keeps under QKV-norm) are dropped and recomputed from
-  tensors kept anyway, when backward asks for them.
-
-The plain composition of modules is the reference: the functions here fall back to it themselves
-where they bring nothing (no gradient needed), under ``torch.compile``, and everywhere while
-:func:`reference_path` is active, which is how the tests compare both paths (values and gradients,
-float64). The environment variable ``SIAMESENORM_FUSED=0`` turns the lean path off for a whole
-process.
-
-Under autocast the functions compute the norms as autocast computes PyTorch's: in float32 on CUDA,
-in the input's dtype (float32 inside the kernel for half inputs) on the CPU.
+A normalised tensor can always be recomputed from its input and row statistics; each function here
+is an ordinary :class:`torch.autograd.Function` built on that (the lean path, docs/performance.md):
+:func:`rms_norm` (PyTorch's CPU ``F.rms_norm`` keeps the normalised tensor too; CUDA uses PyTorch's
+fused kernel), :func:`stream_entry` (SiameseNorm's sublayer entry: the two stream norms, their sum
+and the branch norm, recomputing the sum, which separate modules would keep), :func:`dyt` (DyT,
+arXiv 2503.10622, recomputing the tanh), :func:`recomputed_inputs` (drops chosen saved tensors,
+e.g. attention's normalised q, k, v, and recomputes them), and on CUDA with Triton the fused
+kernels behind :func:`stream_entry`, :func:`stream_update_entry` and :func:`add_then_norm`
+(``SIAMESENORM_KERNELS=0`` turns them off). The plain composition of modules is the reference: the
+functions fall back to it without gradients, under ``torch.compile``, inside :func:`reference_path`
+and with ``SIAMESENORM_FUSED=0``. Under autocast the norms compute as PyTorch's do: float32 on CUDA,
+the input's dtype on the CPU (float32 inside the kernel for half inputs).
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """Mixture-of-experts feed-forward: token-choice top-k routing over SwiGLU experts, dropless.
 
-OLMoE (arXiv 2409.02060), the base of SiameseNorm's largest experiment (arXiv 2602.08064, "15A2B"),
-replaces every dense MLP by ``n_experts`` SwiGLU experts and a linear router::
+OLMoE (arXiv 2409.02060), the base of SiameseNorm's "15A2B" experiment (arXiv 2602.08064)::
 
     p       = softmax(router(x))                       over the experts (float32 for half inputs)
     S       = top_k(p)                                 the k experts of each token
     w_i     = p_i / sum_{j in S} p_j   (i in S)        renormalised (``normalize=False``: w_i = p_i)
     MoE(x)  = sum_{i in S} w_i * E_i(x)  [+ shared(x)] E_i(x) = down_i(silu(gate_i x) * up_i x)
 
-Dropless: every token reaches its k experts (no capacity factor, nothing dropped). The tokens are
-sorted by expert and each expert runs one batched matrix product over its own tokens (a loop over
-experts, none over tokens); the results are scattered back with their weights.
-
-Two auxiliary losses are computed with every training forward and left on the module for the model
-to add (:attr:`MoE.aux_loss`, :attr:`MoE.z_loss`, unscaled):
-
-- load balancing (Switch Transformer, arXiv 2101.03961, as OLMoE): ``E * sum_i f_i * P_i`` with
-  ``f_i`` the fraction of tokens that chose expert i among their k and ``P_i`` the mean router
-  probability of expert i. A uniform router gives k.
-- router z-loss (ST-MoE, arXiv 2202.08906): ``mean_t (logsumexp_i logits_ti)^2``.
-
-:attr:`MoE.load` (each expert's share of the token-expert assignments) and :attr:`MoE.entropy`
-(mean entropy of the router's distribution, nats) describe the last forward, detached.
+Dropless (no capacity factor): tokens are sorted by expert, each expert runs one matrix product over
+its tokens, the results are scattered back with their weights. Every training forward leaves two
+unscaled losses for the model to add: :attr:`MoE.aux_loss`, load balancing ``E * sum_i f_i * P_i``
+(Switch Transformer, arXiv 2101.03961; ``f_i`` the share of assignments to expert i, ``P_i`` its
+mean probability; a uniform router gives k), and :attr:`MoE.z_loss`,
+``mean_t (logsumexp_i logits_ti)^2`` (ST-MoE, arXiv 2202.08906). :attr:`MoE.load` and
+:attr:`MoE.entropy` (nats) describe the last forward, detached.
 """
 
 from __future__ import annotations
