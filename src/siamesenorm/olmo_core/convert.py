@@ -1,29 +1,13 @@
 """Between our ``LanguageModel`` and the OLMo-core :class:`~.model.SchemeTransformer`: the
 configuration and the parameters, both ways, so that a run can move from one to the other.
 
-Parameter names (``b`` a block, ``*`` ``weight`` or ``bias``)::
-
-    ours (LanguageModel)                 OLMo-core (SchemeTransformer)
-    embed.weight                         embeddings.weight
-    sublayers.{2b}.q_proj.*              blocks.{b}.attention.w_q.*      (k_proj: w_k, v_proj: w_v,
-    sublayers.{2b}.out_proj.*            blocks.{b}.attention.w_out.*     out_proj: w_out)
-    sublayers.{2b}.q_norm.*              blocks.{b}.attention.q_norm.*   (k_norm, v_norm alike)
-    sublayers.{2b+1}.gate_proj.*         blocks.{b}.feed_forward.w1.*    (SwiGLU: w2(silu(w1 x) * w3 x))
-    sublayers.{2b+1}.up_proj.*           blocks.{b}.feed_forward.w3.*
-    sublayers.{2b+1}.down_proj.*         blocks.{b}.feed_forward.w2.*
-    scheme.<anything>                    scheme.<anything>               (the same scheme object)
-  mixture of experts (E experts of hidden size H, width d; OLMo-core's dropless MoE):
-    sublayers.{2b+1}.router.weight (E,d) blocks.{b}.feed_forward_moe.router.weight (E*d,)
-    sublayers.{2b+1}.w_gate (E,d,H)      blocks.{b}.feed_forward_moe.experts.mlp.w1 (E*H,d), transposed
-    sublayers.{2b+1}.w_up (E,d,H)        blocks.{b}.feed_forward_moe.experts.mlp.w3 (E*H,d), transposed
-    sublayers.{2b+1}.w_down (E,H,d)      blocks.{b}.feed_forward_moe.experts.mlp.w2 (E*H,d)
-    lm_head.weight                       lm_head.w_out.weight            (untied)
-    (tied: none)                         lm_head.w_out.weight = embeddings.weight
-
-Tied embeddings: OLMo-core ties by making ``lm_head.w_out.weight`` the embedding's parameter, so
-its state dict lists it twice; ours has ``embed.weight`` alone. The maps pass tensors through
-(no copy; the experts' gate and up matrices are transposed, a copy one way); an unknown name
-raises ``KeyError``.
+Names map block by block (``sublayers.{2b}.q_proj`` <-> ``blocks.{b}.attention.w_q``,
+``sublayers.{2b+1}.gate_proj`` <-> ``blocks.{b}.feed_forward.w1``, ``scheme.*`` unchanged, the MoE
+experts flattened to OLMo-core's ``(E*H, d)``): the tables are in docs/olmo-core.md ("Moving a run
+between the two", "Mixture of experts"). OLMo-core ties embeddings by making
+``lm_head.w_out.weight`` the embedding's parameter, so its state dict lists it twice; ours has
+``embed.weight`` alone. The maps pass tensors through (no copy, but the experts' gate and up
+matrices, transposed: a copy one way); an unknown name raises ``KeyError``.
 """
 
 from __future__ import annotations

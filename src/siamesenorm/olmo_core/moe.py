@@ -1,27 +1,15 @@
 """Mixture-of-experts scheme blocks: OLMo-core's MoE as the feed-forward sublayer, run by the scheme.
 
-A block whose ``SchemeBlockConfig`` has ``feed_forward_moe`` (an OLMo-core ``MoEConfig``, dropless)
-is a :class:`SchemeMoEBlock`: OLMo-core's attention (sublayer ``2b``) and OLMo-core's dropless MoE
-(sublayer ``2b + 1``: its linear router, its experts, its load-balancing and router z-losses and
-its metrics), both bare, both run by ``scheme.step`` exactly as the dense block runs its
-feed-forward. A model with at least one such block is a :class:`SchemeMoETransformer`, which is
-also an OLMo-core ``MoETransformer``: OLMo-core's train module treats it as one.
-
-The auxiliary losses travel as OLMo-core's do. They are never added to the returned loss: the
-router attaches its weighted load-balancing and z-losses to the MoE's input with an autograd
-function (``attach_auxiliary_loss``), so the backward of the language-model loss also
-back-propagates them, divided by the train module's ``loss_div_factor`` (the rank's tokens per
-batch). The router accumulates their unweighted values and its expert loads, and the train module
-reads them after every batch through ``compute_auxiliary_metrics`` ("load balancing loss", "router
-Z loss", "load imbalance", summed over the blocks, and per block as ``block NN/...``).
-
-OLMo-core permutes tokens to experts with Triton kernels, which need a GPU.
-:class:`PortableDroplessMLP` (the experts' dispatcher of every MoE block here) runs OLMo-core's own
-path where those kernels run, and the same permutation in plain PyTorch elsewhere (CPU), with or
-without expert parallelism: there the tokens cross ranks with ``all_to_all_single`` (gloo has it).
-Its router is a :class:`CheckpointSafeRouter`, so that activation checkpointing, which recomputes
-the forward in backward, does not count the router's losses and loads twice; the blocks can then
-be checkpointed whole, which OLMo-core refuses for its own MoE blocks. See docs/olmo-core.md.
+A block whose ``SchemeBlockConfig`` has ``feed_forward_moe`` (OLMo-core's dropless ``MoEConfig``)
+is a :class:`SchemeMoEBlock`: OLMo-core's attention (sublayer ``2b``) and dropless MoE (sublayer
+``2b + 1``, with its router, losses and metrics), both run by ``scheme.step``; a model with one is a
+:class:`SchemeMoETransformer`, also an OLMo-core ``MoETransformer``. The auxiliary losses travel as
+OLMo-core's: attached to the MoE's input by ``attach_auxiliary_loss``, never added to the returned
+loss, and read after every batch through ``compute_auxiliary_metrics``.
+:class:`PortableDroplessMLP` permutes tokens in plain PyTorch where OLMo-core's Triton kernels
+cannot run (CPU), with or without expert parallelism; :class:`CheckpointSafeRouter` does not count
+its losses and loads twice under activation checkpointing, so the blocks can be checkpointed whole,
+which OLMo-core refuses for its own. docs/olmo-core.md, "Mixture of experts".
 """
 
 from __future__ import annotations

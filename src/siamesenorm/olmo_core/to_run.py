@@ -3,26 +3,13 @@ models (:mod:`siamesenorm.olmo_core.train`, or any run of a :class:`~.model.Sche
 one of our run directories, so that ``export`` and ``analyze`` take it like a run of ``siamesenorm
 train`` (it has no tokenizer, so ``generate`` refuses it).
 
-``CKPT`` is a checkpoint folder ``stepN/`` (``model_and_optim/``, ``config.json``), or a save
-folder, meaning its latest complete ``stepN/``. The run directory gets:
-
-    config.yaml          task lm: the model (``lm_config`` of config.json's model), data (``--data``,
-                         else unset; the sequence length and micro-batch of the OLMo-core run), train
-                         (the OLMo-core run's AdamW, schedule, clipping and batch where they map)
-    checkpoints/last/    the model's weights in our single-process layout (mapped with
-                         ``to_siamesenorm_state_dict``), with checksums; no optimizer moments
-    metrics.jsonl        the save folder's metrics.jsonl up to step N, with our keys added
-                         (``loss``, ``lr``, ``grad_norm``) beside OLMo-core's
-    summary.json         steps, final and best training loss, tokens seen, parameters, where it came from
-    olmo-core-config.json   the checkpoint's config.json as it was
-
-The weights are read with torch alone: OLMo-core saves ``{"model": ..., "optim": ...}`` through
-``torch.distributed.checkpoint``, flattened, so the model's tensors are the entries
-``model.<parameter name>`` of ``model_and_optim/``; they alone are read, in one process whatever
-world size wrote them (DCP puts FSDP shards together), by
-:func:`siamesenorm.train.checkpoint.read_dcp`, which unpickles ``.metadata`` with an allow-list
-(it names OLMo-core's storage-info class). The configuration needs OLMo-core's config classes. An
-imported run cannot be resumed: OLMo-core's optimizer and data-loader state do not carry over.
+``CKPT`` is a checkpoint folder ``stepN/`` or a save folder (its latest complete ``stepN/``). The
+run gets ``config.yaml``, ``checkpoints/last/`` (the weights mapped by
+``to_siamesenorm_state_dict``, no optimizer moments), ``metrics.jsonl``, ``summary.json`` and
+``olmo-core-config.json`` (docs/olmo-core.md, "From an OLMo-core run to ours"). The weights,
+``model.<name>`` entries of ``model_and_optim/``, are read with torch alone in one process, whatever
+world size wrote them, by :func:`siamesenorm.train.checkpoint.read_dcp` (an allow-listed unpickler
+of ``.metadata``); the configuration needs OLMo-core's classes. An imported run cannot be resumed.
 """
 
 from __future__ import annotations
