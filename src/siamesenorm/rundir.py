@@ -1,37 +1,17 @@
 """The run directory: where each file of a run lives, and how its JSON-lines files are read.
 
 Every layer names a run's files through :class:`RunDir` (so this module imports nothing of the
-package but :mod:`.errors` and the version)::
-
-    config.yaml        the fully resolved configuration          RunDir.config
-    metrics.jsonl      one JSON object per logged step            RunDir.metrics
-    summary.json       final and best figures of the run          RunDir.summary
-    checkpoints/last/  the last checkpoint (checkpoints/)         RunDir.last_checkpoint
-    checkpoints/step_<N>/  older ones kept (train.keep_checkpoints)
-    .siamesenorm.lock  held while a process writes the run       siamesenorm.locks
-    tokenizer/         a text run's tokenizer                     RunDir.tokenizer
-    probes.jsonl       the training probes (analysis.every > 0)   RunDir.probes
-    analysis.json      the analysis of the final model            RunDir.analysis
-    analysis/          its plots                                  RunDir.plots
-    samples/           a DiT's sample grids, step_<N>.png         RunDir.samples
-    tb/                TensorBoard scalars (when installed)       RunDir.tensorboard
-
-    .siamesenorm-run.json  the mark of a folder this tool created a run in, and the run's data  RunDir.marker
-
-A folder *holds a run* once it has ``metrics.jsonl`` or ``checkpoints/``; a fresh run refuses such
-a folder (:meth:`RunDir.refuse_existing_run`) and ``--resume`` continues it. A fresh run also
-refuses any other folder that is not empty, unless it is a run this tool marked and that stopped
-before its first checkpoint (nothing to resume): that one is started again, after deleting the
-files the run wrote, and those alone (:meth:`RunDir.clear_run_files`). A folder without the mark
-(a user's, a repository, an experiment) is never cleaned. Single files are written atomically
-(:func:`write_text`, :func:`write_json`, :func:`replacing`), each through a fresh temporary file
-that a symbolic link planted under its name cannot redirect.
-
-JSON-lines files (``metrics.jsonl``, ``probes.jsonl``) are read by :func:`read_jsonl` alone, with
-one policy: a missing file reads as no rows; blank lines are ignored; a last line without its
-newline that is not valid JSON is a write cut short by a killed writer and is skipped; any other
-line that is not a JSON object is a damaged file, a :class:`~.errors.UserError` naming the file
-and the line. :func:`open_jsonl` reopens such a file for a (resumed) writer.
+package but :mod:`.errors` and the version): ``config.yaml``, ``metrics.jsonl``, ``summary.json``,
+``checkpoints/``, ``tokenizer/``, ``probes.jsonl``, ``analysis.json``, ``analysis/``, ``samples/``,
+``tb/`` and the marker ``.siamesenorm-run.json`` (the table: docs/tasks.md, "A run's folder").
+A folder *holds a run* once it has ``metrics.jsonl`` or ``checkpoints/``; a fresh run refuses it
+(:meth:`RunDir.refuse_existing_run`) and any other non-empty folder, unless it is a run this tool
+marked that stopped before its first checkpoint: that one's own files are deleted
+(:meth:`RunDir.clear_run_files`; docs/security.md). Single files are written atomically through a
+fresh temporary file a planted symbolic link cannot redirect (:func:`write_text`,
+:func:`write_json`, :func:`replacing`). :func:`read_jsonl` reads ``metrics.jsonl`` and
+``probes.jsonl``: missing is no rows, blank lines are ignored, an unterminated invalid last line
+(a killed writer) is skipped, any other bad line is a :class:`~.errors.UserError` naming it.
 """
 
 from __future__ import annotations

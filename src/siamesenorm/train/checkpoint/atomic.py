@@ -89,9 +89,9 @@ def verify_checksums(path: str | os.PathLike) -> None:
 
 
 def install(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
-    """Swap the complete directory ``tmp`` in at ``path``, after recording its checksums (see the
-    package docstring). With ``keep_as``, the checkpoint it replaces is kept there (renamed) rather
-    than deleted."""
+    """Swap the complete directory ``tmp`` in at ``path``, after recording its checksums
+    (docs/scaling.md, "Checkpoints"). With ``keep_as``, the checkpoint it replaces is kept there
+    (renamed) rather than deleted."""
     write_checksums(tmp)
     _fsync(tmp)
     old = None

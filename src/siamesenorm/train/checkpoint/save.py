@@ -97,7 +97,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: torch
 
     ``extra`` (step, RNG and sampler states, ...) must hold only dicts, lists, tuples, numbers,
     strings, None and tensors; anything else is a TypeError before a byte is written. An existing
-    checkpoint at ``path`` is replaced atomically (see the package docstring), and moved to
+    checkpoint at ``path`` is replaced atomically (docs/scaling.md, "Checkpoints"), and moved to
     ``keep_as`` when that is given.
     """
     path = Path(path)
