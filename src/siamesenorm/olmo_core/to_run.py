@@ -185,7 +185,7 @@ def _train_config(ckpt: OLMoCoreCheckpoint, seq_len: int) -> tuple[TrainConfig, 
 
 
 def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig:
-    """Our configuration of the run ``ckpt`` belongs to (see the module docstring); ``data``: the
+    """Our configuration of the run ``ckpt`` belongs to (docs/olmo-core.md); ``data``: the
     data ``analyze`` reads by default (a path, made absolute)."""
     from .convert import lm_config
 

@@ -2,54 +2,14 @@
 no data, no memory and nothing written.
 
 :func:`dry_run` loads nothing but the configuration: the task's ``build_model`` builds the model on
-the ``meta`` device (shapes only, no storage), with the sizes the configuration gives (for a
-language model ``model.vocab_size`` as set, though a real run takes it from its data; for images
-``model.image_size``, ``in_chans``, ``num_classes``). It returns plain numbers; :func:`format_dry_run`
-prints them as a table, and the memory of this machine's device when it is present.
-
-Building costs time per module even on ``meta``, so sizes no machine builds are refused before,
-from the configuration alone (the model configurations' ``estimated_parameters`` and
-:func:`~siamesenorm.models.config_checks.buildable`). A real run is refused up front by
-:func:`check_fits` when a floor of its memory, :func:`memory_floor` (arithmetic on the sizes,
-nothing built), exceeds the device's memory :data:`MEMORY_MARGIN` times over.
-
-The figures, with ``P`` the parameters (a tied weight once), ``N`` ranks (``--nproc``, else the
-``WORLD_SIZE`` environment variable, else 1; at ``N = 1`` the table also shows ``N = 8``):
-
-- parameters: total; embedding = every ``nn.Embedding`` table plus an untied output head
-  (``lm_head``); non-embedding = the rest.
-- FLOPs per token: the model's ``flops_per_token(seq_len)`` (a language model's ``6 N + 12 L d T``,
-  training forward and backward); none for models that give none (ViT, DiT).
-- tokens per optimizer step = ``N x data.batch_size x tokens per sample x train.grad_accum``
-  (tokens per sample: ``data.seq_len`` for a language model, ``model.tokens_in`` otherwise).
-- memory per rank, in bytes (GiB printed), with ``b`` the bytes of a parameter in compute (2 under
-  bf16, 4 in fp32) and ``U`` the parameters FSDP2 holds unsharded at once: the root group
-  (everything outside the sublayers: embedding, head, the scheme's norms; FSDP2 keeps the root
-  gathered from forward to the end of backward) plus the largest block (its attention and MLP
-  sublayers, each a shard group: the one computing and the one prefetched):
-
-  ============================  ===============  ====================
-  term                          one process/DDP  FSDP2
-  ============================  ===============  ====================
-  parameters (fp32 master)      ``4 P``          ``4 P / N + b U``
-  bf16 weight copies            ``2 P`` (bf16)   (in ``b U``)
-  gradients (fp32)              ``4 P``          ``4 P / N + b U``
-  DDP gradient buckets          ``4 P`` (DDP)    0
-  AdamW state (2 fp32 tensors)  ``8 P``          ``8 P / N``
-  activations (one micro-batch) ``A(mode)``      ``A(mode)``
-  ============================  ===============  ====================
-
-  The bf16 weight copies are autocast's: a bf16 run without FSDP2's mixed-precision policy casts
-  every weight for the forward and keeps the copies for backward. DDP's buckets are its default
-  (``gradient_as_bucket_view=False``): a second copy of every gradient. ``A(mode)`` is
-  :func:`siamesenorm.models.checkpointing.activation_memory` for ``activation_checkpointing``
-  ``none``, ``sublayer`` and ``selective``: the bytes saved for backward by one micro-batch of
-  ``data.batch_size`` samples, measured on the meta model in the run's compute dtype (under bf16
-  the model is cast to bf16, as FSDP2's mixed-precision policy computes; DDP's autocast keeps the
-  residual streams and norms in fp32, so there its figure is a lower bound). The total is the
-  sum for the configured ``train.activation_checkpointing``. Not counted: the CUDA context and
-  caching-allocator fragmentation, communication buffers other than DDP's buckets, temporaries of
-  a single kernel, ``torch.compile``'s workspace.
+the ``meta`` device with the sizes the configuration gives, and it returns plain numbers
+(parameters, FLOPs per token, tokens per step, memory per rank under DDP and FSDP2 for each
+activation-checkpointing mode); :func:`format_dry_run` prints them as a table, with this machine's
+device memory when it is present. Sizes no machine builds are refused before building, from the
+configuration alone (``estimated_parameters``, :func:`~siamesenorm.models.config_checks.buildable`).
+A real run is refused up front by :func:`check_fits` when :func:`memory_floor` (arithmetic on the
+sizes) exceeds the device's memory :data:`MEMORY_MARGIN` times over. Each figure's formula and what
+is left out: docs/scaling.md, "Sizing a run before it starts".
 """
 
 from __future__ import annotations
@@ -140,7 +100,7 @@ def _activations(model: nn.Module, cfg: Any, dtype: torch.dtype) -> dict[str, in
 
 def _memory(engine: str, n: int, p: int, unsharded: int, bf16: bool,
             activations: dict[str, int | None]) -> dict[str, Any]:
-    """The terms of one column (see the module docstring), in bytes."""
+    """The terms of one column (docs/scaling.md, "Sizing a run"), in bytes."""
     b = 2 if bf16 else 4
     if engine == "fsdp":
         terms = {"parameters": 4 * p / n + b * unsharded, "weight_copies": 0,

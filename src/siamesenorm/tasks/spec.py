@@ -46,32 +46,23 @@ class TaskData(Protocol):
 
 @dataclass(frozen=True)
 class Task:
-    """One kind of run, as the shared code sees it.
+    """One kind of run, as the shared code sees it (docs/tasks.md).
 
-    - ``load_data(cfg, run_dir, resume) -> TaskData``: the data ``cfg.data`` names, checked;
-      writes nothing (a resumed run, ``run_dir`` given, reads what it saved: its tokenizer).
-    - ``fit(cfg, data) -> cfg``: the resolve step that sets the sizes the data decides (the
-      vocabulary, the image size, the classes), checking only what they touch; ``config.yaml``
-      records its result.
-    - ``build_model(cfg, device) -> nn.Module``: the module the engine trains, freshly initialised
-      from the torch generator (the caller seeds it).
+    - ``load_data(cfg, run_dir, resume) -> TaskData``: the data ``cfg.data`` names, checked, writing
+      nothing (resumed, ``run_dir`` given: reads what the run saved, e.g. its tokenizer).
+    - ``fit(cfg, data) -> cfg``: sets the sizes the data decides (vocabulary, image size, classes);
+      ``config.yaml`` records the result.
+    - ``build_model(cfg, device)``: the module to train, initialised from the (seeded) torch generator.
     - ``evaluation(cfg, data, run_dir, device) -> Evaluation``: the figures of every evaluation.
-    - ``analysis_batches(cfg, run_dir, path, n) -> list``: batches for ``siamesenorm analyze``:
-      the run's own validation batches, or batches of the data set at ``path``.
-    - ``headline``: the summary figure compare's table shows, and its title; ``columns``: the
-      task's figures (``final_<name>``) compare's tables add; ``higher_is_better``: those of them
-      where higher is better (every other figure, the losses included, is better lower).
-    - ``loss_fn``, ``head_fn``: how the diagnostics run the model and read logits from a hidden
-      state (``head_fn=None``: no logits, no logit lens); ``generate``: continue a prompt with a
-      finished run (``None``: the task does not generate).
-    - ``kind``: what a run of the task is, in messages (``language-model``).
-    - ``micro_batch(cfg) -> (x, y)``: one micro-batch as the task's sampler yields it, on the meta
-      device; ``tokens_per_sample(cfg)``: the tokens the model sees per sample.
-    - ``multi_process``: whether a run may span processes (``--nproc``): its evaluations run on
-      every rank and write through rank 0 only.
-    - ``exports_hf``: whether ``export --format hf`` writes its runs as Hugging Face folders.
-    - ``head_memory(cfg, tokens) -> (activations, buffers)``: bytes the task's model keeps besides
-      its blocks for ``tokens`` tokens (a language model's fp32 logits and rotary tables).
+    - ``analysis_batches(cfg, run_dir, path, n)``: batches for ``analyze`` (the run's own, or of ``path``).
+    - ``headline``, ``columns`` (``final_<name>``), ``higher_is_better``: what compare's tables show
+      (every figure not in ``higher_is_better`` is better lower).
+    - ``loss_fn``, ``head_fn`` (``None``: no logits, no logit lens): how the diagnostics run the
+      model; ``generate`` (``None``: the task does not generate); ``kind``: its name in messages.
+    - ``micro_batch(cfg) -> (x, y)`` on the meta device, ``tokens_per_sample(cfg)``,
+      ``head_memory(cfg, tokens) -> (activations, buffers)``: for the dry run's memory.
+    - ``multi_process``: may span processes (evaluations on every rank, written by rank 0);
+      ``exports_hf``: ``export --format hf`` takes its runs.
     """
 
     name: str
