@@ -16,29 +16,17 @@ class AttentionResiduals(ResidualScheme):
     r"""Attention Residuals, AttnRes (Kimi Team, arXiv 2603.15031; Eqs. 1-6 and Fig. 2).
 
     Sources are the embedding ``v_0 = h`` and the sublayer outputs ``v_j = F_j(.)``. Sublayer ``i``
-    (0-based) reads their mix under a pseudo-query ``w_i``, with RMSNorm keys (``phi(q, k) =
-    exp(q^T RMSNorm(k))``, no temperature)::
+    reads their mix under a pseudo-query ``w_i``, with RMSNorm keys (``phi(q, k) = exp(q^T RMSNorm(k))``)::
 
         a_j = softmax_j(w_i . RMSNorm_i(v_j));   x_i = sum_j a_j v_j      (Eqs. 2-4)
         v_{i+1} = F_i(LN_i(x_i))                                          (Fig. 2's attn_norm)
         out = LN_final(sum_j softmax_j(w_out . RMSNorm_out(v_j)) v_j)     (the output layer)
 
-    Block form (``block_size=S``): sublayers group into blocks of ``S`` (the last may be shorter,
-    §3.2); a block's sources are its outputs' sum ``b_n`` (Eq. 5). Sublayer ``i`` attends over
-    ``b_0 = h``, the completed blocks and, unless it starts a block, the partial sum of its own
-    block (Eq. 6); the output layer over ``b_0 .. b_N``, the last one partial if ``S`` does not
-    divide the sublayers. ``S=1`` is the full form.
-
-    Init (§5): every pseudo-query is zero, so each mix starts as the plain mean of its sources.
-    The key norms are RMSNorm whatever ``norm`` is (the paper's ``phi``); ``norm`` builds
-    ``input_norm`` and ``final_norm``. ``branch_affine=False`` makes ``input_norm`` non-affine;
-    ``final_norm=False``: exit returns the output mix unnormalised.
-
-    State: the tuple of sources ``(v_0, ..)``, growing by one tensor per sublayer (full form: ``L +
-    1`` tensors of shape ``(B, T, d)`` at the end) or per block (``N + 1``); every source is kept
-    for backward. Parameters: ``pseudo_query`` and ``key_norm`` (row and entry ``i - 1`` for
-    sublayer ``i``: sublayer 0 reads the embedding alone, ``x_0 = h``), ``input_norm[i]``,
-    ``output_query``, ``output_key_norm``, ``final_norm``.
+    Block form (``block_size=S``; ``S=1`` is the full form): a block of ``S`` sublayers is one source,
+    the sum ``b_n`` of its outputs (Eq. 5); sublayer ``i`` attends over ``b_0 = h``, the completed
+    blocks and its own block's partial sum (Eq. 6). Pseudo-queries start at zero, so each mix starts
+    as the mean of its sources (§5). Key norms are RMSNorm whatever ``norm`` is. State: the tuple of
+    sources, one more per sublayer (or block), all kept for backward. Parameters: docs/schemes.md.
     """
 
     name = "attn_res"

@@ -124,25 +124,15 @@ class ResidualScheme(nn.Module, ABC):
         norm: ``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``, used for every norm the scheme owns.
         eps: epsilon of those norms.
         device, dtype: factory kwargs for the parameters.
-        **options: the scheme's options, declared in :attr:`options`; an option not declared is
-            refused, one not given takes its default. Every scheme has these two:
-            ``branch_affine=False`` builds every norm whose output feeds a branch directly (and
-            nothing else) without affine parameters, for hosts whose branches bring their own
-            per-sample affine map (DiT's adaLN modulation); norms on the residual path stay
-            affine. ``final_norm=False`` leaves the scheme's outermost final norm out of
-            :meth:`exit`, for heads that normalise themselves (DiT's final layer); each scheme's
-            docstring says what its ``exit`` returns then.
+        **options: the scheme's options, declared in :attr:`options` (undeclared: refused; missing:
+            the default); every scheme has ``branch_affine`` and ``final_norm`` (docs/schemes.md,
+            "Options every scheme has").
 
-    A subclass declares its own options in its ``options`` table (name -> :class:`Option`), takes
-    ``(dim, n_layers, **kwargs)``, calls ``super().__init__`` first and builds its parameters from
-    the attributes that hold the options.
-
-    Attributes:
-        dim, n_layers, eps: as given; norm_kind: the ``norm`` given.
-        branch_affine, use_final_norm: the two options every scheme has.
-        requires: what the scheme asks of its host model (:class:`SchemeRequirements`).
-        options: (class) the options the class itself declares or redeclares;
-            :meth:`all_options` merges them over the class hierarchy.
+    A subclass declares its options in its ``options`` table (name -> :class:`Option`), takes
+    ``(dim, n_layers, **kwargs)``, calls ``super().__init__`` first and builds its parameters from the
+    attributes that hold the options. Attributes: ``dim``, ``n_layers``, ``eps``, ``norm_kind``,
+    ``branch_affine``, ``use_final_norm``, ``requires`` (:class:`SchemeRequirements`), and the class's
+    ``options`` (:meth:`all_options` merges them over the hierarchy).
     """
 
     name: ClassVar[str] = ""

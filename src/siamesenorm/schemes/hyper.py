@@ -52,12 +52,8 @@ class HyperConnections(MultiStreamScheme):
     Static init: ``A_m = e_{i mod n}`` (fractions: ``Gamma = A_m = I_m``), ``A_r = I``, ``B = 1``
     (Pre-Norm on n copies; with fractions exactly Pre-Norm). Dynamic (``dynamic=True``):
     ``A = A_static + s_a * tanh(LN(H) W_a)``, ``B = B_static + s_b * tanh(LN(H) W_b)``, the norm
-    over each row of ``H`` (width ``w``), ``W`` initialised to 0 and ``s = 0.01``. ``fracs=1`` is
-    plain hyper-connections. The SiameseNorm paper compares with HC 2xDHC (``n_streams=2``).
-    Parameters: ``norm[i]``, ``static_alpha``, ``static_beta``, ``dyn_norm[i]``, ``alpha_proj``,
-    ``beta_proj``, ``alpha_scale``, ``beta_scale``, ``final_norm``. ``branch_affine=False`` makes
-    ``norm[i]`` non-affine (``dyn_norm`` feeds the connections, not the branch, and stays affine);
-    ``final_norm=False``: exit returns ``sum_k H_k`` (``Cat(H)``).
+    over each row of ``H``, ``W = 0`` and ``s = 0.01`` at init. The SiameseNorm paper compares with
+    HC 2xDHC (``n_streams=2``). Parameter names and head options: docs/schemes.md.
     """
 
     name = "hyper"

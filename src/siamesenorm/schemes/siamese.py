@@ -19,39 +19,21 @@ TOPOLOGIES = ("siamese", "single", "resi_dual")
 class SiameseNorm(ResidualScheme):
     r"""SiameseNorm (Li et al., ICML 2026, arXiv 2602.08064).
 
-    Two streams start from the embedding, ``X = Y = h``: X is Post-Norm-like (bounded), Y is
-    Pre-Norm-like (a clean identity path). Every sublayer reads both and writes into both, so each
-    sublayer gets the gradients of both. With ``c_b = sqrt(2 (b + 1))`` for block ``b`` (1 without
-    ``depth_scale``):
+    Two streams start from the embedding, ``X = Y = h``: X Post-Norm-like (bounded), Y Pre-Norm-like
+    (a clean identity path); every sublayer reads and writes both. ``c_b = sqrt(2 (b + 1))`` for block
+    ``b`` (1 without ``depth_scale``). ``form="post_pre"`` (official DeiT and DiT code), sublayer ``i``::
 
-    ``form="post_pre"`` (the official DeiT and DiT code), per sublayer ``i``::
+        X = LN^X_i(X);  O = F_i(LN^in_i(X + LN^Y_i(Y)));  X = X + O / c_b;  Y = Y + O
 
-        X = LN^X_i(X)                       # post_norm[i]: the Post-Norm of X, deferred
-        O = F_i(LN^in_i(X + LN^Y_i(Y)))     # input_norm[i], pre_norm[i]
-        X = X + O / c_b ;  Y = Y + O
-
-    ``form="hybrid_pre"`` (the official OLMo code, a HybridNorm X stream), block ``b``::
+    ``form="hybrid_pre"`` (official OLMo code, a HybridNorm X stream), block ``b``::
 
         A = Attn_qkvnorm(X * gamma_b + LN^Y_{2b}(Y));   X = X + A / c_b ; Y = Y + A
         Xn = LN^X_b(X); M = FFN(LN^in_b(Xn + LN^Y_{2b+1}(Y)));  X = Xn + M / c_b ; Y = Y + M
 
-    Exit: ``merge="normed_sum"`` computes ``LN(LN_a(X) + LN_b(Y))`` as the official code does;
-    ``merge="sum"`` computes Algorithm 1's ``X_N + LN(Y_N)``, with ``LN_a`` as the deferred last
-    Post-Norm of X: ``LN_a(X) + LN_b(Y)`` (also what the DiT file feeds its final layer).
-
-    Ablations (the paper's Table 3) are options: ``input_norm`` (LN^in on/off), ``depth_scale``
-    (``c_b`` or 1), and ``topology``: ``"siamese"``; ``"single"`` (the X stream alone: Post-Norm or
-    HybridNorm with the auxiliary mechanisms); ``"resi_dual"`` (Y accumulates the outputs but never
-    feeds a sublayer, the ResiDual topology).
-
-    Head options: ``branch_affine=False`` makes ``input_norm`` (LN^in, the only norm that feeds a
-    branch alone) non-affine, which is DiT's non-affine ``norm1``/``norm2`` in the official DiT
-    file; without ``input_norm`` it changes nothing. ``final_norm=False`` drops the outer ``LN`` of
-    ``merge="normed_sum"``, so exit is ``LN_a(X) + LN_b(Y)`` (the official DiT merge, fed to DiT's
-    own final layer); ``merge="sum"`` and topology ``"single"`` have no outer norm to drop.
-
-    Parameters (by role): ``post_norm`` (LN^X), ``pre_norm`` (LN^Y), ``input_norm`` (LN^in),
-    ``x_gain`` (gamma, hybrid_pre), ``merge_norm_x``, ``merge_norm_y``, ``final_norm``.
+    Exit: ``merge="normed_sum"``: ``LN(LN_a(X) + LN_b(Y))`` (official code; ``final_norm=False``
+    drops the outer ``LN``: the DiT merge); ``merge="sum"``: Algorithm 1's ``X_N + LN(Y_N)``, i.e.
+    ``LN_a(X) + LN_b(Y)``. Table 3's ablations: ``input_norm``, ``depth_scale``, ``topology``
+    (``"single"``: X alone; ``"resi_dual"``: Y never feeds a sublayer). docs/schemes.md.
     """
 
     name = "siamese"
