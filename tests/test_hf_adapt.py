@@ -169,12 +169,31 @@ def test_a_fresh_model_is_initialised_as_the_family_initialises_it():
         close(a(ids()).logits, ref(ids()).logits)
 
 
-def test_the_model_keeps_working_and_shares_its_weights():
+def test_adapt_copies_the_model_so_training_one_leaves_the_other():
+    """The README's A/B pattern: two schemes from one base; a step on one moves neither the
+    other nor the base."""
+    m = family_model("qwen3")
+    x = ids()
+    pre, sia = H.adapt(m, "pre"), H.adapt(m, "siamese")
+    with torch.no_grad():
+        base_before, pre_before = m(x).logits, pre(x).logits
+    assert sia.model.embed_tokens.weight is not m.model.embed_tokens.weight
+    assert sia.model.stack.sublayers[2].q_proj.weight is not pre.model.stack.sublayers[2].q_proj.weight
+    optimizer = torch.optim.AdamW(sia.parameters(), lr=1e-2)
+    sia(x, labels=x).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        close(m(x).logits, base_before, 0)
+        close(pre(x).logits, pre_before, 0)
+        assert not torch.equal(sia.model.embed_tokens.weight, m.model.embed_tokens.weight)
+
+
+def test_share_true_builds_from_the_models_own_modules():
     m = family_model("qwen3")
     x = ids()
     with torch.no_grad():
         before = m(x).logits
-    pre, sia = H.adapt(m, "pre"), H.adapt(m, "siamese")
+    pre, sia = H.adapt(m, "pre", share=True), H.adapt(m, "siamese", share=True)
     for adapted in (pre, sia):
         assert adapted.model.embed_tokens.weight is m.model.embed_tokens.weight
         assert adapted.lm_head.weight is m.lm_head.weight

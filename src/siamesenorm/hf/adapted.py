@@ -3,8 +3,8 @@
 ``adapt(config_or_model, scheme="siamese", **scheme_options)`` returns a subclass of the family's
 own ``...ForCausalLM`` (e.g. ``Qwen3SchemeForCausalLM``) whose residual path is the scheme, run by
 :class:`~siamesenorm.ResidualStack`. From a configuration: a fresh model, initialised by the
-family's own ``__init__``. From a model: built from its own embedding, attention, MLP or MoE modules
-and head, sharing their weights (the model keeps working; training one trains both). Everything of
+family's own ``__init__``. From a model: built from a copy of its embedding, attention, MLP or MoE
+modules and head (``share=True``: from the modules themselves; training one then trains both). Everything of
 the family stays (attention implementation, RoPE, masks, MoE router and aux loss, KV cache,
 ``generate``); only the norms and the residual wiring change: the scheme owns every norm, of the
 family's kind, and one in a model norm's role starts as a copy of it (``scheme.role_norms()``), so
@@ -348,14 +348,17 @@ def adapted_class(model_type: str) -> type:
 
 
 # ---- the API -------------------------------------------------------------------------------------
-def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) -> PreTrainedModel:
+def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
+          **scheme_options: Any) -> PreTrainedModel:
     """A causal LM of the family of ``config_or_model`` whose residual path is ``scheme``.
 
     Args:
         config_or_model: a configuration of a supported family (:data:`~.families.FAMILIES`: Llama,
             Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, OLMo): a fresh model; or a causal LM of one:
-            the same built from its own modules, sharing their weights (see the module docstring).
+            the same built from a copy of its modules' weights.
         scheme: a scheme's name (``siamesenorm schemes`` lists them).
+        share: build from the model's own modules instead of a copy, so that the two share their
+            weights (training one trains both; no second copy in memory): on purpose only.
         scheme_options: the scheme's own options (e.g. ``form="hybrid_pre"``); the norm and its
             eps come from the family.
 
@@ -390,7 +393,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", **scheme_options: Any) 
     config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
     if source is None:
         return cls(config)
-    out = cls(config, source=source)
+    out = cls(config, source=source if share else copy.deepcopy(source))
     return out.train(source.training)
 
 
