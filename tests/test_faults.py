@@ -410,7 +410,7 @@ def test_a_metric_log_damaged_under_a_live_run_is_rewritten_with_every_row(tmp_p
                                                                            damage):
     from siamesenorm.train.metrics import MetricsLog
 
-    log = MetricsLog(tmp_path, None, tensorboard=False)
+    log = MetricsLog(tmp_path, None, loggers=())
     for step in (1, 2, 3):
         log.write({"step": step, "loss": 1.0 / step})
     path = tmp_path / "metrics.jsonl"
@@ -476,10 +476,10 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes_exactly(tmp_path, m
            "train.checkpoint_every=2"]
     real = MetricsLog.write
 
-    def write(self, row):
+    def write(self, row, evaluated=()):
         if row.get("step") == 3:
             _disk_full()
-        real(self, row)
+        real(self, row, evaluated)
 
     monkeypatch.setattr(MetricsLog, "write", write)
     run_dir = tmp_path / "run"

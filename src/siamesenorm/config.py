@@ -42,6 +42,7 @@ SEED_MAX = 2**63 - 1
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
 PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING_MODES = ("none", "sublayer", "selective")
+LOGGERS = ("tensorboard", "wandb")     # where train.loggers sends the metrics
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class TrainConfig:
     algorithms, for a bit-for-bit repeat. ``log_every``: steps between plain log lines when stderr
     is not a terminal (``null``: at most a hundred per run; 0: the final line only).
     ``peak_tflops``: the device's peak dense TFLOP/s for MFU (``null``: the GPU's entry in
-    :data:`siamesenorm.train.throughput.PEAK_TFLOPS`; a CPU then has no MFU).
+    :data:`siamesenorm.train.throughput.PEAK_TFLOPS`; a CPU then has no MFU). ``loggers``: where
+    the metrics go besides ``metrics.jsonl``: ``tensorboard`` (``tb/``, when it is installed),
+    ``wandb`` (extra ``wandb``), both, or ``[]`` (docs/tasks.md).
     """
 
     steps: int = 200
@@ -81,6 +84,7 @@ class TrainConfig:
     deterministic: bool = False
     log_every: int | None = None
     peak_tflops: float | None = None
+    loggers: tuple[str, ...] = ("tensorboard",)
 
     def __post_init__(self) -> None:
         for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),
@@ -111,6 +115,12 @@ class TrainConfig:
         if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
             raise UserError(f"train.peak_tflops must be a positive number (the device's peak "
                               f"TFLOP/s), got {self.peak_tflops}")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise UserError(f"train.loggers: unknown logger {name!r}; choose from {', '.join(LOGGERS)} "
+                                "(a list, [] for none)")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise UserError(f"train.loggers names a logger twice: {list(self.loggers)}")
         check_device_name(self.device)      # its presence is checked where the run starts
 
 
@@ -168,6 +178,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except UserError:
                 pass
         raise UserError(f"{key} must be {' or '.join(_type_name(a) for a in inner)}, got {value!r}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:     # tuple[X, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise UserError(f"{key} must be a list of {len(args)} values, got {value!r}")

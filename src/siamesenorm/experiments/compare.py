@@ -33,6 +33,7 @@ from ..rundir import RunDir, check_out_dir, read_json, write_text
 from ..shapes import EXPERIMENT_ROWS, check, read_summary
 from ..tasks import TASKS, get_task
 from ..tasks.dryrun import check_fits
+from ..train.metrics import check_loggers
 from . import stats
 from .grid import plan
 from .jobs import Concurrency, check_jobs, choose
@@ -162,6 +163,8 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
         for cell in p.cells:
             device = resolve_device(cell.config.train.device)
             check_fits(cell.config, device, 1, concurrency.jobs)
+    for cell in p.cells:
+        check_loggers(cell.config.train.loggers)
     cells, data = load_data(p.cells)
     with folder_lock(out, "compare"):
         return _compare(out, p.base, p.spec, cells, p.baseline, nproc, concurrency, data, log)

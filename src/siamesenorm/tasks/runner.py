@@ -37,6 +37,7 @@ from ..parallel.launch import launch
 from ..rundir import RunDir, check_out_dir, plain, write_text
 from ..shapes import read_summary
 from ..train import train
+from ..train.metrics import check_loggers
 from .dryrun import check_fits
 from .registry import TASKS, get_task, saved_config
 from .spec import TaskData
@@ -201,6 +202,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
             if world.distributed:
                 check_distributed(cfg, world)
             check_fits(cfg, device, world.size, local_world_size(world))
+            check_loggers(cfg.train.loggers)
 
             def claim_and_prepare():
                 held.enter_context(run.claimed())
@@ -229,6 +231,7 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
             cfg = run.saved_config()
         check_distributed(cfg, World(0, nproc))
         check_fits(cfg, resolve_device(cfg.train.device), nproc, nproc)
+        check_loggers(cfg.train.loggers)
         if not resume:
             run.prepare(cfg)
         flags = [*(["--resume"] if resume else []), *(["--allow-data-change"] if allow_data_change else [])]

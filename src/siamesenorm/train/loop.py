@@ -145,7 +145,7 @@ class Trainer:
             stalled = stalls(cfg, state, step, norm)     # counted before a checkpoint takes it
             evaluated = self.evaluate(step) if self.is_due(cfg.eval_every, step) else None
             row.update(evaluated or {})
-            _write(log, row)
+            _write(log, row, evaluated or ())
             display.step(step, loss=loss, lr=lr, tokens=tokens, seconds=seconds, elapsed=self.wall_time(),
                          session_s=perf_counter() - self.started, evaluated=evaluated)
             if self.is_due(cfg.checkpoint_every, step):
@@ -187,9 +187,9 @@ class Trainer:
         self.save()
 
 
-def _write(log: MetricsLog | None, row: dict[str, Any]) -> None:
+def _write(log: MetricsLog | None, row: dict[str, Any], evaluated: Any = ()) -> None:
     if log is not None:     # rank 0 writes the run's files
-        log.write(row)
+        log.write(row, evaluated)
 
 
 def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, *,
@@ -219,7 +219,7 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     trainer = Trainer(model, source, cfg, run_dir, seed=seed, eval_batches=eval_batches,
                       evaluation=evaluation, device=device, probe=probe, info=info, world=world)
     keep_until = trainer.start(resume)
-    log = MetricsLog(run_dir, keep_until) if world.main else None
+    log = MetricsLog(run_dir, keep_until, cfg.loggers) if world.main else None
     if probe is not None:
         probe.start(run_dir, keep_until)
     every = log_interval(cfg.log_every, cfg.steps)

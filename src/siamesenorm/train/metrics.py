@@ -1,15 +1,43 @@
-"""The run's metric log: ``metrics.jsonl`` (one JSON object per logged step) and, when the optional
-``tensorboard`` package is installed, the same scalars under ``tb/``."""
+"""The run's metric log: ``metrics.jsonl`` (one JSON object per logged step) and the same scalars
+in the loggers ``train.loggers`` names: TensorBoard under ``tb/`` (when the package is installed)
+and Weights & Biases (extra ``wandb``), tagged ``train/``, ``val/`` and ``throughput/``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from ..errors import UserError
 from ..rundir import RunDir, open_jsonl, plain, write_text
+
+THROUGHPUT_KEYS = ("tokens_per_s", "tflops", "mfu")
+WANDB_ID_FILE = "wandb-run-id"      # in the run's wandb/ folder: a resumed run logs to the same run
+
+
+def tag(key: str, evaluated: Iterable[str] = ()) -> str:
+    """A row's ``key`` as the loggers show it: ``throughput/...``, ``val/...`` (what the evaluation
+    returned; ``val_loss`` is ``val/loss``) or ``train/...``."""
+    if key in THROUGHPUT_KEYS:
+        return f"throughput/{key}"
+    if key in evaluated:
+        return f"val/{key.removeprefix('val_')}"
+    return f"train/{key}"
+
+
+def check_loggers(loggers: Iterable[str]) -> None:
+    """Refuse, before anything is written, a logger whose package is missing (W&B; TensorBoard is
+    skipped quietly when absent, being on by default)."""
+    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+        raise UserError("train.loggers names wandb, which is not installed: pip install "
+                        "'siamesenorm[wandb]' (or drop it from train.loggers)")
 
 
 def _tensorboard(log_dir: Path, purge_step: int | None):
@@ -20,27 +48,47 @@ def _tensorboard(log_dir: Path, purge_step: int | None):
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
+def _wandb(run_dir: Path, resume: bool):
+    """A W&B run for ``run_dir`` (its files under ``run_dir/wandb``), with the run's
+    ``config.yaml`` as its config; a resumed run continues the W&B run it started."""
+    import wandb
+
+    folder = run_dir / "wandb"
+    folder.mkdir(exist_ok=True)
+    id_file = folder / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+    if run_id is None:
+        run_id = uuid.uuid4().hex[:12]
+        write_text(id_file, run_id + "\n")
+    config_file = RunDir(run_dir).config
+    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "siamesenorm"), name=run_dir.name,
+                      id=run_id, resume="allow", dir=str(run_dir), config=config)
+
+
 class MetricsLog:
     """Appends rows to ``run_dir/metrics.jsonl``, flushed row by row.
 
     ``keep_until=None`` starts an empty log; an integer keeps the existing rows up to that step and
     drops the later ones (a resumed run repeats them), so the log never holds a step twice (a line
     a killed run left cut short is dropped; see :func:`~siamesenorm.rundir.read_jsonl`). Numeric
-    values other than ``step`` also go to TensorBoard under ``run_dir/tb`` when it can be imported.
+    values other than ``step`` also go to each of ``loggers`` (:func:`tag` names them).
 
     The log keeps its lines in memory too: when the file is deleted, replaced or cut short under the
     live run (a careless ``rm``, a full disk's truncation), the next write notices, says so on
     stderr and rewrites the file from them, so no row is lost silently.
     """
 
-    def __init__(self, run_dir: Path, keep_until: int | None = None, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, keep_until: int | None = None,
+                 loggers: Iterable[str] = ("tensorboard",)) -> None:
         layout = RunDir(run_dir)
         self.path = layout.metrics
         self._file = open_jsonl(self.path, keep_until)
         self._lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         self._size = sum(len(line.encode("utf-8")) for line in self._lines)
         self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
-            if tensorboard else None
+            if "tensorboard" in loggers else None
+        self._wandb = _wandb(Path(run_dir), keep_until is not None) if "wandb" in loggers else None
 
     def _check(self) -> None:
         """Rewrite the file from the rows held here when it is gone, replaced or shorter than
@@ -62,7 +110,8 @@ class MetricsLog:
         write_text(self.path, "".join(self._lines))
         self._file = open(self.path, "a", encoding="utf-8")
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any], evaluated: Iterable[str] = ()) -> None:
+        """Append ``row``; ``evaluated``: its keys that the evaluation returned (``val/`` tags)."""
         row = plain(row)
         line = json.dumps(row, allow_nan=False) + "\n"
         self._check()
@@ -76,10 +125,13 @@ class MetricsLog:
             raise OSError(error.errno, error.strerror, str(self.path)) from None
         self._lines.append(line)
         self._size += len(line.encode("utf-8"))
+        scalars = {tag(key, evaluated): value for key, value in row.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, row["step"])
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, row["step"])
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=row["step"])
 
     def close(self) -> None:
         try:
@@ -89,3 +141,5 @@ class MetricsLog:
                 raise
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
