@@ -191,6 +191,22 @@ def test_configs_without_a_counterpart_are_refused():
         lm_config(replace(config, block=replace(config.block, sequence_mixer=whole_width)))
 
 
+def test_a_qk_norm_that_differs_only_in_its_parameters_dtype_converts_and_others_name_the_field():
+    """OLMo-2-style configs give their per-head QK-norm dtype=float32 where ours leaves None; the
+    parameters are float32 either way, so it converts. Any other difference is named, field by field."""
+    config = olmo_config(tiny("siamese", qk_norm=True))
+    att = config.block.sequence_mixer
+
+    def with_norm(**change):
+        norm = replace(att.qk_norm, **change)
+        return replace(config, block=replace(config.block, sequence_mixer=replace(att, qk_norm=norm)))
+
+    assert lm_config(with_norm(dtype=DType.float32)).qk_norm
+    refusal = r"a QK-norm other than the scheme's norm: eps=1e-06 \(ours: 1e-05\)$"
+    with pytest.raises(ConfigError, match=refusal):
+        lm_config(with_norm(eps=1e-6))
+
+
 # ---- what the model is made of ---------------------------------------------------------------
 def test_blocks_are_olmo_core_modules_and_honour_the_schemes_qkv_norm():
     for case, want_qkv in (("pre", False), ("hybridnorm", True), ("siamese-hybrid_pre", True)):

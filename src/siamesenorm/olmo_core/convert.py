@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -180,6 +180,20 @@ def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, F
     return blocks[0], dense[0] if dense else None, moe
 
 
+def _qk_norm_difference(norm: Any, config: SchemeTransformerConfig) -> str | None:
+    """How the QK-norm ``norm`` differs from the per-head norm our model builds of the scheme's
+    norm kind and eps (``None``: it does not). Its parameters' dtype is no difference: ours keep
+    float32 parameters, OLMo-core's ``None`` means the model's."""
+    if norm is None:
+        return None
+    ours = head_norm_config(config.norm, config.norm_eps)
+    same_dtype = {None, DType.float32}
+    diff = [f"{f.name}={getattr(norm, f.name)!r} (ours: {getattr(ours, f.name)!r})" for f in fields(ours)
+            if getattr(norm, f.name) != getattr(ours, f.name)
+            and not (f.name == "dtype" and {norm.dtype, ours.dtype} <= same_dtype)]
+    return f"a QK-norm other than the scheme's norm: {', '.join(diff)}" if diff else None
+
+
 def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwargs: Any) -> LMConfig:
     """Our ``LMConfig`` of the model ``config`` describes (the inverse of :func:`olmo_config`);
     ``max_seq_len`` and ``kwargs`` (``init``, ...) are ours alone. A feed-forward of the default
@@ -200,8 +214,8 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
              or att.rope.partial_rotary_factor != 1.0),
             ("QK-norm over the whole width (ours is per head)",
              att.qk_norm is not None and not att.use_head_qk_norm),
-            ("a QK-norm kind other than the scheme's norm", att.qk_norm is not None
-             and att.qk_norm != head_norm_config(config.norm, config.norm_eps)),
+            (_qk_norm_difference(att.qk_norm, config), att.qk_norm is not None
+             and _qk_norm_difference(att.qk_norm, config) is not None),
             ("a feed-forward other than SwiGLU", ff is not None and ff.activation != ActivationFunction.silu),
             ("biases on some linears and not others", ff is not None and bool(att.bias) != bool(ff.bias)),
             ("an LM head with a bias or a norm", bool(config.lm_head.bias)
