@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+from abc import ABC, abstractmethod
 
 from ..errors import Terminated
 from ..parallel.launch import ERROR_DIR_ENV
@@ -13,15 +14,16 @@ from ..parallel.launch import ERROR_DIR_ENV
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class SignalScope:
+class SignalScope(ABC):
     """Within the ``with`` block, SIGINT and SIGTERM go to :meth:`_handle`; on leaving it, the
     handlers before it are back. Outside the main thread, where Python cannot install a handler,
     nothing changes."""
 
     _previous: dict[int, object]
 
+    @abstractmethod
     def _handle(self, signum, frame) -> None:
-        raise NotImplementedError
+        """What SIGINT or SIGTERM does within the block (each subclass says)."""
 
     def __enter__(self):
         self._previous = {}

@@ -125,6 +125,8 @@ class MetricsLog:
             raise OSError(error.errno, error.strerror, str(self.path)) from None
         self._lines.append(line)
         self._size += len(line.encode("utf-8"))
+        if self._tb is None and self._wandb is None:
+            return
         scalars = {tag(key, evaluated): value for key, value in row.items()
                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
