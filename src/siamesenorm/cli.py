@@ -68,6 +68,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .run import load_config, run_training
+    from .streams import outlive_readers
+
+    outlive_readers()       # a closed, full or broken log stops the log, never the run
 
     _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)
@@ -122,6 +125,9 @@ def _nproc(text: str) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .experiments import compare
+    from .streams import outlive_readers
+
+    outlive_readers()
 
     _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)

@@ -17,41 +17,11 @@ import threading
 from ..errors import Terminated, UserError, environment_problem
 from ..parallel.env import exit_process
 from ..parallel.launch import ERROR_DIR_ENV, report_failure
+from ..streams import outlive_readers
 from .runner import train_prepared
 
 STOP_WITH_ENV = "SIAMESENORM_STOP_WITH"     # the pid whose death stops this process
 DATA_FILE = "data.pickle"     # the name of the file compare hands a fresh run's data in
-
-
-class _OutlivesReader:
-    """A text stream (stdout, stderr) that outlives the process reading it: once a write finds
-    the pipe closed, the stream's file descriptor becomes ``/dev/null``, so that a run whose
-    parent died stops by the parent-death SIGTERM (a checkpoint) rather than by a
-    BrokenPipeError in the middle of a step."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._to_null()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._to_null()
-
-    def _to_null(self) -> None:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, self._stream.fileno())
-        os.close(null)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 # Linux sends the parent-death signal each time the thread this process is parented to ends: a
@@ -77,12 +47,11 @@ def _parent_died(signum, frame) -> None:
 
 def _stop_with_parent() -> bool:
     """Ask Linux for a signal when the parent named by :data:`STOP_WITH_ENV` dies, which ends the
-    run as one SIGTERM would, and let stdout and stderr outlive it; ``False`` when it is gone
+    run as one SIGTERM would; ``False`` when it is gone
     already (nothing is to be trained)."""
     pid = os.environ.get(STOP_WITH_ENV, "")
     if not pid.isdigit():
         return True
-    sys.stdout, sys.stderr = _OutlivesReader(sys.stdout), _OutlivesReader(sys.stderr)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -101,6 +70,7 @@ def _orphaned() -> bool:
 
 
 def main(argv: list[str]) -> int:
+    outlive_readers()       # a closed or broken log (a parent gone, a full disk) never stops a rank
     code = _train(*argv)
     if _orphaned():     # nobody reads the report folder any more: removed when empty
         try:
