@@ -139,6 +139,34 @@ def test_keep_as_keeps_the_replaced_checkpoint_and_is_keyword_only(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["last", "step_2"]
 
 
+def test_pruning_deletes_only_the_checkpoints_a_run_wrote(tmp_path):
+    """A ``step_<N>`` a person made, one holding an added file, and a link to a folder elsewhere
+    stay, and none counts towards ``keep``; the run's own beyond ``keep`` go."""
+    from siamesenorm.train.checkpoint.keep import prune_checkpoints
+
+    model = lm(0)
+    opt = stepped(model)
+    path = tmp_path / "checkpoints" / "last"
+    for step, previous in ((2, None), (4, 2), (6, 4), (8, 6)):
+        save_checkpoint(path, model, opt, {"step": step},
+                        keep_as=kept_name(path, previous) if previous else None)
+    folder = path.parent
+    (folder / "step_1").mkdir()
+    (folder / "step_1" / "notes.txt").write_text("mine")
+    (folder / "step_4" / "notes.txt").write_text("added to a checkpoint")
+    outside = tmp_path / "outside"
+    (outside / "step_1").mkdir(parents=True)
+    (outside / "keep.txt").write_text("x")
+    (folder / "step_9").symlink_to(outside, target_is_directory=True)
+    prune_checkpoints(path, keep=2)         # last + the newest one of ours: step_6
+    assert sorted(p.name for p in folder.iterdir()) == ["last", "step_1", "step_4", "step_6", "step_9"]
+    assert (folder / "step_1" / "notes.txt").read_text() == "mine"
+    assert (outside / "keep.txt").exists() and (outside / "step_1").is_dir()
+    (folder / "step_4" / "notes.txt").unlink()          # a checkpoint of ours again
+    prune_checkpoints(path, keep=2)
+    assert sorted(p.name for p in folder.iterdir()) == ["last", "step_1", "step_6", "step_9"]
+
+
 def test_a_damaged_file_is_refused_with_one_line_and_nothing_changed(tmp_path):
     model = lm(0)
     save_checkpoint(tmp_path / "c", model, stepped(model), {"step": 1})
