@@ -105,6 +105,29 @@ def test_logits_and_loss_match_our_language_model(case, shape):
     assert abs(float(got_loss) - float(want.loss)) <= 1e-6
 
 
+# OLMo2's attention: a QK-norm over all heads at once, a head size of its own (not dim // n_heads)
+OLMO2_SHAPE = {"qk_norm": True, "qk_norm_per_head": False, "head_size": 6, "n_kv_heads": 2}
+
+
+@pytest.mark.parametrize("case", ["pre", "siamese", "hybridnorm"])
+def test_olmo2s_whole_width_qk_norm_and_head_size_match_ours(case):
+    """Both carry it (hybridnorm's per-head QKV-norm takes the QK-norm's place); the config maps
+    both ways; the QK-norm's weights span all heads."""
+    scheme, options = SCHEMES[case]
+    cfg = tiny(scheme, options, **OLMO2_SHAPE)
+    lm = ours(cfg)
+    model = olmo(lm)
+    att = model.blocks["0"].attention
+    assert att.head_dim == 6 and att.w_q.weight.shape == (24, 32) and att.w_out.weight.shape == (32, 24)
+    assert att.q_norm.weight.shape == ((24,) if case != "hybridnorm" else (6,))
+    assert att.k_norm.weight.shape == ((12,) if case != "hybridnorm" else (6,))
+    x, _ = batch()
+    with torch.no_grad():
+        assert (model(x) - lm(x).logits).abs().max() <= 1e-6
+    assert lm_config(olmo_config(cfg), max_seq_len=SEQ) == cfg
+    assert olmo_config(cfg).num_params == LanguageModel(cfg).num_parameters()
+
+
 def test_the_comparison_sees_a_wrong_map():
     """Swapping two maps of the feed-forward, or two of the scheme's norms, moves the logits far
     beyond the tolerance: the comparison above is not vacuous."""
@@ -186,9 +209,9 @@ def test_configs_without_a_counterpart_are_refused():
     with pytest.raises(ConfigError, match="model.embed_scale=sqrt_dim is not available with the OLMo-core"):
         olmo_config(tiny("pre", embed_scale="sqrt_dim"))
     config = olmo_config(tiny("pre", qk_norm=True))
-    whole_width = replace(config.block.sequence_mixer, use_head_qk_norm=False)
-    with pytest.raises(ConfigError, match="per head"):
-        lm_config(replace(config, block=replace(config.block, sequence_mixer=whole_width)))
+    gains = replace(config.block.sequence_mixer, qk_norm_per_head_gains=True)
+    with pytest.raises(ConfigError, match="no LMConfig counterpart: a QK-norm gain per head"):
+        lm_config(replace(config, block=replace(config.block, sequence_mixer=gains)))
 
 
 def test_a_qk_norm_that_differs_only_in_its_parameters_dtype_converts_and_others_name_the_field():

@@ -77,10 +77,11 @@ def lm_flops_per_token(config: LMConfig, non_embedding_params: int,
     ``seq_len`` (``max_seq_len``): ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` is
     ``non_embedding_params`` plus ``vocab_size * dim`` for the output projection when it is tied
     to the embedding (so every matmul weight counts once; norm weights are included, being
-    negligible). The second term is attention's scores and weighted sum over ``seq_len`` keys."""
+    negligible). The second term is attention's scores and weighted sum over ``seq_len`` keys
+    (``dim`` stands for ``n_heads * head_dim``, which it is unless ``head_size`` is set)."""
     seq_len = config.max_seq_len if seq_len is None else seq_len
     n = non_embedding_params + (config.vocab_size * config.dim if config.tie_embeddings else 0)
-    return float(6 * n + 12 * config.n_layers * config.dim * seq_len)
+    return float(6 * n + 12 * config.n_layers * config.n_heads * config.head_dim * seq_len)
 
 
 def _normal(weight: Tensor, std: float, truncated: bool) -> None:
@@ -120,7 +121,8 @@ class LanguageModel(ResidualStack, SchemeHost):
                     rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, qkv_norm=qkv_norm,
                     norm=cfg.norm, norm_eps=cfg.norm_eps, bias=cfg.bias, dropout=cfg.dropout,
                     layer_idx=block, value_residual=cfg.value_residual_mix if cfg.value_residual else None,
-                    value_weights=cfg.value_weights, **kw),
+                    value_weights=cfg.value_weights, head_dim=cfg.head_size,
+                    qk_norm_per_head=cfg.qk_norm_per_head, **kw),
                 lambda block: self._mlp(block, kw))
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:

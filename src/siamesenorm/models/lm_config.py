@@ -37,6 +37,9 @@ UNSUPPORTED = (
     Unsupported("family", "mlp", ("swiglu",), "it has its own gated SiLU MLP"),
     Unsupported("family", "value_residual", None, "the family's own attention"),
     Unsupported("family", "embed_scale", None, "the family's own embedding"),
+    Unsupported("family", "head_size", None, "the family's attention takes head_dim from "
+                "model.family_options"),
+    Unsupported("family", "qk_norm_per_head", None, "the family decides its QK-norm"),
     Unsupported("olmo_core", "family", None, "a Hugging Face family's model has no OLMo-core counterpart"),
     Unsupported("olmo_core", "norm", ("rmsnorm", "layernorm"), "OLMo-core's per-head norms have no DyT"),
     Unsupported("olmo_core", "mlp", ("swiglu",), "OLMo-core's feed-forward is gated"),
@@ -132,7 +135,9 @@ class LMConfig:
     ``embed_scale`` multiplies the token embedding (not the tied head) by one learnable scalar
     started at that value (``"sqrt_dim"``: sqrt(dim)), as the DyT paper's language models do
     (arXiv 2503.10622): without a norm's rescaling the residual stream enters the first DyT at the
-    embedding's scale; ``None`` (the default) has no such scalar.
+    embedding's scale; ``None`` (the default) has no such scalar. ``head_size`` sets a head size
+    other than ``dim // n_heads`` (Qwen3, OLMo-core's ``head_dim``); ``qk_norm_per_head=False``
+    normalises q and k over all heads at once (OLMo2) instead of per head.
     """
 
     vocab_size: int = 256
@@ -145,6 +150,8 @@ class LMConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     qk_norm: bool = False
+    qk_norm_per_head: bool = True
+    head_size: int | None = None
     tie_embeddings: bool = True
     bias: bool = False
     norm: str = "rmsnorm"
@@ -168,12 +175,13 @@ class LMConfig:
             _positive_int(name, getattr(self, name))
         _positive_int("n_kv_heads", self.n_kv_heads, optional=True)
         _positive_int("mlp_hidden", self.mlp_hidden, optional=True)
-        if self.dim % self.n_heads:
+        _positive_int("head_size", self.head_size, optional=True)
+        if self.head_size is None and self.dim % self.n_heads:
             raise UserError(f"LMConfig.dim ({self.dim}) must be divisible by "
                               f"LMConfig.n_heads ({self.n_heads})")
         if self.head_dim % 2:
-            raise UserError(f"LMConfig.dim / LMConfig.n_heads = {self.head_dim} must be even "
-                              "for rotary embeddings")
+            raise UserError(f"LMConfig head size {self.head_dim} must be even for rotary "
+                              "embeddings (LMConfig.head_size, or dim / n_heads)")
         if self.n_heads % self.kv_heads:
             raise UserError(f"LMConfig.n_heads ({self.n_heads}) must be divisible by "
                               f"LMConfig.n_kv_heads ({self.kv_heads})")
@@ -187,6 +195,11 @@ class LMConfig:
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise UserError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.qk_norm_per_head, bool):
+            raise UserError(f"model.qk_norm_per_head must be true or false, got {self.qk_norm_per_head!r}")
+        if not self.qk_norm_per_head and not self.qk_norm:
+            raise UserError("model.qk_norm_per_head is set but model.qk_norm is false; add "
+                            "model.qk_norm=true")
         if not isinstance(self.scheme, str) or not self.scheme:
             raise UserError(f"LMConfig.scheme must be a scheme name, got {self.scheme!r}")
         if isinstance(self.moe, dict):
@@ -281,7 +294,8 @@ class LMConfig:
         parameters, which are few, left out; a family's ``family_options`` not read): what
         :func:`~.config_checks.buildable` bounds. Pure arithmetic, for any size."""
         d, kv, bias, moe = self.dim, self.kv_heads * self.head_dim, self.bias, self.moe
-        attention = 2 * linear(d, d, bias) + 2 * linear(d, kv, bias)
+        q = self.n_heads * self.head_dim
+        attention = linear(d, q, bias) + linear(q, d, bias) + 2 * linear(d, kv, bias)
         per_hidden = 3 if self.mlp == "swiglu" else 2
         dense = per_hidden * d * self.hidden_dim + ((2 if per_hidden == 3 else 1) * self.hidden_dim + d
                                                      if bias else 0)
@@ -298,7 +312,8 @@ class LMConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """``head_size`` resolved (``dim // n_heads`` when unset)."""
+        return self.dim // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:

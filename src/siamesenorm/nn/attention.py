@@ -9,7 +9,7 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
     out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
 
 The optional norms act per head (over ``head_dim``, weights shared by the heads): :func:`head_norm`,
-:func:`norm_heads`, or :class:`HeadNormedProjection` where a model's own code calls the
+:func:`norm_heads`, or :class:`HeadNormedAttention` where a model's own code calls the
 projections (a Hugging Face family). Query head ``h`` reads key/value head
 ``h // (n_heads // n_kv_heads)``; the product runs through ``scaled_dot_product_attention``.
 ``causal=False`` drops the mask (ViT, DiT), ``rope=False`` the rotation. ``value_residual``
@@ -79,18 +79,60 @@ def norm_heads(norm: nn.Module | None, x: Tensor, head_dim: int, *, recompute: b
     return norm_value(norm, x) if recompute else norm(x)
 
 
-class HeadNormedProjection(nn.Module):
-    """A projection followed by a per-head norm of its output (``(..., n * head_dim)`` in and
-    out): QKV-norm on a projection that another module's code calls, as a Hugging Face family's
-    attention calls its ``q_proj``, ``k_proj`` and ``v_proj`` (:func:`siamesenorm.hf.adapt`).
-    Parameters: ``proj.*`` and ``norm.*``."""
+HEAD_NORMED = ("q_proj", "k_proj", "v_proj")
+
+
+def head_norm_name(projection: str) -> str:
+    """The sibling norm of a projection under :class:`HeadNormedAttention` (``v_proj`` -> ``v_head_norm``)."""
+    return projection.removesuffix("_proj") + "_head_norm"
+
+
+class _NormedProjection:
+    """``proj(x)`` normalised per head by ``norm``: what ``self.v_proj`` reads as inside the forward
+    of a :class:`HeadNormedAttention`."""
+
+    __slots__ = ("head_dim", "norm", "proj")
 
     def __init__(self, proj: nn.Module, norm: nn.Module, head_dim: int) -> None:
-        super().__init__()
         self.proj, self.norm, self.head_dim = proj, norm, head_dim
 
-    def forward(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor) -> Tensor:
         return norm_heads(self.norm, self.proj(x), self.head_dim).flatten(-2)
+
+
+class HeadNormedAttention:
+    """Mixed in before another model's attention class whose forward calls ``self.q_proj(x)``,
+    ``self.k_proj(x)``, ``self.v_proj(x)`` (a Hugging Face family's): QKV-norm without touching
+    that code. The projections stay the model's own modules under their own names (so PEFT can
+    wrap them, and the state keys are the family's); a per-head norm is a sibling module
+    (``v_head_norm``, :func:`head_norm_name`), and while ``forward`` runs ``self.v_proj`` reads as
+    "that norm after the current ``v_proj``". Needs ``head_dim``. Checkpoints of the earlier
+    wrapper layout (``v_proj.proj.*``, ``v_proj.norm.*``) load."""
+
+    def forward(self, *args, **kwargs):
+        self.__dict__["_normed_view"] = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__["_normed_view"] = False
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        if name in HEAD_NORMED and self.__dict__.get("_normed_view"):
+            norm = self._modules.get(head_norm_name(name))
+            if norm is not None:
+                return _NormedProjection(value, norm, self.head_dim)
+        return value
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for name in HEAD_NORMED:
+            for key in [k for k in state_dict if k.startswith(f"{prefix}{name}.")]:
+                rest = key[len(f"{prefix}{name}."):]
+                if rest.startswith("proj."):
+                    state_dict[f"{prefix}{name}.{rest[5:]}"] = state_dict.pop(key)
+                elif rest.startswith("norm."):
+                    state_dict[f"{prefix}{head_norm_name(name)}.{rest[5:]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
@@ -107,11 +149,13 @@ class Attention(nn.Module):
         n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
         max_seq_len: longest sequence RoPE and the cache support.
         rope_theta: RoPE base.
-        qk_norm: normalise q and k per head.
+        qk_norm: normalise q and k per head (over all heads at once with ``qk_norm_per_head=False``,
+            as OLMo2).
         qkv_norm: normalise q, k and v per head (implies ``qk_norm``); HybridNorm needs it.
         norm, norm_eps: kind and epsilon of those per-head norms.
         bias: biases on the four projections.
         dropout: dropout on the attention weights and on the output (training only).
+        head_dim: size of a head (``None``: ``dim // n_heads``).
         layer_idx: which entry of a :class:`KVCache` this layer uses.
         causal: mask future positions (language models); ``False`` for encoders (ViT, DiT).
         rope: rotate q and k by their positions; ``False`` leaves positions to the model.
@@ -125,10 +169,11 @@ class Attention(nn.Module):
                  qkv_norm: bool = False, norm: str = "rmsnorm", norm_eps: float = 1e-5,
                  bias: bool = False, dropout: float = 0.0, layer_idx: int = 0,
                  causal: bool = True, rope: bool = True, value_residual: str | None = None,
-                 value_weights: tuple[float, float] = (0.5, 0.5), device=None, dtype=None) -> None:
+                 value_weights: tuple[float, float] = (0.5, 0.5), head_dim: int | None = None,
+                 qk_norm_per_head: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if dim % n_heads:
+        if head_dim is None and dim % n_heads:
             raise UserError(f"dim ({dim}) must be divisible by n_heads ({n_heads})")
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise UserError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
@@ -137,20 +182,23 @@ class Attention(nn.Module):
                               f"got {value_residual!r}")
         kw = {"device": device, "dtype": dtype}
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
-        self.head_dim = dim // n_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.dropout, self.layer_idx, self.causal = dropout, layer_idx, bool(causal)
-        kv_dim = n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(dim, dim, bias=bias, **kw)
+        q_dim, kv_dim = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(dim, q_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
         self.v_proj = nn.Linear(dim, kv_dim, bias=bias, **kw)
-        self.out_proj = nn.Linear(dim, dim, bias=bias, **kw)
+        self.out_proj = nn.Linear(q_dim, dim, bias=bias, **kw)
+        # QKV-norm (HybridNorm) is per head; a QK-norm alone may span all heads (OLMo2)
+        self.whole_width_qk_norm = qk_norm and not qkv_norm and not qk_norm_per_head
 
-        def per_head(wanted: bool) -> nn.Module | None:
-            return head_norm(norm, self.head_dim, norm_eps, **kw) if wanted else None
+        def per_head(wanted: bool, width: int) -> nn.Module | None:
+            size = width if self.whole_width_qk_norm else self.head_dim
+            return head_norm(norm, size, norm_eps, **kw) if wanted else None
 
-        self.q_norm = per_head(qk_norm or qkv_norm)
-        self.k_norm = per_head(qk_norm or qkv_norm)
-        self.v_norm = per_head(qkv_norm)
+        self.q_norm = per_head(qk_norm or qkv_norm, q_dim)
+        self.k_norm = per_head(qk_norm or qkv_norm, kv_dim)
+        self.v_norm = per_head(qkv_norm, kv_dim)
         self.rope = RotaryEmbedding(self.head_dim, max_seq_len, rope_theta, **kw) if rope else None
         self.value_residual = value_residual
         self.value_mix = ValueMix(*value_weights, learned=value_residual == "learned", **kw) \
@@ -167,6 +215,8 @@ class Attention(nn.Module):
                recompute: bool = False) -> Tensor:
         """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked
         (:func:`norm_heads`) and rotated by RoPE if ``rotate``."""
+        if norm is not None and self.whole_width_qk_norm:      # over all heads, before the split
+            x, norm = (norm_value(norm, x) if recompute else norm(x)), None
         x = norm_heads(norm, x, self.head_dim, recompute=recompute).transpose(1, 2)
         return self.rope(x, pos) if rotate and self.rope is not None else x
 
@@ -230,7 +280,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal,
                 dropout_p=self.dropout if self.training else 0.0,
                 enable_gqa=self.n_kv_heads != self.n_heads)
-        y = self.out_proj(y.transpose(1, 2).reshape(b, t, self.dim))
+        y = self.out_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         return F.dropout(y, self.dropout, self.training)
 
     def _value_residual(self, v: Tensor, first_values: FirstValues | None) -> Tensor:

@@ -56,7 +56,8 @@ _THEIRS_MOE = re.compile(r"blocks\.(\d+)\.feed_forward_moe\.(router\.weight|expe
 def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: Any
                 ) -> SchemeTransformerConfig:
     """The :class:`~.model.SchemeTransformerConfig` of the model that ``cfg`` describes: same
-    width, depth, heads and kv heads, SwiGLU hidden size, RoPE theta, per-head QK-norm, biases,
+    width, depth, heads, kv heads and head size, SwiGLU hidden size, RoPE theta, QK-norm (per
+    head, or over all heads: ``qk_norm_per_head``), biases,
     vocabulary, tied or untied embeddings, scheme (with its options, ``norm`` and ``norm_eps``).
     ``kwargs`` go to the config (``init_method``, ``init_std``, ``init_seed``, ...).
 
@@ -74,10 +75,10 @@ def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: 
     theta = int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta
     head_norm = head_norm_config(cfg.norm, cfg.norm_eps)
     attention = AttentionConfig(
-        n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, bias=cfg.bias,
+        n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size, bias=cfg.bias,
         rope=RoPEConfig(name=RoPEType.default, theta=theta),
-        qk_norm=head_norm if cfg.qk_norm else None, use_head_qk_norm=True if cfg.qk_norm else None,
-        dtype=dtype)
+        qk_norm=head_norm if cfg.qk_norm else None,
+        use_head_qk_norm=cfg.qk_norm_per_head if cfg.qk_norm else None, dtype=dtype)
     block = SchemeBlockConfig(
         sequence_mixer=attention,
         feed_forward=FeedForwardConfig(hidden_size=cfg.hidden_dim, bias=cfg.bias, dtype=dtype,
@@ -181,7 +182,7 @@ def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, F
 
 
 def _qk_norm_difference(norm: Any, config: SchemeTransformerConfig) -> str | None:
-    """How the QK-norm ``norm`` differs from the per-head norm our model builds of the scheme's
+    """How the QK-norm ``norm`` differs from the one our model builds of the scheme's
     norm kind and eps (``None``: it does not). Its parameters' dtype is no difference: ours keep
     float32 parameters, OLMo-core's ``None`` means the model's."""
     if norm is None:
@@ -198,22 +199,24 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
     """Our ``LMConfig`` of the model ``config`` describes (the inverse of :func:`olmo_config`);
     ``max_seq_len`` and ``kwargs`` (``init``, ...) are ours alone. A feed-forward of the default
     SwiGLU size gives ``mlp_hidden=None``, and so does a model with no dense block; experts of the
-    default hidden size (``dim // 2``) give ``moe.hidden=None``; kv heads left unset stay unset."""
+    default hidden size (``dim // 2``) give ``moe.hidden=None``; kv heads left unset stay unset, and
+    so does a head size of ``d_model // n_heads``."""
     block, ff, moe = _split_blocks(config)
     att = block.sequence_mixer
     if not isinstance(att, AttentionConfig):
         raise UserError("lm_config needs an attention")
-    head_dim = config.d_model // att.n_heads
+    head_size = None if att.head_dim in (None, config.d_model // att.n_heads) else att.head_dim
     problems = [
         what for what, bad in (
-            ("head_dim other than d_model // n_heads", att.head_dim not in (None, head_dim)),
+            ("d_model not divisible by n_heads with no head_dim of its own",
+             att.head_dim is None and config.d_model % att.n_heads != 0),
             ("attention options we do not have (gate, clip_qkv, sliding window, sinks, softmax "
              "scaling)", att.gate is not None or att.clip_qkv is not None
              or att.sliding_window is not None or att.attention_sinks or att.scalable_softmax),
             ("no RoPE or a scaled RoPE", att.rope is None or att.rope.scaling is not None
              or att.rope.partial_rotary_factor != 1.0),
-            ("QK-norm over the whole width (ours is per head)",
-             att.qk_norm is not None and not att.use_head_qk_norm),
+            ("a QK-norm gain per head (ours share one gain over the heads)",
+             att.qk_norm is not None and bool(att.qk_norm_per_head_gains)),
             (_qk_norm_difference(att.qk_norm, config), att.qk_norm is not None
              and _qk_norm_difference(att.qk_norm, config) is not None),
             ("a feed-forward other than SwiGLU", ff is not None and ff.activation != ActivationFunction.silu),
@@ -232,6 +235,7 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
         mlp_hidden=None if ff is None or ff.hidden_size == default_mlp_hidden("swiglu", config.d_model)
         else ff.hidden_size, moe=moe,
         max_seq_len=max_seq_len, rope_theta=float(att.rope.theta), qk_norm=att.qk_norm is not None,
+        qk_norm_per_head=att.qk_norm is None or bool(att.use_head_qk_norm), head_size=head_size,
         tie_embeddings=config.tie_word_embeddings, bias=bool(att.bias), norm=config.norm,
         norm_eps=config.norm_eps, scheme=config.scheme,
         scheme_options=dict(config.scheme_options), **kwargs)
