@@ -479,6 +479,24 @@ def test_a_resumed_run_and_its_analysis_write_through_no_planted_link(tmp_path, 
     assert not any(p.is_symlink() for p in run.rglob("*"))
 
 
+@pytest.mark.parametrize("folder", ["tb", "analysis"])
+def test_a_linked_folder_inside_a_run_is_refused_and_nothing_is_written_outside(tmp_path, capsys,
+                                                                                single_run, folder):
+    """``tb -> outside/`` (a resumed run's events) and ``analysis -> outside/`` (the plots): one
+    line naming the link, nothing written through it."""
+    run = copy_run(single_run, tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(run / folder, ignore_errors=True)
+    (run / folder).symlink_to(outside, target_is_directory=True)
+    (run / "summary.json").unlink()         # a run to resume, not a finished one
+    command = ("train", "--resume", "--out", str(run)) if folder == "tb" else \
+        ("analyze", str(run), "--batches", "1")
+    metrics = (run / "metrics.jsonl").read_bytes()
+    refused(main(capsys, *command), f"{run / folder} is a link", "remove the link")
+    assert list(outside.iterdir()) == [] and (run / "metrics.jsonl").read_bytes() == metrics
+
+
 def test_a_folder_with_a_config_yaml_that_is_not_a_run_is_never_cleaned(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "p"
     (folder / "analysis").mkdir(parents=True)

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from .errors import ENVIRONMENT_ERRNOS, UserError
 
-__all__ = ["MARKER_NAME", "RunDir", "check_out_dir", "library_os_error", "open_jsonl", "plain",
+__all__ = ["MARKER_NAME", "RunDir", "check_out_dir", "inner_folder", "library_os_error", "open_jsonl", "plain",
            "read_json", "read_jsonl", "replacing", "save_figure", "write_json", "write_text"]
 
 MARKER_NAME = ".siamesenorm-run.json"
@@ -251,6 +251,21 @@ class RunDir:
             history = [*history, {"data": replaced, "until": time.strftime("%Y-%m-%d %H:%M:%S")}]
         write_json(self.marker, {**record, "data": data, **({"data_history": history} if history else {})})
         return history
+
+
+def inner_folder(path: str | os.PathLike) -> Path:
+    """``path``, a folder a run (or an analysis) writes inside itself (``tb/``, ``analysis/``,
+    ``samples/``, ``tokenizer/``, ``wandb/``), created if missing. A link under its name, or a file,
+    is refused (:class:`UserError`, one line): files written there would land outside the run
+    (only ``checkpoints/``, or the run folder itself, may lead to another disk)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UserError(f"{path} is a link (to {os.readlink(path)}); a run writes its {path.name}/ "
+                        "inside itself: remove the link (only checkpoints/ may lead elsewhere)")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} is a file where the run writes its {path.name}/ folder; move it away")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.host import SchemeHost
-from ..rundir import RunDir, write_json
+from ..rundir import RunDir, inner_folder, write_json
 from ..schemes.base import SUBLAYERS_PER_BLOCK
 from .adapters import HeadFn, LossFn, lm_head, lm_loss
 from .angular import angular_distances
@@ -82,7 +82,7 @@ def write_analysis(out: str | Path, result: dict[str, Any], *, source: str,
     out.mkdir(parents=True, exist_ok=True)
     probes = read_probes(run_dir if run_dir is not None else out)
     layout = RunDir(out)
-    plots = plot_analysis(layout.plots, result, probes)
+    plots = plot_analysis(inner_folder(layout.plots), result, probes)
     record = {**result, "data": source, "plots": [f"{layout.plots.name}/{p}" for p in plots]}
     write_json(layout.analysis, record)
     return layout.analysis

@@ -29,7 +29,7 @@ from ..errors import UserError
 from ..eval.fid_proxy import get_proxy, sample_quality
 from ..models import config_checks as check
 from ..models.dit import DiT, DiTConfig
-from ..rundir import RunDir
+from ..rundir import RunDir, inner_folder
 from ..train import Evaluation
 from .images import (
     ImageData,
@@ -179,6 +179,7 @@ class SampleEvaluation(Evaluation):
         d, k = self.cfg.diffusion, self.data.num_classes
         grid_labels = torch.arange(k).repeat_interleave(d.grid_per_class)
         grid = self.draw(model, grid_labels, self.cfg.seed)
+        inner_folder(RunDir(self.run_dir).samples)
         save_image_grid(grid.cpu(), RunDir(self.run_dir).sample_grid(step),
                         nrow=d.grid_per_class, upscale=max(1, 64 // self.data.image_size))
         if self.proxy is None:

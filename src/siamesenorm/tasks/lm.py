@@ -37,7 +37,7 @@ from ..data import (
 )
 from ..errors import UserError
 from ..models import LanguageModel, LMConfig
-from ..rundir import RunDir
+from ..rundir import RunDir, inner_folder
 from .lm_eval import LMEvaluation
 from .spec import Task
 
@@ -130,7 +130,7 @@ class LMData:
 
     def save(self, run_dir: Path) -> None:
         if self.tokenizer is not None:
-            self.tokenizer.save(RunDir(run_dir).tokenizer)
+            self.tokenizer.save(inner_folder(RunDir(run_dir).tokenizer))
 
 
 def corpus_options(cfg: LMRunConfig) -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from ..rundir import RunDir, open_jsonl, plain, write_text
+from ..rundir import RunDir, inner_folder, open_jsonl, plain, write_text
 
 THROUGHPUT_KEYS = ("tokens_per_s", "tflops", "mfu")
 WANDB_ID_FILE = "wandb-run-id"      # in the run's wandb/ folder: a resumed run logs to the same run
@@ -45,7 +45,7 @@ def _tensorboard(log_dir: Path, purge_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
     except Exception:  # tensorboard is an optional extra
         return None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+    return SummaryWriter(log_dir=str(inner_folder(log_dir)), purge_step=purge_step)
 
 
 def _wandb(run_dir: Path, resume: bool):
@@ -53,8 +53,7 @@ def _wandb(run_dir: Path, resume: bool):
     ``config.yaml`` as its config; a resumed run continues the W&B run it started."""
     import wandb
 
-    folder = run_dir / "wandb"
-    folder.mkdir(exist_ok=True)
+    folder = inner_folder(run_dir / "wandb")
     id_file = folder / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
     if run_id is None:
@@ -83,11 +82,12 @@ class MetricsLog:
                  loggers: Iterable[str] = ("tensorboard",)) -> None:
         layout = RunDir(run_dir)
         self.path = layout.metrics
+        # the loggers' folders first: one refused (a link) leaves metrics.jsonl as it was
+        self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
+            if "tensorboard" in loggers else None
         self._file = open_jsonl(self.path, keep_until)
         self._lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         self._size = sum(len(line.encode("utf-8")) for line in self._lines)
-        self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
-            if "tensorboard" in loggers else None
         self._wandb = _wandb(Path(run_dir), keep_until is not None) if "wandb" in loggers else None
 
     def _check(self) -> None:
