@@ -213,6 +213,30 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
         assert f"{name}: [train] step {stopped[name] + 5 - stopped[name] % 5}/150" in again.err
 
 
+def test_a_stop_while_runs_wait_to_start_ends_the_comparison(tmp_path, inject):
+    """Three runs, two at once: SIGTERM while the third waits stops the two running ones and the
+    comparison exits (it looped forever with nothing running and one run pending), starting none."""
+    grid = ("compare", "tiny", *TINY, "train.steps=100000", "train.eval_every=100000",
+            "train.checkpoint_every=100000", "train.divergence_factor=1e9", "train.log_every=1",
+            "--schemes", "pre,siamese,post", "--jobs", "2", "--out", str(tmp_path / "exp"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S="0.02",
+               PYTHONPATH=os.pathsep.join(p for p in (inject, SRC, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        _lines_until(proc, set(NAMES))
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "post-lr0.001-s0: training" not in stdout + stderr
+    assert not (tmp_path / "exp" / "post-lr0.001-s0" / "summary.json").exists()
+    for name in NAMES:
+        assert summary(tmp_path / "exp" / name)["interrupted"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_workers_stop_with_a_checkpoint_when_the_comparison_is_killed(tmp_path, inject):
     """kill -9 of ``compare`` (no handler runs): each worker gets SIGTERM from the kernel
@@ -546,3 +570,23 @@ def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp
     assert started == [("pre-lr0.001-s0", "0"), ("post-lr0.001-s0", "1"), ("siamese-lr0.001-s0", "0")]
     assert set(failures) == {c.name for c in p.cells} and not running
     assert all(held_by(tmp_path / c.name) is None for c in p.cells)       # every lock given back
+
+
+def test_a_run_that_ended_before_a_stop_reached_it_is_reported_finished(tmp_path, monkeypatch):
+    """After Ctrl-C, a worker whose run had written its final summary (``done: 300/300``) is a
+    finished run, not one "stopped before its first step"; an interrupted one stays interrupted."""
+    from siamesenorm.experiments import training
+
+    calls = []
+    done = SimpleNamespace(finished=lambda item, s: calls.append(("finished", s["steps"])),
+                           interrupted=lambda item, s: calls.append(("interrupted", s and s["steps"])),
+                           failed=lambda item, f: calls.append(("failed", f.line)))
+    item = SimpleNamespace(cell=SimpleNamespace(name="pre"), run_dir=str(tmp_path), start_step=0)
+    (tmp_path / "summary.json").write_text("{}")
+    for code, interrupted in ((0, False), (143, False), (143, True)):
+        figures = {"steps": 300 if not interrupted else 120, "interrupted": interrupted}
+        monkeypatch.setattr(training, "read_summary", lambda path, f=figures: f)
+        summaries, failures = {}, {}
+        training._collect(item, code, None, True, done, summaries, failures)
+        assert calls[-1] == (("interrupted", 120) if interrupted else ("finished", 300))
+        assert bool(summaries) != interrupted and not failures

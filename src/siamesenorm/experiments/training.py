@@ -203,7 +203,7 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
     write_lock, passed_on = threading.Lock(), 0
     with StopSignals() as stop:
         try:
-            while pending or running:
+            while running or (pending and not stop.requested):   # after a stop: no new start
                 while pending and free and not stop.requested:
                     item, slot = pending.pop(0), min(free)
                     log(f"[{item.index}/{done.total}] {item.cell.name}: training")
@@ -302,7 +302,11 @@ def _collect(item: Todo, code: int, failure: Failure | None, stopping: bool, don
             return
     if failure is None and stopping:
         summary = read_summary(path) if path.exists() else None
-        done.interrupted(item, summary if summary and summary.get("interrupted") else None)
+        if summary is not None and not summary.get("interrupted"):     # it ended before the stop
+            summaries[name] = summary                                   # reached it
+            done.finished(item, summary)
+        else:
+            done.interrupted(item, summary)
         return
     if failure is None:
         failure = Failure(f"its process was stopped from outside (exit status {code}); its last "
