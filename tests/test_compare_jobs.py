@@ -590,3 +590,15 @@ def test_a_run_that_ended_before_a_stop_reached_it_is_reported_finished(tmp_path
         training._collect(item, code, None, True, done, summaries, failures)
         assert calls[-1] == (("interrupted", 120) if interrupted else ("finished", 300))
         assert bool(summaries) != interrupted and not failures
+
+
+def test_more_jobs_than_runs_is_the_grid_size_and_the_line_says_so():
+    """``--jobs 20000`` on a 4-run grid: 4 at once (not a memory refusal for 20000, nor a line
+    promising 20000)."""
+    four = _cells(64, 4)
+    pick = choose(four, 20000, cores=2, memory=8 << 30)
+    assert (pick.jobs, pick.threads) == (4, 1)
+    assert pick.line() == ("compare: 4 runs at once, 1 thread each (--jobs 4 on 2 cores; --jobs 20000 "
+                           "is more than the grid's 4 runs)")
+    assert choose(four, 4, cores=2) == choose(four, 4, cores=2, memory=8 << 30)
+    assert choose(four, 3, cores=2).jobs == 3

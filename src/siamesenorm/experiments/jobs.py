@@ -14,6 +14,7 @@ trains one run at a time (``auto`` is 1; more is refused). Why one run per core:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,15 +123,25 @@ def slot_devices(jobs: int, visible: Sequence[str]) -> tuple[str, ...]:
     return tuple(visible[i % len(visible)] for i in range(jobs))
 
 
-def choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, world_size: int = 1,
-           cores: int | None = None, cuda_count: int | None = None,
-           memory: int | None = None) -> Concurrency:
+def choose(cells: Sequence[Any], jobs: int | str, **machine: Any) -> Concurrency:
     """How to run the whole grid ``cells`` (every cell, finished or not: the choice, and with it
-    each run's thread count, must not depend on how far an earlier attempt got) with ``jobs``.
+    each run's thread count, must not depend on how far an earlier attempt got) with ``jobs``, a
+    number above the grid's size being the grid's size (and the line says so).
 
-    ``nproc``: ``--nproc``; ``world_size``: the launcher's world this process is part of. ``cores``,
-    ``cuda_count`` (CUDA devices) and ``memory`` (bytes of this machine) are this machine's unless
-    given (tests pass them)."""
+    ``machine``: ``nproc`` (``--nproc``), ``world_size`` (the launcher's world this process is
+    part of), ``cores``, ``cuda_count`` (CUDA devices) and ``memory`` (bytes of this machine):
+    this machine's unless given (tests pass them)."""
+    grid = max(1, len(cells))
+    if jobs == AUTO or jobs <= grid:
+        return _choose(cells, jobs, **machine)
+    chosen = _choose(cells, grid, **machine)
+    return dataclasses.replace(chosen, why=f"{chosen.why}; --jobs {jobs} is more than the grid's "
+                                           f"{grid} run{'s' if grid != 1 else ''}")
+
+
+def _choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, world_size: int = 1,
+            cores: int | None = None, cuda_count: int | None = None,
+            memory: int | None = None) -> Concurrency:
     cores = available_cores() if cores is None else cores
     configs = [cell.config for cell in cells]
     spread = (nproc or 1) > 1 or world_size > 1
