@@ -236,6 +236,13 @@ def test_a_merge_key_may_be_overridden_beside_it(tmp_path):
     (["seed=1", "model.dim=16", "seed=1"], "seed is given twice on the command line (seed=1, seed=1)"),
     (["model.scheme=siamese", "model.scheme_options={depth_scale: true, depth_scale: false}"],
      "gives the key model.scheme_options.depth_scale twice"),
+    # through a mapping: which one wins was the last one, silently
+    (["model={dim: 64}", "model.dim=32"],
+     "model.dim is given twice on the command line (model={dim: 64}, model.dim=32); give it once"),
+    (["train.lr=2e-3", "train={lr: 1e-3, steps: 2}"], "train.lr is given twice on the command line"),
+    (["model.scheme=siamese", "model.scheme_options={form: post_pre}",
+      "model.scheme_options.form=hybrid_pre"],
+     "model.scheme_options.form is given twice on the command line"),
 ])
 def test_an_override_given_twice_is_refused_naming_the_key(tmp_path, capsys, overrides, fragment):
     out = tmp_path / "run"

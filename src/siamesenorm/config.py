@@ -384,15 +384,35 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _leaves(key: str, value: Any, cls: type) -> list[str]:
+    """The settings an override sets: ``key``, or for a mapping given to a section or to a mapping
+    field (``model={dim: 64}``, ``model.scheme_options={form: post_pre}``) each key inside it."""
+    if not isinstance(value, dict) or not value:
+        return [key]
+    nested: Any = value
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
+    out = []
+    for leaf, inner in _flatten(nested, cls):
+        out += [f"{leaf}.{k}" for k in inner] if isinstance(inner, dict) and inner else [leaf]
+    return out
+
+
 def _refuse_repeated_overrides(overrides: list[str] | tuple[str, ...],
-                               parsed: list[tuple[str, Any]]) -> None:
-    """Refuse two ``key=value`` overrides of one key (which would win is easy to misread)."""
-    first: dict[str, str] = {}
-    for text, (key, _) in zip(overrides, parsed):
-        if key in first:
-            raise UserError(f"{key} is given twice on the command line ({first[key]}, {text}); "
-                              "give it once")
-        first[key] = text
+                               parsed: list[tuple[str, Any]], cls: type) -> None:
+    """Refuse two ``key=value`` overrides that set one setting, directly or through a mapping
+    (``model={dim: 64} model.dim=32``): which would win is easy to misread."""
+    first: dict[str, tuple[str, str]] = {}     # a setting -> (its key, the override that set it)
+    for text, (key, value) in zip(overrides, parsed):
+        raw = value.value if isinstance(value, Override) else value
+        for leaf in _leaves(key, raw, cls):
+            clash = next((k for k in first if k == leaf or leaf.startswith(k + ".")
+                          or k.startswith(leaf + ".")), None)
+            if clash is not None:
+                name = key if leaf == key == first[clash][0] else leaf
+                raise UserError(f"{name} is given twice on the command line ({first[clash][1]}, "
+                                f"{text}); give it once")
+            first[leaf] = (key, text)
 
 
 def _packaged_presets() -> str:
@@ -484,13 +504,14 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
     parsed = [(key, Override(value, text.partition("=")[2]))
               for text, (key, value) in zip(overrides, map(parse_override, overrides))]
-    _refuse_repeated_overrides(overrides, parsed)
     later = parsed + list(extra)
     task = next((v.text if isinstance(v, Override) else v for k, v in reversed(later) if k == "task"),
                 data.get("task", default))
     if task not in classes:
+        _refuse_repeated_overrides(overrides, parsed, object)
         raise UserError(f"task: unknown value {task!r}; choose one of {', '.join(classes)}")
     cls, raw = classes[task], {}
+    _refuse_repeated_overrides(overrides, parsed, cls)
     for key, value in _flatten(data, cls) + later:
         _assign(cls, raw, key.split("."), value, key)
     cfg = _build(cls, raw)
