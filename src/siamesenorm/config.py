@@ -438,11 +438,20 @@ def preset_path(preset: str) -> Path:
     return path
 
 
+# The largest preset read: the packaged ones are a few KB; parsing megabytes of YAML takes minutes
+# and gigabytes (a file named by mistake, or on purpose).
+MAX_PRESET_BYTES = 1 << 20
+
+
 def read_preset(preset: str) -> dict:
     """A preset name from the packaged ``configs/`` folder, or a path to a YAML file
     (:func:`preset_path`): UTF-8 text holding a mapping that gives no key twice."""
     path = preset_path(preset)
     try:
+        size = path.stat().st_size
+        if size > MAX_PRESET_BYTES:
+            raise UserError(f"preset {path} is {size / 2**20:.1f} MiB; a preset is a few KB of YAML "
+                            f"(at most {MAX_PRESET_BYTES // 2**20} MiB is read): is this the right file?")
         raw = path.read_bytes()
         data = load_yaml(raw.decode("utf-8-sig"), f"preset {path}") or {}
     except UnicodeDecodeError as err:     # err.object: the bytes after a byte-order mark
