@@ -196,8 +196,8 @@ def _refused(args: list[str], says: str, capsys) -> None:
     assert says in err, err
 
 
-def _whole_width_qk_norm(config):
-    config["model"]["block"]["sequence_mixer"]["use_head_qk_norm"] = False
+def _per_head_qk_norm_gains(config):
+    config["model"]["block"]["sequence_mixer"]["qk_norm_per_head_gains"] = True
 
 
 def _stock_transformer(config):
@@ -209,7 +209,7 @@ def _foreign_class(config):
 
 
 @pytest.mark.parametrize("edit, says", [
-    (_whole_width_qk_norm, "no LMConfig counterpart: QK-norm over the whole width"),
+    (_per_head_qk_norm_gains, "no LMConfig counterpart: a QK-norm gain per head"),
     (_stock_transformer, "not a residual scheme model"),
     (_foreign_class, "names the class 'os.system'"),
 ])
@@ -313,3 +313,50 @@ def test_a_tied_model_saved_without_a_trainer(tmp_path):
     with torch.no_grad():
         got, want = ours(ids).logits, model.eval()(ids)
     assert (got - want).abs().max() <= 1e-5
+
+
+def test_an_olmo2_shaped_users_model_without_a_data_loader_imports_and_exports(tmp_path, capsys):
+    """A user's OLMo2-shaped config (QK-norm over all heads, a head_dim of its own) under
+    SiameseNorm, saved with no trainer and no data loader: the import's summary.json is one
+    ``read_summary`` takes (tokens seen: null), ``export --format hf`` of the run and
+    ``save_hf_model`` of the model both give the OLMo-core model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from olmo_core.distributed.checkpoint import save_model_and_optim_state
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.nn.transformer.config import TransformerBlockType
+
+    from siamesenorm.errors import UserError
+    from siamesenorm.olmo_core import from_transformer_config, save_hf_model
+    from siamesenorm.shapes import read_summary
+
+    user = TransformerConfig.llama_like(
+        d_model=32, vocab_size=96, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True,
+        layer_norm_eps=1e-6, block_name=TransformerBlockType.reordered_norm)
+    config = from_transformer_config(user, "siamese")
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    with torch.no_grad():       # norms off their initial ones
+        for name, p in model.named_parameters():
+            if "norm" in name or name.startswith("scheme."):
+                p.add_(0.1 * torch.randn_like(p))
+    assert model.blocks["0"].attention.q_norm.weight.shape == (48,)
+    step = tmp_path / "save" / "step5"
+    save_model_and_optim_state(str(step / "model_and_optim"), model)
+    (step / "config.json").write_text(json.dumps({"model": config.as_config_dict(),
+                                                  "train_module": {"max_sequence_length": 16}}))
+    run, hf, direct = tmp_path / "run", tmp_path / "hf", tmp_path / "direct"
+    assert main(["import-olmo-core", str(step), "--out", str(run)]) == 0
+    summary = read_summary(RunDir(run).summary)
+    assert summary["steps"] == 5 and summary["tokens_seen"] is None
+    cfg = saved_config(run, "no config")
+    assert (cfg.model.qk_norm_per_head, cfg.model.head_size, cfg.model.norm_eps) == (False, 12, 1e-6)
+    assert main(["export", str(run), "--format", "hf", "--out", str(hf)]) == 0
+    assert save_hf_model(direct, model, config, max_seq_len=16) == direct
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.eval()(ids)
+        for folder in (hf, direct):
+            got = transformers.AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True)
+            assert (got.eval()(ids).logits - want).abs().max() <= 1e-5, folder
+    with pytest.raises(UserError, match="not empty"):
+        save_hf_model(direct, model, config)

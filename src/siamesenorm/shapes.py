@@ -128,13 +128,14 @@ def check(value: Any, shape: Any, where: str) -> Any:
 # Their writers: siamesenorm.train (summary.json, metrics.jsonl), siamesenorm.analysis
 # (probes.jsonl, analysis.json), siamesenorm.experiments (an experiment's summary.json). Keys not
 # listed (a task's own ``final_<name>`` figures, for one) may hold anything.
+# ``tokens_seen`` is null where it is not known (an imported OLMo-core run that saved no data loader).
 _FLOATS = ListOf(OPT_NUMBER)
 RUN_SUMMARY = Obj({
     "steps": INT, "steps_planned": INT, "diverged": BOOL, "diverged_at": OPT_INT, "stalled": BOOL,
     "stalled_at": OPT_INT, "failed": BOOL, "interrupted": BOOL, "checkpoint_step": OPT_INT,
     "final_loss": OPT_NUMBER, "best_loss": OPT_NUMBER, "final_val_loss": OPT_NUMBER,
     "final_val_ppl": OPT_NUMBER, "best_val_loss": OPT_NUMBER, "best_val_ppl": OPT_NUMBER,
-    "best_val_step": OPT_INT, "wall_time_s": NUMBER, "train_time_s": NUMBER, "tokens_seen": INT,
+    "best_val_step": OPT_INT, "wall_time_s": NUMBER, "train_time_s": NUMBER, "tokens_seen": OPT_INT,
     "tokens_per_s": OPT_NUMBER, "num_parameters": INT, "flops_per_token": OPT_NUMBER,
     "unigram_val_loss": OPT_NUMBER, "data": Obj({"name": STR}), "environment": Obj(),
 }, required=("steps", "diverged"))

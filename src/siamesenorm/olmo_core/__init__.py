@@ -9,6 +9,9 @@
     model = config.build(init_device="meta")          # an olmo_core Transformer
     # TransformerTrainModuleConfig(...).build(model) trains it like any OLMo-core model
 
+A user's own ``TransformerConfig`` (OLMo2, Llama, OLMoE, ...) takes a scheme with
+``from_transformer_config(config, scheme="siamese")``.
+
 OLMo-core builds the attention and feed-forward of every block; the scheme (``model.scheme``) puts
 every norm and residual add around them. See docs/olmo-core.md. The core package never imports
 this one.
@@ -44,6 +47,7 @@ from .convert import (  # noqa: E402
     to_language_model,
     to_siamesenorm_state_dict,
 )
+from .hf_folder import save_hf_model  # noqa: E402
 from .model import (  # noqa: E402
     QKVNormAttention,
     SchemeBlock,
@@ -58,9 +62,11 @@ from .moe import (  # noqa: E402
     SchemeMoEBlock,
     SchemeMoETransformer,
 )
+from .user_config import OWN_SCHEME, from_transformer_config  # noqa: E402
 
-__all__ = ["CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention", "SchemeBlock",
-           "SchemeBlockConfig", "SchemeMoEBlock", "SchemeMoETransformer", "SchemeTransformer",
-           "SchemeTransformerConfig", "from_language_model", "from_siamesenorm_state_dict",
-           "head_norm_config", "lm_config", "olmo_config", "olmo_moe_config", "to_language_model",
+__all__ = ["OWN_SCHEME", "CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention",
+           "SchemeBlock", "SchemeBlockConfig", "SchemeMoEBlock", "SchemeMoETransformer",
+           "SchemeTransformer", "SchemeTransformerConfig", "from_language_model",
+           "from_siamesenorm_state_dict", "from_transformer_config", "head_norm_config", "lm_config",
+           "olmo_config", "olmo_moe_config", "save_hf_model", "to_language_model",
            "to_siamesenorm_state_dict"]

@@ -309,7 +309,8 @@ def summary(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, model: LanguageModel,
     losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     bad = next((s for s, loss in losses if not _finite(loss)), None)
     finite = [loss for _, loss in losses if _finite(loss)]
-    batch_tokens = _number(ckpt.config, "data_loader", "global_batch_size")     # fixed-length batches
+    # fixed-length batches; null (RUN_SUMMARY allows it) where the config saved no data loader
+    batch_tokens = _number(ckpt.config, "data_loader", "global_batch_size")
     tokens = ckpt.step * batch_tokens if isinstance(batch_tokens, int) else None
     paths = [str(p) for p in _number(ckpt.config, "dataset", "paths") or []]
     files = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")

@@ -1,0 +1,71 @@
+"""A scheme model of OLMo-core as a Hugging Face folder, in one call.
+
+OLMo-core's own ``save_hf_model`` writes the HF family its blocks belong to (OLMo2, Llama, ...); a
+scheme model is none of them, and it refuses ("Block is not a ReorderedNormTransformerBlock").
+:func:`save_hf_model` writes the folder ``siamesenorm export --format hf`` writes: our model's
+config with ``auto_map``, the weights, and the modelling file, which ``from_pretrained(folder,
+trust_remote_code=True)`` loads without siamesenorm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from olmo_core.distributed.utils import get_full_tensor
+
+from ..errors import UserError
+from ..models.lm import LanguageModel
+from .convert import lm_config, to_siamesenorm_state_dict
+from .model import SchemeTransformer, SchemeTransformerConfig
+
+__all__ = ["save_hf_model"]
+
+
+def save_hf_model(save_dir: str | os.PathLike, model: SchemeTransformer, config: SchemeTransformerConfig,
+                  *, tokenizer: Any = None, max_seq_len: int = 2048, overwrite: bool = False) -> Path:
+    """Write ``model`` (built from ``config``; FSDP/TP DTensors are gathered) as a Hugging Face
+    folder ``save_dir``, with a transformers ``tokenizer`` when given (its end token becomes the
+    model's). What :func:`~.convert.lm_config` cannot express is refused in one line, before
+    anything is written; a non-empty ``save_dir`` is refused unless ``overwrite``."""
+    from transformers import GenerationConfig
+
+    from ..hf import SiameseNormConfig, SiameseNormForCausalLM
+    from ..hf.export import MODELING_FILE, modeling_source
+
+    out = Path(save_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
+        raise UserError(f"{out} is a file or a folder that is not empty; choose another folder, or "
+                        "pass overwrite=True")
+    cfg = lm_config(config, max_seq_len=max_seq_len)
+    state = {k: get_full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
+    weight = state["embeddings.weight"]
+    lm = LanguageModel(cfg, dtype=weight.dtype)
+    lm.load_state_dict(to_siamesenorm_state_dict(state, tie_embeddings=config.tie_word_embeddings))
+    end = getattr(tokenizer, "eos_token_id", None)
+    hf_config = SiameseNormConfig.from_lm_config(cfg, eos_token_id=end, pad_token_id=end)
+    stem = Path(MODELING_FILE).stem
+    hf_config.auto_map = {"AutoConfig": f"{stem}.SiameseNormConfig",
+                          "AutoModel": f"{stem}.SiameseNormForCausalLM",
+                          "AutoModelForCausalLM": f"{stem}.SiameseNormForCausalLM"}
+    with torch.device("meta"):                      # a shell: the weights go in below
+        wrapper = SiameseNormForCausalLM(hf_config)
+    wrapper.model = lm.eval()
+    wrapper.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        wrapper.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
