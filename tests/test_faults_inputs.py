@@ -209,6 +209,38 @@ def test_the_memory_check_compares_the_floor_with_the_machine(tmp_path, capsys, 
     assert main(["train", "tiny", *TINY, "--out", str(out)]) == 0
 
 
+@pytest.mark.parametrize("scheme, option", [("hyper", "n_streams=100000"), ("hyper", "fracs=100000"),
+                                            ("mhc", "n_streams=100000"), ("mhc", "sinkhorn_iters=100000")])
+def test_a_scheme_size_beyond_any_paper_is_refused_before_anything_is_built(tmp_path, capsys, scheme, option):
+    """``n_streams=100000 --dry-run`` tried to allocate 40 GB (an identity built on the CPU even for
+    the meta device): every option that sizes tensors or loops is bounded."""
+    out = tmp_path / "run"
+    name = option.partition("=")[0]
+    for extra in (["--dry-run"], ["--out", str(out)]):
+        refused(capsys, ["train", "tiny", *TINY, f"model.scheme={scheme}",
+                         f"model.scheme_options.{option}", *extra], f"option {name}=100000 is outside [1, ")
+    assert not out.exists()
+
+
+def test_the_memory_floor_counts_the_schemes_own_parameters():
+    """mHC's maps grow as n^2 per sublayer; the floor counts them, built on the meta device."""
+    import torch
+
+    from siamesenorm.run import load_config
+    from siamesenorm.schemes import build_scheme
+    from siamesenorm.tasks.dryrun import memory_floor
+
+    def floor(n: int) -> int:
+        return memory_floor(load_config("tiny", [*TINY, "model.scheme=mhc",
+                                                 f"model.scheme_options.n_streams={n}"]))["parameters"]
+
+    cfg = load_config("tiny", TINY)
+    own = {n: sum(p.numel() for p in build_scheme("mhc", cfg.model.dim, cfg.model.n_layers,
+                                                  device=torch.device("cpu"), n_streams=n).parameters())
+           for n in (4, 16)}
+    assert floor(16) - floor(4) == own[16] - own[4] > 0
+
+
 def test_demo_refuses_models_beyond_memory(capsys):
     refused(capsys, ["demo", "--dim", "65536", "--layers", "100"], "needs at least", "--dim", within=5.0)
 

@@ -15,6 +15,10 @@ from ..nn.mixing import stream_mix
 from ..nn.norms import build_norm
 from .base import Branch, Flag, Number, Option, ResidualScheme, register_scheme
 
+# The most residual streams (or fractions) a multi-stream scheme takes: the papers use 2 to 8
+# (HC, arXiv 2409.19606; mHC, arXiv 2512.24880, n = 4); the mixing maps grow as n^2 per sublayer.
+MAX_STREAMS = 16
+
 
 class MultiStreamScheme(ResidualScheme):
     """Shared by hyper and mhc: ``n_streams`` copies of the embedding on entry, a state of shape
@@ -60,9 +64,9 @@ class HyperConnections(MultiStreamScheme):
     role_norm_names = ("norm", "final_norm")
     summary = "mix = A^T H; H = B F(LN(mix[0])) + mix[1:]; out = LN(sum H)"
     paper = "Zhu et al., ICLR 2025, arXiv 2409.19606; fracs: arXiv 2503.14125"
-    options = {"n_streams": Option(2, Number(low=1, integer=True)),
+    options = {"n_streams": Option(2, Number(low=1, high=MAX_STREAMS, integer=True)),
                "dynamic": Option(True, Flag()),
-               "fracs": Option(1, Number(low=1, integer=True))}
+               "fracs": Option(1, Number(low=1, high=MAX_STREAMS, integer=True))}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
         super().__init__(dim, n_layers, **kwargs)
@@ -93,14 +97,15 @@ class HyperConnections(MultiStreamScheme):
     def reset_parameters(self) -> None:
         super().reset_parameters()
         n, m = self.n_streams, self.fracs
+        like = {"device": self.static_alpha.device, "dtype": self.static_alpha.dtype}
         with torch.no_grad():
             self.static_alpha.zero_()
             for i in range(self.n_sublayers):
                 if m == 1:
                     self.static_alpha[i, i % n, 0] = 1.0
                 else:                               # Gamma = I_m: the input is h itself
-                    self.static_alpha[i, :, :m] = torch.eye(m)
-                self.static_alpha[i, :, m:] = torch.eye(max(n, m))
+                    self.static_alpha[i, :, :m] = torch.eye(m, **like)
+                self.static_alpha[i, :, m:] = torch.eye(max(n, m), **like)
             self.static_beta.fill_(1.0)
             if self.dynamic:
                 self.alpha_proj.zero_()

@@ -9,7 +9,7 @@ from ..nn.fused import fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
 from .base import Branch, Number, Option, register_scheme
-from .hyper import MultiStreamScheme
+from .hyper import MAX_STREAMS, MultiStreamScheme
 
 try:
     from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
@@ -61,8 +61,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
     role_norm_names = ("norm", "final_norm")
     summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
     paper = "DeepSeek-AI 2025, arXiv 2512.24880"
-    options = {"n_streams": Option(4, Number(low=1, integer=True)),
-               "sinkhorn_iters": Option(20, Number(low=1, integer=True))}
+    options = {"n_streams": Option(4, Number(low=1, high=MAX_STREAMS, integer=True)),
+               "sinkhorn_iters": Option(20, Number(low=1, high=1000, integer=True))}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
         super().__init__(dim, n_layers, **kwargs)
@@ -92,7 +92,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
             self.b_pre.fill_(-2.0)
             for i in range(self.n_sublayers):
                 self.b_pre[i, i % n] = 2.0
-            self.b_res.copy_(4.0 * torch.eye(n).expand_as(self.b_res))
+            self.b_res.copy_(4.0 * torch.eye(n, device=self.b_res.device, dtype=self.b_res.dtype)
+                            .expand_as(self.b_res))
 
     def maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i."""

@@ -188,10 +188,11 @@ def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
     AdamW moments: 16 bytes a parameter, sharded over the ranks under FSDP2), ``buffers`` (a
     language model's rotary tables, ``max_seq_len x head_dim`` fp32 per layer), ``activations``
     (each sublayer keeps at least its input for backward, one micro-batch in the compute dtype,
-    and a language model its fp32 logits) and ``total``. Left out: norms, the scheme's own
-    parameters, every other saved tensor, the framework's own memory."""
+    and a language model its fp32 logits) and ``total``. ``parameters`` counts the scheme's own
+    (norms, mixing maps: a multi-stream scheme's grow as n^2), built on the meta device. Left out:
+    the blocks' norms, every other saved tensor, the framework's own memory."""
     m = cfg.model
-    params = m.estimated_parameters()
+    params = m.estimated_parameters() + _scheme_parameters(m)
     engine = parallel_mode(cfg.train.parallel, World(size=world_size))
     states = 16 * params // (world_size if engine == "fsdp" else 1)
     b = 2 if _precision(cfg) == "bf16" else 4
@@ -201,6 +202,14 @@ def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
     activations = SUBLAYERS_PER_BLOCK * m.n_layers * tokens * m.dim * b + head
     return {"parameters": params, "states": states, "buffers": buffers, "activations": activations,
             "total": states + buffers + activations}
+
+
+def _scheme_parameters(m: Any) -> int:
+    """The parameters of the model's residual scheme, counted on the meta device (no memory)."""
+    from ..schemes import build_scheme
+
+    scheme = build_scheme(m.scheme, m.dim, m.n_layers, device="meta", **m.scheme_options)
+    return sum(p.numel() for p in scheme.parameters())
 
 
 def _bytes(n: int) -> str:
