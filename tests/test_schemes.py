@@ -93,7 +93,7 @@ def test_option_a_scheme_does_not_have_is_named_with_its_options():
     ({"dim": 8.5}, "dim must be a positive integer"),
     ({"n_layers": -1}, "n_layers must be a positive integer"),
     ({"norm": "batchnorm"}, "unknown norm 'batchnorm'"),
-    ({"eps": 0.0}, "eps must be positive"),
+    ({"eps": 0.0}, "eps must be a positive finite number"),
 ])
 def test_bad_dimensions_and_norms_are_refused(kwargs, fragment):
     args = {"dim": DIM, "n_layers": LAYERS} | kwargs
@@ -331,7 +331,8 @@ OWN_OPTION_VALUES = {
         "beta": (["x", False, -1], [None, 0.0, 0.1, 1]),
     },
     "mix_ln": {"post_fraction": (["0.5", True, None, -0.1, 1.5, 2], [0, 0.0, 0.25, 0.5, 1, 1.0])},
-    "peri_ln": {"embed_norm": (["yes", 1, None], [True, False])},
+    "peri_ln": {"embed_norm": (["yes", 1, None], [True, False]),
+                "input_norm": (["no", 0, None], [True, False])},
     "hyper": {
         "n_streams": ([0, -1, 2.0, "2", True, None], [1, 2, 3]),
         "dynamic": (["yes", 1, None], [True, False]),

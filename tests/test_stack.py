@@ -103,6 +103,20 @@ def test_bad_stacks_are_refused():
         ResidualStack(build_scheme("pre", DIM, 2), blocks())
     with pytest.raises(siamesenorm.ConfigError, match="has no option"):
         ResidualStack("pre", blocks(), dim=DIM, depth_scale=False)
+    # each argument named at construction, not at the first forward (issue 37)
+    with pytest.raises(TypeError, match=r"sublayers\[0\] must be a module or a callable, got int"):
+        ResidualStack("pre", [1, 2, 3, 4], dim=DIM)
+    with pytest.raises(TypeError, match="scheme must be a ResidualScheme or a scheme's name, got int"):
+        ResidualStack(5, blocks(), dim=DIM)
+    with pytest.raises(TypeError, match="sublayers must be a list of modules or callables, got Sequential"):
+        ResidualStack("pre", nn.Sequential(*blocks()), dim=DIM)
+    for eps in (float("inf"), float("nan"), 0.0, -1e-5, "1e-5", True):
+        with pytest.raises(ValueError, match="eps must be a positive finite number"):
+            ResidualStack("pre", blocks(), dim=DIM, eps=eps)
+    stack = ResidualStack("siamese", blocks(), dim=2 * DIM)       # width 32 over width-16 blocks
+    with pytest.raises(ValueError, match="the input's last dimension is 16, the scheme's width "
+                                         r"\(dim\) is 32"):
+        stack(torch.randn(2, 5, DIM))
 
 
 def test_our_models_are_stacks_and_run_its_loop(monkeypatch):

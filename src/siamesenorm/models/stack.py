@@ -67,6 +67,16 @@ class ResidualStack(nn.Module):
             return       # a subclass sets both itself
         if scheme is None or sublayers is None:
             raise ValueError("ResidualStack needs a scheme and its sublayers")
+        if not isinstance(scheme, (ResidualScheme, str)):
+            raise TypeError(f"ResidualStack: scheme must be a ResidualScheme or a scheme's name, got "
+                            f"{type(scheme).__name__}")
+        if isinstance(sublayers, (str, bytes, nn.Module)) or not isinstance(sublayers, Sequence):
+            raise TypeError(f"ResidualStack: sublayers must be a list of modules or callables, got "
+                            f"{type(sublayers).__name__}")
+        for i, sub in enumerate(sublayers):
+            if not callable(sub):
+                raise TypeError(f"ResidualStack: sublayers[{i}] must be a module or a callable, got "
+                                f"{type(sub).__name__}")
         if len(sublayers) == 0 or len(sublayers) % SUBLAYERS_PER_BLOCK:
             raise ValueError(f"sublayers must alternate attention and MLP, {SUBLAYERS_PER_BLOCK} per "
                              f"block; got {len(sublayers)}")
@@ -99,6 +109,9 @@ class ResidualStack(nn.Module):
         ``enter`` and after every block.
         """
         scheme = self.scheme
+        if h.shape[-1] != scheme.dim:
+            raise ValueError(f"ResidualStack: the input's last dimension is {h.shape[-1]}, the scheme's "
+                             f"width (dim) is {scheme.dim}")
         state = scheme.enter(h)
         if states is not None:
             states.append(state)

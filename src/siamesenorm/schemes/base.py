@@ -18,6 +18,7 @@ data in :attr:`ResidualScheme.requires`, and the model builder honours it.
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,9 @@ class ResidualScheme(nn.Module, ABC):
     # model starts them as copies): the norm of the stream into each sublayer (or one module: block
     # 0's), and the norm feeding the head; None where the scheme has no such norm.
     role_norm_names: ClassVar[tuple[str | None, str | None]] = (None, None)
+    # The attribute holding one norm per sublayer on its output inside the branch (Peri-LN's), the
+    # role of OLMo2's and Gemma's post-sublayer norms; None where the scheme has none.
+    role_output_norm_name: ClassVar[str | None] = None
 
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
                  device=None, dtype=None, **options: Any) -> None:
@@ -167,8 +171,8 @@ class ResidualScheme(nn.Module, ABC):
         if norm not in NORM_KINDS:
             raise UserError(f"scheme {self.name!r}: unknown norm {norm!r}; "
                               f"choose one of {', '.join(NORM_KINDS)}")
-        if not eps > 0:
-            raise UserError(f"scheme {self.name!r}: eps must be positive, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise UserError(f"scheme {self.name!r}: eps must be a positive finite number, got {eps!r}")
         values = {k: o.check(self.name, k, options[k]) if k in options else o.default
                   for k, o in declared.items()}
         self.check_together(values, dim)
