@@ -258,6 +258,17 @@ def test_the_printed_table_shows_intervals_only_with_several_seeds():
     assert float(half) == pytest.approx(2.5412, abs=2e-4)
 
 
+def test_flat_marks_a_loss_table_and_not_the_mfu_table():
+    """``flat`` says a loss ended at the unigram plateau; the MFU table repeated it."""
+    for seeds in (1, 3):
+        rows = _rows({"pre": [3.2] * seeds, "siamese": [2.0] * seeds})
+        for row in rows:
+            row.update(unigram_val_loss=3.18, mfu=0.25)
+        loss = text_table(rows, ["pre", "siamese"], [0.01]).splitlines()
+        assert "flat" in loss[1] and "flat" not in loss[2]
+        assert "flat" not in text_table(rows, ["pre", "siamese"], [0.01], "mfu")
+
+
 def test_read_runs_takes_the_object_and_the_older_list(tmp_path):
     rows = _rows({"pre": [2.0]})
     path = tmp_path / "summary.json"

@@ -92,16 +92,22 @@ def _cell_text(group: list[dict], key: str) -> str:
         if any(r.get("stalled_at") is not None for r in group):
             return f"dead@{min(r['stalled_at'] for r in group if r.get('stalled_at'))}"
         vals = [r[key] for r in group if r.get(key) is not None]
-        flat = " flat" if any(stats.at_plateau(r) for r in group) else ""
+        flat = " flat" if _is_loss(key) and any(stats.at_plateau(r) for r in group) else ""
         return f"{sum(vals) / len(vals):.4f}{flat}" if vals else "-"
     [cell] = stats.aggregate(group, [key])
     est = stats.Estimate(**cell["metrics"][key])
     text = "-" if est.mean is None else f"{est.mean:.4f}" + \
         (f"+-{est.half_width:.4f}" if est.half_width is not None else f" (n={est.n})")
     for field, word in (("diverged", "div"), ("stalled", "dead"), ("plateau", "flat")):
-        if cell[field]:
+        if cell[field] and (field != "plateau" or _is_loss(key)):
             text += f" {cell[field]}/{cell['runs']} {word}"
     return text
+
+
+def _is_loss(key: str) -> bool:
+    """Whether a table of ``key`` shows a loss, which a ``flat`` (unigram-plateau) mark is about
+    (not MFU, throughput or accuracy)."""
+    return key.endswith("loss")
 
 
 def _claim(out: Path, spec: dict) -> None:
