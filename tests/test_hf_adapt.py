@@ -1,7 +1,8 @@
 """``siamesenorm.hf.adapt``: a scheme inside a transformers model of a supported family.
 
-References are the family's own model (``adapt(model, "pre")`` of it computes the same logits,
-cache, generation, hidden states, router logits) and, for SiameseNorm, its equations written out
+References are the family's own model (``adapt(model, *native)`` of it, ``pre`` for a Pre-Norm
+family and ``peri_ln`` for OLMo2, OLMo3 and Gemma3, computes the same logits, cache, generation,
+hidden states, router logits) and, for SiameseNorm, its equations written out
 below in float64 from the paper's notes (/work/shared/reference/papers.md, section 1.3 (a)),
 calling the family's own attention and MLP modules as the sublayers F.
 """
@@ -22,7 +23,6 @@ import siamesenorm.hf as H  # noqa: E402
 from siamesenorm import ConfigError, list_schemes  # noqa: E402
 from siamesenorm.hf.families import FAMILIES as TABLE  # noqa: E402
 from siamesenorm.models.checkpointing import saved_activation_bytes  # noqa: E402
-from siamesenorm.nn.attention import HeadNormedProjection  # noqa: E402
 from siamesenorm.schemes import get_scheme_class  # noqa: E402
 
 V = 97
@@ -42,7 +42,8 @@ def _few_threads():
 def family_config(family: str, attn: str = "sdpa", experts: str | None = None, **kw):
     """A tiny configuration of ``family`` (2 layers, width 64) with its features switched on:
     GQA everywhere, RoPE scaling and tied embeddings (Llama), sliding windows (Mistral: every
-    layer; Qwen2 and Qwen3: layer 1 of 2), QK-norm (Qwen3, OLMoE), MoE (Qwen3-MoE, OLMoE)."""
+    layer; Qwen2 and Qwen3: layer 1 of 2; OLMo3, Gemma3: layer 0), QK-norm (Qwen3, OLMoE, Gemma3;
+    OLMo2/3 over the whole width), MoE (Qwen3-MoE, OLMoE), Gemma3's logit soft-capping."""
     common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
                   pad_token_id=0)
@@ -55,6 +56,11 @@ def family_config(family: str, attn: str = "sdpa", experts: str | None = None, *
         "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
         "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
         "olmo": dict(),
+        "olmo2": dict(head_dim=16),
+        "olmo3": dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+        "gemma3_text": dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention", "full_attention"],
+                            final_logit_softcapping=30.0),
     }[family]
     cfg = getattr(transformers, TABLE[family].config_class)(**(common | extra | kw))
     cfg._attn_implementation = attn
@@ -72,6 +78,12 @@ def family_model(family: str, attn: str = "sdpa", seed: int = 0, experts: str | 
             if "norm" in name:
                 p.normal_(1.0, 0.3)
     return model.eval()
+
+
+def native(family: str) -> tuple[str, dict]:
+    """The scheme (and options) that computes what ``family`` computes."""
+    scheme, options = TABLE[family].native
+    return scheme, dict(options)
 
 
 def ids(b: int = 2, t: int = 9, seed: int = 1) -> torch.Tensor:
@@ -93,13 +105,13 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> None:
 # ---- Pre-Norm: the family's own model -------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pre_computes_what_the_family_model_computes(family, attn):
+def test_the_native_scheme_computes_what_the_family_model_computes(family, attn):
     m = family_model(family, attn)
-    a = H.adapt(m, "pre")
+    scheme, options = native(family)
+    a = H.adapt(m, scheme, **options)
     assert type(a).__name__.endswith("SchemeForCausalLM") and isinstance(a, type(m))
     assert a.config._attn_implementation == attn
-    assert not any(n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))
-                   for n, _ in a.named_parameters())
+    assert not any(n.endswith("layernorm.weight") for n, _ in a.named_parameters())
     x, mask = left_padded()
     labels = x.masked_fill(mask == 0, -100)
     with torch.no_grad():
@@ -132,7 +144,8 @@ def test_pre_computes_what_the_family_model_computes(family, attn):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_greedy_generate_with_left_padding_matches_the_family(family):
     m = family_model(family)
-    a = H.adapt(m, "pre")
+    scheme, options = native(family)
+    a = H.adapt(m, scheme, **options)
     x, mask = left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():
@@ -283,8 +296,11 @@ def siamese_reference(family: str, m, scheme, x: torch.Tensor) -> torch.Tensor:
     t = x.shape[1]
     h = m.model.embed_tokens(x)
     pos = torch.arange(t)[None]
-    rope = m.model.rotary_emb(h, pos)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    if TABLE[family].rope_per_layer_type:
+        ropes = {kind: m.model.rotary_emb(h, pos, kind) for kind in set(types)}
+    else:
+        ropes = dict.fromkeys(set(types) | {"sliding_attention"}, m.model.rotary_emb(h, pos))
     if family == "mistral":
         types = ["sliding_attention"] * cfg.num_hidden_layers
     masks = _masks(t, getattr(cfg, "sliding_window", None))
@@ -292,7 +308,8 @@ def siamese_reference(family: str, m, scheme, x: torch.Tensor) -> torch.Tensor:
     for b, layer in enumerate(m.model.layers):
         c = math.sqrt(2 * (b + 1))
         subs = (lambda u, layer=layer, b=b: layer.self_attn(
-                    hidden_states=u, position_embeddings=rope, attention_mask=masks[types[b]])[0],
+                    hidden_states=u, position_embeddings=ropes[types[b]],
+                    attention_mask=masks[types[b]])[0],
                 layer.mlp)
         for j, F in enumerate(subs):
             i = 2 * b + j
@@ -301,7 +318,9 @@ def siamese_reference(family: str, m, scheme, x: torch.Tensor) -> torch.Tensor:
             out = F(u)
             X, Y = X + out / c, Y + out
     merged = _norm(family, X, scheme.merge_norm_x, eps) + _norm(family, Y, scheme.merge_norm_y, eps)
-    return m.lm_head(_norm(family, merged, scheme.final_norm, eps))
+    logits = m.lm_head(_norm(family, merged, scheme.final_norm, eps))
+    cap = getattr(cfg, "final_logit_softcapping", None)     # Gemma3's head
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -348,18 +367,55 @@ def test_every_scheme_builds_on_every_family_and_takes_a_training_step(scheme, o
             assert torch.isfinite(a(x, labels=x).loss)
 
 
-def test_hybrid_pre_normalises_q_k_v_per_head_where_the_family_does_not():
-    q3 = H.adapt(family_config("qwen3"), "siamese", form="hybrid_pre")
-    llama = H.adapt(family_config("llama"), "siamese", form="hybrid_pre")
-    attn = q3.model.stack.sublayers[0]
-    assert isinstance(attn.v_proj, HeadNormedProjection) and type(attn.q_proj).__name__ == "Linear"
-    attn = llama.model.stack.sublayers[0]
-    assert all(isinstance(getattr(attn, n), HeadNormedProjection) for n in ("q_proj", "k_proj", "v_proj"))
-    assert attn.v_proj.norm.weight.shape == (16,)
-    x = torch.randn(2, 3, 64)           # each head's 16 values normalised on their own
+@pytest.mark.parametrize("family, normed", [("qwen3", ["v"]), ("olmo2", ["v"]), ("gemma3_text", ["v"]),
+                                            ("llama", ["q", "k", "v"])])
+def test_hybrid_pre_normalises_q_k_v_per_head_where_the_family_does_not(family, normed):
+    """The projections stay the family's Linear modules under their own names; the per-head norms
+    are siblings (``v_head_norm``) that the attention applies to each projection's output."""
+    m = family_model(family, "eager")
+    a = H.adapt(m, "siamese", form="hybrid_pre")
+    attn, theirs = a.model.stack.sublayers[0], m.model.layers[0].self_attn
+    assert {n for n, _ in attn.named_children()} == \
+        {n for n, _ in theirs.named_children()} | {f"{k}_head_norm" for k in normed}
+    assert all(type(getattr(attn, f"{k}_proj")) is torch.nn.Linear for k in "qkv")
+    assert attn.v_head_norm.weight.shape == (16,)
     with torch.no_grad():
-        want = attn.v_proj.norm(attn.v_proj.proj(x).view(2, 3, -1, 16)).reshape(2, 3, -1)
-        assert torch.equal(attn.v_proj(x), want)
+        for k in normed:
+            getattr(attn, f"{k}_head_norm").weight.normal_(1.0, 0.3)
+    # the reference: the family's attention with each projection's output normalised per head
+    # (16 values at a time) by a hook, on the same weights
+    hooks = [getattr(theirs, f"{k}_proj").register_forward_hook(
+        lambda mod, args, out, k=k: getattr(attn, f"{k}_head_norm")(out.unflatten(-1, (-1, 16))).flatten(-2))
+        for k in normed]
+    x = torch.randn(2, 5, 64)
+    kind = (getattr(m.config, "layer_types", None) or ["full_attention"])[0]
+    pos = torch.arange(5)[None]
+    rope = m.model.rotary_emb(x, pos, *[kind] * TABLE[family].rope_per_layer_type)
+    with torch.no_grad():
+        want = theirs(x, position_embeddings=rope, attention_mask=None)[0]
+        for h in hooks:
+            h.remove()
+        plain = theirs(x, position_embeddings=rope, attention_mask=None)[0]
+        got = attn(x, position_embeddings=rope, attention_mask=None)[0]
+    close(got, want)
+    assert (got - plain).abs().max() > 1e-3
+
+
+def test_a_checkpoint_of_the_earlier_wrapped_projections_loads():
+    """Before, a QKV-norm wrapped the projection (``v_proj.proj.weight``, ``v_proj.norm.weight``)."""
+    a = H.adapt(family_model("llama"), "siamese", form="hybrid_pre")
+    state = {}
+    for key, value in a.state_dict().items():
+        for k in "qkv":
+            key = key.replace(f"{k}_proj.weight", f"{k}_proj.proj.weight")
+            key = key.replace(f"{k}_head_norm.", f"{k}_proj.norm.")
+        state[key] = value.clone() + 0.5 * ("head_norm" in key or "proj.norm" in key)
+    assert "model.stack.sublayers.0.v_proj.norm.weight" in state
+    b = H.adapt(family_model("llama", seed=1), "siamese", form="hybrid_pre")
+    b.load_state_dict(state)
+    ours, theirs = b.model.stack.sublayers[0], a.model.stack.sublayers[0]
+    close(ours.v_head_norm.weight, theirs.v_head_norm.weight + 0.5, 0)
+    close(b.model.stack.sublayers[2].q_proj.weight, a.model.stack.sublayers[2].q_proj.weight, 0)
 
 
 def test_deepnorm_initialises_a_fresh_model_as_deepnorm_asks():
@@ -518,7 +574,7 @@ def test_trainer_runs_a_few_steps_on_an_adapted_qwen3(tmp_path):
 # ---- refusals -------------------------------------------------------------------------------------
 def test_refusals_are_one_line_config_errors():
     gpt2 = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
-    with pytest.raises(ConfigError, match="llama, mistral, qwen2, qwen3, qwen3_moe, olmoe, olmo") as e:
+    with pytest.raises(ConfigError, match="qwen3_moe, olmoe, olmo, olmo2, olmo3, gemma3_text") as e:
         H.adapt(gpt2)
     assert "\n" not in str(e.value)
     cfg = family_config("qwen3")

@@ -433,18 +433,21 @@ def test_mix_ln(post_fraction, n_layers, norm):
 
 # ---- peri_ln ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("embed_norm", [False, True])
-def test_peri_ln(embed_norm, norm):
-    s = make("peri_ln", 3, norm, embed_norm=embed_norm)
+@pytest.mark.parametrize("embed_norm, input_norm", [(False, True), (True, True), (False, False)])
+def test_peri_ln(embed_norm, input_norm, norm):
+    """``input_norm=False``: OLMo2's reordered norm, ``x + LN^out(F(x))``."""
+    s = make("peri_ln", 3, norm, embed_norm=embed_norm, input_norm=input_norm)
     if not embed_norm:
         assert s.embed_norm is None
+    assert (s.input_norm is None) is not input_norm
     randomize(s)
     N, h, br = norm_fn(norm, EPS), make_input(), Branches(6)
     state, out = run(s, h, br)
 
     x = N(s.embed_norm, h) if embed_norm else h
     for i in range(6):
-        x = x + N(s.output_norm[i], br.ref(i)(N(s.input_norm[i], x)))
+        u = N(s.input_norm[i], x) if input_norm else x
+        x = x + N(s.output_norm[i], br.ref(i)(u))
     close(state, x)
     close(out, N(s.final_norm, x))
 

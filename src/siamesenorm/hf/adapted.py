@@ -35,10 +35,10 @@ except ImportError:                     # pragma: no cover - transformers 4
 from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
-from ..nn.attention import HeadNormedProjection, head_norm
+from ..nn.attention import HEAD_NORMED, HeadNormedAttention, head_norm, head_norm_name
 from ..nn.norms import LayerNorm
 from ..schemes.base import ResidualScheme, build_scheme
-from .common import BaseConfig, SchemeCheckpointing, cache_keyword
+from .common import BaseConfig, SchemeCheckpointing, cache_keyword, load_legacy_names
 from .families import FAMILIES, Family
 
 __all__ = ["adapt", "adapt_from_pretrained", "adapted_class"]
@@ -48,6 +48,7 @@ _CACHE_ARG = cache_keyword(create_causal_mask) if capture_outputs is not None el
 
 
 _CLASSES: dict[str, type] = {}
+_ATTENTION_CLASSES: dict[str, type] = {}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -110,11 +111,28 @@ def _drop_norm_parameters(scheme: ResidualScheme) -> None:
 
 
 @torch.no_grad()
-def _copy_norm(dst: nn.Module, src: nn.Module) -> None:
+def _copy_norm(dst: nn.Module, src: nn.Module | None, offset: float = 0.0) -> None:
     for name in ("weight", "bias"):
         d, s = getattr(dst, name, None), getattr(src, name, None)
         if isinstance(d, Tensor) and isinstance(s, Tensor) and d.shape == s.shape:
-            d.copy_(s)
+            d.copy_(s + offset if name == "weight" else s)
+
+
+def _copy_role_norms(scheme: ResidualScheme, family: Family, layers: nn.ModuleList,
+                     final: nn.Module) -> None:
+    """Start the scheme's norms that have a role of the family's norms as copies of them: on a
+    sublayer's input (``scheme.role_norms()``), on its output (``role_output_norm_name``), the
+    head's; Gemma's ``1 + weight`` becomes our weight."""
+    offset = 1.0 if family.norm == "gemma" else 0.0
+    per, head = scheme.role_norms()
+    outputs = getattr(scheme, scheme.role_output_norm_name or "", None)
+    for names, norms in ((family.inputs, per), (family.outputs, dict(enumerate(outputs or ())))):
+        for i, dst in norms.items():
+            name = names[0 if scheme.is_attention(i) else 1]
+            if name is not None:
+                _copy_norm(dst, getattr(layers[scheme.block_of(i)], name), offset)
+    if head is not None:
+        _copy_norm(head, final, offset)
 
 
 def _branch_weights(sublayers: nn.ModuleList) -> list[BranchWeight]:
@@ -134,6 +152,18 @@ def _branch_weights(sublayers: nn.ModuleList) -> list[BranchWeight]:
             out += [BranchWeight(w, bias if j == 0 else None, gained, i, path)
                     for j, w in enumerate(weights)]
     return out
+
+
+def _head_normed_class(attention: type) -> type:
+    """``attention`` (a family's attention class) with :class:`HeadNormedAttention` mixed in: its
+    forward sees ``v_proj`` (and q, k) followed by the per-head norm ``v_head_norm``."""
+    if issubclass(attention, HeadNormedAttention):
+        return attention
+    name = attention.__name__.replace("Attention", "HeadNormedAttention")
+    if name not in _ATTENTION_CLASSES:
+        cls = type(name, (HeadNormedAttention, attention), {"__module__": __name__})
+        globals()[name] = _ATTENTION_CLASSES[name] = cls          # importable by name (pickling)
+    return _ATTENTION_CLASSES[name]
 
 
 def _mark_initialised(module: nn.Module) -> None:
@@ -193,7 +223,12 @@ class _SchemeModel:
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
                             + past).unsqueeze(0)
         masks = self._masks(attention_mask, inputs_embeds, cache, position_ids)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        if self.family.rope_per_layer_type:         # one RoPE per layer type (OLMo3, Gemma3)
+            rope = {kind: self.rotary_emb(inputs_embeds, position_ids, kind)
+                    for kind in sorted(set(self.layer_types))}
+            position_embeddings = rope[self.layer_types[0]]
+        else:
+            rope, position_embeddings = None, self.rotary_emb(inputs_embeds, position_ids)
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         states: list | None = [] if output_hidden_states else None
@@ -204,7 +239,10 @@ class _SchemeModel:
         def wrap(i: int, branch: Any) -> Any:
             if not scheme.is_attention(i):
                 return branch
-            mask = masks[layer_types[scheme.block_of(i)]]
+            kind = layer_types[scheme.block_of(i)]
+            mask = masks[kind]
+            if rope is not None:
+                return lambda u: branch(u, attention_mask=mask, position_embeddings=rope[kind])[0]
             return lambda u: branch(u, attention_mask=mask)[0]   # the family's attention: (out, w)
 
         h = self.stack.run(inputs_embeds, attention_kwargs=attention_kwargs, wrap=wrap,
@@ -258,6 +296,9 @@ class _SchemeCausalLM(SchemeCheckpointing):
         meta = ref.device.type == "meta"
         layers = src_model.layers[:config.num_hidden_layers]
         norm, eps = ("layernorm", 1e-5) if family.norm == "olmo" else ("rmsnorm", config.rms_norm_eps)
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UserError(f"adapt: {config.model_type} with use_bidirectional_attention is not "
+                            f"supported (a causal LM's masks only)")
         scheme = build_scheme(spec["scheme"], config.hidden_size, len(layers), norm=norm, eps=eps,
                               device=ref.device, dtype=ref.dtype, **spec["scheme_options"])
         if family.norm == "olmo":
@@ -266,13 +307,13 @@ class _SchemeCausalLM(SchemeCheckpointing):
         for b, layer in enumerate(layers):
             attn = _own_tree(layer.self_attn, config)
             if needs_qkv_norm(scheme, b):
-                for name in ("q_proj", "k_proj", "v_proj"):
+                attn.__class__ = _head_normed_class(type(attn))
+                for name in HEAD_NORMED:
                     if name != "v_proj" and getattr(attn, f"{name[0]}_norm", None) is not None:
                         continue          # the family normalises q and k already (QK-norm)
                     per_head = head_norm(norm, attn.head_dim, eps, affine=family.norm != "olmo",
                                          device=ref.device, dtype=ref.dtype)
-                    setattr(attn, name, HeadNormedProjection(getattr(attn, name), per_head,
-                                                             attn.head_dim))
+                    attn.add_module(head_norm_name(name), per_head)
             sublayers += [attn, _own_tree(layer.mlp, config)]
         stack = ResidualStack(scheme, sublayers)
         if not meta:              # initialised already: the family's or the scheme's own values
@@ -284,15 +325,10 @@ class _SchemeCausalLM(SchemeCheckpointing):
         self.model, self.lm_head = base, lm_head
         self.post_init()
         # norms with a model norm's role start as copies of it (after post_init, which would reset)
-        per, head = scheme.role_norms()
-        for i, dst in per.items():
-            layer = layers[scheme.block_of(i)]
-            _copy_norm(dst, layer.input_layernorm if scheme.is_attention(i)
-                       else layer.post_attention_layernorm)
-        if head is not None:
-            _copy_norm(head, src_model.norm)
+        _copy_role_norms(scheme, family, layers, src_model.norm)
         if source is None and not meta:       # the family's init, then the scheme's requirements
             honour_requirements(_branch_weights(stack.sublayers), scheme.requires)
+        load_legacy_names(self)               # folders of an earlier layout load (QKV-norm)
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
         """``PreTrainedModel.resize_token_embeddings``, on an embedding and a head of this model's

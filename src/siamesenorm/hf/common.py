@@ -4,7 +4,8 @@
 - :data:`BaseConfig`: the configuration base class, under this transformers' name for it;
 - :func:`cache_keyword`: this transformers' name for the KV cache, in a call or an output;
 - :class:`SchemeCheckpointing`: transformers' activation checkpointing as ours, one scheme step at
-  a time.
+  a time;
+- :func:`load_legacy_names`: folders saved with an earlier layout's state names load.
 
 This file uses only relative imports of the package and ``transformers``: the exported modelling
 code (:mod:`.export`) ships it with :mod:`.modeling` and :mod:`.adapted`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any
 
 try:                                    # transformers 5 names it PreTrainedConfig
@@ -23,7 +25,7 @@ except ImportError:                     # pragma: no cover - transformers 4
 
 from ..models.checkpointing import set_scheme_checkpointing
 
-__all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword"]
+__all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword", "load_legacy_names"]
 
 
 def cache_keyword(obj: Any) -> str:
@@ -54,3 +56,36 @@ class SchemeCheckpointing:
                              f"must be 1")
         set_scheme_checkpointing(self.scheme, "sublayer" if enable else "none")
         self.get_submodule(self._checkpointing_flag).gradient_checkpointing = enable
+
+
+def load_legacy_names(model: Any) -> None:
+    """Let ``from_pretrained`` of ``type(model)`` read the names of an earlier layout: every
+    ``legacy_state_names`` (old -> new, under a module path) that a class of its modules declares
+    becomes a transformers 5 renaming of the checkpoint's keys on loading; saving writes the new
+    names. Registered once per class."""
+    try:
+        from transformers.conversion_mapping import (
+            USER_REGISTERED_MAPPINGS,
+            register_checkpoint_conversion_mapping,
+        )
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:                 # pragma: no cover - transformers before 5.2
+        return
+    name = type(model).__name__
+    if name in USER_REGISTERED_MAPPINGS:
+        return
+    renames = {}
+    for module in model.modules():
+        renames.update(getattr(type(module), "legacy_state_names", {}))
+    if not renames:
+        return
+
+    class LoadOnlyRenaming(WeightRenaming):
+        __slots__ = ()
+
+        def reverse_transform(self) -> WeightRenaming:      # saving keeps the names as they are
+            return WeightRenaming(source_patterns=r"(?!)", target_patterns="")
+
+    register_checkpoint_conversion_mapping(name, [
+        LoadOnlyRenaming(source_patterns=r"\." + re.escape(old), target_patterns="." + new)
+        for old, new in renames.items()], overwrite=True)

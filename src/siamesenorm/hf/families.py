@@ -28,10 +28,17 @@ class Family:
         masks: how its base model builds attention masks: ``"full"`` (one causal mask),
             ``"window"`` (a sliding-window mask for every layer when ``config.sliding_window`` is
             set), ``"layer_types"`` (per ``config.layer_types``: full or sliding).
-        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``) or ``"olmo"`` (LayerNorm without
-            parameters, eps 1e-5).
+        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``), ``"olmo"`` (LayerNorm without
+            parameters, eps 1e-5) or ``"gemma"`` (RMSNorm scaled by ``1 + weight``: our RMSNorm
+            with ``weight + 1``).
         moe: whether its base model returns router logits (``MoeModelOutputWithPast``); a run's
             ``model.moe`` section gives its experts (:func:`~.family_lm.family_config`).
+        inputs, outputs: the names of a decoder layer's norms on the input and on the output (inside
+            the residual branch) of its attention and its MLP (``None``: none there).
+        native: the scheme and options that compute what the family computes (Pre-Norm families:
+            ``pre``; OLMo2/OLMo3 and Gemma3 norm the sublayers' outputs: ``peri_ln``).
+        rope_per_layer_type: its rotary embedding takes the layer type (one RoPE per type).
+        config_name: its configuration class, if not ``<causal_lm's prefix>Config``.
     """
 
     module: str
@@ -39,12 +46,23 @@ class Family:
     masks: str
     norm: str = "rmsnorm"
     moe: bool = False
+    inputs: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm")
+    outputs: tuple[str | None, str | None] = (None, None)
+    native: tuple[str, tuple[tuple[str, object], ...]] = ("pre", ())
+    rope_per_layer_type: bool = False
+    config_name: str = ""
 
     @property
     def config_class(self) -> str:
         """The name of its configuration class in ``transformers`` (``Qwen3Config``)."""
-        return self.causal_lm.removesuffix("ForCausalLM") + "Config"
+        return self.config_name or self.causal_lm.removesuffix("ForCausalLM") + "Config"
 
+
+# OLMo2 and OLMo3 norm each sublayer's output inside the branch and nothing before it: Peri-LN
+# without its input norms (OLMo-core's "reordered norm" block); Gemma3 norms both sides: Peri-LN.
+_NONE = (None, None)
+_REORDERED = ("post_attention_layernorm", "post_feedforward_layernorm")
+_OLMO2 = ("peri_ln", (("input_norm", False),))
 
 # The supported families, by model type (``config.model_type``, the value of ``model.family``): the
 # one list of them; adapt, adapted_class, family_config and check_family read it here.
@@ -56,6 +74,14 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True),
     "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True),
     "olmo": Family("olmo", "OlmoForCausalLM", "full", norm="olmo"),
+    "olmo2": Family("olmo2", "Olmo2ForCausalLM", "full", inputs=_NONE, outputs=_REORDERED,
+                    native=_OLMO2),
+    "olmo3": Family("olmo3", "Olmo3ForCausalLM", "layer_types", inputs=_NONE, outputs=_REORDERED,
+                    native=_OLMO2, rope_per_layer_type=True),
+    "gemma3_text": Family("gemma3", "Gemma3ForCausalLM", "layer_types", norm="gemma",
+                          inputs=("input_layernorm", "pre_feedforward_layernorm"),
+                          outputs=_REORDERED, native=("peri_ln", ()), rope_per_layer_type=True,
+                          config_name="Gemma3TextConfig"),
 }
 
 FAMILY_NAMES = tuple(FAMILIES)      # what model.family may name

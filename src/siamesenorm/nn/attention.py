@@ -124,14 +124,16 @@ class HeadNormedAttention:
                 return _NormedProjection(value, norm, self.head_dim)
         return value
 
+    # the earlier layout's state names (a wrapper module per projection) -> these
+    legacy_state_names = {**{f"{p}.proj.": f"{p}." for p in HEAD_NORMED},
+                          **{f"{p}.norm.": f"{head_norm_name(p)}." for p in HEAD_NORMED}}
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        for name in HEAD_NORMED:
-            for key in [k for k in state_dict if k.startswith(f"{prefix}{name}.")]:
-                rest = key[len(f"{prefix}{name}."):]
-                if rest.startswith("proj."):
-                    state_dict[f"{prefix}{name}.{rest[5:]}"] = state_dict.pop(key)
-                elif rest.startswith("norm."):
-                    state_dict[f"{prefix}{head_norm_name(name)}.{rest[5:]}"] = state_dict.pop(key)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            for old, new in self.legacy_state_names.items():
+                if key.startswith(prefix + old):
+                    state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+                    break
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -13,20 +13,24 @@ class PeriLN(ResidualScheme):
 
     ``h <- h + LN^out_i(F_i(LN^in_i(h)))``, then ``LN_final(h)``. ``embed_norm=True`` also
     normalises the embedding output on entry (whether the paper does so by default is not
-    confirmed, so it is off by default). Parameters: ``input_norm[i]``, ``output_norm[i]``,
-    ``final_norm``, ``embed_norm``. ``branch_affine=False`` makes ``input_norm`` non-affine
+    confirmed, so it is off by default). ``input_norm=False`` drops ``LN^in``: ``h <- h +
+    LN^out_i(F_i(h))``, OLMo2's "reordered norm" block. Parameters: ``input_norm[i]``,
+    ``output_norm[i]``, ``final_norm``, ``embed_norm``.
+    ``branch_affine=False`` makes ``input_norm`` non-affine
     (``output_norm`` and ``embed_norm`` stay affine); ``final_norm=False``: exit returns ``h``.
     """
 
     name = "peri_ln"
     role_norm_names = ("input_norm", "final_norm")
+    role_output_norm_name = "output_norm"
     summary = "h = h + LN(F(LN(h))); out = LN(h)"
     paper = "Kim et al., ICML 2025, arXiv 2502.02732"
-    options = {"embed_norm": Option(False, Flag(), attr="use_embed_norm")}
+    options = {"embed_norm": Option(False, Flag(), attr="use_embed_norm"),
+               "input_norm": Option(True, Flag(), attr="use_input_norm")}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
         super().__init__(dim, n_layers, **kwargs)
-        self.input_norm = self.make_branch_norms(self.n_sublayers)
+        self.input_norm = self.make_branch_norms(self.n_sublayers) if self.use_input_norm else None
         self.output_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
         self.embed_norm = self.make_norm() if self.use_embed_norm else None
@@ -35,7 +39,8 @@ class PeriLN(ResidualScheme):
         return h if self.embed_norm is None else self.embed_norm(h)
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
-        return state + self.output_norm[i](branch(self.input_norm[i](state)))
+        u = state if self.input_norm is None else self.input_norm[i](state)
+        return state + self.output_norm[i](branch(u))
 
     def exit(self, state: Tensor) -> Tensor:
         return state if self.final_norm is None else self.final_norm(state)

@@ -52,6 +52,22 @@ def _expected(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     return unique, aliases
 
 
+def upgrade_legacy_names(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``state`` with the names of an earlier layout renamed to ``model``'s: under each module that
+    declares ``legacy_state_names`` (old name under it -> new name), e.g. a Hugging Face
+    attention whose QKV-norm once wrapped its projections."""
+    renames = [(f"{path}.{old}" if path else old, f"{path}.{new}" if path else new)
+               for path, module in _bare(model).named_modules()
+               for old, new in getattr(type(module), "legacy_state_names", {}).items()]
+    if not renames:
+        return state
+    out = {}
+    for key, value in state.items():
+        old, new = next(((o, n) for o, n in renames if key.startswith(o)), ("", ""))
+        out[new + key[len(old):]] = value
+    return out
+
+
 def _bare(module: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (the names of its state are the model's own)."""
     return module.module if isinstance(module, DistributedDataParallel) else module

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ...errors import UserError
 from ...parallel.env import SINGLE, World, broadcast_object
-from .aliases import _bare, _expected, _is_sharded
+from .aliases import _bare, _expected, _is_sharded, upgrade_legacy_names
 from .atomic import _recover, verify_checksums
 from .dcp import read_dcp
 from .names import DCP_DIR, FORMAT, MODEL_FILE, SHARDED_FORMAT, STATE_FILE
@@ -40,6 +40,7 @@ def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as error:
         raise UserError(f"cannot read checkpoint {file}: {problem(error)}") from None
+    tensors = upgrade_legacy_names(tensors, model)
     unique, aliases = _expected(model)
     missing = sorted(set(unique) - set(tensors))
     unexpected = sorted(set(tensors) - set(unique))
