@@ -1,9 +1,10 @@
-"""The official DiT interface (models/dit_official.py): ``DiT_models`` and the official key layout.
+"""The official DiT interface (models/dit_official.py): ``DiT_models`` and the official module tree.
 
-The reference layout and the reference forward below are written from the DiT paper (arXiv
-2212.09748) and the module names of its code as the issue lists them, not from our model: the
-forward reads an official-layout state dict directly (patchify, + pos, c = t_emb + y_emb, adaLN-Zero
-blocks with a fused qkv, final modulated LN, linear, unpatchify), in float64.
+The reference layout, forward and init below are written from the DiT paper (arXiv 2212.09748) and
+the module names and steps of its code, not from our model: the forward reads an official-layout
+state dict directly (patchify, + pos, c = t_emb + y_emb, adaLN-Zero blocks with a fused qkv, final
+modulated LN, linear, unpatchify), in float64. ``OfficialCalls`` makes the calls train.py and
+sample.py make of the official diffusion package, on siamesenorm.diffusion.
 """
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import itertools
 import math
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import siamesenorm as sn
 from siamesenorm.diffusion import create_diffusion, training_losses
+from siamesenorm.diffusion.likelihood import mean_flat
+from siamesenorm.diffusion.objective import vb_terms
 from siamesenorm.models import DiT, DiT_models, DiTConfig
+from siamesenorm.models.dit import TimestepEmbedder, modulate
 from siamesenorm.models.dit_official import OfficialDiT
 from vision_ref import randomize
 
@@ -218,7 +225,7 @@ def test_the_functions_take_the_official_keyword_arguments():
     cfg = model.config
     assert (cfg.input_size, cfg.in_chans, cfg.num_classes, cfg.learn_sigma, cfg.class_dropout_prob,
             cfg.mlp_ratio, cfg.scheme) == (16, 3, 7, False, 0.0, 2.0, "siamese")
-    assert model.out_channels == 3 and model.sublayers[1].hidden == 768
+    assert model.out_channels == 3 and model.blocks[1].mlp.fc1.out_features == 768
     with pytest.raises(TypeError):
         DiT_models["DiT-S/8"](depth=2)            # the size comes from the name, as officially
     with pytest.raises(TypeError):
@@ -317,15 +324,15 @@ def test_without_class_dropout_the_table_has_no_null_row_and_loads_back():
     sd = random_official(tiny_layout(**overrides), seed=5)
     assert sd["y_embedder.embedding_table.weight"].shape == (5, 32)
     model = OfficialDiT(scheme="pre", **TINY | overrides, dtype=F64).eval()
-    null_row = model.y_embedder.table.weight[5].clone()
-    model.load_state_dict(sd, strict=True)
-    assert torch.equal(model.y_embedder.table.weight[:5], sd["y_embedder.embedding_table.weight"])
-    assert torch.equal(model.y_embedder.table.weight[5], null_row)
+    assert model.y_embedder.embedding_table.num_embeddings == 5          # as officially
+    assert str(model.load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
     assert torch.equal(model.state_dict()["y_embedder.embedding_table.weight"],
                        sd["y_embedder.embedding_table.weight"])
     x, t, y = inputs(2, 3, 8, 5)
     with torch.no_grad():
         assert_relative(model(x, t, y), ref_forward(sd, x, t, y, heads=4), 1e-6)
+    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.4 \(no null label"):
+        model(x, t, torch.tensor([1, 5]))
 
 
 def test_strict_loading_names_official_keys_in_its_errors():
@@ -396,6 +403,15 @@ def test_every_scheme_builds_and_runs_through_dit_models_with_its_keys(scheme):
     extra = [k for k in sd if k not in official]
     assert all(EXTRA.match(k) for k in extra), extra
     assert {k for k in extra if k.startswith("scheme.")} == {f"scheme.{k}" for k in model.scheme.state_dict()}
+    # The parameters are the state dict: the same names, in the same order, the same tensors.
+    params = dict(model.named_parameters())
+    assert list(params) == list(sd)
+    assert all(params[k].data_ptr() == sd[k].data_ptr() for k in sd)
+    ema = copy.deepcopy(model)
+    for p in ema.parameters():
+        p.data.zero_()
+    update_ema(ema, model, decay=0.0)           # train.py's step, parameters matched by name
+    assert all(torch.equal(value, sd[key]) for key, value in ema.state_dict().items())
     x, t, y = inputs(2, 4, 16, 10)
     with torch.no_grad():
         out = model(x.float(), t, y)
@@ -428,49 +444,253 @@ def test_our_dit_weights_load_and_give_the_same_function(scheme):
     again.load_state_dict(model.state_dict())
     x, t, y = inputs(2, 3, 8, 5)
     with torch.no_grad():
-        ref = native(x, t, y)
-        assert torch.equal(model(x, t, y), ref) and torch.equal(again(x, t, y), ref)
+        ref, out = native(x, t, y), model(x, t, y)
+        assert_relative(out, ref, 1e-13)                  # the same function, fused qkv or not
+        assert torch.equal(again(x, t, y), out)
     if scheme in ("siamese", "hybridnorm"):                      # per-head q, k, v norms
         assert "blocks.1.attn.v_norm.weight" in model.state_dict()
 
 
-# ---- (f) a train-script-shaped smoke --------------------------------------------------------------
-def test_a_train_script_shaped_step_checkpoint_and_sample():
+# ---- (f) the official module tree ---------------------------------------------------------------
+def test_the_official_module_tree_and_attributes():
+    model = OfficialDiT(scheme="pre", **TINY)
+    d, tokens = 32, 16
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
+    for block in model.blocks:
+        assert not list(block.norm1.parameters()) and not list(block.norm2.parameters())
+        assert block.attn.qkv.weight.shape == (3 * d, d) and block.attn.proj.weight.shape == (d, d)
+        assert block.mlp.fc1.weight.shape == (64, d) and block.mlp.fc2.weight.shape == (d, 64)
+        assert block.adaLN_modulation[-1].weight.shape == (6 * d, d)
+    assert isinstance(model.x_embedder.proj, torch.nn.Conv2d)
+    assert model.x_embedder.num_patches == model.num_patches == tokens
+    assert model.x_embedder.patch_size[0] == model.patch_size == 2
+    assert model.y_embedder.embedding_table.weight.shape == (6, d)
+    assert model.final_layer.adaLN_modulation[-1].weight.shape == (2 * d, d)
+    assert model.final_layer.linear.weight.shape == (2 * 2 * 6, d)
+    assert not list(model.final_layer.norm_final.parameters())
+    assert isinstance(model.pos_embed, torch.nn.Parameter) and not model.pos_embed.requires_grad
+    assert model.pos_embed.shape == (1, tokens, d)
+    assert isinstance(model.t_embedder.mlp, torch.nn.Sequential)
+    assert model.t_embedder.frequency_embedding_size == 256
+    # token_drop: forced ids take the null label; forward(labels, train, force_drop_ids)
+    labels = torch.tensor([1, 2, 3])
+    forced = torch.tensor([1, 0, 1])
+    assert model.y_embedder.token_drop(labels, forced).tolist() == [5, 2, 5]
+    table = model.y_embedder.embedding_table.weight
+    assert torch.equal(model.y_embedder(labels, False, forced), table[[5, 2, 5]])
+    assert torch.equal(model.y_embedder(labels, False), table[[1, 2, 3]])
+    # unpatchify: (N, T, p * p * C) -> (N, C, H, W), each token's features ordered (p, q, C)
+    tokens_in = torch.randn(2, tokens, 2 * 2 * 6)
+    grid = tokens_in.reshape(2, 4, 4, 2, 2, 6)
+    expected = torch.zeros(2, 6, 8, 8)
+    for h, w, pi, qi in itertools.product(range(4), range(4), range(2), range(2)):
+        expected[:, :, 2 * h + pi, 2 * w + qi] = grid[:, h, w, pi, qi]
+    assert torch.equal(model.unpatchify(tokens_in), expected)
+
+
+def test_timestep_embedding_is_the_official_static_method():
+    t = torch.tensor([0, 1, 250, 999])
+    half = 128
+    freqs = torch.tensor([10000.0 ** (-j / half) for j in range(half)], dtype=F64)
+    angles = t.to(F64)[:, None] * freqs
+    ref = torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
+    for embedder in (TimestepEmbedder, DiT_models["DiT-S/8"](**S8, device="meta").t_embedder):
+        features = embedder.timestep_embedding(t, 256)
+        assert features.dtype == torch.float32 and features.shape == (4, 256)
+        torch.testing.assert_close(features.to(F64), ref, atol=1e-6, rtol=0)
+    odd = TimestepEmbedder.timestep_embedding(t, 7)         # an odd size ends in a zero column
+    assert odd.shape == (4, 7) and not odd[:, 6].any()
+    assert torch.equal(odd[:, :6], TimestepEmbedder.timestep_embedding(t, 6))
+
+
+def official_init(layout, seed):
+    """The official ``initialize_weights`` on an official-layout dict, written from its steps:
+    every linear Xavier-uniform in module order (biases 0), the patch embedding Xavier-uniform over
+    its flattened kernel, the label table and the timestep MLP weights N(0, 0.02), the adaLN layers
+    and the final linear zero (the position embedding is left out)."""
+    torch.manual_seed(seed)
+    sd = {key: torch.zeros(shape) for key, shape in layout}
+    for key, shape in layout:
+        if key.endswith(".weight") and len(shape) == 2 and "embedding_table" not in key:
+            torch.nn.init.xavier_uniform_(sd[key])
+    patch = sd["x_embedder.proj.weight"]
+    torch.nn.init.xavier_uniform_(patch.view(patch.shape[0], -1))
+    for key in ("y_embedder.embedding_table.weight", "t_embedder.mlp.0.weight",
+                "t_embedder.mlp.2.weight"):
+        torch.nn.init.normal_(sd[key], std=0.02)
+    for key in sd:
+        if "adaLN_modulation" in key or key.startswith("final_layer.linear"):
+            sd[key].zero_()
+    del sd["pos_embed"]
+    return sd
+
+
+def test_a_fresh_model_draws_the_official_init_and_initialize_weights_redraws_it():
+    torch.manual_seed(4)
+    model = OfficialDiT(scheme="pre", **TINY)
+    expected = official_init(tiny_layout(), 4)
+    got = model.state_dict()
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    torch.manual_seed(4)
+    model.blocks[0].attn.qkv.weight.data.zero_()
+    model.initialize_weights()
+    assert torch.equal(model.blocks[0].attn.qkv.weight, expected["blocks.0.attn.qkv.weight"])
+    x, t, y = inputs(2, 3, 8, 5)
+    assert torch.equal(model(x.float(), t, y), torch.zeros(2, 6, 8, 8))     # adaLN-Zero
+
+
+def test_deepnorm_gain_goes_on_v_of_the_fused_qkv_and_on_proj_not_on_q_and_k():
     torch.manual_seed(0)
-    model = DiT_models["DiT-S/8"](input_size=16, num_classes=10)
+    model = OfficialDiT(scheme="deepnorm", **TINY)
+    gain = model.scheme.requires.branch_gain
+    assert gain < 0.9
+    q, k, v = model.blocks[1].attn.qkv.weight.chunk(3)
+    fused = math.sqrt(6 / (32 + 96))
+    for part, bound in ((q, fused), (k, fused), (v, gain * fused),
+                        (model.blocks[1].attn.proj.weight, gain * math.sqrt(6 / 64))):
+        assert 0.9 * bound < part.abs().max() <= bound
+
+
+def test_code_written_against_the_official_modules_computes_the_official_function():
+    """A forward of one's own over the official modules (as feature-caching code writes it), a
+    loop over ``blocks``, and forward hooks on the blocks."""
+    sd = random_official(tiny_layout(), seed=6)
+    model = OfficialDiT(scheme="pre", **TINY, dtype=F64).eval()
+    model.load_state_dict(sd)
+    x, t, y = inputs(2, 3, 8, 5)
+    ref = ref_forward(sd, x, t, y, heads=4)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: seen.append(module))
+    with torch.no_grad():
+        c = model.t_embedder(t) + model.y_embedder(y, model.training)
+        h = model.x_embedder(x) + model.pos_embed
+        for block in model.blocks:
+            h = block(h, c)
+        looped = model.unpatchify(model.final_layer(h, c))
+        assert seen == list(model.blocks)
+        h = model.x_embedder(x) + model.pos_embed
+        for block in model.blocks:
+            sa, ca, ga, sm, cm, gm = block.adaLN_modulation(c).chunk(6, dim=1)
+            h = h + ga.unsqueeze(1) * block.attn(modulate(block.norm1(h), sa, ca))
+            h = h + gm.unsqueeze(1) * block.mlp(modulate(block.norm2(h), sm, cm))
+        own = model.unpatchify(model.final_layer(h, c))
+    assert_relative(looped, ref, 1e-12)
+    assert_relative(own, ref, 1e-12)
+
+
+# ---- (g) train.py and sample.py, as they call the model ----------------------------------------
+class OfficialCalls:
+    """What train.py and sample.py call of the official ``diffusion`` package, on our own process:
+    ``create_diffusion(timestep_respacing)``, ``num_timesteps``, ``training_losses(model, x, t,
+    model_kwargs)`` and ``p_sample_loop(fn, shape, noise, clip_denoised=, model_kwargs=,
+    progress=, device=)``. The model is called as there: ``model(x_t, t, **model_kwargs)`` with the
+    original timesteps, and must return ``2 C`` channels (a learned variance)."""
+
+    def __init__(self, timestep_respacing: str) -> None:
+        base = create_diffusion()
+        self.process = base.respace(int(timestep_respacing)) if timestep_respacing else base
+        self.num_timesteps = self.process.num_timesteps
+
+    def _output(self, model, x, t, model_kwargs):
+        out = model(x, self.process.model_timesteps(t), **model_kwargs)
+        assert out.shape == (x.shape[0], 2 * x.shape[1], *x.shape[2:])
+        return out
+
+    def training_losses(self, model, x_start, t, model_kwargs=None, noise=None):
+        noise = torch.randn_like(x_start) if noise is None else noise
+        x_t = self.process.q_sample(x_start, t, noise)
+        eps, v = self._output(model, x_t, t, model_kwargs or {}).split(x_start.shape[1], dim=1)
+        mse = mean_flat((noise - eps) ** 2)
+        vb = vb_terms(self.process, torch.cat((eps.detach(), v), dim=1), x_start, x_t, t)
+        return {"loss": mse + vb, "mse": mse, "vb": vb}
+
+    def p_sample_loop(self, model, shape, noise, clip_denoised=True, model_kwargs=None,
+                      progress=False, device=None):
+        x = noise
+        for step in reversed(range(self.num_timesteps)):
+            t = torch.full((shape[0],), step, device=device)
+            p = self.process.p_mean_variance(self._output(model, x, t, model_kwargs or {}), x, t,
+                                             clip_denoised=clip_denoised)
+            x = p.mean + (step > 0) * torch.exp(0.5 * p.log_variance) * torch.randn_like(x)
+        return x
+
+
+def update_ema(ema, model, decay=0.9999):
+    """train.py's EMA step: each parameter of ``ema`` moves towards ``model``'s of the same name."""
+    ema_params = dict(ema.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            ema_params[name].mul_(decay).add_(param.data, alpha=1 - decay)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_train_py_and_sample_py_run_unchanged(one_process_group):
+    """train.py's model, EMA, DDP, loss, optimizer and checkpoint; then sample.py's load and
+    guided sampling: each call as the scripts make it, at DiT-S/8 on 16 x 16 latents."""
+    torch.manual_seed(0)
+    latent, classes = 16, 10
+    model = DiT_models["DiT-S/8"](input_size=latent, num_classes=classes)
     ema = copy.deepcopy(model)
     for p in ema.parameters():
-        p.requires_grad_(False)
-    diffusion = create_diffusion()
+        p.requires_grad = False
+    model = DDP(model)
+    diffusion = OfficialCalls(timestep_respacing="")
+    assert diffusion.num_timesteps == 1000
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0)
+    update_ema(ema, model.module, decay=0)
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.module.parameters(), strict=True))
     model.train()
     ema.eval()
-    x = torch.randn(4, 4, 16, 16)
-    y = torch.randint(0, 10, (4,))
-    t = torch.randint(0, diffusion.num_timesteps, (4,))
-    before = model.final_layer.linear.weight.detach().clone()
-    loss = training_losses(model, diffusion, x, t, torch.randn_like(x), y)["loss"].mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    assert torch.isfinite(loss) and not torch.equal(model.final_layer.linear.weight, before)
-    with torch.no_grad():                                       # the official update_ema
-        ema_params, params = dict(ema.named_parameters()), dict(model.named_parameters())
-        for name, param in params.items():
-            ema_params[name].mul_(0.9999).add_(param.data, alpha=1 - 0.9999)
+    pos_embed = model.module.pos_embed.detach().clone()
+    for step in range(2):                    # a second forward: DDP refuses unused parameters
+        x, y = torch.randn(4, 4, latent, latent), torch.randint(0, classes, (4,))
+        t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],))
+        noise = torch.randn_like(x)
+        torch.manual_seed(step)
+        loss = diffusion.training_losses(model, x, t, dict(y=y), noise=noise)["loss"].mean()
+        with torch.no_grad():        # siamesenorm.diffusion's own call: the same loss
+            torch.manual_seed(step)
+            ours = training_losses(model.module, diffusion.process, x, t, noise, y)["loss"].mean()
+        assert torch.isfinite(loss) and abs(loss.item() - ours.item()) < 1e-6 * ours.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ema_before = ema.final_layer.linear.weight.detach().clone()
+        update_ema(ema, model.module)
+    trained = model.module.final_layer.linear.weight
+    torch.testing.assert_close(ema.final_layer.linear.weight,
+                               0.9999 * ema_before + 1e-4 * trained.detach(), rtol=0, atol=1e-9)
+    assert all(p.grad is not None for p in model.module.parameters() if p.requires_grad)
+    assert model.module.pos_embed.grad is None and torch.equal(model.module.pos_embed, pos_embed)
+    assert trained.any()
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict()}, buffer)
+    torch.save({"model": model.module.state_dict(), "ema": ema.state_dict(),
+                "opt": opt.state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer)
     assert [k for k in checkpoint["ema"] if not k.startswith("scheme.")] == [k for k, _ in s8_layout()]
-    # sample.py: a fresh model, the EMA weights, guidance on a doubled batch.
-    sampler = DiT_models["DiT-S/8"](input_size=16, num_classes=10)
-    sampler.load_state_dict(checkpoint["ema"])
+    # sample.py: a fresh model, the EMA weights, guidance on a doubled batch, a respaced process
+    sampler = DiT_models["DiT-S/8"](input_size=latent, num_classes=classes)
+    assert str(sampler.load_state_dict(checkpoint["ema"])) == "<All keys matched successfully>"
     sampler.eval()
-    z = torch.randn(2, 4, 16, 16)
-    labels = torch.tensor([1, 2])
-    tt = torch.full((4,), 500)
+    diffusion = OfficialCalls(timestep_respacing="3")
+    z = torch.randn(2, 4, latent, latent)
+    y = torch.tensor([1, 2])
+    z, y = torch.cat([z, z], 0), torch.cat([y, torch.tensor([classes] * 2)], 0)
     with torch.no_grad():
-        out = sampler.forward_with_cfg(torch.cat((z, z)), tt, torch.cat((labels, torch.full((2,), 10))),
-                                       4.0)
-    assert out.shape == (4, 8, 16, 16) and torch.isfinite(out).all()
+        assert torch.equal(sampler.forward_with_cfg(z, torch.full((4,), 999), y, 4.0),
+                           ema.forward_with_cfg(z, torch.full((4,), 999), y, 4.0))
+        samples = diffusion.p_sample_loop(sampler.forward_with_cfg, z.shape, z, clip_denoised=False,
+                                          model_kwargs=dict(y=y, cfg_scale=4.0), progress=False,
+                                          device="cpu")
+    samples, _ = samples.chunk(2, dim=0)
+    assert samples.shape == (2, 4, latent, latent) and torch.isfinite(samples).all()

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention
 from ..nn.mlp import GELUMLP
 from ..nn.norms import build_norm
+from ..schemes.base import Branch
 from .dit_config import DIT_SIZES, DiTConfig
 from .host import (
     BranchWeight,
@@ -52,6 +53,14 @@ def modulate(h: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 def _modulated(sublayer: nn.Module, shift: Tensor, scale: Tensor, gate: Tensor, u: Tensor) -> Tensor:
     """One DiT branch: ``gate * F(modulate(u, shift, scale))``."""
     return gate.unsqueeze(1) * sublayer(modulate(u, shift, scale))
+
+
+def adaln_branches(modulation: Tensor, attn: Branch, mlp: Branch) -> tuple[Branch, Branch]:
+    """One adaLN-Zero block's attention and MLP branches, ``u -> gate * F(modulate(u))``, from
+    its modulation ``(B, 6 dim)``: shift, scale, gate of the attention, then of the MLP."""
+    shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = modulation.chunk(6, dim=-1)
+    return (partial(_modulated, attn, shift_a, scale_a, gate_a),
+            partial(_modulated, mlp, shift_m, scale_m, gate_m))
 
 
 def timestep_features(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
@@ -98,6 +107,18 @@ class TimestepEmbedder(nn.Module):
         for layer in (self.mlp[0], self.mlp[2]):
             nn.init.normal_(layer.weight, 0.0, 0.02)
             nn.init.zeros_(layer.bias)
+
+    @property
+    def frequency_embedding_size(self) -> int:
+        """The official DiT's name of :attr:`frequency_dim`."""
+        return self.frequency_dim
+
+    @staticmethod
+    def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+        """The official DiT's static method: float32 features ``(B, dim)``
+        (:func:`timestep_features`; an odd ``dim`` ends in a zero column)."""
+        features = timestep_features(t, dim - dim % 2, max_period).float()
+        return torch.nn.functional.pad(features, (0, dim % 2))
 
     def forward(self, t: Tensor) -> Tensor:
         weight = self.mlp[0].weight
@@ -171,6 +192,9 @@ class DiT(ResidualStack, SchemeHost):
         modulation: per block ``SiLU -> Linear(dim, 6 dim)`` giving shift, scale, gate for the
             attention and then the MLP.
         final_layer: :class:`FinalLayer`.
+
+    :class:`~.dit_official.OfficialDiT` runs the same computation in the official module tree: it
+    overrides the ``_build`` ... ``_run_blocks`` methods below, which say where each part sits.
     """
 
     #: Output channels that :meth:`forward_with_cfg` guides: ``None`` means the ``in_chans`` noise
@@ -184,38 +208,85 @@ class DiT(ResidualStack, SchemeHost):
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
         with torch.random.fork_rng(**rng_devices(device)):
-            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
-                                             eps=cfg.norm_eps, options=cfg.scheme_options,
-                                             branch_affine=False, final_norm=False, **kw)
-            self.x_embedder = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
-                                        stride=cfg.patch_size, **kw)
-            self.register_buffer("pos_embed", torch.empty(1, cfg.num_patches, cfg.dim, **kw),
-                                 persistent=False)
-            self.t_embedder = TimestepEmbedder(cfg.dim, cfg.frequency_dim, cfg.max_period, **kw)
-            self.y_embedder = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob, **kw)
-            self.sublayers = build_sublayers(
-                self.scheme,
-                lambda block, qkv_norm: Attention(
-                    cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
-                    bias=True, layer_idx=block, causal=False, rope=False,
-                    max_seq_len=cfg.num_patches, **kw),
-                lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
-            self.modulation = nn.ModuleList(
-                nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw))
-                for _ in range(cfg.n_layers))
-            self.final_layer = FinalLayer(cfg.dim, cfg.patch_size, cfg.out_channels,
-                                          norm=cfg.norm, eps=cfg.norm_eps, **kw)
+            scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                        eps=cfg.norm_eps, options=cfg.scheme_options,
+                                        branch_affine=False, final_norm=False, **kw)
+            self._build(scheme, self._build_sublayers(scheme, kw), kw)
         self.reset_parameters()
+
+    def _build_sublayers(self, scheme, kw: dict) -> nn.ModuleList:
+        """Attention and MLP of every block, the scheme's requirements honoured."""
+        cfg = self.config
+        return build_sublayers(
+            scheme,
+            lambda block, qkv_norm: Attention(
+                cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
+                bias=True, layer_idx=block, causal=False, rope=False,
+                max_seq_len=cfg.num_patches, **kw),
+            lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
+
+    # ---- the module tree: OfficialDiT builds the official one around the same computation ----
+    def _build(self, scheme, sublayers: nn.ModuleList, kw: dict) -> None:
+        """Register the modules, in this order (the order of the state dict and of the init)."""
+        cfg = self.config
+        self.scheme = scheme
+        self.x_embedder = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size, stride=cfg.patch_size,
+                                    **kw)
+        self.register_buffer("pos_embed", torch.empty(1, cfg.num_patches, cfg.dim, **kw),
+                             persistent=False)
+        self.t_embedder = TimestepEmbedder(cfg.dim, cfg.frequency_dim, cfg.max_period, **kw)
+        self.y_embedder = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob, **kw)
+        self.sublayers = sublayers
+        self.modulation = nn.ModuleList(
+            nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim, **kw))
+            for _ in range(cfg.n_layers))
+        self.final_layer = FinalLayer(cfg.dim, cfg.patch_size, cfg.out_channels, norm=cfg.norm,
+                                      eps=cfg.norm_eps, **kw)
+
+    def _patch_proj(self) -> nn.Conv2d:
+        return self.x_embedder
+
+    def _block_modulations(self) -> list[nn.Linear]:
+        """Each block's adaLN linear (``dim -> 6 dim``)."""
+        return [mod[1] for mod in self.modulation]
+
+    def _num_labels(self) -> int:
+        """Rows of the label table: the classes and the null label."""
+        return self.y_embedder.table.num_embeddings
+
+    def _branch_weights_of(self, module: nn.Module) -> list[BranchWeight] | None:
+        """The branch weights ``module`` holds, if it is where they sit (for :meth:`reset_parameters`)."""
+        return branch_weights(self.sublayers) if module is self.sublayers else None
+
+    def _embed(self, x: Tensor) -> Tensor:
+        """Patch tokens ``(B, T, dim)`` plus the position embedding."""
+        return self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
+
+    def _run_blocks(self, h: Tensor, c: Tensor) -> Tensor:
+        """The scheme's loop over the adaLN-Zero blocks conditioned on ``c``: the hidden state."""
+        block: list[Branch] = []     # this block's attention and MLP branches
+
+        def modulated(i: int, sublayer: nn.Module) -> Branch:
+            if i % 2 == 0:
+                block[:] = adaln_branches(self.modulation[i // 2](c), sublayer,
+                                          self.sublayers[i + 1])
+            return block[i % 2]
+
+        return self.run(h, wrap=modulated)
 
     @property
     def out_channels(self) -> int:
         return self.config.out_channels
 
     # ---- initialisation ----------------------------------------------------------------------
+    def _qkv_bound(self, sublayer: int) -> float:
+        """Xavier-uniform's bound of the attention ``sublayer``'s fused ``qkv`` matrix."""
+        return fused_qkv_bound(self.sublayers[sublayer])
+
     def _init_branch_weight(self, branch: BranchWeight) -> None:
         """Xavier-uniform, with q, k and v bounded as one fused matrix (:func:`fused_qkv_bound`)."""
         if branch.name in _QKV:
-            bound = fused_qkv_bound(self.sublayers[branch.sublayer])
+            bound = self._qkv_bound(branch.sublayer)
             nn.init.uniform_(branch.weight, -bound, bound)
         else:
             nn.init.xavier_uniform_(branch.weight)
@@ -236,25 +307,30 @@ class DiT(ResidualStack, SchemeHost):
         cfg = self.config
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
-        # Every linear in the official code's order (its ``apply(_basic_init)``), so the draws come
-        # in that order too; the timestep MLP and the adaLN layers are redrawn or zeroed below.
+        # Every linear in module order (the official code's ``apply(_basic_init)`` with its tree),
+        # so the draws come in that order too; the timestep MLP and adaLN layers are redone below.
+        done: tuple[str, ...] = ("scheme.",)
         for name, module in self.named_modules():
-            if module is self.sublayers:
-                honour_requirements(branch_weights(self.sublayers), self.scheme.requires,
+            if name.startswith(done):
+                continue
+            if (weights := self._branch_weights_of(module)) is not None:
+                honour_requirements(weights, self.scheme.requires,
                                     native=self._init_branch_weight, native_xavier=True)
-            elif isinstance(module, nn.Linear) and not name.startswith(("scheme.", "sublayers.")):
+                done += (f"{name}.",)
+            elif isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
         # on the meta device (a dry run) nothing is computed: no memory the model's size needs
         where = "meta" if self.pos_embed.is_meta else None
         self.pos_embed.copy_(sincos_pos_embed_2d(cfg.dim, cfg.grid_size, device=where).unsqueeze(0))
-        nn.init.xavier_uniform_(self.x_embedder.weight.view(cfg.dim, -1))
-        nn.init.zeros_(self.x_embedder.bias)
+        proj = self._patch_proj()
+        nn.init.xavier_uniform_(proj.weight.view(cfg.dim, -1))
+        nn.init.zeros_(proj.bias)
         self.y_embedder.reset_parameters()
         self.t_embedder.reset_parameters()
-        for mod in self.modulation:
-            nn.init.zeros_(mod[1].weight)
-            nn.init.zeros_(mod[1].bias)
+        for linear in self._block_modulations():
+            nn.init.zeros_(linear.weight)
+            nn.init.zeros_(linear.bias)
         self.final_layer.reset_parameters()
 
     # ---- forward -----------------------------------------------------------------------------
@@ -272,10 +348,13 @@ class DiT(ResidualStack, SchemeHost):
             raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
         # A value check reads the labels back (a sync, a graph break): skipped under torch.compile
         # and on the meta device (no values: the dry run sizes a model there).
+        top = self._num_labels() - 1
         if b and not torch.compiler.is_compiling() and not y.is_meta and \
-                (int(y.min()) < 0 or int(y.max()) > cfg.num_classes):
-            raise ValueError(f"labels must lie in 0..{cfg.num_classes} ({cfg.num_classes} is the "
-                              f"null label), got {int(y.min())}..{int(y.max())}")
+                (int(y.min()) < 0 or int(y.max()) > top):
+            null = f"{top} is the null label" if top == cfg.num_classes else \
+                "no null label: class_dropout_prob is 0"
+            raise ValueError(f"labels must lie in 0..{top} ({null}), got "
+                              f"{int(y.min())}..{int(y.max())}")
 
     def unpatchify(self, tokens: Tensor) -> Tensor:
         """``(B, T, p * p * C)`` -> ``(B, C, H, W)``; each token's features are ordered (p, p, C)."""
@@ -286,17 +365,8 @@ class DiT(ResidualStack, SchemeHost):
 
     def _forward(self, x: Tensor, t: Tensor, y: Tensor, drop_labels: bool) -> Tensor:
         self._check_inputs(x, t, y)
-        h = self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, drop_labels)
-        block: list[tuple[Tensor, ...]] = []     # the block's adaLN shift, scale, gate x 2
-
-        def modulated(i: int, sublayer: nn.Module):
-            if i % 2 == 0:
-                block[:] = [self.modulation[i // 2](c).chunk(6, dim=-1)]
-            shift, scale, gate = block[0][:3] if i % 2 == 0 else block[0][3:]
-            return partial(_modulated, sublayer, shift, scale, gate)
-
-        return self.unpatchify(self.final_layer(self.run(h, wrap=modulated), c))
+        return self.unpatchify(self.final_layer(self._run_blocks(self._embed(x), c), c))
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         """Prediction ``(B, out_channels, H, W)`` for noisy inputs ``x`` ``(B, C, H, W)`` at
@@ -333,7 +403,7 @@ class DiT(ResidualStack, SchemeHost):
 
     def num_parameters(self) -> int:
         """Number of parameters (the fixed position embedding is a buffer, not counted)."""
-        return sum(p.numel() for p in self.parameters())
+        return sum(p.numel() for p in self.parameters() if p is not self.pos_embed)
 
     def flops_per_token(self, seq_len: int | None = None) -> None:
         """``None``: no FLOPs estimate for a DiT."""

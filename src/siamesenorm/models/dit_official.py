@@ -1,29 +1,35 @@
-"""The official DiT interface: ``DiT_models`` and the official state-dict layout.
+"""The official DiT interface: ``DiT_models`` and the official module tree.
 
 For the DiT repository's scripts (Peebles & Xie 2023, arXiv 2212.09748): :data:`DiT_models` has the
 official twelve names and keyword arguments, plus ``scheme`` (default ``"siamese"``: the official
-SiameseNorm DiT) and ``scheme_options``; each builds an :class:`OfficialDiT`, our :class:`~.dit.DiT`
-whose ``state_dict()`` has the official keys in the official order (:func:`official_key`;
-``load_state_dict`` also reads our own keys), so an official checkpoint loads strictly with
-``scheme="pre"``. The fused ``qkv`` stacks q, k, v by rows (timm's split); the adaLN chunks keep the
-official order; with ``class_dropout_prob == 0`` the saved label table drops the null row.
-``forward`` drops labels as the official code does; ``forward_with_cfg`` guides the first 3
-channels only (:attr:`guided_channels`), never dropping labels. Timestep features are computed in
-float64 then rounded: float32 outputs agree to rounding, float64 exactly. The key mapping:
-docs/own_model.md, "The official DiT interface".
+SiameseNorm DiT) and ``scheme_options``; each builds an :class:`OfficialDiT`, our :class:`~.dit.DiT`'s
+computation in the official module tree: ``blocks[b]`` with ``norm1``, ``attn`` (a fused ``qkv``,
+q, k, v stacked by rows as timm's, and ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``) and
+``adaLN_modulation``; ``x_embedder.proj``, ``t_embedder.mlp``, ``y_embedder.embedding_table``,
+``final_layer.{norm_final,linear,adaLN_modulation}`` and a frozen ``pos_embed`` parameter. So the
+parameter names are the official state-dict keys, and an official checkpoint loads strictly with
+``scheme="pre"``. The scheme's own parameters sit under ``scheme.*`` (the per-head q, k, v norms
+that HybridNorm requires under ``blocks.{b}.attn``). ``load_state_dict`` also reads a plain
+``DiT``'s keys (:func:`official_key`). docs/own_model.md, "The official DiT interface".
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .dit import DiT
+from ..nn.attention import head_norm, norm_heads
+from ..nn.norms import build_norm
+from ..schemes.base import ResidualScheme
+from .dit import DiT, TimestepEmbedder, adaln_branches, modulate
 from .dit_config import DiTConfig
+from .host import BranchWeight, build_sublayers
 
 __all__ = ["DIT_OFFICIAL_SIZES", "DiT_models", "OfficialDiT", "native_key", "official_key"]
 
@@ -31,7 +37,274 @@ __all__ = ["DIT_OFFICIAL_SIZES", "DiT_models", "OfficialDiT", "native_key", "off
 DIT_OFFICIAL_SIZES: dict[str, tuple[int, int, int]] = {
     "XL": (28, 1152, 16), "L": (24, 1024, 16), "B": (12, 768, 12), "S": (12, 384, 6)}
 
-# ---- key mapping -----------------------------------------------------------------------------
+
+# ---- the official modules --------------------------------------------------------------------
+class PatchEmbed(nn.Module):
+    """Images ``(B, C, H, W)`` -> patch tokens ``(B, T, dim)`` through ``proj``, a strided Conv2d."""
+
+    def __init__(self, input_size: int, patch_size: int, in_channels: int, dim: int, *,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        grid = input_size // patch_size
+        self.img_size, self.patch_size = (input_size, input_size), (patch_size, patch_size)
+        self.grid_size, self.num_patches = (grid, grid), grid * grid
+        self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size, device=device,
+                              dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels -> ``(B, dim)``; the null label ``num_classes`` has a row only when
+    ``dropout_prob > 0``, as officially."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float, *, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), dim,
+                                            device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embedding_table.weight, 0.0, 0.02)
+
+    def token_drop(self, labels: Tensor, force_drop_ids: Tensor | None = None) -> Tensor:
+        """Labels with the null label where ``force_drop_ids == 1``, or at random (``dropout_prob``)."""
+        if force_drop_ids is None:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop = force_drop_ids == 1
+        return torch.where(drop, self.num_classes, labels)
+
+    def forward(self, labels: Tensor, train: bool, force_drop_ids: Tensor | None = None) -> Tensor:
+        if train and self.dropout_prob > 0 or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)
+
+
+class Attention(nn.Module):
+    """Bidirectional attention with a fused ``qkv`` and ``proj`` (timm's, as DiT uses it); with
+    ``qkv_norm`` (HybridNorm) q, k and v are normalised per head."""
+
+    def __init__(self, dim: int, num_heads: int, *, qkv_norm: bool, norm: str, norm_eps: float,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, **kw)
+        self.q_norm, self.k_norm, self.v_norm = (
+            head_norm(norm, self.head_dim, norm_eps, **kw) if qkv_norm else None for _ in "qkv")
+        self.proj = nn.Linear(dim, dim, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (norm_heads(norm, part, self.head_dim).transpose(1, 2) for norm, part in
+                   zip((self.q_norm, self.k_norm, self.v_norm), self.qkv(x).chunk(3, dim=-1)))
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+    def branch_weights(self, sublayer: int) -> list[BranchWeight]:
+        """q, k, v (row blocks of ``qkv``; v gained) and ``proj``, as :func:`~.host.honour_requirements`
+        takes them."""
+        parts = zip(self.qkv.weight.chunk(3), self.qkv.bias.chunk(3), (False, False, True),
+                    ("q_proj", "k_proj", "v_proj"))
+        return [BranchWeight(w, b, gained, sublayer, name) for w, b, gained, name in parts] + \
+            [BranchWeight(self.proj.weight, self.proj.bias, True, sublayer, "out_proj")]
+
+
+class Mlp(nn.Module):
+    """``fc2(GELU_tanh(fc1(x)))``."""
+
+    def __init__(self, dim: int, hidden: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+    def branch_weights(self, sublayer: int) -> list[BranchWeight]:
+        return [BranchWeight(fc.weight, fc.bias, True, sublayer, name)
+                for fc, name in ((self.fc1, "up_proj"), (self.fc2, "down_proj"))]
+
+
+class DiTBlock(nn.Module):
+    """Block ``index`` of an :class:`OfficialDiT`: ``block(state, c)`` runs its attention and MLP
+    through the model's scheme (``state`` is the scheme's: for ``"pre"`` the official ``x``).
+
+    ``norm1`` and ``norm2`` are the official non-affine LayerNorms, for code that calls them; the
+    forward runs the scheme's own norms (for ``"pre"`` the same function).
+    """
+
+    def __init__(self, index: int, scheme: ResidualScheme, attn: Attention, mlp: Mlp, *,
+                 norm: str, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        kw, dim = {"device": device, "dtype": dtype}, scheme.dim
+        self.index = index
+        vars(self)["_scheme"] = scheme           # the model's: not a submodule here
+        self.norm1 = build_norm(norm, dim, eps, affine=False, **kw)
+        self.attn = attn
+        self.norm2 = build_norm(norm, dim, eps, affine=False, **kw)
+        self.mlp = mlp
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, **kw))
+
+    def forward(self, x: Any, c: Tensor) -> Any:
+        attn, mlp = adaln_branches(self.adaLN_modulation(c), self.attn, self.mlp)
+        step, i = self._scheme.step, 2 * self.index
+        return step(step(x, i, attn), i + 1, mlp)
+
+
+class FinalLayer(nn.Module):
+    """``linear(modulate(norm_final(x), shift, scale))``, shift and scale from ``adaLN_modulation(c)``."""
+
+    def __init__(self, dim: int, patch_size: int, out_channels: int, *, norm: str, eps: float,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.norm_final = build_norm(norm, dim, eps, affine=False, **kw)
+        self.linear = nn.Linear(dim, patch_size * patch_size * out_channels, **kw)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, **kw))
+
+    def reset_parameters(self) -> None:
+        """adaLN-Zero: the modulation and the output linear start at zero."""
+        for layer in (self.adaLN_modulation[1], self.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        return self.linear(modulate(self.norm_final(x), *self.adaLN_modulation(c).chunk(2, dim=-1)))
+
+
+# ---- the model -------------------------------------------------------------------------------
+class OfficialDiT(DiT):
+    """Our :class:`~.dit.DiT` in the official DiT's module tree, with its constructor and attributes.
+
+    The keyword arguments are the official ``DiT``'s (``hidden_size``, ``depth``, ``num_heads``,
+    ``in_channels`` ...), plus ``scheme`` and ``scheme_options`` (the residual scheme around the
+    adaLN-Zero blocks: ``"pre"`` is the official DiT, ``"siamese"`` the official SiameseNorm DiT)
+    and ``device``, ``dtype``. ``forward_with_cfg`` guides the first 3 channels, as officially.
+    """
+
+    guided_channels = 3       # the official forward_with_cfg guides the first 3 channels
+
+    def __init__(self, *, input_size: int = 32, patch_size: int = 2, in_channels: int = 4,
+                 hidden_size: int = 1152, depth: int = 28, num_heads: int = 16,
+                 mlp_ratio: float = 4.0, class_dropout_prob: float = 0.1, num_classes: int = 1000,
+                 learn_sigma: bool = True, scheme: str = "siamese",
+                 scheme_options: dict[str, Any] | None = None, device=None, dtype=None) -> None:
+        config = DiTConfig(input_size=input_size, patch_size=patch_size, in_chans=in_channels,
+                           num_classes=num_classes, dim=hidden_size, n_layers=depth,
+                           n_heads=num_heads, mlp_ratio=mlp_ratio,
+                           class_dropout_prob=class_dropout_prob, learn_sigma=learn_sigma,
+                           scheme=scheme, scheme_options=dict(scheme_options or {}))
+        super().__init__(config, device=device, dtype=dtype)
+        self.register_load_state_dict_pre_hook(_read_native_layout)
+
+    # ---- the module tree -----------------------------------------------------------------------
+    def _build_sublayers(self, scheme: ResidualScheme, kw: dict) -> nn.ModuleList:
+        cfg = self.config
+        return build_sublayers(
+            scheme,
+            lambda block, qkv_norm: Attention(cfg.dim, cfg.n_heads, qkv_norm=qkv_norm,
+                                              norm=cfg.norm, norm_eps=cfg.norm_eps, **kw),
+            lambda block: Mlp(cfg.dim, cfg.hidden_dim, **kw))
+
+    def _build(self, scheme: ResidualScheme, sublayers: nn.ModuleList, kw: dict) -> None:
+        cfg = self.config
+        norms = {"norm": cfg.norm, "eps": cfg.norm_eps}
+        self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches, cfg.dim, **kw),
+                                      requires_grad=False)
+        self.x_embedder = PatchEmbed(cfg.input_size, cfg.patch_size, cfg.in_chans, cfg.dim, **kw)
+        self.t_embedder = TimestepEmbedder(cfg.dim, cfg.frequency_dim, cfg.max_period, **kw)
+        self.y_embedder = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob, **kw)
+        self.blocks = nn.ModuleList(
+            DiTBlock(b, scheme, sublayers[2 * b], sublayers[2 * b + 1], **norms, **kw)
+            for b in range(cfg.n_layers))
+        self.final_layer = FinalLayer(cfg.dim, cfg.patch_size, cfg.out_channels, **norms, **kw)
+        self.scheme = scheme
+
+    @property
+    def sublayers(self) -> nn.ModuleList:
+        """Every block's ``attn`` and ``mlp``, in order (a view: they are saved under ``blocks``)."""
+        return nn.ModuleList(sub for block in self.blocks for sub in (block.attn, block.mlp))
+
+    def _patch_proj(self) -> nn.Conv2d:
+        return self.x_embedder.proj
+
+    def _block_modulations(self) -> list[nn.Linear]:
+        return [block.adaLN_modulation[1] for block in self.blocks]
+
+    def _num_labels(self) -> int:
+        return self.y_embedder.embedding_table.num_embeddings
+
+    def _branch_weights_of(self, module: nn.Module) -> list[BranchWeight] | None:
+        for b, block in enumerate(self.blocks):
+            if module is block.attn or module is block.mlp:
+                return module.branch_weights(2 * b + (module is block.mlp))
+        return None
+
+    def _qkv_bound(self, sublayer: int) -> float:
+        qkv = self.blocks[sublayer // 2].attn.qkv
+        return math.sqrt(6.0 / (qkv.in_features + qkv.out_features))
+
+    def _embed(self, x: Tensor) -> Tensor:
+        return self.x_embedder(x) + self.pos_embed
+
+    def _run_blocks(self, h: Tensor, c: Tensor) -> Tensor:
+        state = self.scheme.enter(h)
+        for block in self.blocks:
+            state = block(state, c)
+        return self.scheme.exit(state)
+
+    # ---- the official attributes -------------------------------------------------------------
+    @property
+    def in_channels(self) -> int:
+        return self.config.in_chans
+
+    @property
+    def learn_sigma(self) -> bool:
+        return self.config.learn_sigma
+
+    @property
+    def patch_size(self) -> int:
+        return self.config.patch_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.n_heads
+
+    @property
+    def num_patches(self) -> int:
+        return self.x_embedder.num_patches
+
+    def initialize_weights(self) -> None:
+        """The official name of :meth:`~.dit.DiT.reset_parameters` (DiT's init)."""
+        self.reset_parameters()
+
+    # ---- a plain DiT's weights -----------------------------------------------------------------
+    def official_state(self, native: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A plain :class:`~.dit.DiT`'s state dict (same config) in this model's layout: keys
+        renamed (:func:`official_key`), q, k and v fused, the label table cut to this model's rows,
+        and this model's position embedding added where missing."""
+        out: dict[str, Tensor] = {}
+        fused: dict[str, dict[str, Tensor]] = {}
+        for key, value in native.items():
+            m = _NATIVE_SUBLAYER.match(key)
+            if m and int(m[1]) % 2 == 0 and m[2] in _QKV:
+                fused.setdefault(official_key(key), {})[m[2]] = value
+            else:
+                out[official_key(key)] = value
+        for key, parts in fused.items():
+            if len(parts) == len(_QKV):          # else the fused key is reported missing
+                out[key] = torch.cat([parts[name] for name in _QKV])
+        table = "y_embedder.embedding_table.weight"
+        if table in out:
+            out[table] = out[table][: self._num_labels()]
+        out.setdefault("pos_embed", self.pos_embed.detach())
+        return out
+
+
+# ---- a plain DiT's keys ------------------------------------------------------------------------
 _TOP = (("x_embedder.", "x_embedder.proj."),
         ("y_embedder.table.", "y_embedder.embedding_table."),
         ("final_layer.modulation.", "final_layer.adaLN_modulation."),
@@ -43,8 +316,8 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 _NATIVE_SUBLAYER = re.compile(r"sublayers\.(\d+)\.([^.]+)(\..+)?$")
 _NATIVE_MODULATION = re.compile(r"modulation\.(\d+)\.(.+)$")
 _OFFICIAL_BLOCK = re.compile(r"blocks\.(\d+)\.(attn|mlp|adaLN_modulation)\.(.+)$")
-_OFFICIAL_QKV = re.compile(r"blocks\.(\d+)\.attn\.qkv\.([^.]+)$")
-_NATIVE_ONLY = ("sublayers.", "modulation.", "y_embedder.table.", "final_layer.modulation.")
+_NATIVE_ONLY = ("sublayers.", "modulation.", "y_embedder.table.", "final_layer.modulation.",
+                "x_embedder.weight", "x_embedder.bias")
 
 
 def official_key(key: str) -> str:
@@ -79,195 +352,15 @@ def native_key(key: str) -> str:
     return key
 
 
-_BLOCK_ORDER = {"attn.qkv": 0, "attn": 1, "attn.proj": 2, "mlp.fc1": 3, "mlp.fc2": 4, "mlp": 5,
-                "adaLN_modulation": 6}
-_TOP_ORDER = ("pos_embed", "x_embedder.", "t_embedder.", "y_embedder.")
-_FINAL_ORDER = ("final_layer.linear.", "final_layer.adaLN_modulation.", "final_layer.")
-
-
-def _rank(key: str) -> tuple[int, ...]:
-    """The official module order (attention's per-head norms between qkv and proj, as timm's);
-    the scheme's keys after all, then anything unknown. Python's sort keeps weight before bias."""
-    if m := _OFFICIAL_BLOCK.match(key):
-        sub = f"{m[2]}.{m[3].split('.')[0]}"
-        return (4, int(m[1]), _BLOCK_ORDER.get(sub, _BLOCK_ORDER[m[2]]))
-    for rank, start in enumerate(_TOP_ORDER):
-        if key == start or key.startswith(start) and start.endswith("."):
-            return (rank,)
-    for rank, start in enumerate(_FINAL_ORDER):
-        if key.startswith(start):
-            return (5, rank)
-    return (6,) if key.startswith("scheme.") else (7,)
-
-
-def _to_official(native: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our keys -> the official ones, q, k and v fused, in the official order."""
-    out: dict[str, Tensor] = {}
-    fused: dict[str, dict[str, Tensor]] = {}
-    for key, value in native.items():
-        m = _NATIVE_SUBLAYER.match(key)
-        if m and int(m[1]) % 2 == 0 and m[2] in _QKV:
-            fused.setdefault(official_key(key), {})[m[2]] = value
-        else:
-            out[official_key(key)] = value
-    for key, parts in fused.items():
-        out[key] = torch.cat([parts[name] for name in _QKV])
-    return dict(sorted(out.items(), key=lambda item: _rank(item[0])))
-
-
-def _is_official(keys) -> bool:
-    """Whether a (local) state dict is in the official layout: it has an official-only key, or no
-    key only ours have (an empty dict counts as official, so strict loading names official keys)."""
-    keys = list(keys)
-    if any(native_key(k) != k or k == "pos_embed" for k in keys):
-        return True
-    return not any(k.startswith(_NATIVE_ONLY) or k.startswith("x_embedder.") and
-                   not k.startswith("x_embedder.proj.") for k in keys)
-
-
-def _save_official(module: OfficialDiT, state_dict: dict, prefix: str, local_metadata) -> None:
-    """``state_dict`` post-hook: rename this module's keys (those under ``prefix``) to the official
-    layout, in place and in the official order, and add the position embedding."""
+def _read_native_layout(module: OfficialDiT, state_dict: dict, prefix: str, *_: Any) -> None:
+    """``load_state_dict`` pre-hook: a plain DiT's state dict (under ``prefix``) is read in the
+    official layout (:meth:`OfficialDiT.official_state`); an official one is left as it is."""
     keys = [key for key in state_dict if key.startswith(prefix)]
-    native = {key[len(prefix):]: state_dict.pop(key) for key in keys}
-    for key, value in module._official_state(native).items():
-        state_dict[prefix + key] = value
-
-
-def _load_official(module: OfficialDiT, state_dict: dict, prefix: str, local_metadata, strict,
-                   missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-    """``load_state_dict`` pre-hook: an official-layout dict (under ``prefix``) is renamed to our
-    keys in place, q, k and v split from ``qkv``; the position embedding is copied (or assigned)
-    into its buffer. A shape that does not match is reported under its official name."""
-    keys = [key for key in state_dict if key.startswith(prefix)]
-    local = {key[len(prefix):]: state_dict[key] for key in keys}
-    vars(module).pop("_official_load", None)
-    if not _is_official(local):
-        return                                      # our own DiT's keys: loaded as they are
-    for key in keys:
-        del state_dict[key]
-    expected = {key: value.shape for key, value in module._official_state(
-        {key: torch.empty(shape, device="meta") for key, shape in module._native_shapes().items()}
-    ).items()}
-    dropped: set[str] = set()                       # official keys reported as mismatched
-    vars(module)["_official_load"] = (prefix, dropped)
-    if "pos_embed" not in local:
-        missing_keys.append(prefix + "pos_embed")
-    for key, value in local.items():
-        want = expected.get(key)
-        if want is not None and isinstance(value, Tensor) and value.shape != want:
-            error_msgs.append(f"size mismatch for {prefix}{key}: copying a param with shape "
-                              f"{value.shape} from checkpoint, the shape in current model is {want}.")
-            dropped.add(key)
-        elif key == "pos_embed":
-            module._load_pos_embed(value, local_metadata)
-        elif want is not None and (m := _OFFICIAL_QKV.match(key)):
-            attn = module.sublayers[2 * int(m[1])]
-            sizes = [getattr(attn, name).out_features for name in _QKV]
-            for name, part in zip(_QKV, value.split(sizes), strict=True):
-                state_dict[f"{prefix}sublayers.{2 * int(m[1])}.{name}.{m[2]}"] = part
-        elif key == "y_embedder.embedding_table.weight" and module.config.class_dropout_prob == 0:
-            null = module.y_embedder.table.weight[module.config.num_classes:].detach()
-            null = torch.zeros_like(value[:1]) if null.is_meta else null.to(value)
-            state_dict[prefix + native_key(key)] = torch.cat((value, null))
-        elif want is not None:
-            state_dict[prefix + native_key(key)] = value
-        else:
-            state_dict[prefix + key] = value        # not ours: unexpected under its own name
-
-
-def _name_official_keys(module: OfficialDiT, incompatible_keys) -> None:
-    """``load_state_dict`` post-hook: after an official-layout load, name the missing keys
-    officially (one ``qkv`` for q, k and v), leaving out those already reported as mismatched.
-    (Unexpected keys keep the names they came with: only keys of this model are renamed.)"""
-    pending = vars(module).pop("_official_load", None)
-    if pending is None:
+    if not any(key[len(prefix):].startswith(_NATIVE_ONLY) for key in keys):
         return
-    prefix, dropped = pending
-    renamed: list[str] = []
-    for key in incompatible_keys.missing_keys:
-        if key.startswith(prefix):
-            local = official_key(key[len(prefix):])
-            if local in dropped:
-                continue
-            key = prefix + local
-        if key not in renamed:
-            renamed.append(key)
-    incompatible_keys.missing_keys[:] = renamed
-
-
-# ---- the model -------------------------------------------------------------------------------
-class OfficialDiT(DiT):
-    """Our :class:`~.dit.DiT` with the official DiT's constructor, attributes and state-dict layout.
-
-    The keyword arguments are the official ``DiT``'s (``hidden_size``, ``depth``, ``num_heads``,
-    ``in_channels`` ...), plus ``scheme`` and ``scheme_options`` (the residual scheme around the
-    adaLN-Zero blocks: ``"pre"`` is the official DiT, ``"siamese"`` the official SiameseNorm DiT)
-    and ``device``, ``dtype``. The state-dict layout is described in :mod:`.dit_official`.
-    """
-
-    guided_channels = 3       # the official forward_with_cfg guides the first 3 channels
-
-    def __init__(self, *, input_size: int = 32, patch_size: int = 2, in_channels: int = 4,
-                 hidden_size: int = 1152, depth: int = 28, num_heads: int = 16,
-                 mlp_ratio: float = 4.0, class_dropout_prob: float = 0.1, num_classes: int = 1000,
-                 learn_sigma: bool = True, scheme: str = "siamese",
-                 scheme_options: dict[str, Any] | None = None, device=None, dtype=None) -> None:
-        config = DiTConfig(input_size=input_size, patch_size=patch_size, in_chans=in_channels,
-                           num_classes=num_classes, dim=hidden_size, n_layers=depth,
-                           n_heads=num_heads, mlp_ratio=mlp_ratio,
-                           class_dropout_prob=class_dropout_prob, learn_sigma=learn_sigma,
-                           scheme=scheme, scheme_options=dict(scheme_options or {}))
-        super().__init__(config, device=device, dtype=dtype)
-        self.register_state_dict_post_hook(_save_official)
-        self.register_load_state_dict_pre_hook(_load_official)
-        self.register_load_state_dict_post_hook(_name_official_keys)
-
-    # ---- the official attributes -------------------------------------------------------------
-    @property
-    def in_channels(self) -> int:
-        return self.config.in_chans
-
-    @property
-    def learn_sigma(self) -> bool:
-        return self.config.learn_sigma
-
-    @property
-    def patch_size(self) -> int:
-        return self.config.patch_size
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.n_heads
-
-    def initialize_weights(self) -> None:
-        """The official name of :meth:`~.dit.DiT.reset_parameters` (DiT's init)."""
-        self.reset_parameters()
-
-    # ---- state-dict layout -------------------------------------------------------------------
-    def _native_shapes(self) -> dict[str, torch.Size]:
-        """Shapes of our own (un-renamed) state-dict entries: parameters and persistent buffers."""
-        shapes = {name: p.shape for name, p in self.named_parameters(remove_duplicate=False)}
-        for mod_name, mod in self.named_modules(remove_duplicate=False):
-            for name, buf in mod._buffers.items():
-                if buf is not None and name not in mod._non_persistent_buffers_set:
-                    shapes[f"{mod_name}.{name}" if mod_name else name] = buf.shape
-        return shapes
-
-    def _official_state(self, native: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Our entries (local keys) in the official layout, with the position embedding."""
-        native = dict(native, pos_embed=self.pos_embed.detach())
-        table, cfg = "y_embedder.table.weight", self.config
-        if cfg.class_dropout_prob == 0 and table in native:
-            native[table] = native[table][: cfg.num_classes]     # no null row in the official table
-        return _to_official(native)
-
-    @torch.no_grad()
-    def _load_pos_embed(self, value: Tensor, local_metadata: dict) -> None:
-        if local_metadata.get("assign_to_params_buffers", False):
-            self.pos_embed = value.detach()
-        else:
-            self.pos_embed.copy_(value)
+    native = {key[len(prefix):]: state_dict.pop(key) for key in keys}
+    for key, value in module.official_state(native).items():
+        state_dict[prefix + key] = value
 
 
 # ---- DiT_models ------------------------------------------------------------------------------
