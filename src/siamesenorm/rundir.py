@@ -32,8 +32,9 @@ from typing import Any, TextIO
 
 from .errors import ENVIRONMENT_ERRNOS, UserError
 
-__all__ = ["MARKER_NAME", "RunDir", "check_out_dir", "inner_folder", "library_os_error", "open_jsonl", "plain",
-           "read_json", "read_jsonl", "replacing", "save_figure", "write_json", "write_text"]
+__all__ = ["MARKER_NAME", "RunDir", "as_created", "check_out_dir", "inner_folder", "library_os_error",
+           "open_jsonl", "plain", "read_json", "read_jsonl", "replacing", "save_figure", "write_json",
+           "write_text"]
 
 MARKER_NAME = ".siamesenorm-run.json"
 _LOCK_NAME = ".siamesenorm.lock"        # siamesenorm.locks.LOCK_NAME (which imports this module's peers)
@@ -383,6 +384,15 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def as_created(path: str | os.PathLike) -> None:
+    """Give ``path``, made by ``mkstemp`` or ``mkdtemp`` (owner only: 0600, 0700), the mode a file
+    or folder created plainly gets under the process's umask (0644, 0755 as a rule), so that a
+    results folder shared with colleagues is readable like the rest of its files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
 @contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """For a writer that takes a path (a library's ``save(path)``): yields a fresh temporary file
@@ -396,6 +406,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        as_created(tmp)
         os.replace(tmp, path)
     except BaseException as error:
         tmp.unlink(missing_ok=True)
