@@ -133,7 +133,9 @@ class DiTBlock(nn.Module):
     through the model's scheme (``state`` is the scheme's: for ``"pre"`` the official ``x``).
 
     ``norm1`` and ``norm2`` are the official non-affine LayerNorms, for code that calls them; the
-    forward runs the scheme's own norms (for ``"pre"`` the same function).
+    forward runs the scheme's own norms (for ``"pre"`` the same function). Given a tensor, a
+    one-stream scheme's block returns one, as officially (a residual add the scheme left pending
+    for a fused kernel is done).
     """
 
     def __init__(self, index: int, scheme: ResidualScheme, attn: Attention, mlp: Mlp, *,
@@ -150,8 +152,13 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: Any, c: Tensor) -> Any:
         attn, mlp = adaln_branches(self.adaLN_modulation(c), self.attn, self.mlp)
-        step, i = self._scheme.step, 2 * self.index
-        return step(step(x, i, attn), i + 1, mlp)
+        scheme, i = self._scheme, 2 * self.index
+        out = scheme.step(scheme.step(x, i, attn), i + 1, mlp)
+        if isinstance(x, Tensor) and not isinstance(out, Tensor):
+            streams = scheme.streams(out)
+            if len(streams) == 1:
+                (out,) = streams.values()
+        return out
 
 
 class FinalLayer(nn.Module):
