@@ -497,6 +497,24 @@ def test_a_linked_folder_inside_a_run_is_refused_and_nothing_is_written_outside(
     assert list(outside.iterdir()) == [] and (run / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_what_a_run_writes_is_readable_as_the_umask_allows(tmp_path, capsys, single_run):
+    """Plots, checkpoints and exported weights came out owner-only (mkstemp's 0600, mkdtemp's
+    0700) among 0644 files: a shared results folder was unreadable to colleagues."""
+    old = os.umask(0o022)
+    try:
+        run = copy_run(single_run, tmp_path / "run")        # copies keep their modes
+        assert main(capsys, "analyze", str(run), "--batches", "1").returncode == 0
+        weights = tmp_path / "model.safetensors"
+        assert main(capsys, "export", str(run), "--out", str(weights)).returncode == 0
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in [run, *run.rglob("*"), weights] if p.name != LOCK_NAME}
+    assert any(name.endswith(".png") for name in modes) and "run/checkpoints/last" in modes
+    assert {n: m for n, m in modes.items()
+            if m != (oct(0o755) if (tmp_path / n).is_dir() else oct(0o644))} == {}
+
+
 def test_a_folder_with_a_config_yaml_that_is_not_a_run_is_never_cleaned(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "p"
     (folder / "analysis").mkdir(parents=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..rundir import replacing
 
 __all__ = ["image_grid", "save_image_grid"]
 
@@ -61,12 +60,6 @@ def save_image_grid(images: Tensor, path: str | Path, nrow: int = 8, padding: in
     path = Path(path)
     array = image_grid(images, nrow, padding, upscale)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        _write_png(array, Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with replacing(path) as tmp:
+        _write_png(array, tmp)
     return path

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 from ..data.images.imageset import ImageSet, to_model_range
 from ..data.images.split import stratified_split_indices
 from ..errors import UserError
+from ..rundir import replacing
 from .frechet import frechet_distance
 from .proxy_net import ProxyNet, ProxySettings
 
@@ -166,14 +166,8 @@ def _save(proxy: ProxyClassifier, path: Path, train: ImageSet) -> None:
             "data": json.dumps({k: train.meta[k] for k in _IDENTITY}),
             "note": "FD-proxy classifier (not Inception); see siamesenorm.eval.fid_proxy"}
     state = {k: v.detach().cpu().contiguous() for k, v in proxy.net.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with replacing(path) as tmp:
+        save_file(state, str(tmp), metadata=meta)
 
 
 def _load(path: Path, key: str, settings: ProxySettings, device: torch.device) -> ProxyClassifier:

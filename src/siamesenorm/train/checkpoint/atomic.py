@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from ...errors import UserError
+from ...rundir import as_created
 from .names import CHECKSUM_FILE
 
 
@@ -48,7 +49,9 @@ def new_temporary(path: Path) -> Path:
     a version that a cut-short swap left hidden, and deleting older leftovers)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _recover(path, clean=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    as_created(folder)          # readable as the run's other folders are, not owner-only
+    return folder
 
 
 def _digest(file: Path) -> str:

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ...parallel.env import SINGLE, World, barrier, broadcast_object
-from ...rundir import library_os_error
+from ...rundir import as_created, library_os_error
 from .aliases import _bare, _split_aliases
 from .atomic import _fsync, install, new_temporary
 from .dcp import _on_dcp
@@ -37,6 +37,7 @@ def _write_model(path: Path, model: nn.Module) -> None:
     unique, _ = _split_aliases(model.state_dict())
     save_file({k: v.detach().cpu().contiguous() for k, v in unique.items()}, str(path),
               metadata={"format": "pt"})
+    as_created(path)        # safetensors writes it owner-only (0600)
     _fsync(path)
 
 
