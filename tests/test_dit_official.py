@@ -538,6 +538,12 @@ def test_a_fresh_model_draws_the_official_init_and_initialize_weights_redraws_it
     assert torch.equal(model.blocks[0].attn.qkv.weight, expected["blocks.0.attn.qkv.weight"])
     x, t, y = inputs(2, 3, 8, 5)
     assert torch.equal(model(x.float(), t, y), torch.zeros(2, 6, 8, 8))     # adaLN-Zero
+    meta = OfficialDiT(scheme="pre", **TINY, device="meta")                # a dry run's build
+    meta.to_empty(device="cpu")
+    torch.manual_seed(4)
+    meta.initialize_weights()
+    assert all(torch.equal(a, b) for a, b in zip(meta.state_dict().values(),
+                                                 model.state_dict().values(), strict=True))
 
 
 def test_deepnorm_gain_goes_on_v_of_the_fused_qkv_and_on_proj_not_on_q_and_k():
@@ -662,6 +668,7 @@ def test_train_py_and_sample_py_run_unchanged(one_process_group):
     latent, classes = 16, 10
     model = DiT_models["DiT-S/8"](input_size=latent, num_classes=classes)
     ema = copy.deepcopy(model)
+    assert all(block._scheme is ema.scheme for block in ema.blocks)      # each copy runs its own
     for p in ema.parameters():
         p.requires_grad = False
     model = DDP(model)
