@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention
 from ..nn.mlp import GELUMLP
 from ..nn.norms import build_norm
-from ..schemes.base import Branch
+from ..schemes.base import Branch, ResidualScheme
 from .dit_config import DIT_SIZES, DiTConfig
 from .host import (
     BranchWeight,
@@ -214,7 +214,7 @@ class DiT(ResidualStack, SchemeHost):
             self._build(scheme, self._build_sublayers(scheme, kw), kw)
         self.reset_parameters()
 
-    def _build_sublayers(self, scheme, kw: dict) -> nn.ModuleList:
+    def _build_sublayers(self, scheme: ResidualScheme, kw: dict) -> nn.ModuleList:
         """Attention and MLP of every block, the scheme's requirements honoured."""
         cfg = self.config
         return build_sublayers(
@@ -226,7 +226,7 @@ class DiT(ResidualStack, SchemeHost):
             lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
 
     # ---- the module tree: OfficialDiT builds the official one around the same computation ----
-    def _build(self, scheme, sublayers: nn.ModuleList, kw: dict) -> None:
+    def _build(self, scheme: ResidualScheme, sublayers: nn.ModuleList, kw: dict) -> None:
         """Register the modules, in this order (the order of the state dict and of the init)."""
         cfg = self.config
         self.scheme = scheme
