@@ -225,3 +225,11 @@ def test_trainer_trains_a_tiny_model(scheme, tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) >= 4
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_the_config_reports_the_head_size_a_static_cache_needs():
+    """transformers sizes a static KV cache by ``config.head_dim``: a head size of its own counts."""
+    from siamesenorm.hf import SiameseNormConfig
+
+    assert SiameseNormConfig(dim=64, n_heads=4, head_size=32).head_dim == 32
+    assert SiameseNormConfig(dim=64, n_heads=4).head_dim == 16

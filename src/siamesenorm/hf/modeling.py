@@ -77,7 +77,7 @@ class SiameseNormConfig(BaseConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @classmethod
     def from_lm_config(cls, config: LMConfig, **kwargs: Any) -> SiameseNormConfig:
