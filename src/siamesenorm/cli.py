@@ -314,13 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to add (default 200; prompt and continuation must fit the context)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="sampling temperature: lower is more conservative (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K most likely tokens only (default: all)")
     p.add_argument("--greedy", action="store_true", help="take the most likely token every step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("analyze", help="the paper's diagnostics on a trained run: layer pruning, "
@@ -330,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default: the run's validation split)")
     p.add_argument("--batches", type=int, default=None,
                    help="batches of the run's batch_size x seq_len (default: analysis.batches)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--out", default=None, help="where analysis.json and analysis/ go (default RUN_DIR)")
     p.set_defaults(func=_cmd_analyze)
 
@@ -338,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "single-process or sharded) as one .safetensors file, or a "
                                       "language-model run as a Hugging Face model folder")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors|DIR")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors|DIR",
+                   help="the weights file (--format safetensors) or the model folder (--format hf)")
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors (default): one weights file; hf: a folder that transformers' "
                         "from_pretrained and pipeline load (config, weights, tokenizer, model card, "
