@@ -44,6 +44,18 @@ def test_a_user_error_ends_the_process_with_status_2_and_one_line():
     assert "unknown scheme 'siamse'" in out.stderr
 
 
+def test_presets_lists_every_packaged_preset_with_its_task_and_header():
+    from siamesenorm.config import PRESET_DIR
+
+    out = run("presets")
+    assert out.returncode == 0
+    rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:] if line.strip()
+            and not line.startswith("Each")}
+    assert set(rows) == {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    assert (rows["tiny"], rows["vit-digits"], rows["dit-digits"]) == ("lm", "vit", "dit")
+    assert "The default comparison" in out.stdout and "presets" in run("--help").stdout
+
+
 def test_schemes_table_lists_every_scheme_with_its_paper():
     out = run("schemes")
     assert out.returncode == 0

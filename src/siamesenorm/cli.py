@@ -48,6 +48,26 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from .config import PRESET_DIR, read_preset
+
+    rows = []
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        data = read_preset(path.stem)
+        head = next((line[1:].strip() for line in path.read_text(encoding="utf-8").splitlines()
+                     if line.startswith("#") and line[1:].strip()), "")
+        head = head.removeprefix(f"{path.stem}:").strip()
+        rows.append((path.stem, data.get("task", "lm"), head))
+    w = max(len(r[0]) for r in rows)
+    print(f"{'preset':<{w}}  task  about")
+    for name, task, head in rows:
+        text = head if len(head) <= 88 else head[:85] + "..."
+        print(f"{name:<{w}}  {task:<4}  {text}")
+    print(f"\nEach file's header says more ({PRESET_DIR}/NAME.yaml). `siamesenorm train PRESET` trains "
+          "one run of it, `siamesenorm compare PRESET` its grid of schemes, learning rates and seeds.")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .config import check_seed
     from .demo import run_demo
@@ -271,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schemes", help="list the residual schemes with their equation and paper")
     p.add_argument("-v", "--verbose", action="store_true", help="also list each scheme's options")
     p.set_defaults(func=_cmd_schemes)
+
+    p = sub.add_parser("presets", help="list the packaged presets (train or compare PRESET)")
+    p.set_defaults(func=_cmd_presets)
 
     p = sub.add_parser("train", help="train one model into a run directory")
     p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
