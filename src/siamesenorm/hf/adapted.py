@@ -36,6 +36,7 @@ from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.attention import HEAD_NORMED, HeadNormedAttention, head_norm, head_norm_name
+from ..nn.legacy import LegacyStateNames
 from ..nn.norms import LayerNorm
 from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword, load_legacy_names
@@ -170,6 +171,26 @@ def _mark_initialised(module: nn.Module) -> None:
     """Keep transformers' ``post_init`` from initialising these modules again."""
     for m in module.modules():
         m._is_hf_initialized = True
+
+
+class _SchemeStack(LegacyStateNames, ResidualStack):
+    """The :class:`ResidualStack` of an adapted model with its scheme registered as
+    ``residual_norm``: a name transformers' ``Trainer`` takes for a norm, so that it weight-decays
+    none of the scheme's parameters (norms, gains, stream mixes). ``scheme`` reads it still;
+    checkpoints that named it ``scheme`` load."""
+
+    legacy_state_names = {"scheme.": "residual_norm."}
+
+    @property
+    def scheme(self) -> ResidualScheme:
+        return self._modules["residual_norm"]
+
+
+def _scheme_stack(scheme: ResidualScheme, sublayers: list[nn.Module]) -> ResidualStack:
+    stack = ResidualStack(scheme, sublayers)
+    stack._modules["residual_norm"] = stack._modules.pop("scheme")
+    stack.__class__ = _SchemeStack
+    return stack
 
 
 # ---- the base model ------------------------------------------------------------------------------
@@ -315,7 +336,7 @@ class _SchemeCausalLM(SchemeCheckpointing):
                                          device=ref.device, dtype=ref.dtype)
                     attn.add_module(head_norm_name(name), per_head)
             sublayers += [attn, _own_tree(layer.mlp, config)]
-        stack = ResidualStack(scheme, sublayers)
+        stack = _scheme_stack(scheme, sublayers)
         if not meta:              # initialised already: the family's or the scheme's own values
             for module in (stack, src_model.embed_tokens, src_model.rotary_emb, lm_head):
                 _mark_initialised(module)
@@ -342,7 +363,7 @@ class _SchemeCausalLM(SchemeCheckpointing):
 
     @property
     def scheme(self) -> ResidualScheme:
-        """The residual scheme (``model.stack.scheme``)."""
+        """The residual scheme (``model.stack.scheme``, registered as ``model.stack.residual_norm``)."""
         return self.model.stack.scheme
 
 

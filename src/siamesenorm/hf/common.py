@@ -62,23 +62,19 @@ def load_legacy_names(model: Any) -> None:
     """Let ``from_pretrained`` of ``type(model)`` read the names of an earlier layout: every
     ``legacy_state_names`` (old -> new, under a module path) that a class of its modules declares
     becomes a transformers 5 renaming of the checkpoint's keys on loading; saving writes the new
-    names. Registered once per class."""
+    names. Registered per class, growing with the modules its instances have."""
     try:
-        from transformers.conversion_mapping import (
-            USER_REGISTERED_MAPPINGS,
-            register_checkpoint_conversion_mapping,
-        )
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:                 # pragma: no cover - transformers before 5.2
         return
     name = type(model).__name__
-    if name in USER_REGISTERED_MAPPINGS:
+    known = _LEGACY_NAMES.setdefault(name, {})
+    found = {old: new for module in model.modules()
+             for old, new in getattr(type(module), "legacy_state_names", {}).items()}
+    if not found.keys() - known.keys():
         return
-    renames = {}
-    for module in model.modules():
-        renames.update(getattr(type(module), "legacy_state_names", {}))
-    if not renames:
-        return
+    known.update(found)
 
     class LoadOnlyRenaming(WeightRenaming):
         __slots__ = ()
@@ -88,4 +84,7 @@ def load_legacy_names(model: Any) -> None:
 
     register_checkpoint_conversion_mapping(name, [
         LoadOnlyRenaming(source_patterns=r"\." + re.escape(old), target_patterns="." + new)
-        for old, new in renames.items()], overwrite=True)
+        for old, new in known.items()], overwrite=True)
+
+
+_LEGACY_NAMES: dict[str, dict[str, str]] = {}      # class name -> the renamings registered for it

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from .fused import _autocast_on, fused_enabled, norm_value, recomputed_inputs
+from .legacy import LegacyStateNames
 from .norms import build_norm
 from .rope import RotaryEmbedding
 from .value_residual import VALUE_RESIDUAL_MIXES, FirstValues, ValueMix
@@ -100,7 +101,7 @@ class _NormedProjection:
         return norm_heads(self.norm, self.proj(x), self.head_dim).flatten(-2)
 
 
-class HeadNormedAttention:
+class HeadNormedAttention(LegacyStateNames):
     """Mixed in before another model's attention class whose forward calls ``self.q_proj(x)``,
     ``self.k_proj(x)``, ``self.v_proj(x)`` (a Hugging Face family's): QKV-norm without touching
     that code. The projections stay the model's own modules under their own names (so PEFT can
@@ -127,14 +128,6 @@ class HeadNormedAttention:
     # the earlier layout's state names (a wrapper module per projection) -> these
     legacy_state_names = {**{f"{p}.proj.": f"{p}." for p in HEAD_NORMED},
                           **{f"{p}.norm.": f"{head_norm_name(p)}." for p in HEAD_NORMED}}
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            for old, new in self.legacy_state_names.items():
-                if key.startswith(prefix + old):
-                    state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
-                    break
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
