@@ -56,6 +56,12 @@ def test_presets_lists_every_packaged_preset_with_its_task_and_header():
     assert "The default comparison" in out.stdout and "presets" in run("--help").stdout
 
 
+def test_train_and_compare_without_a_preset_use_the_same_one():
+    """``train`` with no preset trained the built-in 6 x 256 model, ``compare`` the default preset."""
+    out = run("train", "--dry-run")
+    assert out.returncode == 0 and out.stdout.startswith("dry run of default: task lm, pre, 12 layers x 64")
+
+
 def test_schemes_table_lists_every_scheme_with_its_paper():
     out = run("schemes")
     assert out.returncode == 0

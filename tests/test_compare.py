@@ -284,10 +284,10 @@ def test_read_runs_takes_the_object_and_the_older_list(tmp_path):
 def test_default_comparison_trains_every_cell_with_at_least_two_seeds():
     """`siamesenorm compare` with no arguments must give every (scheme, learning rate) cell at least
     two seeds, so that its table can show an interval (checked on the grid it builds, not by timing)."""
-    from siamesenorm.cli import DEFAULT_COMPARE_PRESET
+    from siamesenorm.cli import DEFAULT_PRESET
     from siamesenorm.experiments.grid import build_grid
 
-    _, spec, cells = build_grid(DEFAULT_COMPARE_PRESET, [])
+    _, spec, cells = build_grid(DEFAULT_PRESET, [])
     per_cell: dict = {}
     for cell in cells:
         per_cell.setdefault((cell.variant.label, cell.lr), set()).add(cell.seed)

@@ -193,7 +193,8 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
     res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
     final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
-    assert res.stdout.strip().splitlines() == [f"{run_dir}: 4 steps, final val loss {final:.4f}"]
+    assert res.stdout.strip().splitlines() == [
+        f"{run_dir}: 4 steps (2 processes), final val loss {final:.4f}"]
     assert (run_dir / "checkpoints" / "last" / "dcp" / ".metadata").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == \
         sorted([".siamesenorm-run.json", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb",

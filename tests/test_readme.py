@@ -71,7 +71,7 @@ def _readme_commands() -> list[list[str]]:
 @pytest.mark.parametrize("argv", _readme_commands(), ids=lambda a: " ".join(a)[:60])
 def test_readme_commands_parse_and_their_configs_load(argv):
     """The README's commands are accepted as written: arguments, presets, overrides and grids."""
-    from siamesenorm.cli import DEFAULT_COMPARE_PRESET, _split_preset, build_parser
+    from siamesenorm.cli import DEFAULT_PRESET, _split_preset, build_parser
     from siamesenorm.experiments import build_grid
     from siamesenorm.tasks import load_config
 
@@ -82,7 +82,7 @@ def test_readme_commands_parse_and_their_configs_load(argv):
         preset, overrides = _split_preset(args.args)
         schemes = args.schemes.split(",") if args.schemes else None
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else None
-        build_grid(preset or DEFAULT_COMPARE_PRESET, overrides, schemes=schemes, lrs=lrs)
+        build_grid(preset or DEFAULT_PRESET, overrides, schemes=schemes, lrs=lrs)
 
 
 def test_readme_shows_the_main_commands():

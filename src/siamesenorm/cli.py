@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from .errors import RankFailed, Terminated, UserError, environment_problem
 
-DEFAULT_COMPARE_PRESET = "default"  # configs/default.yaml: the README's main job
+DEFAULT_PRESET = "default"  # configs/default.yaml: the README's main job, and train's preset
 
 
 # What works with every scheme, for `schemes -v`: the norm kinds and the model's own options.
@@ -99,13 +99,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise UserError("--dry-run sizes a new run from a preset and overrides; drop --resume")
         from .tasks.dryrun import dry_run, format_dry_run
 
-        print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset or ""))
+        preset = preset or DEFAULT_PRESET
+        print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset))
         return 0
     if args.resume and (preset or overrides):
         raise UserError("--resume takes the run's own config.yaml; give no preset or overrides")
     if args.allow_data_change and not args.resume:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
-    cfg = None if args.resume else load_config(preset, overrides)
+    cfg = None if args.resume else load_config(preset or DEFAULT_PRESET, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
 
@@ -120,7 +121,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"stalled: zero gradient from step {summary['stalled_at']} on" if summary.get("stalled") \
         else f"{summary['steps']} steps"
     val = summary.get("final_val_loss")
-    print(f"{args.out}: {state}, final val loss {val if val is None else f'{val:.4f}'}")
+    spread = f" ({args.nproc} processes)" if args.nproc is not None and args.nproc > 1 else ""
+    print(f"{args.out}: {state}{spread}, final val loss {val if val is None else f'{val:.4f}'}")
     return 0
 
 
@@ -151,7 +153,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)
-    compare(preset or DEFAULT_COMPARE_PRESET, overrides, args.out,
+    compare(preset or DEFAULT_PRESET, overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
             seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc,
             jobs=args.jobs)
@@ -297,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model into a run directory")
     p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
-                   help="a preset name or YAML file, then dotted overrides (model.n_layers=12)")
+                   help=f"a preset name or YAML file (default: {DEFAULT_PRESET}, as compare's; "
+                        "`siamesenorm presets` lists them), then dotted overrides (model.n_layers=12)")
     p.add_argument("--out", default="runs/run", help="run directory (default runs/run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--allow-data-change", action="store_true",
@@ -313,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="train several schemes (x learning rates x seeds) side by "
                                        "side and write summary.csv, summary.json and report.md")
     p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
-                   help=f"a preset name or YAML file (default: {DEFAULT_COMPARE_PRESET}, pre/post/siamese "
+                   help=f"a preset name or YAML file (default: {DEFAULT_PRESET}, pre/post/siamese "
                         "at 12 layers, two learning rates, three seeds, ~5 min on 2 CPU cores), then "
                         "overrides")
     p.add_argument("--schemes", default=None,
