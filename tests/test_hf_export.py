@@ -22,6 +22,7 @@ from siamesenorm.cli import main  # noqa: E402
 from siamesenorm.config import dump_config  # noqa: E402
 from siamesenorm.data import ByteTokenizer, load_tokenizer  # noqa: E402
 from siamesenorm.hf import export as hx  # noqa: E402
+from siamesenorm.hf import vendoring as hv  # noqa: E402
 from siamesenorm.tasks import load_config  # noqa: E402
 from siamesenorm.tasks.finished import load_trained  # noqa: E402
 
@@ -208,7 +209,7 @@ def test_the_bpe_tokenizer_is_wrapped_as_trained(runs):
 
 # ---- the vendored code --------------------------------------------------------------------------
 def test_the_vendored_modules_are_the_model_closure_and_need_only_torch_and_transformers(tmp_path):
-    files = hx.vendored_modules()
+    files = hv.vendored_modules()
     assert {"__init__.py", "hf/modeling.py", "models/lm.py", "nn/attention.py",
             "schemes/siamese.py"} <= set(files)
     assert not any(p.split("/")[0] in ("tasks", "train", "data", "analysis", "parallel") for p in files)
@@ -221,7 +222,7 @@ def test_the_vendored_modules_are_the_model_closure_and_need_only_torch_and_tran
     assert mhc.sinkhorn_kernel_runs.__module__.endswith("kernels.sinkhorn")
     assert files["hf/__init__.py"].count("\n") == 1                   # registers nothing
     path = tmp_path / hx.MODELING_FILE
-    path.write_text(hx.modeling_source())
+    path.write_text(hv.modeling_source())
     assert set(transformers.dynamic_module_utils.get_imports(path)) <= \
         set(sys.stdlib_module_names) | {"torch", "transformers"}
     text = path.read_text()
@@ -231,10 +232,10 @@ def test_the_vendored_modules_are_the_model_closure_and_need_only_torch_and_tran
     namespace: dict = {}
     exec(text[start:text.index("\n\n\n", start)], namespace)
     for source in ("a\\nb\n", "x = '''q'''\n", "ends\\", "ends'", "from .x import y\n", "\r\n", ""):
-        assert namespace["_source"](eval(hx._literal(source))) == source
+        assert namespace["_source"](eval(hv._literal(source))) == source
     with pytest.raises(RuntimeError, match="requests"):
-        hx._check_third_party("x.py", "import os\nimport requests.adapters\n")
-    hx._check_third_party("x.py", "import torch\ntry:\n    import requests\nexcept ImportError:\n    pass\n")
+        hv._check_third_party("x.py", "import os\nimport requests.adapters\n")
+    hv._check_third_party("x.py", "import torch\ntry:\n    import requests\nexcept ImportError:\n    pass\n")
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ LAYERS = [
     {"schemes", "config"},
     {"models"},
     # hf's decoder families with any scheme: below the tasks, which build them (model.family)
-    {"diffusion", "eval", "hf.families", "hf.common", "hf.adapted", "hf.family_lm"},
+    {"diffusion", "eval", "hf.families", "hf.common", "hf.adapted", "hf.family_lm", "hf.standalone",
+     "hf.vendoring"},
     {"analysis"},               # a library below the tasks and the engine
     {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
     {"train"},

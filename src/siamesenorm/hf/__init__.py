@@ -7,6 +7,8 @@ as a ``PreTrainedModel`` (:mod:`.modeling`), registered with ``AutoConfig``, ``A
     model = AutoModelForCausalLM.from_config(siamesenorm.hf.SiameseNormConfig(scheme="siamese"))
 
 :func:`adapt` (:mod:`.adapted`) gives a decoder family of :data:`.families.FAMILIES` any scheme;
+its model types (``siamesenorm_qwen3``, ...) are registered too, and :func:`save` writes such a
+model as a folder that loads without siamesenorm (:mod:`.standalone`);
 ``model.family`` makes one the language model of our commands (:mod:`.family_lm`); :mod:`.export`
 writes a run as a folder ``from_pretrained`` loads (docs/own_model.md). Without transformers this
 package still imports (``model.family`` is checked through :mod:`.families`); its names raise the
@@ -23,16 +25,18 @@ else:
     _MISSING = None
 
 __all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM",
-           "adapt", "adapt_from_pretrained"]
+           "adapt", "adapt_from_pretrained", "save"]
 
 if _MISSING is None:
-    from .adapted import adapt, adapt_from_pretrained
+    from .adapted import adapt, adapt_from_pretrained, adapted_class, capture_outputs
     from .modeling import (
         MODEL_TYPE,
         SiameseNormCausalLMOutput,
         SiameseNormConfig,
         SiameseNormForCausalLM,
     )
+    from .saving import save
+    from .standalone import register_families
 
     def _register() -> None:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -40,6 +44,8 @@ if _MISSING is None:
         AutoConfig.register(MODEL_TYPE, SiameseNormConfig, exist_ok=True)
         AutoModel.register(SiameseNormConfig, SiameseNormForCausalLM, exist_ok=True)
         AutoModelForCausalLM.register(SiameseNormConfig, SiameseNormForCausalLM, exist_ok=True)
+        if capture_outputs is not None:       # adapted families (siamesenorm_qwen3, ...): transformers 5
+            register_families(adapted_class)
 
     _register()
 

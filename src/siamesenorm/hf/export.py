@@ -4,24 +4,21 @@ model folder that ``from_pretrained`` loads with transformers alone.
 The folder holds ``config.json`` (with ``auto_map``), ``model.safetensors``,
 ``generation_config.json``, the run's tokenizer as a transformers fast tokenizer (bytes become a
 merge-free byte-level BPE with the same ids; the end and padding token is the NUL byte's),
-``modeling_siamesenorm.py`` and a model card ``README.md``. The modelling file is generated: it
-vendors :mod:`siamesenorm.hf.modeling` and its relative imports as ``|``-prefixed string literals
-served under a private package name, so an installed siamesenorm is never touched and its
-top-level imports are only the standard library, torch and transformers. The folder is written
+``modeling_siamesenorm.py`` and a model card ``README.md``. The modelling file is generated
+(:mod:`.vendoring`): it vendors :mod:`siamesenorm.hf.modeling` (a family run's: its adapted
+class, :mod:`.standalone`) and its relative imports, so that siamesenorm need not be installed
+where it loads, and an installed one is never touched. The folder is written
 under a temporary name and renamed at the end (``--force`` replaces one only then). What each file
 holds and why: docs/own_model.md, "The exported folder".
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import datetime
-import hashlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,18 +29,11 @@ from ..rundir import RunDir, check_out_dir, library_os_error
 from ..shapes import read_summary
 from ..tasks.finished import open_trained
 from ..tasks.registry import TASKS, get_task, saved_config
+from .standalone import MODELING_FILE
+from .vendoring import modeling_source
 
-__all__ = ["MODELING_FILE", "VENDOR_ALLOWED", "byte_level_backend", "export_hf", "hf_tokenizer",
-           "modeling_source", "vendored_modules"]
+__all__ = ["MODELING_FILE", "byte_level_backend", "export_hf", "hf_tokenizer", "modeling_source"]
 
-MODELING_FILE = "modeling_siamesenorm.py"
-# The third-party packages a vendored module may import at top level: torch, and what transformers
-# itself depends on. Anything else must be imported where it is used.
-VENDOR_ALLOWED = frozenset({"torch", "numpy", "yaml", "safetensors", "transformers"})
-# Not vendored: the Triton kernels (the exported model runs the PyTorch path; its modules import
-# them under ``try``). Vendored, they would register our custom ops a second time in a process that
-# has siamesenorm too.
-NOT_VENDORED = ("kernels",)
 _AUTO_MAP = {"AutoConfig": "SiameseNormConfig", "AutoModel": "SiameseNormForCausalLM",
              "AutoModelForCausalLM": "SiameseNormForCausalLM"}
 _END_BYTE = 0       # the NUL byte: the end and padding token of an exported tokenizer
@@ -136,24 +126,19 @@ def _run_tokenizer(run_dir: Path):
 
 def _write_family_folder(folder: Path, model, cfg, tokenizer) -> None:
     """As :func:`_write_folder` for a run of a transformers family (``model.family``): the adapted
-    family model as it saves itself (its family's config with ``siamesenorm``: the scheme), and
-    modelling code that builds the adapted class of that family."""
+    family model as it saves itself (:mod:`.standalone`: its family's config under our model type,
+    ``siamesenorm`` the scheme, and its modelling code)."""
     from transformers import GenerationConfig
 
     adapted = model.hf
-    name = type(adapted).__name__
     hf_tok = hf_tokenizer(tokenizer, cfg.model.max_seq_len) if tokenizer is not None else None
     end = hf_tok.eos_token_id if hf_tok is not None else None
     adapted.config.eos_token_id = adapted.config.pad_token_id = end
     adapted.config.use_cache = True
-    adapted.config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{name}"
-                               for auto in ("AutoModel", "AutoModelForCausalLM")}
     adapted.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
     with _quiet_progress():
-        adapted.save_pretrained(folder)
+        adapted.save_pretrained(folder)         # with its modelling code (hf.standalone)
     _save_tokenizer(folder, hf_tok)
-    tail = _FAMILY_TAIL.format(name=name, model_type=adapted.config.model_type)
-    (folder / MODELING_FILE).write_text(modeling_source(root="hf.adapted", tail=tail), encoding="utf-8")
 
 
 def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
@@ -247,210 +232,6 @@ def hf_tokenizer(tokenizer, max_seq_len: int):
                                    model_max_length=max_seq_len, **special)
 
 
-# ---- the modelling file ------------------------------------------------------------------------
-def vendored_modules(root: str = "hf.modeling") -> dict[str, str]:
-    """The package files ``root`` (a module of this package, relative) needs, path (relative to
-    the package, ``nn/attention.py``) -> source: the closure of every relative import (at any depth
-    of a module, since one inside a function runs later), with the ``__init__.py`` of each package
-    on the way, but for :data:`NOT_VENDORED`. ``hf/__init__.py`` is an empty stand-in. A vendored
-    module importing at top level a third-party package outside :data:`VENDOR_ALLOWED` is a bug
-    here (``RuntimeError``)."""
-    package = Path(__file__).resolve().parents[1]
-    files: dict[str, str] = {}
-    todo = [tuple(root.split("."))]
-    while todo:
-        parts = todo.pop()
-        if parts[:1] == NOT_VENDORED:
-            continue
-        for k in range(len(parts) + 1):            # the module and every package above it
-            path = _module_file(package, parts[:k])
-            if path is None or path in files:
-                continue
-            is_pkg = path.endswith("__init__.py")
-            source = (package / path).read_text(encoding="utf-8")
-            files[path] = source
-            todo += _relative_imports(source, parts[:k] if is_pkg else parts[:k - 1], package)
-            _check_third_party(path, source)
-    files["hf/__init__.py"] = ('"""siamesenorm.hf as exported: the modelling code alone, registered '
-                               'with no Auto class."""\n')
-    return dict(sorted(files.items()))
-
-
-def _module_file(package: Path, parts: tuple[str, ...]) -> str | None:
-    """The file of the module ``parts`` (relative to the package), or ``None`` if it is none."""
-    base = "/".join(parts)
-    for candidate in (f"{base}/__init__.py" if base else "__init__.py", f"{base}.py"):
-        if (package / candidate).is_file():
-            return candidate
-    return None
-
-
-def _relative_imports(source: str, pkg: tuple[str, ...], package: Path) -> list[tuple[str, ...]]:
-    """The modules (as parts) that the relative imports of ``source`` name, ``pkg`` being the
-    package its relative imports start from; ``from .x import y`` names ``x.y`` when that is a
-    module."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = pkg[:len(pkg) - (node.level - 1)] + (tuple(node.module.split(".")) if node.module else ())
-            found.append(base)
-            found += [base + (a.name,) for a in node.names if _module_file(package, base + (a.name,))]
-    return found
-
-
-def _check_third_party(path: str, source: str) -> None:
-    for node in ast.parse(source).body:
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
-        for name in names:
-            top = name.split(".")[0]
-            if top not in sys.stdlib_module_names and top not in VENDOR_ALLOWED:
-                raise RuntimeError(f"{path} imports {name} at top level: the exported modelling code "
-                                   f"may import only the standard library and {sorted(VENDOR_ALLOWED)}")
-
-
-def modeling_source(date: datetime.date | None = None, *, root: str = "hf.modeling",
-                    tail: str | None = None) -> str:
-    """The text of ``modeling_siamesenorm.py`` (see the module docstring), dated ``date``
-    (default today): the modules ``root`` needs, then ``tail`` (default: our model's two classes;
-    a family run's names its adapted class, :data:`_FAMILY_TAIL`)."""
-    files = vendored_modules(root)
-    blob = json.dumps(files, sort_keys=True).encode("utf-8")
-    package = "_siamesenorm_export_" + hashlib.sha256(blob).hexdigest()[:12]
-    sources = "\n".join(f"_SOURCES[{path!r}] = {_literal(source)}\n" for path, source in files.items())
-    listing = "\n".join(f"    siamesenorm/{path}" for path in files)
-    text = _MODELING_TEMPLATE.format(version=__version__, date=(date or datetime.date.today()).isoformat(),
-                                     n=len(files), listing=listing, package=package, sources=sources)
-    return text if tail is None else text[:text.index(_OWN_TAIL)] + tail
-
-
-def _literal(source: str) -> str:
-    """``source`` as a Python string literal that shows it as it is, each line behind a ``|``
-    (transformers scans a remote file's lines for imports, and would take the vendored modules'
-    ``from .x import y`` for files to fetch); the generated file's ``_source`` undoes it. A raw
-    triple-quoted string, or ``repr`` when the source holds what such a string cannot."""
-    text = "\n|" + source.replace("\n", "\n|")
-    quotes = "'" * 3
-    if quotes not in text and not text.endswith(("\\", "'")) and "\r" not in text:
-        return "r" + quotes + text + quotes
-    return repr(text)
-
-
-# The generated file. ``{...}`` are filled by :func:`modeling_source`; ``{{`` and ``}}`` are braces.
-_MODELING_TEMPLATE = '''\
-"""Generated by `siamesenorm export --format hf` (siamesenorm {version}, {date}). Do not edit.
-
-The modelling code of this model folder, for transformers' trust_remote_code=True: config.json's
-auto_map names SiameseNormConfig and SiameseNormForCausalLM, defined at the end of this file.
-
-It contains the source of the {n} modules of the siamesenorm package that the model needs (listed
-below; siamesenorm/hf/modeling.py defines the two classes), as they are, in _SOURCES (path ->
-source) below, so that what trust_remote_code runs can be read here; each of their lines starts with
-a "|", which _source() removes (transformers reads a remote file's import lines, and would take
-theirs for this file's own). Importing this file installs an
-importer that serves those modules from memory as the package {package} (a private name: an
-installed siamesenorm is never touched).
-Besides the standard library they need torch and transformers (and numpy, PyYAML and safetensors,
-which transformers brings). Tracebacks name the vendored files as modeling_siamesenorm.py/<path>.
-
-Modules:
-{listing}
-"""
-
-from __future__ import annotations
-
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-
-import torch  # noqa: F401  (checked by transformers before this file runs)
-import transformers  # noqa: F401
-
-_PACKAGE = "{package}"
-_SOURCES = {{}}
-
-# ---- the vendored modules, path -> source (the code of siamesenorm {version}) ----
-{sources}
-# ---- end of the vendored modules ----
-
-
-class _VendoredPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds and loads the modules of one package from a dict ``path -> source`` in memory."""
-
-    def __init__(self, package, files):
-        self.package, self.files = package, files
-
-    def _path(self, fullname):
-        if fullname == self.package:
-            return "__init__.py"
-        if not fullname.startswith(self.package + "."):
-            return None
-        base = fullname[len(self.package) + 1:].replace(".", "/")
-        for path in (base + "/__init__.py", base + ".py"):
-            if path in self.files:
-                return path
-        return None
-
-    def find_spec(self, fullname, path=None, target=None):
-        found = self._path(fullname)
-        if found is None:
-            return None
-        return importlib.util.spec_from_loader(fullname, self, origin=self._origin(found),
-                                               is_package=found.endswith("__init__.py"))
-
-    def _origin(self, path):
-        return __file__ + "/" + path
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        path = self._path(module.__name__)
-        module.__file__ = self._origin(path)
-        code = compile(self.files[path], module.__file__, "exec", dont_inherit=True)
-        exec(code, module.__dict__)
-
-    def get_source(self, fullname):
-        path = self._path(fullname)
-        return None if path is None else self.files[path]
-
-
-def _install():
-    """The package's importer, installed once per process (this file may be executed again)."""
-    for finder in sys.meta_path:
-        if isinstance(getattr(finder, "package", None), str) and finder.package == _PACKAGE:
-            return
-    files = {{path: _source(text) for path, text in _SOURCES.items()}}
-    sys.meta_path.insert(0, _VendoredPackage(_PACKAGE, files))
-
-
-def _source(text):
-    """A vendored module's source from its entry in _SOURCES (a newline, then each line behind "|")."""
-    return text[2:].replace("\\n|", "\\n")
-
-
-_install()
-# ---- the classes ----
-_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")
-
-
-class SiameseNormConfig(_modeling.SiameseNormConfig):
-    """The configuration of a siamesenorm language model (siamesenorm.hf.SiameseNormConfig)."""
-
-    model_type = _modeling.MODEL_TYPE
-
-    def __init__(self, **kwargs):       # its own __init__: transformers keeps it (not a dataclass's)
-        super().__init__(**kwargs)
-
-
-class SiameseNormForCausalLM(_modeling.SiameseNormForCausalLM):
-    """A siamesenorm language model, any scheme (siamesenorm.hf.SiameseNormForCausalLM)."""
-
-    config_class = SiameseNormConfig
-'''
-
-
 # ---- the model card ----------------------------------------------------------------------------
 def model_card(cfg, info: dict[str, Any], summary: dict[str, Any] | None, name: str) -> str:
     """The folder's README.md: what the model is, what it was trained on, how it did, how to load
@@ -531,17 +312,3 @@ def _training_lines(cfg, summary: dict[str, Any] | None) -> list[str]:
     if summary.get("diverged"):
         lines.append(f"- The run diverged at step {summary.get('diverged_at')}.")
     return lines
-
-
-# Where the generated file's class definitions start (a family run's file replaces them).
-_OWN_TAIL = '_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")'
-
-# The classes of a family run's file: the family's adapted causal LM (siamesenorm.hf.adapt), which
-# builds the scheme that config.json's "siamesenorm" entry names.
-_FAMILY_TAIL = '''_adapt = importlib.import_module(_PACKAGE + ".hf.adapted")
-
-
-class {name}(_adapt.adapted_class("{model_type}")):
-    """transformers' {model_type} causal LM with the residual scheme config.json's "siamesenorm"
-    entry names (siamesenorm.hf.adapt)."""
-'''

@@ -1,0 +1,112 @@
+"""``siamesenorm.hf.save(model, folder, tokenizer=None)``: a model from :func:`~.adapt`, trained or
+not, as a self-contained Hugging Face model folder in one call.
+
+The folder holds what ``model.save_pretrained`` writes (config.json under the model type
+``siamesenorm_<family>`` with its ``auto_map``, the weights, generation_config.json,
+``modeling_siamesenorm.py``; :mod:`.standalone`), the tokenizer's files when one is given, and a
+model card ``README.md``. It is written under a temporary name and renamed at the end; a folder
+that is not empty is replaced only with ``force=True``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import UserError
+from ..rundir import check_out_dir, library_os_error
+from .standalone import MODELING_FILE, SavesItsCode, family_of
+
+__all__ = ["save"]
+
+
+def save(model: Any, folder: str | os.PathLike, tokenizer: Any = None, *, force: bool = False) -> Path:
+    """Write the adapted model ``model`` (and ``tokenizer``, a transformers tokenizer, when given)
+    as the folder ``folder``, which then loads with ``AutoModelForCausalLM.from_pretrained(folder,
+    trust_remote_code=True)`` where siamesenorm is not installed; returns the folder. The model
+    takes the folder's path as its name (a PEFT adapter made on it later points there).
+
+    Raises:
+        UserError: ``model`` not adapted (a PEFT model: merge or save the adapter), a tokenizer
+            without ``save_pretrained``, ``folder`` a file, or not empty without ``force``.
+    """
+    from .export import _move_into_place, _quiet_progress
+
+    if not isinstance(model, SavesItsCode):
+        hint = ("merge its adapter first (merge_and_unload()), or save the adapter with its own "
+                "save_pretrained" if hasattr(model, "peft_config") else "build it with siamesenorm.hf.adapt")
+        raise UserError(f"siamesenorm.hf.save takes a model adapted to a scheme; got "
+                        f"{type(model).__name__}: {hint}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise UserError(f"siamesenorm.hf.save: tokenizer must be a transformers tokenizer; got "
+                        f"{type(tokenizer).__name__}")
+    out = Path(folder)
+    check_out_dir(out, "folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"folder {out} is not empty; pass force=True to replace it, or choose another")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        with _quiet_progress():
+            model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(model, out.name, tokenizer is not None), encoding="utf-8")
+        _move_into_place(tmp, out)
+    except Exception as error:      # a full or read-only disk under transformers' writers
+        found = library_os_error(error, out)
+        if found is not None:
+            raise found from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    model.name_or_path = model.config.name_or_path = str(out)
+    return out
+
+
+def model_card(model: Any, name: str, tokenizer: bool) -> str:
+    """The folder's README.md: the family, the scheme and its options, the size, how to load it."""
+    from ..schemes import get_scheme_class
+
+    config, spec = model.config, model.config.siamesenorm
+    scheme = get_scheme_class(spec["scheme"])
+    options = ", ".join(f"{k}={v!r}" for k, v in spec.get("scheme_options", {}).items()) or "the defaults"
+    family = family_of(config.model_type)
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        f"tags: [siamesenorm, {spec['scheme']}, {family}, text-generation]", "---", "",
+        f"# {name}: a {family} model with the `{spec['scheme']}` residual scheme", "",
+        f"Saved by `siamesenorm.hf.save` (siamesenorm {__version__}, {datetime.date.today().isoformat()}): "
+        f"transformers' {family} causal LM whose residual path and norms are the scheme's "
+        "(`siamesenorm.hf.adapt`).", "",
+        "## Model", "",
+        f"- Model type: `{config.model_type}` (the {family} configuration; its `siamesenorm` entry "
+        "names the scheme).",
+        f"- Scheme: `{spec['scheme']}`, {scheme.paper}; options: {options}.",
+        f"- Equation: `{scheme.summary}`",
+        f"- Size: {sum(p.numel() for p in model.parameters()):,} parameters; "
+        f"{config.num_hidden_layers} blocks, width {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}.",
+        "- SiameseNorm: Li et al., ICML 2026, arXiv 2602.08064 (the library this model comes from).",
+        "", "## Use", "",
+        f"The modelling code is in `{MODELING_FILE}` (generated; it holds the siamesenorm modules the "
+        "model needs), so loading needs transformers and torch, not siamesenorm. Without "
+        "`trust_remote_code=True` transformers refuses the folder.", "",
+        "```python", "from transformers import AutoModelForCausalLM, pipeline", "",
+        f'path = "{name}"   # this folder',
+        "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+    ]
+    if tokenizer:
+        lines += ['generate = pipeline("text-generation", model=path, trust_remote_code=True)',
+                  'print(generate("Hello", max_new_tokens=20, do_sample=False)[0]["generated_text"])']
+    lines += ["```", "",
+              "With siamesenorm installed, `import siamesenorm.hf` registers the model type; "
+              "`from_pretrained(path)` then uses the installed code, with or without "
+              "`trust_remote_code`.", ""]
+    return "\n".join(lines)
