@@ -31,16 +31,25 @@ def test_the_model_section_gives_the_family_configuration():
             c.head_dim, c.intermediate_size, c.max_position_embeddings, c.vocab_size) == \
         (32, 2, 2, 1, 16, 48, 32, 256)
     assert c.tie_word_embeddings and c.sliding_window == 16 and c.rms_norm_eps == cfg.model.norm_eps
+    gemma = family_config(load_config("tiny", ["model.family=gemma3_text"]).model)
+    assert isinstance(gemma, transformers.Gemma3TextConfig)
+    assert (gemma.hidden_activation, gemma.query_pre_attn_scalar) == ("gelu_pytorch_tanh", gemma.head_dim)
     moe = family_config(load_config("moe-tiny", ["model.family=qwen3_moe"]).model)
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 64)
 
 
-def test_with_pre_the_family_model_is_the_familys_own():
-    cfg = load_config("tiny", ["model.family=qwen3", "model.scheme=pre"]).model
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "olmo3", "gemma3_text"])
+def test_with_its_native_scheme_the_family_model_is_the_familys_own(family):
+    """``pre`` for Qwen3; OLMo2 and OLMo3 norm the sublayers' outputs (``peri_ln`` without input
+    norms), Gemma3 both sides (``peri_ln``)."""
+    scheme, options = FAMILIES[family].native
+    cfg = load_config("tiny", [f"model.family={family}", f"model.scheme={scheme}",
+                               f"model.scheme_options={json.dumps(dict(options))}"]).model
     torch.manual_seed(0)
     ours = FamilyLM(cfg).eval()
     torch.manual_seed(0)
-    theirs = transformers.Qwen3ForCausalLM(family_config(cfg)).eval()
+    theirs = transformers.AutoModelForCausalLM.from_config(family_config(cfg)).eval()
+    assert type(theirs).__name__ == FAMILIES[family].causal_lm
     x = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-6)
     assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())

@@ -512,12 +512,52 @@ def test_save_pretrained_then_adapt_from_pretrained_round_trips(tmp_path, family
     b = H.adapt_from_pretrained(tmp_path).eval()
     assert type(b) is type(a)
     assert b.config.siamesenorm == {"scheme": scheme, "scheme_options": options}
-    assert b.config.model_type == f"siamesenorm_{family}"
+    assert b.config.model_type == family
     x = ids()
     with torch.no_grad():
         close(b(x).logits, a(x).logits, 0)
     if family == "llama":                              # tied embeddings stay tied
         assert b.lm_head.weight is b.model.embed_tokens.weight
+
+
+_LOAD = r"""
+import json, sys, torch
+import siamesenorm.hf as H
+x, out = torch.tensor(json.loads(sys.argv[1])), {}
+for folder in sys.argv[2:]:
+    model = H.adapt_from_pretrained(folder).eval()
+    with torch.no_grad():
+        out[folder] = [type(model).__name__, model.config.siamesenorm, model(x).logits.tolist()]
+print(json.dumps(out))
+"""
+
+
+def test_olmo2_olmo3_and_gemma3_save_and_load_in_a_fresh_process(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    x = ids()
+    want = {}
+    for family, scheme, options in [("olmo2", "siamese", {}), ("olmo3", "siamese", {"form": "hybrid_pre"}),
+                                    ("gemma3_text", "peri_ln", {})]:
+        a = H.adapt(family_model(family), scheme, **options)
+        with torch.no_grad():
+            for p in a.scheme.parameters():
+                p.normal_(1.0, 0.3)
+            want[str(tmp_path / family)] = (type(a).__name__, a.config.siamesenorm, a(x).logits)
+        a.save_pretrained(tmp_path / family)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = os.environ | {"PYTHONPATH": src, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _LOAD, json.dumps(x.tolist()), *want], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for folder, (cls, spec, logits) in want.items():
+        assert got[folder][:2] == [cls, spec]
+        close(torch.tensor(got[folder][2]), logits, 1e-6)
 
 
 def test_adapt_from_pretrained_refuses_a_plain_family_folder(tmp_path):

@@ -2,7 +2,8 @@
 one table of the supported families and what each needs.
 
 :func:`siamesenorm.hf.adapt` (in :mod:`.adapted`, which needs transformers 5) turns a Llama-,
-Mistral-, Qwen- or OLMo-family model into one whose residual path is a scheme of ours;
+Mistral-, Qwen-, OLMo- (OLMo, OLMoE, OLMo2, OLMo3) or Gemma3-family model into one whose residual
+path is a scheme of ours;
 :mod:`.family_lm` makes such a model a language model of our commands (``model.family`` in a
 run's configuration). This module itself imports no ``transformers``: :func:`check_family` is
 what a configuration is checked with.

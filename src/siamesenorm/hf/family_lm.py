@@ -55,6 +55,8 @@ def family_config(cfg: Any) -> Any:
                       moe_intermediate_size=moe.expert_hidden(cfg.dim))
         if cfg.family == "olmoe":       # OLMoE's experts are intermediate_size wide
             values["intermediate_size"] = moe.expert_hidden(cfg.dim)
+    if family.norm == "gemma":          # q scaled by 1 / sqrt(head_dim) (its MLP: gated GELU)
+        values["query_pre_attn_scalar"] = cfg.head_dim
     values = {k: v for k, v in values.items() if k in accepted or k == "rope_theta"}
     options = dict(cfg.family_options)      # checked with the configuration (check_family)
     attn = options.pop("attn_implementation", "sdpa")

@@ -34,7 +34,7 @@ HOSTS = {"family": ("model.family={family}", "use our model (no model.family)"),
 # What those hosts cannot carry: the one table their refusals come from (LMConfig.check_host).
 UNSUPPORTED = (
     Unsupported("family", "norm", ("rmsnorm", "layernorm"), "the family's own norm class is used"),
-    Unsupported("family", "mlp", ("swiglu",), "it has its own gated SiLU MLP"),
+    Unsupported("family", "mlp", ("swiglu",), "it has its own gated MLP"),
     Unsupported("family", "value_residual", None, "the family's own attention"),
     Unsupported("family", "embed_scale", None, "the family's own embedding"),
     Unsupported("family", "head_size", None, "the family's attention takes head_dim from "
