@@ -512,7 +512,7 @@ def test_save_pretrained_then_adapt_from_pretrained_round_trips(tmp_path, family
     b = H.adapt_from_pretrained(tmp_path).eval()
     assert type(b) is type(a)
     assert b.config.siamesenorm == {"scheme": scheme, "scheme_options": options}
-    assert b.config.model_type == family
+    assert b.config.model_type == f"siamesenorm_{family}"
     x = ids()
     with torch.no_grad():
         close(b(x).logits, a(x).logits, 0)

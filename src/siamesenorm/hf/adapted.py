@@ -41,6 +41,7 @@ from ..nn.norms import LayerNorm
 from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword, load_legacy_names
 from .families import FAMILIES, Family
+from .standalone import SavesItsCode, family_of, scheme_config_class, to_scheme_config
 
 __all__ = ["adapt", "adapt_from_pretrained", "adapted_class"]
 
@@ -291,7 +292,7 @@ def _layer_types(family: Family, config: Any) -> list[str]:
 
 
 # ---- the causal LM -------------------------------------------------------------------------------
-class _SchemeCausalLM(SchemeCheckpointing):
+class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
     """The family's causal LM whose ``model`` is a :class:`_SchemeModel` (mixed into the family's
     ``...ForCausalLM``; see :func:`adapted_class`). Its ``forward`` is the family's."""
 
@@ -378,8 +379,10 @@ def _spec_of(config: Any) -> dict:
 
 def adapted_class(model_type: str) -> type:
     """The adapted causal-LM class of a family (``"qwen3"`` -> ``Qwen3SchemeForCausalLM``), built
-    once; its ``__init__(config)`` reads the scheme from ``config.siamesenorm``."""
+    once (``"siamesenorm_qwen3"`` names it too); its ``__init__(config)`` reads the scheme from
+    ``config.siamesenorm``; its configuration class is :func:`~.standalone.scheme_config_class`'s."""
     _need_transformers5()
+    model_type = family_of(model_type)
     family = _family(model_type)
     if model_type in _CLASSES:
         return _CLASSES[model_type]
@@ -393,12 +396,14 @@ def adapted_class(model_type: str) -> type:
     # what transformers finds by reading a model's source file, as the family's file says
     found = {"_can_set_attn_implementation_cached_value": causal._can_set_attn_implementation(),
              "_can_set_experts_implementation_cached_value": causal._can_set_experts_implementation()}
+    config_class = scheme_config_class(model_type)
     base = type(f"{prefix}SchemeModel", (_SchemeModel, pretrained),
                 {"__module__": __name__, "family": family, "_can_record_outputs": record,
-                 "forward": forward, "__doc__": _SchemeModel.__doc__, **found})
+                 "forward": forward, "__doc__": _SchemeModel.__doc__, "config_class": config_class,
+                 **found})
     lm = type(f"{prefix}SchemeForCausalLM", (_SchemeCausalLM, causal),
               {"__module__": __name__, "_base_class": base, "_family_class": causal,
-               "__doc__": _SchemeCausalLM.__doc__, **found})
+               "__doc__": _SchemeCausalLM.__doc__, "config_class": config_class, **found})
     globals()[base.__name__], globals()[lm.__name__] = base, lm      # importable by name
     _CLASSES[model_type] = lm
     return lm
@@ -435,7 +440,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
     else:
         raise TypeError(f"adapt takes a transformers configuration or causal LM, got "
                         f"{type(config_or_model).__name__}")
-    family = _family(getattr(config, "model_type", None))
+    family = _family(family_of(getattr(config, "model_type", None)))
     cls = adapted_class(config.model_type)
     if source is not None and not isinstance(source, cls._family_class):
         raise UserError(f"adapt takes a {family.causal_lm} (or its configuration); got "
@@ -447,6 +452,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
     # every check of the scheme and its options (one-line UserErrors), on the meta device
     build_scheme(scheme, config.hidden_size, config.num_hidden_layers, device="meta",
                  **scheme_options)
+    config = to_scheme_config(config)
     config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
     if source is None:
         return cls(config)
@@ -464,4 +470,5 @@ def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
                           f"'siamesenorm' entry); load it with its family's from_pretrained and "
                           f"call siamesenorm.hf.adapt on it")
     _spec_of(config)
+    config = to_scheme_config(config)           # a folder of siamesenorm 0.1 has its family's type
     return adapted_class(config.model_type).from_pretrained(path, config=config, **kwargs)
