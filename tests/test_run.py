@@ -171,3 +171,32 @@ def test_summary_records_the_environment_and_deterministic_runs_repeat(tmp_path)
     assert losses[0] == losses[1] and losses[0]
     run_training(load_config("tiny", TINY), tmp_path / "c")
     assert summary_of(tmp_path / "c")["environment"]["deterministic"] is before
+
+
+def test_a_finished_run_trains_further_to_the_same_losses_as_one_trained_straight(tmp_path):
+    """``train --resume --out R train.steps=8`` after 4 steps: with a constant rate the rows equal
+    a run trained 8 steps at once (the data, the generators and the optimizer go on); the run's
+    config.yaml and summary say 8. A plain ``--resume`` of a finished run says it finished."""
+    from tests.helpers import cli_in_process
+
+    flat = ["train.eval_every=2", "train.warmup=0", "train.min_lr_ratio=1", "data.max_bytes=40000"]
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    assert cli_in_process("train", "tiny", "train.steps=8", *flat, "--out", str(straight)).returncode == 0
+    assert cli_in_process("train", "tiny", "train.steps=4", *flat, "--out", str(extended)).returncode == 0
+    again = cli_in_process("train", "--resume", "--out", str(extended))
+    assert again.returncode == 0 and f"{extended}: already finished (4 steps)" in again.stdout
+    assert "train.steps=N (N > 4)" in again.stdout
+    for bad, fragment in ((["train.steps=4"], "give more than its 4 steps"),
+                          (["model.dim=8"], "give no preset and no override but train.steps=N"),
+                          (["train.steps=two"], "train.steps must be a whole number")):
+        res = cli_in_process("train", "--resume", "--out", str(extended), *bad)
+        assert res.returncode == 2 and fragment in res.stderr
+    assert cli_in_process("train", "--resume", "--out", str(extended), "train.steps=8").returncode == 0
+
+    def rows(run):
+        return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
+                for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+    assert rows(extended) == rows(straight) and len(rows(straight)) == 8
+    assert json.loads((extended / "summary.json").read_text())["steps"] == 8
+    assert yaml.safe_load((extended / "config.yaml").read_text())["train"]["steps"] == 8

@@ -102,19 +102,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
         preset = preset or DEFAULT_PRESET
         print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset))
         return 0
-    if args.resume and (preset or overrides):
-        raise UserError("--resume takes the run's own config.yaml; give no preset or overrides")
+    steps = _resume_steps(preset, overrides) if args.resume else None
     if args.allow_data_change and not args.resume:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
+    if args.resume and steps is None and _print_if_finished(args.out):
+        return 0
     cfg = None if args.resume else load_config(preset or DEFAULT_PRESET, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
 
         summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume,
-                              allow_data_change=args.allow_data_change)
+                              allow_data_change=args.allow_data_change, steps=steps)
     else:
         summary = run_training(cfg, args.out, resume=args.resume,
-                               allow_data_change=args.allow_data_change)
+                               allow_data_change=args.allow_data_change, steps=steps)
     if _other_rank():
         return 0        # one line per run: rank 0's
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
@@ -124,6 +125,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
     spread = f" ({args.nproc} processes)" if args.nproc is not None and args.nproc > 1 else ""
     print(f"{args.out}: {state}{spread}, final val loss {val if val is None else f'{val:.4f}'}")
     return 0
+
+
+def _resume_steps(preset: str | None, overrides: list[str]) -> int | None:
+    """What ``--resume`` takes beside the run's own ``config.yaml``: ``train.steps=N`` (train the
+    run further), or nothing."""
+    from .config import parse_override
+
+    if preset is not None or any(parse_override(o)[0] != "train.steps" for o in overrides):
+        raise UserError("--resume takes the run's own config.yaml: give no preset and no override "
+                        "but train.steps=N, to train the run further")
+    if not overrides:
+        return None
+    if len(overrides) > 1:
+        raise UserError("train.steps is given twice on the command line; give it once")
+    value = parse_override(overrides[0])[1]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"train.steps must be a whole number of steps (1 or more), got {value!r}")
+    return value
+
+
+def _print_if_finished(out: str) -> bool:
+    """For ``--resume`` of a run that finished: say so (with its result, and how to train it
+    further) instead of training nothing; ``False`` for any other folder."""
+    from .rundir import RunDir
+    from .shapes import read_summary
+
+    path = RunDir(out).summary
+    if not path.is_file():
+        return False
+    summary = read_summary(path)
+    if summary.get("interrupted") or summary.get("diverged") or summary.get("stalled"):
+        return False
+    val = summary.get("final_val_loss")
+    print(f"{out}: already finished ({summary['steps']} steps), final val loss "
+          f"{val if val is None else f'{val:.4f}'}; to train it further: siamesenorm train --resume "
+          f"--out {out} train.steps=N (N > {summary['steps']})")
+    return True
 
 
 def _other_rank() -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
-from ..config import dump_config
+from ..config import derive, dump_config
 from ..devices import deterministic, environment, resolve_device
 from ..errors import UserError
 from ..locks import check_free, folder_lock
@@ -63,6 +63,22 @@ class Run:
 
     def saved_config(self) -> Any:
         return saved_config(self.run_dir, f"cannot resume {self.run_dir}: it holds no config.yaml")
+
+    def extended(self, cfg: Any, steps: int | None) -> Any:
+        """``cfg`` (the run's saved configuration) with ``train.steps`` raised to ``steps`` (``None``:
+        as it is): more steps for a run, finished or not; fewer than it planned are refused."""
+        if steps is None:
+            return cfg
+        if steps <= cfg.train.steps:
+            raise UserError(f"train.steps={steps} with --resume trains {self.run_dir} further: give more "
+                            f"than its {cfg.train.steps} steps")
+        return derive(cfg, {"train.steps": steps})
+
+    def record_extension(self, cfg: Any) -> None:
+        """Write ``cfg``'s raised ``train.steps`` into ``config.yaml`` (the workers and a later
+        ``--resume`` read it) and drop the finished run's ``summary.json`` (it trains on)."""
+        write_text(self.folder.config, dump_config(cfg))
+        self.folder.summary.unlink(missing_ok=True)
 
     @contextmanager
     def claimed(self) -> Iterator[None]:
@@ -181,12 +197,12 @@ def _difference(before: Any, now: Any, where: str = "data") -> str:
 
 def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None,
              data: TaskData | None = None, command: str = "train", restart: bool = False,
-             allow_data_change: bool = False) -> dict:
+             allow_data_change: bool = False, steps: int | None = None) -> dict:
     """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
     ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
     setting, already loaded, with ``cfg`` fitted to it (compare loads each setting once). Every
     refusal comes before anything is written; a fresh run refuses a folder that already holds one
-    (unless ``restart``).
+    (unless ``restart``). ``steps`` (with ``resume``): train the run further, to that many steps.
 
     Under a launcher that runs this in every process, rank 0 claims and prepares the folder while
     the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
@@ -195,7 +211,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     run = Run(run_dir, resume=resume, command=command, restart=restart,
               allow_data_change=allow_data_change)
     if resume:
-        cfg = run.saved_config()
+        cfg = run.extended(run.saved_config(), steps)
     world, device = init_world(cfg.train.device)
     try:
         with ExitStack() as held:
@@ -206,7 +222,10 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
 
             def claim_and_prepare():
                 held.enter_context(run.claimed())
-                return run.prepare(cfg, data)
+                prepared = run.prepare(cfg, data)
+                if steps is not None:       # once its data has loaded
+                    run.record_extension(prepared[0])
+                return prepared
 
             prepared = on_main(world, claim_and_prepare)
             if world.main:
@@ -220,7 +239,8 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
 
 
 def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False,
-                command: str = "train", restart: bool = False, allow_data_change: bool = False) -> dict:
+                command: str = "train", restart: bool = False, allow_data_change: bool = False,
+                steps: int | None = None) -> dict:
     """:func:`run_task` across ``nproc`` processes of this machine: this process claims and
     prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
     ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
@@ -228,12 +248,14 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     run = Run(run_dir, resume=resume, command=command, restart=restart)
     with run.claimed():
         if resume:
-            cfg = run.saved_config()
+            cfg = run.extended(run.saved_config(), steps)
         check_distributed(cfg, World(0, nproc))
         check_fits(cfg, resolve_device(cfg.train.device), nproc, nproc)
         check_loggers(cfg.train.loggers)
         if not resume:
             run.prepare(cfg)
+        elif steps is not None:
+            run.record_extension(cfg)
         flags = [*(["--resume"] if resume else []), *(["--allow-data-change"] if allow_data_change else [])]
         launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *flags], what=f"run {run_dir}")
     summary = read_summary(run.folder.summary)
