@@ -117,9 +117,13 @@ def test_a_qkv_norm_applies_to_the_lora_adapted_projection_merged_or_not(family)
 def test_lora_compiles_and_generates_the_same_with_and_without_the_cache():
     m = lora(adapted("siamese", form="hybrid_pre"), target_modules=["v_proj", "q_proj"])
     x = ids()
+    attn = m.base_model.model.model.stack.sublayers[0]         # LoRA inside a per-head norm
+    h = torch.randn(2, 7, 64)
+    rope = m.base_model.model.model.rotary_emb(h, torch.arange(7)[None])
     with torch.no_grad():
-        eager = m(x).logits
-        compiled = torch.compile(m.base_model.model, backend="aot_eager")(x).logits
+        eager = attn(h, position_embeddings=rope, attention_mask=None)[0]
+        compiled = torch.compile(attn, backend="aot_eager")(
+            h, position_embeddings=rope, attention_mask=None)[0]
         kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
         cached, uncached = m.generate(input_ids=x, **kw), m.generate(input_ids=x, use_cache=False, **kw)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
