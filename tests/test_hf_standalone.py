@@ -221,6 +221,22 @@ def test_hf_save_refusals_are_one_line_and_leave_the_folder(saved, tmp_path):
     assert not (tmp_path / "full" / "mine.txt").exists() and (tmp_path / "full" / "config.json").is_file()
 
 
+def test_an_adapted_model_is_named_by_its_folder_never_by_its_source(tmp_path):
+    """A PEFT adapter names its base by the model's name: the source's would be the bare family."""
+    family_model("llama").save_pretrained(tmp_path / "plain")
+    source = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    model = H.adapt(source, "pre")
+    assert model.name_or_path == model.config.name_or_path == ""
+    assert source.name_or_path == str(tmp_path / "plain")
+    for folder, base in ((tmp_path / "before", None), (tmp_path / "after", str(tmp_path / "saved"))):
+        if base is not None:
+            model.save_pretrained(base)
+        lora = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj"]))
+        lora.save_pretrained(folder)
+        model = lora.unload()
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+
+
 def test_a_pipeline_takes_an_adapted_model_object_without_the_not_supported_line(saved):
     model, tok = saved["models"][("llama", "siamese")], hf_tokenizer(ByteTokenizer(), 64)
     records: list[logging.LogRecord] = []

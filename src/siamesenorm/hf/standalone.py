@@ -57,15 +57,15 @@ def scheme_config_class(family: str) -> type:
 
 
 def to_scheme_config(config: Any) -> Any:
-    """``config``, a family's configuration, made its family's scheme configuration in place (the
-    class adds no field, only the model type); one already of that family's type is left as it is.
-    A family's name or path no longer names the adapted model: it is cleared (``save_pretrained``
-    sets it), so that nothing built on it (a PEFT adapter) points at the bare family."""
+    """``config``, a family's configuration (or already its scheme configuration), made its
+    family's scheme configuration in place: the class adds no field, only the model type. Its name
+    or path, which names another model, is cleared (saving sets it), so that nothing built on it
+    (a PEFT adapter) points at the bare family."""
     cls = scheme_config_class(family_of(config.model_type))
     if not isinstance(config, cls):
         config.__class__ = cls
         vars(config).pop("model_type", None)      # one read from a file is set on the instance
-        config.name_or_path = ""
+    config.name_or_path = ""
     return config
 
 
