@@ -224,6 +224,20 @@ def test_share_true_builds_from_the_models_own_modules():
     assert torch.equal(sia.scheme.post_norm[0].weight, torch.ones(64))     # no counterpart
 
 
+def test_share_true_with_a_qkv_norm_leaves_the_models_attention_as_it_was():
+    m = family_model("llama")
+    x = ids()
+    with torch.no_grad():
+        before = m(x).logits
+    a = H.adapt(m, "siamese", form="hybrid_pre", share=True)
+    assert a.model.stack.sublayers[0].v_proj is m.model.layers[0].self_attn.v_proj
+    assert type(m.model.layers[0].self_attn) is transformers.models.llama.modeling_llama.LlamaAttention
+    assert not any("head_norm" in n for n, _ in m.named_modules())
+    with torch.no_grad():
+        a(x)
+        close(m(x).logits, before, 0)
+
+
 def test_output_attentions_are_recorded_once_per_layer():
     m = family_model("qwen3", "eager")
     a = H.adapt(m, "siamese")
