@@ -131,6 +131,18 @@ def test_the_gpu_preset_is_the_papers_shape_through_the_olmo_family():
     ("model.mlp=gelu", "model.mlp=gelu is not available with model.family=qwen3 (it has its own gated"),
     ("model.scheme=nosuch", "unknown scheme 'nosuch'"),
     ("model.scheme_options.form=x", "scheme 'pre' has no option 'form'"),
+    # restating a model.* field trained one size under another's name (issue 37)
+    ("model.family_options.hidden_size=64", "model.family_options.hidden_size restates model.dim: set "
+                                            "model.dim instead"),
+    ("model.family_options.num_hidden_layers=5", "restates model.n_layers"),
+    ("model.family_options.vocab_size=99", "restates model.vocab_size"),
+    # values the family rejects were a traceback once the folder was made
+    ("model.family_options.attn_implementation=flash_attention_2",
+     "model.family_options.attn_implementation=flash_attention_2: FlashAttention2 has been toggled on"),
+    ("model.family_options.attn_implementation=bogus", "attn_implementation=\"bogus\"` is not supported"),
+    ("model.family_options.attn_implementation=kernels-community/flash-attn", "is not fetched"),
+    ("model.family_options={layer_types: [full_attention]}",
+     "model.family_options: Qwen3Config refuses them: ValueError: `num_hidden_layers` (2) must be equal"),
 ])
 def test_bad_family_settings_are_one_line_and_exit_2(override, message, tmp_path):
     family = "qwen4" if "qwen4" in message else "qwen3"

@@ -3,8 +3,9 @@
 ``model.family=qwen3`` (any of :data:`~siamesenorm.hf.families.FAMILY_NAMES`) makes a run's model the
 family's causal LM, adapted to ``model.scheme`` by :func:`siamesenorm.hf.adapt`, instead of our
 :class:`~siamesenorm.models.LanguageModel`. The ``model`` section's fields give the family's
-configuration (:func:`family_config`); ``model.family_options`` adds or overrides any field of it
-in the family's own names (``head_dim``, ``sliding_window``, ``clip_qkv``, ...). The data,
+configuration (:func:`family_config`); ``model.family_options`` adds any other field of it in
+the family's own names (``sliding_window``, ``clip_qkv``, ``layer_types``, ...), never one that a
+``model.*`` field sets (:data:`OWN_FIELDS`; :func:`check_family_config`). The data,
 training, probes, analysis, comparison and report are ours and unchanged: :class:`FamilyLM`
 offers what our engine and diagnostics use of a language model.
 """
@@ -17,12 +18,29 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
 from ..models.host import SchemeHost
 from ..models.lm import lm_flops_per_token, lm_loss
-from .adapted import adapt
+from .adapted import adapt, adapted_class
 from .families import FAMILIES
 
-__all__ = ["FamilyLM", "family_config"]
+__all__ = ["OWN_FIELDS", "FamilyLM", "check_family_config", "family_config"]
+
+# The family's configuration fields a run's ``model`` section sets (family field -> our key):
+# ``model.family_options`` may not restate them (the run would train one size while its header
+# and config.yaml say another).
+OWN_FIELDS = {
+    "vocab_size": "model.vocab_size", "hidden_size": "model.dim", "intermediate_size": "model.mlp_hidden",
+    "num_hidden_layers": "model.n_layers", "num_attention_heads": "model.n_heads",
+    "num_key_value_heads": "model.n_kv_heads", "head_dim": "model.head_size",
+    "max_position_embeddings": "model.max_seq_len", "rope_theta": "model.rope_theta",
+    "rms_norm_eps": "model.norm_eps", "tie_word_embeddings": "model.tie_embeddings",
+    "initializer_range": "model.init_std", "attention_dropout": "model.dropout",
+    "attention_bias": "model.bias", "num_experts": "model.moe.n_experts",
+    "num_experts_per_tok": "model.moe.top_k", "norm_topk_prob": "model.moe.normalize",
+    "router_aux_loss_coef": "model.moe.aux_loss", "decoder_sparse_step": "model.moe.every",
+    "moe_intermediate_size": "model.moe.hidden",
+}
 
 
 class FamilyOutput(NamedTuple):
@@ -63,6 +81,38 @@ def family_config(cfg: Any) -> Any:
     config = cls(**{**values, **options})
     config._attn_implementation = attn
     return config
+
+
+def check_family_config(cfg: Any) -> None:
+    """Refuse, in one line and before anything is built, ``model.family_options`` that restate a
+    ``model.*`` field, an attention implementation this machine cannot run (a missing FlashAttention,
+    an unknown name, a kernel from the Hub, which is never fetched), and values the family's
+    configuration rejects (a ``layer_types`` of the wrong length)."""
+    family = FAMILIES[cfg.family]
+    restated = sorted(set(cfg.family_options) & set(OWN_FIELDS))
+    if restated:
+        key = restated[0]
+        raise UserError(f"model.family_options.{key} restates {OWN_FIELDS[key]}: set {OWN_FIELDS[key]} "
+                        "instead (family_options hold only what the model section does not set)")
+    try:
+        config = family_config(cfg)
+    except Exception as error:      # transformers' validators raise ValueError, TypeError or their own
+        first = (str(error).strip().splitlines() or [type(error).__name__])[-1].strip()
+        raise UserError(f"model.family_options: {family.config_class} refuses them: {first}") from None
+    attn = config._attn_implementation
+    if "/" in attn:
+        raise UserError(f"model.family_options.attn_implementation={attn}: a kernel from the Hugging Face "
+                        "Hub is not fetched; give eager, sdpa, flex_attention or an installed "
+                        "flash_attention_N")
+    causal = adapted_class(cfg.family)._family_class
+    probe = causal.__new__(causal)          # its class's checks, without building the model
+    nn.Module.__init__(probe)
+    probe.config = config
+    try:
+        probe._check_and_adjust_attn_implementation(attn, is_init_check=True)
+    except (ValueError, ImportError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise UserError(f"model.family_options.attn_implementation={attn}: {first}") from None
 
 
 class FamilyLM(nn.Module, SchemeHost):

@@ -93,6 +93,9 @@ class LMRunConfig:
             from ..hf.families import check_family  # siamesenorm.hf for a family run only
 
             check_family(self.model.family, self.model.family_options)
+            from ..hf.family_lm import check_family_config
+
+            check_family_config(self.model)
 
 
 # ---- data ---------------------------------------------------------------------------------------
