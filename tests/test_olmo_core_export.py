@@ -211,7 +211,7 @@ def _foreign_class(config):
 @pytest.mark.parametrize("edit, says", [
     (_per_head_qk_norm_gains, "no LMConfig counterpart: a QK-norm gain per head"),
     (_stock_transformer, "not a residual scheme model"),
-    (_foreign_class, "names the class 'os.system'"),
+    (_foreign_class, "names 'os.system' as a class"),
 ])
 def test_a_model_we_cannot_express_is_refused(olmo_run, tmp_path, capsys, edit, says):
     step = _copy(olmo_run, tmp_path, edit)

@@ -14,6 +14,8 @@ of ``.metadata``); the configuration needs OLMo-core's classes. An imported run 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -44,6 +46,7 @@ CONFIG_COPY = "olmo-core-config.json"
 _STEP = re.compile(r"step(\d+)")
 _MODEL_CLASS = "siamesenorm.olmo_core.model.SchemeTransformerConfig"
 _CLASS_FIELD = "_CLASS_"
+_CONFIG_PACKAGES = ("olmo_core.nn.", "siamesenorm.olmo_core.")
 # OLMo-core's metric names -> ours (metrics.jsonl)
 _METRICS = {"train/CE loss": "loss", "optim/LR (group 0)": "lr", "optim/total grad norm": "grad_norm"}
 
@@ -100,16 +103,30 @@ def find_checkpoint(path: str | os.PathLike) -> OLMoCoreCheckpoint:
 
 
 # ---- the configuration -----------------------------------------------------------------------
-def _foreign_classes(node: Any) -> list[str]:
-    """Every ``_CLASS_`` in ``node`` outside OLMo-core and our OLMo-core package (config.json names
-    the classes to import; only these are imported)."""
+def _is_config_class(name: Any) -> bool:
+    """Whether ``name`` is a config dataclass of OLMo-core's modules (``olmo_core.nn``) or of ours:
+    the only classes a model's config.json may name, since OLMo-core's ``from_dict`` calls whatever
+    ``_CLASS_`` names, with the arguments beside it."""
+    from olmo_core.config import Config
+
+    if not isinstance(name, str) or not name.startswith(_CONFIG_PACKAGES):
+        return False
+    module, _, attr = name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return False
+    return isinstance(found, type) and dataclasses.is_dataclass(found) and issubclass(found, Config)
+
+
+def _unlisted_classes(node: Any) -> list[Any]:
+    """Every ``_CLASS_`` in ``node`` that is not a config class (:func:`_is_config_class`)."""
     if isinstance(node, dict):
-        own = node.get(_CLASS_FIELD)
-        found = [own] if own is not None and not (isinstance(own, str) and own.startswith(
-            ("olmo_core.", "siamesenorm.olmo_core."))) else []
-        return found + [c for k, v in node.items() if k != _CLASS_FIELD for c in _foreign_classes(v)]
+        found = [node[_CLASS_FIELD]] if _CLASS_FIELD in node and not _is_config_class(node[_CLASS_FIELD]) \
+            else []
+        return found + [c for k, v in node.items() if k != _CLASS_FIELD for c in _unlisted_classes(v)]
     if isinstance(node, list):
-        return [c for v in node for c in _foreign_classes(v)]
+        return [c for v in node for c in _unlisted_classes(v)]
     return []
 
 
@@ -123,10 +140,11 @@ def model_config(ckpt: OLMoCoreCheckpoint):
         raise UserError(f"the checkpoint's model is a {kind or 'model of unknown class'}, not a residual "
                           f"scheme model of siamesenorm.olmo_core ({_MODEL_CLASS}); only those map to "
                           "our LanguageModel")
-    foreign = _foreign_classes(model)
-    if foreign:
-        raise UserError(f"the checkpoint's config.json names the class {foreign[0]!r}, which is neither "
-                          "OLMo-core's nor siamesenorm.olmo_core's; refusing to import it")
+    unlisted = _unlisted_classes(model)
+    if unlisted:
+        raise UserError(f"the checkpoint's config.json names {unlisted[0]!r} as a class, which is not a "
+                        "model config class of OLMo-core (olmo_core.nn) or of siamesenorm.olmo_core; "
+                        "refusing to read it (it would be called)")
     try:
         config = SchemeTransformerConfig.from_dict(json.loads(json.dumps(model)))
     except Exception as error:
