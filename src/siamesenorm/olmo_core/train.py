@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -110,7 +111,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", default=[], metavar="PATH_OR_GLOB",
                    help="OLMo-core numpy token files (raw token ids)")
     p.add_argument("--data-dtype", default="uint16", choices=["uint8", "uint16", "uint32", "uint64"])
-    p.add_argument("--save-folder", help="OLMo-core checkpoints and metrics.jsonl")
+    p.add_argument("--save-folder", help="OLMo-core checkpoints and metrics.jsonl (a new or empty folder, "
+                   "or one this entry wrote: the run resumes from its latest checkpoint)")
+    p.add_argument("--adopt-save-folder", action="store_true",
+                   help="train in a --save-folder this entry did not write (resuming its OLMo-core "
+                        "checkpoint, which is checked first)")
     p.add_argument("--work-dir", help="dataset cache (default: <save-folder>/work)")
     p.add_argument("--steps", type=int, help="train steps (default: the config's)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
@@ -145,9 +150,12 @@ def _parse_options(items: list[str]) -> dict[str, Any]:
     for item in items:
         for part in filter(None, (s.strip() for s in item.split(","))):
             key, eq, value = part.partition("=")
+            key = key.strip()
             if not eq or not key:
                 raise UsageError(f"--scheme-options: expected KEY=VALUE, got {part!r}")
-            options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+            if key in options:
+                raise UsageError(f"--scheme-options: {key} is given twice; give each option once")
+            options[key] = yaml.safe_load(value) if value.strip() else ""
     return options
 
 
@@ -170,13 +178,19 @@ def resolve(args: argparse.Namespace) -> RunShape:
     _check_ep(args, shape)
     shape = dataclasses.replace(shape, model=dataclasses.replace(shape.model, scheme=scheme,
                                                                  scheme_options=options))
-    over = {k: getattr(args, a) for k, a in (("steps", "steps"), ("global_batch", "global_batch"),
-                                            ("microbatch", "microbatch"), ("lr", "lr"),
-                                            ("warmup", "warmup"), ("checkpoint_every", "save_interval"))
-            if getattr(args, a) is not None}
+    flags = {"steps": "steps", "global_batch": "global_batch", "microbatch": "microbatch", "lr": "lr",
+             "warmup": "warmup", "checkpoint_every": "save_interval"}
+    over = {k: getattr(args, a) for k, a in flags.items() if getattr(args, a) is not None}
     for key, value in over.items():
-        if value < (0 if key == "warmup" else 1e-12 if key == "lr" else 1):
-            raise UsageError(f"--{key.replace('_', '-')} must be positive, got {value}")
+        flag = "--" + flags[key].replace("_", "-")
+        if key == "lr" and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a positive finite number, got {value}")
+        if value < (0 if key == "warmup" else 1):
+            raise UsageError(f"{flag} must be {'at least 0' if key == 'warmup' else 'positive'}, got {value}")
+    if args.metrics_interval < 1:
+        raise UsageError(f"--metrics-interval must be at least 1, got {args.metrics_interval}")
+    if not 0 <= args.seed < 2 ** 32:
+        raise UsageError(f"--seed must be in 0..{2 ** 32 - 1} (numpy's seeds), got {args.seed}")
     return dataclasses.replace(shape, **over)
 
 
@@ -253,6 +267,9 @@ def _check_ep_world(args: argparse.Namespace, world: int) -> None:
 
 
 def default_dp(args: argparse.Namespace, world: int) -> str:
+    if args.dp == "hsdp" and world < 2:
+        raise UsageError("--dp hsdp shards within and replicates across groups of ranks: it needs at "
+                         f"least 2 ranks (torchrun --nproc_per_node), got {world}")
     if args.dp:
         return args.dp
     return "hsdp" if args.ep > 1 else "fsdp" if world > 1 else "none"
@@ -364,7 +381,9 @@ def _metrics_callback():
             if get_rank() != 0:
                 return
             path = Path(self.trainer.save_folder) / self.name
-            with path.open("a") as f:
+            # appended, never through a link planted under the name
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            with os.fdopen(fd, "a") as f:
                 f.write(json.dumps({"step": step} | {k: float(v) for k, v in metrics.items()}) + "\n")
 
     return MetricsFileCallback()
@@ -509,22 +528,32 @@ def train(args: argparse.Namespace, shape: RunShape) -> None:
         raise UsageError("--data is required (OLMo-core numpy token files, e.g. --data '/data/*.npy')")
     if not args.save_folder:
         raise UsageError("--save-folder is required (where OLMo-core writes its checkpoints)")
+    default_dp(args, world)
+    from .save_folder import check_save_folder, mark, safe_loading, verify_checkpoint
+    from .token_data import check_token_files
+    folder = Path(args.save_folder)
+    check_save_folder(folder, args.adopt_save_folder, own_work_dir=args.work_dir is not None)
+    check_token_files(_data_paths(args.data), args.data_dtype, shape.model.vocab_size, shape.seq_len,
+                      shape.global_batch)
+    verify_checkpoint(folder)           # what OLMo-core resumes from, before it reads it
+    if int(os.environ.get("RANK", "0")) == 0:
+        mark(folder)
     parts = build_experiment(args, shape, world)
-    import torch
     backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if distributed else None
     prepare_training_environment(seed=args.seed, backend=backend)
     try:
-        seed_all(args.seed)
-        model = parts["model"].build(init_device="meta")
-        train_module = parts["train_module"].build(model)
-        dataset = parts["dataset"].build()
-        data_loader = parts["data_loader"].build(dataset, dp_process_group=train_module.dp_process_group)
-        trainer = parts["trainer"].build(train_module, data_loader)
-        trainer.callbacks["config_saver"].config = {
-            "siamesenorm": {"config": args.config, "scheme": shape.model.scheme,
-                            "scheme_options": shape.model.scheme_options},
-            **{k: v.as_config_dict() for k, v in parts.items() if k != "trainer"}}
-        trainer.fit()
+        with safe_loading():     # whatever OLMo-core loads: weights-only, metadata allow-listed
+            seed_all(args.seed)
+            model = parts["model"].build(init_device="meta")
+            train_module = parts["train_module"].build(model)
+            dataset = parts["dataset"].build()
+            data_loader = parts["data_loader"].build(dataset, dp_process_group=train_module.dp_process_group)
+            trainer = parts["trainer"].build(train_module, data_loader)
+            trainer.callbacks["config_saver"].config = {
+                "siamesenorm": {"config": args.config, "scheme": shape.model.scheme,
+                                "scheme_options": shape.model.scheme_options},
+                **{k: v.as_config_dict() for k, v in parts.items() if k != "trainer"}}
+            trainer.fit()
     finally:
         teardown_training_environment()
 
