@@ -176,6 +176,11 @@ def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = F
     """Everything ``cfg.data`` names, checked; writes nothing. A text corpus gets its tokenizer: the
     run's saved one when resuming, else a new one (BPE trained on the training split only)."""
     d = cfg.data
+    if resume and d.corpus == UNSET_CORPUS:     # --resume takes no overrides: say what works
+        raise UserError(f"{run_dir or 'the run'} names no training data (data.corpus is unset, as in a run "
+                        "imported from OLMo-core without --data), so it cannot be resumed: continue the "
+                        "OLMo-core run (python -m siamesenorm.olmo_core.train with its --save-folder), or "
+                        "train a new run with data.corpus=PATH")
     corpus = _load_corpus(cfg)
     tokenizer = None
     if not corpus.is_tokenized:
