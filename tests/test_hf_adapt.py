@@ -580,6 +580,42 @@ def test_adapt_from_pretrained_refuses_a_plain_family_folder(tmp_path):
         H.adapt_from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"device": "cpu"}, "device come\\(s\\) from the"), ({"eps": 1e-6}, "eps come"),
+    (["form", "hybrid_pre"], "scheme_options must be a mapping of option names to values, got list"),
+    ({"n_streams": 20000}, "option n_streams=20000 is outside \\[1, 16\\]"),
+])
+def test_adapt_from_pretrained_refuses_a_bad_scheme_entry_before_building(tmp_path, options, match):
+    """A config.json whose scheme options hold the family's settings, a list or a size beyond any
+    paper was a TypeError, or tried to allocate 38 GB (issue 37)."""
+    import json
+
+    H.adapt(family_config("qwen3"), "hyper").save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    config["siamesenorm"]["scheme_options"] = options
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=match) as e:
+        H.adapt_from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_the_adapted_model_pickles_and_keeps_the_sources_checkpointing():
+    """adapt() made the model unpicklable (transformers' output hooks, installed eagerly; now when
+    an output is asked for, as in the family's own model) and dropped gradient checkpointing."""
+    import io
+
+    m = family_model("qwen3", "eager")
+    a = H.adapt(m, "siamese")
+    for model in (m, a):
+        torch.save(model, io.BytesIO())
+    assert not a.is_activation_checkpointing
+    with torch.no_grad():
+        assert len(a(ids(), output_attentions=True).attentions) == 2
+    m.activation_checkpointing_enable()     # (which makes m itself unpicklable: transformers' hook)
+    assert H.adapt(m, "siamese").is_activation_checkpointing
+
+
 # ---- the rest of the transformers interface ---------------------------------------------------------
 def test_resize_token_embeddings():
     m = family_model("llama")

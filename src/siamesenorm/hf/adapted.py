@@ -301,7 +301,7 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
     _checkpointing_flag = "model"       # the base model's forward reads gradient_checkpointing
 
     def __init__(self, config: Any, *args: Any, source: PreTrainedModel | None = None,
-                 **kwargs: Any) -> None:
+                 shared: bool = False, **kwargs: Any) -> None:
         spec = _spec_of(config)
         if source is None:        # fresh (or, under from_pretrained, on the meta device)
             super().__init__(config, *args, **kwargs)
@@ -311,9 +311,8 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
                 super().__init__(config, *args, **kwargs)
             src_model, lm_head = source.model, source.lm_head
         family = self._base_class.family
-        # the source's output hooks (attentions, router logits) on the modules shared with it, so
-        # that no module gets a second set (which would record everything twice)
-        maybe_install_capturing_hooks(src_model)
+        if shared:      # the source's output hooks (attentions, router logits) on the modules it
+            maybe_install_capturing_hooks(src_model)    # shares, so none gets a second set
         ref = src_model.embed_tokens.weight
         meta = ref.device.type == "meta"
         layers = src_model.layers[:config.num_hidden_layers]
@@ -343,7 +342,10 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
                 _mark_initialised(module)
         base = self._base_class(config, src_model.embed_tokens, src_model.rotary_emb, stack)
         base.post_init()
-        base._output_capturing_hooks_installed = True     # the shared modules carry them
+        # shared modules carry the source's hooks; otherwise transformers installs them when an
+        # output is first asked for (until then the model pickles, as the family's does)
+        base._output_capturing_hooks_installed = shared or getattr(
+            src_model, "_output_capturing_hooks_installed", False)      # a copy's copied hooks
         self.model, self.lm_head = base, lm_head
         self.post_init()
         # norms with a model norm's role start as copies of it (after post_init, which would reset)
@@ -374,7 +376,20 @@ def _spec_of(config: Any) -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("scheme"), str):
         raise UserError("this configuration records no scheme (config.siamesenorm); build the model "
                           "with siamesenorm.hf.adapt(config, scheme=...)")
-    return {"scheme": spec["scheme"], "scheme_options": dict(spec.get("scheme_options") or {})}
+    options = spec.get("scheme_options") or {}
+    if not isinstance(options, dict):
+        raise UserError(f"config.siamesenorm.scheme_options must be a mapping of option names to "
+                        f"values, got {type(options).__name__}")
+    _refuse_host_options(options, getattr(config, "model_type", "the family"))
+    return {"scheme": spec["scheme"], "scheme_options": dict(options)}
+
+
+def _refuse_host_options(options: dict, model_type: str) -> None:
+    """The norm, its eps, the device and the dtype are the family's, never a scheme option."""
+    taken = sorted({"norm", "eps", "device", "dtype"} & set(options))
+    if taken:
+        raise UserError(f"adapt: {', '.join(taken)} come(s) from the {model_type} configuration, not "
+                        "from scheme options")
 
 
 def adapted_class(model_type: str) -> type:
@@ -445,10 +460,7 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
     if source is not None and not isinstance(source, cls._family_class):
         raise UserError(f"adapt takes a {family.causal_lm} (or its configuration); got "
                           f"{type(source).__name__}")
-    taken = sorted({"norm", "eps", "device", "dtype"} & set(scheme_options))
-    if taken:
-        raise UserError(f"adapt: {', '.join(taken)} come(s) from the {config.model_type} "
-                          f"configuration, not from scheme options")
+    _refuse_host_options(scheme_options, config.model_type)
     # every check of the scheme and its options (one-line UserErrors), on the meta device
     build_scheme(scheme, config.hidden_size, config.num_hidden_layers, device="meta",
                  **scheme_options)
@@ -456,8 +468,17 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
     config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
     if source is None:
         return cls(config)
-    out = cls(config, source=source if share else copy.deepcopy(source))
+    out = cls(config, source=source if share else copy.deepcopy(source), shared=share)
+    if _checkpointing(source):        # it trains as the source was set to
+        enable = getattr(out, "activation_checkpointing_enable", None) or out.gradient_checkpointing_enable
+        enable()
     return out.train(source.training)
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether activation checkpointing is on anywhere in ``model`` (transformers' own test, without
+    its deprecated property's warning)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
@@ -469,6 +490,9 @@ def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
         raise UserError(f"{path}: not saved from siamesenorm.hf.adapt (its config has no "
                           f"'siamesenorm' entry); load it with its family's from_pretrained and "
                           f"call siamesenorm.hf.adapt on it")
-    _spec_of(config)
+    spec = _spec_of(config)
+    # the scheme's checks (bounds included) before anything is built or read
+    build_scheme(spec["scheme"], config.hidden_size, config.num_hidden_layers, device="meta",
+                 **spec["scheme_options"])
     config = to_scheme_config(config)           # a folder of siamesenorm 0.1 has its family's type
     return adapted_class(config.model_type).from_pretrained(path, config=config, **kwargs)
