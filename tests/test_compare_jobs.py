@@ -9,6 +9,7 @@ does not stop its neighbour; the folders stay locked; bad values are one line. T
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from siamesenorm.experiments.jobs import (
     work_per_run,
     work_per_step,
 )
+from siamesenorm.experiments.view import GridView
 from siamesenorm.experiments.workers import worker_env
 from siamesenorm.tasks import load_config
 from siamesenorm.tasks.dryrun import memory_floor
@@ -84,7 +86,7 @@ def train_alone(grid: tuple, out: Path, threads: int, capsys) -> list[str]:
     finally:
         torch.set_num_threads(before)
     err = capsys.readouterr().err
-    assert "[train] step " in err and ": [train]" not in err       # its own lines, no name before them
+    assert ": started, " in err and ": [train] " in err and "[train] step" not in err   # as workers'
     return lines
 
 
@@ -101,8 +103,8 @@ def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_pat
     ended = [line for line in out if line.startswith("  ")]
     assert len(ended) == 2 and "1/2 done, ETA " in ended[0] and "2/2 done in " in ended[1]
     assert out.index(ended[1]) < out.index(next(x for x in out if x.startswith("scheme")))
-    # each run's log lines, passed through with its name
-    assert "siamese-lr0.001-s0: [train] step 4/8 | loss " in both.stderr
+    # each run's start and its own final line, after its name; not its step lines
+    assert "siamese-lr0.001-s0: started, 8 steps" in both.stderr and "[train] step" not in both.stderr
     assert "siamese-lr0.001-s0: [train] done: 8/8 steps" in both.stderr
     assert "siamese-lr10000-s0: [train] diverged at step " in both.stderr
     # alone: one run at a time in this process, with the thread count each concurrent run had
@@ -157,15 +159,17 @@ def inject(tmp_path) -> str:
     return str(folder)
 
 
-def _lines_until(proc: subprocess.Popen, wanted: set[str]) -> list[str]:
-    """Read ``proc``'s stderr until every name in ``wanted`` has logged a training step."""
-    seen, lines = set(), []
-    while seen != wanted:
-        line = proc.stderr.readline()
-        assert line, "the comparison ended before every run had trained a step:\n" + "".join(lines)
-        lines.append(line)
-        seen |= {name for name in wanted if line.startswith(f"{name}: [train] step ")}
-    return lines
+def _until_trained(proc: subprocess.Popen, out: Path, names) -> None:
+    """Wait while ``proc`` runs until every run of ``out`` in ``names`` has trained a step (a row
+    in its metrics.jsonl: compare no longer shows the runs' step lines)."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while not all((out / n / "metrics.jsonl").is_file() and (out / n / "metrics.jsonl").stat().st_size
+                  for n in names):
+        assert proc.poll() is None, "the comparison ended before every run had trained a step"
+        assert time.monotonic() < deadline, "no step trained in 120 s"
+        time.sleep(0.05)
 
 
 def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_each_exactly(
@@ -181,7 +185,7 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
     proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid, "--out", str(out)], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
-        _lines_until(proc, set(NAMES))
+        _until_trained(proc, out, NAMES)
         # while it trains, the experiment and each run are locked
         assert main([*grid, "--out", str(out)]) == 2
         assert main(["train", "--resume", "--out", str(out / NAMES[0])]) == 2
@@ -209,8 +213,8 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
         resumed, whole = out / name, tmp_path / "reference" / name
         assert rows(resumed) == rows(whole) and len(rows(whole)) == 150
         assert summary(resumed)["final_val_loss"] == summary(whole)["final_val_loss"]
-        # the second session logged from where the first stopped
-        assert f"{name}: [train] step {stopped[name] + 5 - stopped[name] % 5}/150" in again.err
+        # the second session went on from where the first stopped
+        assert f"{name}: resumed at step {stopped[name]}/150" in again.err
 
 
 def test_a_stop_while_runs_wait_to_start_ends_the_comparison(tmp_path, inject):
@@ -224,7 +228,7 @@ def test_a_stop_while_runs_wait_to_start_ends_the_comparison(tmp_path, inject):
     proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
-        _lines_until(proc, set(NAMES))
+        _until_trained(proc, tmp_path / "exp", NAMES)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=90)
     finally:
@@ -253,7 +257,7 @@ def test_workers_stop_with_a_checkpoint_when_the_comparison_is_killed(tmp_path, 
     proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid], text=True, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _lines_until(proc, set(NAMES))
+        _until_trained(proc, out, NAMES)
     finally:
         proc.kill()
         proc.wait()
@@ -354,15 +358,15 @@ def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, i
     shutil.rmtree(traceback.parent)
     assert "  siamese-lr0.001-s0: failed: RuntimeError: injected crash at step 3" in res.stdout
     assert summary(out / "pre-lr0.001-s0")["steps"] == 6 and "pre-lr0.001-s0: [train] done: 6/6" in res.stderr
-    assert "siamese-lr0.001-s0: [train] step 2/6" in res.stderr
+    assert "siamese-lr0.001-s0: started, 6 steps" in res.stderr and "[train] step" not in res.stderr
     assert not (out / "siamese-lr0.001-s0" / "summary.json").exists()
     assert not (out / "summary.csv").exists() and not (out / "report.md").exists()
     # without the crash, the same command trains only the failed run, from its checkpoint
     monkeypatch.delenv("CRASH_RUN")
     assert main(list(grid)) == 0        # the same command (here in this process)
     again = capsys.readouterr()
-    assert again.out.count("skipped") == 1 and "siamese-lr0.001-s0: [train] step 3/6" in again.err
-    assert "[train] step 2/6" not in again.err
+    assert again.out.count("skipped") == 1
+    assert "siamese-lr0.001-s0: resumed from its last checkpoint, 6 steps in all" in again.err
     assert summary(out / "siamese-lr0.001-s0")["steps"] == 6 and (out / "summary.csv").exists()
 
 
@@ -537,10 +541,10 @@ def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp
     started, running = [], set()
 
     class StandIn:
-        def __init__(self, name, run_dir, resume, threads, device, lock_fd, prefix, write_lock, data):
+        def __init__(self, name, run_dir, resume, threads, device, lock_fd, on_line, data):
             self.name, self.run_dir, self.device, self.lock_fd = name, run_dir, device, lock_fd
             assert isinstance(data, bytes)      # a fresh run gets its data, pickled
-            self.step, self.signals, self.polls = None, 0, 0
+            self.signals, self.polls = 0, 0
 
         def start(self):
             assert self.device not in {w.device for w in running} and len(running) < 2
@@ -564,8 +568,9 @@ def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp
     for item in todo:
         eta.add(item.cell.name, 20, 1.0)
     summaries, failures, lines = {}, {}, []
+    view = GridView(3, 0, eta, io.StringIO())
     training.train_in_workers(todo, Concurrency(2, 1, ("0", "1"), "test"), data,
-                              training.Finished(3, 0, eta, lines.append), summaries, failures,
+                              training.Finished(view, lines.append), summaries, failures,
                               lines.append)
     assert started == [("pre-lr0.001-s0", "0"), ("post-lr0.001-s0", "1"), ("siamese-lr0.001-s0", "0")]
     assert set(failures) == {c.name for c in p.cells} and not running

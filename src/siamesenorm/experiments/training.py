@@ -1,6 +1,6 @@
 """Training the runs of a comparison: one after the other in this process, or several at once,
 each in a worker process of its own (:mod:`.workers`), with a line for each run that ends and the
-comparison's ETA (:mod:`.eta`).
+comparison's ETA (:mod:`.eta`) on stdout, and the grid's progress on stderr (:mod:`.view`).
 
 Either way a run that fails does not stop the others (its failure is kept, one line, and raised by
 :func:`raise_failures` once all have ended), a run with a checkpoint resumes, keeping the thread
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pickle
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from ..tasks import Run, launch_task, run_task
 from ..train.progress import duration
 from .eta import Eta
 from .jobs import Concurrency, threads_of, work_per_step
+from .view import GridView
 from .workers import Failure, StopSignals, Worker
 
 
@@ -85,10 +85,23 @@ class Todo:
 
 
 class Finished:
-    """The line of each run that ends (``log``), with the comparison's progress and ETA."""
+    """The line of each run that ends (``log``), with the comparison's progress and ETA; ``view``
+    (:class:`.view.GridView`) counts the runs and keeps the ETA's clock."""
 
-    def __init__(self, total: int, done: int, eta: Eta, log) -> None:
-        self.total, self.done, self.eta, self.log = total, done, eta, log
+    def __init__(self, view: GridView, log) -> None:
+        self.view, self.log = view, log
+
+    @property
+    def total(self) -> int:
+        return self.view.total
+
+    @property
+    def done(self) -> int:
+        return self.view.done
+
+    @property
+    def eta(self) -> Eta:
+        return self.view.eta
 
     def _progress(self) -> str:
         if self.done >= self.total:
@@ -97,18 +110,16 @@ class Finished:
         return f"{self.done}/{self.total} done, ETA {'?' if left is None else duration(left)}"
 
     def finished(self, item: Todo, summary: dict) -> None:
-        self.done += 1
-        self.eta.finished(item.cell.name, summary.get("steps", 0) - item.start_step)
+        self.view.ended(item.cell.name, summary.get("steps", 0) - item.start_step)
         line = _one_line(summary, grad_norm_peak(item.run_dir))
         self.log(f"  {item.cell.name}: {line}; {self._progress()}")
 
     def failed(self, item: Todo, failure: Failure) -> None:
-        self.done += 1
-        self.eta.finished(item.cell.name)       # what its log said it did
+        self.view.ended(item.cell.name)         # what its log said it did
         self.log(f"  {item.cell.name}: failed: {failure.line}; {self._progress()}")
 
     def interrupted(self, item: Todo, summary: dict | None) -> None:
-        self.eta.finished(item.cell.name, summary["steps"] - item.start_step if summary else 0)
+        self.view.stopped(item.cell.name, summary["steps"] - item.start_step if summary else 0)
         text = _one_line(summary, grad_norm_peak(item.run_dir)) if summary and summary.get("interrupted") \
             else "stopped before its first step"
         self.log(f"  {item.cell.name}: {text}")
@@ -118,23 +129,30 @@ def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: in
                log) -> tuple[dict[str, dict], dict[str, Failure]]:
     """Train ``todo`` (of a grid of ``total`` runs) as ``concurrency`` says, after a line saying
     how; the summaries of the runs that ended, and the failures of those that failed (a run
-    interrupted by Ctrl-C or SIGTERM raises once all have stopped)."""
+    interrupted by Ctrl-C or SIGTERM raises once all have stopped). The grid's progress is shown
+    on stderr (:class:`.view.GridView`; with ``nproc`` above 1 each run shows its own as well)."""
     eta = Eta()
     for item in todo:
         eta.add(item.cell.name, item.cell.config.train.steps - item.start_step,
                 work_per_step(item.cell.config))
-    done = Finished(total, total - len(todo), eta, log)
+    spread = bool(nproc and nproc > 1)      # its processes write to stderr themselves
+    view = GridView(total, total - len(todo), eta, live=False if spread else None)
+    log = view.wrap(log)
+    done = Finished(view, log)
     summaries: dict[str, dict] = {}
     failures: dict[str, Failure] = {}
-    if concurrency.jobs > 1:
-        log(concurrency.line())
-        train_in_workers(todo, concurrency, data, done, summaries, failures, log)
-    else:
-        if nproc and nproc > 1:
-            log(f"compare: 1 run at a time, each across {nproc} processes (--nproc {nproc})")
-        else:       # here: the threads this process has
-            log(Concurrency(1, torch.get_num_threads(), None, concurrency.why).line())
-        train_here(todo, nproc, data, done, summaries, failures, log)
+    try:
+        if concurrency.jobs > 1:
+            log(concurrency.line())
+            train_in_workers(todo, concurrency, data, done, summaries, failures, log)
+        else:
+            if spread:
+                log(f"compare: 1 run at a time, each across {nproc} processes (--nproc {nproc})")
+            else:       # here: the threads this process has
+                log(Concurrency(1, torch.get_num_threads(), None, concurrency.why).line())
+            train_here(todo, nproc, data, done, summaries, failures, log)
+    finally:
+        view.close()
     return summaries, failures
 
 
@@ -166,8 +184,9 @@ def _intra_op_threads(n: int) -> Iterator[None]:
 
 def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
                 summaries: dict, failures: dict, log) -> None:
-    """Train ``todo`` one after the other in this process (or each across ``nproc`` processes); a
-    resumed run keeps the thread count it started with."""
+    """Train ``todo`` one after the other in this process, its stderr lines read by the view (or
+    each across ``nproc`` processes); a resumed run keeps the thread count it started with."""
+    view = done.view
     for item in todo:
         name, cfg = item.cell.name, item.cell.config
         log(f"[{item.index}/{done.total}] {name}: training")
@@ -175,17 +194,19 @@ def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
         # attempt left (the folder is this experiment's)
         resume = RunDir(item.run_dir).has_checkpoints()
         threads = threads_of(item.before, torch.get_num_threads()) if resume else torch.get_num_threads()
-        done.eta.start()
+        view.started(name, item.start_step if resume else 0, cfg.train.steps, resume)
         try:
             with _intra_op_threads(threads):
                 if nproc and nproc > 1:
                     summary = launch_task(cfg, item.run_dir, nproc=nproc, resume=resume, command="compare",
                                           restart=not resume)
                 else:
-                    summary = run_task(cfg, item.run_dir, resume=resume, command="compare",
-                                       restart=not resume, data=None if resume else data[data_key(cfg)])
+                    with view.capture(name):
+                        summary = run_task(cfg, item.run_dir, resume=resume, command="compare",
+                                           restart=not resume, data=None if resume else data[data_key(cfg)])
         except Exception as error:      # not KeyboardInterrupt: Ctrl-C and SIGTERM stop the comparison
-            failures[name] = _failure_of(error)
+            with view.paused():
+                failures[name] = _failure_of(error)
             done.failed(item, failures[name])
             continue
         summaries[name] = summary
@@ -200,7 +221,7 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
     pending, running = list(todo), {}
     pickled: dict = {}      # each data setting pickled once, for the fresh runs' workers
     free = list(range(concurrency.jobs))
-    write_lock, passed_on = threading.Lock(), 0
+    view, passed_on = done.view, 0
     with StopSignals() as stop:
         try:
             while running or (pending and not stop.requested):   # after a stop: no new start
@@ -208,9 +229,10 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
                     item, slot = pending.pop(0), min(free)
                     log(f"[{item.index}/{done.total}] {item.cell.name}: training")
                     try:
-                        started = _start_worker(item, concurrency, slot, data, pickled, write_lock, stop)
+                        started = _start_worker(item, concurrency, slot, data, pickled, view, stop)
                     except Exception as error:
-                        failures[item.cell.name] = _failure_of(error)
+                        with view.paused():
+                            failures[item.cell.name] = _failure_of(error)
                         done.failed(item, failures[item.cell.name])
                         continue
                     if started is None:         # a stop came while its folder was prepared
@@ -218,16 +240,13 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
                     else:
                         free.remove(slot)
                         running[slot] = started
-                        done.eta.start()
                 stop.pass_on(worker for _, worker, _ in running.values())
                 if stop.count > passed_on:
-                    _say_stopping(stop, passed_on, len(running), write_lock)
+                    _say_stopping(stop, passed_on, len(running), view)
                     passed_on = stop.count
-                for item, worker, _ in running.values():
-                    if worker.step is not None:
-                        done.eta.progress(item.cell.name, worker.step - item.start_step)
                 ended = [slot for slot, (_, worker, _) in running.items() if worker.poll() is not None]
                 if not ended:
+                    view.tick()
                     time.sleep(0.1)
                 for slot in ended:
                     item, worker, claim = running.pop(slot)
@@ -245,10 +264,11 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
 
 
 def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, pickled: dict,
-                  write_lock, stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
+                  view: GridView, stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
     """Claim and prepare ``item``'s folder here, then start its worker, which inherits the lock
-    and, for a fresh run, gets the data of its setting (``pickled``: each setting's, pickled once)
-    (``None``: a stop came meanwhile; the folder is given back, prepared, and starts afresh next time)."""
+    and, for a fresh run, gets the data of its setting (``pickled``: each setting's, pickled once);
+    its lines go to ``view`` (``None``: a stop came meanwhile; the folder is given back, prepared,
+    and starts afresh next time)."""
     cfg, run_dir = item.cell.config, item.run_dir
     resume = RunDir(run_dir).has_checkpoints()
     run = Run(run_dir, resume=resume, command="compare", restart=not resume)
@@ -266,9 +286,11 @@ def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, p
         key = data_key(cfg)
         if not resume and key not in pickled:
             pickled[key] = pickle.dumps(data[key], protocol=pickle.HIGHEST_PROTOCOL)
-        worker = Worker(item.cell.name, run_dir, resume, threads, device, lock.fd,
-                        prefix=f"{item.cell.name}: ", write_lock=write_lock,
+        name = item.cell.name
+        worker = Worker(name, run_dir, resume, threads, device, lock.fd,
+                        on_line=lambda line: view.run_line(name, line),
                         data=None if resume else pickled[key])
+        view.started(name, item.start_step if resume else 0, cfg.train.steps, resume)
         worker.start()
     except BaseException:
         claim.close()
@@ -276,7 +298,7 @@ def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, p
     return item, worker, claim
 
 
-def _say_stopping(stop: StopSignals, before: int, running: int, write_lock) -> None:
+def _say_stopping(stop: StopSignals, before: int, running: int, view: GridView) -> None:
     what = "SIGTERM" if stop.terminated else "interrupt"
     if before == 0:
         note = (f"compare: {what}: stopping the {running} running run{'s' if running != 1 else ''} after "
@@ -284,8 +306,7 @@ def _say_stopping(stop: StopSignals, before: int, running: int, write_lock) -> N
                 "resumes them; again to stop at once)")
     else:
         note = "compare: stopping the running runs at once"
-    with write_lock:
-        print(note, file=sys.stderr, flush=True)
+    view.note(note)
 
 
 def _collect(item: Todo, code: int, failure: Failure | None, stopping: bool, done: Finished,

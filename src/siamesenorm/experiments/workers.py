@@ -9,8 +9,8 @@ stays locked until the last of the two is gone, and the worker stops (with a che
 (:func:`siamesenorm.parallel.launch.report_failure`; a crash's traceback is kept there). A fresh
 run's worker gets its data there too, as ``compare`` loaded it (pickled, in this process's own
 folder, as multiprocessing would pass it through a pipe), so that a data setting is loaded once
-however many runs share it. What it writes to stdout and stderr (its ``[train]`` lines) passes
-through to this process's stderr, each line prefixed with the run's name.
+however many runs share it. What it writes to stdout and stderr (its ``[train]`` lines) is read
+here line by line and handed to ``on_line`` (``compare``'s view of the grid, :mod:`.view`).
 
 Signals reach a worker only through :class:`StopSignals`: Ctrl-C or SIGTERM to ``compare`` is
 passed on to every running worker once (each stops after its step and checkpoints), a second one
@@ -20,23 +20,21 @@ once more (they stop at once), and no further run starts.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
 
 from ..errors import Terminated
 from ..parallel.launch import ERROR_DIR_ENV, describe_death
 from ..tasks.worker import DATA_FILE, STOP_WITH_ENV
 from ..train.interrupt import SignalScope
 
-_STEP = re.compile(r"\[train\] step (\d+)/\d+")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])     # the folder that holds siamesenorm/
 
 
@@ -63,8 +61,9 @@ class Failure:
 
 @dataclass
 class Worker:
-    """One run training in a process of its own; its output goes to ``stream`` line by line,
-    after ``prefix``, under ``write_lock`` (shared by the workers of one comparison)."""
+    """One run training in a process of its own; each line of its output goes to ``on_line``
+    (from a thread of its own; what ``on_line`` raises is dropped: the pipe is drained whatever
+    happens to its reader)."""
 
     name: str
     run_dir: Path
@@ -72,10 +71,7 @@ class Worker:
     threads: int
     device: str | None = None
     lock_fd: int | None = None
-    prefix: str = ""
-    stream: IO[str] | None = None
-    write_lock: Any = None
-    step: int | None = None             # the last step its log reported
+    on_line: Callable[[str], None] | None = field(default=None, repr=False)
     signals: int = 0                    # signals passed on to it
     proc: subprocess.Popen | None = field(default=None, repr=False)
     data: bytes | None = field(default=None, repr=False)     # the run's data, pickled (fresh runs)
@@ -96,17 +92,12 @@ class Worker:
         self.reader.start()
 
     def _pass_through(self) -> None:
-        stream = sys.stderr if self.stream is None else self.stream
         for raw in self.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            found = _STEP.match(line)
-            if found:
-                self.step = int(found.group(1))
+            if self.on_line is None:
+                continue
             try:
-                with self.write_lock or _NO_LOCK:
-                    stream.write(f"{self.prefix}{line}\n")
-                    stream.flush()
-            except (OSError, ValueError):       # our stderr is gone: keep draining the pipe
+                self.on_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
+            except Exception:       # a reader that fails must not block the run on a full pipe
                 pass
 
     def poll(self) -> int | None:
@@ -136,17 +127,6 @@ class Worker:
         if failure is None or failure.user:
             shutil.rmtree(self.errors, ignore_errors=True)
         return code, failure
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
 
 
 def read_failure(folder: Path) -> Failure | None:
