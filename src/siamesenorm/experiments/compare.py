@@ -72,8 +72,8 @@ def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str =
     A cell of one seed shows its figure, ``div@N`` (diverged at step N) or ``dead@N`` (zero gradient
     from step N). A cell of several seeds shows the mean over the seeds that did not fail with the
     half-width of its 95% interval (``2.3100+-0.0520``; ``(n=1)`` when one seed is left), followed by
-    ``k/n div`` and ``k/n dead`` when some failed, and ``k/n flat`` when some ended at the unigram
-    plateau (``flat`` after a single seed's figure; see :func:`stats.at_plateau`).
+    ``k/n div`` and ``k/n dead`` when some failed, and ``k/n flat`` when some ended at or above
+    98% of the unigram loss (``flat`` after a single seed's figure; see :func:`stats.at_plateau`).
     """
     groups = stats.cells(rows)
     texts = {label: [_cell_text(groups.get((label, lr), []), key) for lr in lrs] for label in labels}
@@ -102,6 +102,16 @@ def _cell_text(group: list[dict], key: str) -> str:
         if cell[field] and (field != "plateau" or _is_loss(key)):
             text += f" {cell[field]}/{cell['runs']} {word}"
     return text
+
+
+def plateau_legend(rows: list[dict]) -> str:
+    """What ``flat`` means, as :func:`stats.at_plateau` decides it, with the unigram loss when the
+    runs share one."""
+    unigrams = {round(r["unigram_val_loss"], 4) for r in rows if r.get("unigram_val_loss") is not None}
+    value = f"{unigrams.pop():.4f}, " if len(unigrams) == 1 else ""
+    return (f"flat: the final loss is at or above {1 - stats.PLATEAU_MARGIN:.0%} of the unigram loss "
+            f"({value}what knowing only the token frequencies gives): nothing learned beyond them; "
+            "such runs stay in the means")
 
 
 def _is_loss(key: str) -> bool:
@@ -228,8 +238,7 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         log("mean +- half-width of its 95% interval, over the seeds that did not diverge or stall; "
             "k/n div, k/n dead: k of the n seeds diverged, stalled")
     if any(r.get("plateau") for r in rows):
-        log("flat: the final loss is within 2% of the unigram loss (nothing learned beyond the token "
-            "frequencies); such runs stay in the means")
+        log(plateau_legend(rows))
     log(text_table(rows, spec["schemes"], spec["lrs"], key))
     if any("mfu" in r for r in rows):       # a GPU (or a peak the user gave): how well it was used
         log("MFU: model FLOPs utilisation, the fraction of the device's peak each run achieved")

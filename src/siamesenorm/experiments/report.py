@@ -186,10 +186,12 @@ def _estimate_text(est: dict, digits: int = 4) -> str:
     return f"{est['mean']:.{digits}f} ± {half:.{digits}f} (n={est['n']})"
 
 
-def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str) -> list[str]:
+def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str,
+                  unigram: bool = False) -> list[str]:
     """Markdown lines of the seeds summed up: the table per scheme and learning rate, and the
     verdicts against ``baseline``. With one seed per cell, a line that says there is no interval
-    and no verdict."""
+    and no verdict. ``unigram``: the runs have a unigram loss (language models), and the
+    plateau is explained."""
     if all(cell["runs"] <= 1 for cell in aggregate):
         return ["One seed per scheme and learning rate: no confidence intervals and no verdicts "
                 "(run several, e.g. `--seeds 0,1,2`). The runs are below.", ""]
@@ -199,9 +201,10 @@ def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str)
              "Each figure is the mean over the seeds of a scheme and learning rate that did not "
              "diverge or stall, ± the half-width of its 95% confidence interval (Student t, n - 1 "
              "degrees of freedom); n is how many seeds the mean is over (one seed: no interval). "
-             "Diverged and stalled seeds are counted, never averaged. A seed whose final loss is "
-             "within 2% of the unigram loss (what knowing only the token frequencies gives) is "
-             "counted as at the unigram plateau, and stays in the mean.", "",
+             "Diverged and stalled seeds are counted, never averaged." + (
+                 f" A seed whose final loss is at or above {1 - stats.PLATEAU_MARGIN:.0%} of the "
+                 "unigram loss (what knowing only the token frequencies gives) is counted as at the "
+                 "unigram plateau, and stays in the mean." if unigram else ""), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in aggregate:
         lines.append("| " + " | ".join([cell["scheme"], f"{cell['lr']:g}", str(cell["runs"]),
@@ -229,7 +232,8 @@ def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[floa
     extra = [(k, title) for k, title in _EXTRA if any(r.get(k) is not None for r in rows)]
     head = ["run", "scheme", "lr", "seed", "final val loss", "best val loss", *(t for _, t in extra),
             "diverged (step)", "max grad norm (step)", "tokens/s", "parameters"]
-    lines = ["# Comparison", "", *seeds_section(aggregate, differences, baseline), "## Runs", "",
+    unigram = any(r.get("unigram_val_loss") is not None for r in rows)
+    lines = ["# Comparison", "", *seeds_section(aggregate, differences, baseline, unigram), "## Runs", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         div = f"yes ({r['diverged_at']})" if r["diverged"] else "no"

@@ -3,10 +3,11 @@
 Per cell (scheme, learning rate) and figure: ``n``, the mean, the sample sd (divisor ``n - 1``) and
 the 95% interval ``mean +- t * sd / sqrt(n)`` (Student's t, ``n - 1`` degrees of freedom). Failed
 runs (diverged, stalled) enter no mean and are counted per cell. A language-model run whose final
-loss stays within :data:`PLATEAU_MARGIN` (2%) of ``unigram_val_loss`` is counted *at the plateau*
-and stays in the means. Each scheme is paired seed by seed with the baseline, on the seeds where
-both ran: the mean difference (scheme minus baseline) and its interval; a verdict only when the
-interval excludes zero (one pair: no interval, no verdict). Lower is better except for a task's
+loss is not at least :data:`PLATEAU_MARGIN` (2%) below ``unigram_val_loss`` (at or above 0.98 x
+it, however far above) is counted *at the plateau* and stays in the means. Each scheme is paired
+seed by seed with the baseline, on the seeds where both ran: the mean difference (scheme minus
+baseline) and its interval; a verdict only when the interval excludes zero (one pair: no
+interval, no verdict). Lower is better except for a task's
 ``higher_is_better`` columns. Pure Python: t quantiles from a table for 1 to 30 degrees of freedom,
 a Cornish-Fisher expansion beyond. The method, with examples: docs/reproduction.md, README.
 """
