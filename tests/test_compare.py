@@ -535,6 +535,24 @@ def test_compare_on_a_terminal_shows_its_view_instead_of_each_step(tmp_path, mon
                for line in printed)
 
 
+def test_many_runs_at_once_fit_the_terminal_and_the_log_s_grid_line():
+    from siamesenorm.experiments.view import GridView
+
+    names = [f"run-{i}" for i in range(30)]
+    clock, eta = _clocked(names)
+    log = io.StringIO()
+    view = GridView(30, 0, eta, log, clock=clock)
+    for name in names:
+        view.started(name, 0, 100)
+    for name in names:
+        view.run_line(name, "[train] step 20/100 | loss 3.0000")
+    grid = [line for line in log.getvalue().splitlines() if line.startswith("compare: ")]
+    assert len(grid) == 2 and all(line.endswith("; run-3 step 20/100, loss 3.0000; 26 more running")
+                                  for line in grid)
+    shown = view.lines(6)
+    assert len(shown) == 6 and shown[1].startswith("  run-0 ") and shown[-1] == "  and 26 more running"
+
+
 class _Pipe:
     """What a worker's pipe hands the view: each line as it is written."""
 

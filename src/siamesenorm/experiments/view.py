@@ -36,6 +36,7 @@ _END = re.compile(rf"{re.escape(LOG_PREFIX)} (done|diverged|stalled|interrupted)
 REDRAW_S = 0.2              # the terminal view is redrawn at most this often
 PROGRESS_MARKS = 10         # a log gets a grid line at each tenth of the grid's work ...
 PROGRESS_EVERY_S = 300.0    # ... or after this long without one
+SHOWN_IN_A_LINE = 4         # running runs named in that line
 
 
 @dataclass
@@ -172,8 +173,10 @@ class GridView:
             if self.running and mark < PROGRESS_MARKS and (
                     mark > self._mark or now - self._last_line >= PROGRESS_EVERY_S):
                 self._mark, self._last_line = mark, now
+                runs = [f"{name} {run.text()}" for name, run in self.running.items()]
+                more = len(runs) - SHOWN_IN_A_LINE
                 self._emit(f"compare: {self.grid_text()}; " + "; ".join(
-                    f"{name} {run.text()}" for name, run in self.running.items()))
+                    runs[:SHOWN_IN_A_LINE] + ([f"{more} more running"] if more > 0 else [])))
 
     def close(self) -> None:
         """Take the live view off the screen for good."""
@@ -188,16 +191,21 @@ class GridView:
         return (f"{self.done}/{self.total} done, {len(self.running)} running, {pending} pending, "
                 f"elapsed {duration(self.eta.elapsed())}, ETA {'?' if left is None else duration(left)}")
 
-    def lines(self) -> list[str]:
-        """The live view: the grid, then each running run."""
+    def lines(self, rows: int = 1000) -> list[str]:
+        """The live view in at most ``rows`` lines: the grid, then each running run."""
         width = max([len(name) for name in (*self.running, *self.eta.runs)] or [0])
         out = [f"{'compare':<{width + 2}} {self._bar(self._fraction())} {self.grid_text()}"]
-        for name, run in self.running.items():
+        shown = list(self.running.items())
+        if len(shown) > rows - 1:
+            shown = shown[:max(0, rows - 2)]
+        for name, run in shown:
             figures = ", ".join([*([f"loss {run.loss}"] if run.loss else []),
                                  *([f"val loss {run.val_loss}"] if run.val_loss else [])])
             out.append(f"  {name:<{width}} {self._bar(run.step / max(1, run.steps))} "
                        f"{run.step}/{run.steps} {figures}".rstrip())
-        return out
+        if len(shown) < len(self.running):
+            out.append(f"  and {len(self.running) - len(shown)} more running")
+        return out[:max(1, rows)]
 
     def _fraction(self) -> float:
         done, left = self.eta.work_done(), self.eta.work_left()
@@ -224,7 +232,8 @@ class GridView:
     def _draw(self) -> None:
         if self._closed:
             return
-        lines = [line[:_width(self.stream) - 1] for line in self.lines()]
+        columns, rows = _size(self.stream)
+        lines = [line[:columns - 1] for line in self.lines(rows - 1)]
         text = f"\x1b[{self._drawn}A\r\x1b[J" if self._drawn else ""
         self.stream.write(text + "".join(line + "\n" for line in lines))
         self.stream.flush()
@@ -257,11 +266,13 @@ def _is_terminal(stream: TextIO) -> bool:
     return stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
-def _width(stream: TextIO) -> int:
+def _size(stream: TextIO) -> tuple[int, int]:
+    """The columns and rows of the terminal ``stream`` writes to (100 x 24 when it does not say)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns or 100
+        size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError):
-        return 100
+        return 100, 24
+    return size.columns or 100, size.lines or 24
 
 
 def _unicode(stream: TextIO) -> bool:
