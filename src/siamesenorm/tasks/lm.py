@@ -37,7 +37,7 @@ from ..data import (
 )
 from ..errors import UserError
 from ..models import LanguageModel, LMConfig
-from ..rundir import RunDir, inner_folder
+from ..rundir import RunDir, inner_folder, read_json
 from .lm_eval import LMEvaluation
 from .spec import Task
 
@@ -172,15 +172,26 @@ def _load_corpus(cfg: LMRunConfig) -> Corpus:
     return load_corpus(cfg.data.corpus, **corpus_options(cfg))
 
 
+def _imported_from(run_dir: str | Path) -> str | None:
+    """The checkpoint an ``import-olmo-core`` run came from (its summary's ``imported_from``)."""
+    try:
+        found = read_json(RunDir(run_dir).summary).get("imported_from")
+    except (UserError, AttributeError):
+        return None
+    return str(found.get("olmo_core_checkpoint", "?")) if isinstance(found, dict) else None
+
+
 def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = False) -> LMData:
     """Everything ``cfg.data`` names, checked; writes nothing. A text corpus gets its tokenizer: the
     run's saved one when resuming, else a new one (BPE trained on the training split only)."""
     d = cfg.data
-    if resume and d.corpus == UNSET_CORPUS:     # --resume takes no overrides: say what works
-        raise UserError(f"{run_dir or 'the run'} names no training data (data.corpus is unset, as in a run "
-                        "imported from OLMo-core without --data), so it cannot be resumed: continue the "
-                        "OLMo-core run (python -m siamesenorm.olmo_core.train with its --save-folder), or "
-                        "train a new run with data.corpus=PATH")
+    imported = _imported_from(run_dir) if resume and run_dir is not None else None
+    if imported is not None or (resume and d.corpus == UNSET_CORPUS):   # before anything is written
+        what = f"was imported from the OLMo-core checkpoint {imported}" if imported is not None else \
+            "names no training data (data.corpus is unset)"
+        raise UserError(f"{run_dir or 'the run'} {what}, so it cannot be resumed (--resume takes no "
+                        "data.corpus): continue the OLMo-core run (python -m siamesenorm.olmo_core.train "
+                        "with its --save-folder), or train a new run with data.corpus=PATH")
     corpus = _load_corpus(cfg)
     tokenizer = None
     if not corpus.is_tokenized:
