@@ -54,7 +54,7 @@ def saved(tokens, tmp_path_factory) -> Path:
     """A save folder of the entry with a checkpoint at step 2."""
     save = tmp_path_factory.mktemp("saved") / "save"
     proc = _run_entry("--data", str(tokens), "--save-folder", str(save), "--steps", str(STEP),
-                      "--save-interval", str(STEP), "--metrics-interval", "1")
+                      "--save-interval", str(STEP), "--metrics-interval", "1", "--lr", "1e-2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (save / MARKER).is_file() and (save / f"step{STEP}" / "train" / "rank0.pt").is_file()
     return save

@@ -185,7 +185,7 @@ def resolve(args: argparse.Namespace) -> RunShape:
         flag = "--" + flags[key].replace("_", "-")
         if key == "lr" and not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} must be a positive finite number, got {value}")
-        if value < (0 if key == "warmup" else 1):
+        elif key != "lr" and value < (0 if key == "warmup" else 1):
             raise UsageError(f"{flag} must be {'at least 0' if key == 'warmup' else 'positive'}, got {value}")
     if args.metrics_interval < 1:
         raise UsageError(f"--metrics-interval must be at least 1, got {args.metrics_interval}")
