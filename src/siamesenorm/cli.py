@@ -105,8 +105,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     steps = _resume_steps(preset, overrides) if args.resume else None
     if args.allow_data_change and not args.resume:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
-    if args.resume and steps is None and _print_if_finished(args.out):
-        return 0
+    finished = _finished_steps(args.out) if args.resume and steps is None else None
     cfg = None if args.resume else load_config(preset or DEFAULT_PRESET, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
@@ -123,7 +122,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         else f"{summary['steps']} steps"
     val = summary.get("final_val_loss")
     spread = f" ({args.nproc} processes)" if args.nproc is not None and args.nproc > 1 else ""
-    print(f"{args.out}: {state}{spread}, final val loss {val if val is None else f'{val:.4f}'}")
+    if finished is not None and summary["steps"] == finished and not summary["diverged"]:
+        state = f"already finished ({finished} steps)"
+    loss = f"final val loss {val if val is None else f'{val:.4f}'}"
+    further = f"; to train it further: siamesenorm train --resume --out {args.out} train.steps=N " \
+              f"(N > {finished})" if state.startswith("already") else ""
+    print(f"{args.out}: {state}{spread}, {loss}{further}")
     return 0
 
 
@@ -145,23 +149,20 @@ def _resume_steps(preset: str | None, overrides: list[str]) -> int | None:
     return value
 
 
-def _print_if_finished(out: str) -> bool:
-    """For ``--resume`` of a run that finished: say so (with its result, and how to train it
-    further) instead of training nothing; ``False`` for any other folder."""
+def _finished_steps(out: str) -> int | None:
+    """The steps of the finished run in ``out`` (its summary says it ended, neither interrupted nor
+    stopped), or ``None``: ``--resume`` of it trains nothing, and the line says so."""
     from .rundir import RunDir
     from .shapes import read_summary
 
     path = RunDir(out).summary
-    if not path.is_file():
-        return False
-    summary = read_summary(path)
-    if summary.get("interrupted") or summary.get("diverged") or summary.get("stalled"):
-        return False
-    val = summary.get("final_val_loss")
-    print(f"{out}: already finished ({summary['steps']} steps), final val loss "
-          f"{val if val is None else f'{val:.4f}'}; to train it further: siamesenorm train --resume "
-          f"--out {out} train.steps=N (N > {summary['steps']})")
-    return True
+    try:
+        summary = read_summary(path) if path.is_file() else None
+    except UserError:           # a damaged summary: the resume itself says what is wrong
+        return None
+    if summary is None or summary.get("interrupted") or summary.get("stalled"):
+        return None
+    return summary["steps"]
 
 
 def _other_rank() -> bool:
