@@ -25,14 +25,15 @@ from typing import Any
 
 from .. import __version__
 from ..errors import UserError
-from ..rundir import RunDir, check_out_dir, library_os_error
+from ..rundir import RunDir, as_created, check_out_dir, library_os_error
 from ..shapes import read_summary
 from ..tasks.finished import open_trained
 from ..tasks.registry import TASKS, get_task, saved_config
 from .standalone import MODELING_FILE
 from .vendoring import modeling_source
 
-__all__ = ["MODELING_FILE", "byte_level_backend", "export_hf", "hf_tokenizer", "modeling_source"]
+__all__ = ["MODELING_FILE", "byte_level_backend", "export_hf", "hf_tokenizer", "modeling_source",
+           "write_model_folder"]
 
 _AUTO_MAP = {"AutoConfig": "SiameseNormConfig", "AutoModel": "SiameseNormForCausalLM",
              "AutoModelForCausalLM": "SiameseNormForCausalLM"}
@@ -68,6 +69,8 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
         tmp.mkdir()
         (_write_family_folder if cfg.model.family else _write_folder)(tmp, model, cfg, tokenizer)
         (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
+        for path in tmp.rglob("*"):     # safetensors writes its weights owner-only (0600)
+            as_created(path)
         _move_into_place(tmp, out)
     except Exception as error:      # a full or read-only disk under transformers' or tokenizers'
         found = library_os_error(error, out)        # writers: their OSError, naming --out
@@ -138,39 +141,50 @@ def _write_family_folder(folder: Path, model, cfg, tokenizer) -> None:
     adapted.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
     with _quiet_progress():
         adapted.save_pretrained(folder)         # with its modelling code (hf.standalone)
-    _save_tokenizer(folder, hf_tok)
+    if hf_tok is not None:
+        hf_tok.save_pretrained(folder)
+        _name_tokenizer_class(folder)
 
 
 def _write_folder(folder: Path, model, cfg, tokenizer) -> None:
     """config.json, the weights, generation_config.json, the tokenizer and the modelling file."""
+    hf_tok = hf_tokenizer(tokenizer, cfg.model.max_seq_len) if tokenizer is not None else None
+    write_model_folder(folder, model, cfg.model, hf_tok)
+    if hf_tok is not None:
+        _name_tokenizer_class(folder)
+
+
+def _name_tokenizer_class(folder: Path) -> None:
+    """The class's name of transformers 4 and 5 alike in tokenizer_config.json (5 writes its new
+    name, TokenizersBackend)."""
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_model_folder(folder: Path, model, model_cfg, tokenizer: Any = None) -> None:
+    """Our language model ``model`` (of the :class:`~siamesenorm.models.LMConfig` ``model_cfg``) as
+    the Hugging Face folder ``folder``: config.json with ``auto_map``, the weights,
+    generation_config.json and the modelling file; ``tokenizer`` (a transformers tokenizer, its end
+    token the model's) saved beside when given."""
     import torch
     from transformers import GenerationConfig
 
     from .modeling import SiameseNormConfig, SiameseNormForCausalLM
 
-    hf_tok = hf_tokenizer(tokenizer, cfg.model.max_seq_len) if tokenizer is not None else None
-    end = hf_tok.eos_token_id if hf_tok is not None else None
-    config = SiameseNormConfig.from_lm_config(cfg.model, eos_token_id=end, pad_token_id=end)
+    end = getattr(tokenizer, "eos_token_id", None)
+    config = SiameseNormConfig.from_lm_config(model_cfg, eos_token_id=end, pad_token_id=end)
     config.auto_map = {auto: f"{Path(MODELING_FILE).stem}.{cls}" for auto, cls in _AUTO_MAP.items()}
-    with torch.device("meta"):          # a shell: the run's trained model goes inside
+    with torch.device("meta"):          # a shell: the trained model goes inside
         wrapper = SiameseNormForCausalLM(config)
     wrapper.model = model
     wrapper.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
     with _quiet_progress():
         wrapper.save_pretrained(folder)
-    _save_tokenizer(folder, hf_tok)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     (folder / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
-
-
-def _save_tokenizer(folder: Path, hf_tok) -> None:
-    if hf_tok is None:
-        return
-    hf_tok.save_pretrained(folder)
-    # the class's name of transformers 4 and 5 alike (5 writes its new name, TokenizersBackend)
-    path = folder / "tokenizer_config.json"
-    settings = json.loads(path.read_text(encoding="utf-8"))
-    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from olmo_core.distributed.utils import get_full_tensor
 
 from ..errors import UserError
@@ -31,10 +30,7 @@ def save_hf_model(save_dir: str | os.PathLike, model: SchemeTransformer, config:
     folder ``save_dir``, with a transformers ``tokenizer`` when given (its end token becomes the
     model's). What :func:`~.convert.lm_config` cannot express is refused in one line, before
     anything is written; a non-empty ``save_dir`` is refused unless ``overwrite``."""
-    from transformers import GenerationConfig
-
-    from ..hf import SiameseNormConfig, SiameseNormForCausalLM
-    from ..hf.export import MODELING_FILE, modeling_source
+    from ..hf.export import write_model_folder
 
     out = Path(save_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
@@ -45,24 +41,11 @@ def save_hf_model(save_dir: str | os.PathLike, model: SchemeTransformer, config:
     weight = state["embeddings.weight"]
     lm = LanguageModel(cfg, dtype=weight.dtype)
     lm.load_state_dict(to_siamesenorm_state_dict(state, tie_embeddings=config.tie_word_embeddings))
-    end = getattr(tokenizer, "eos_token_id", None)
-    hf_config = SiameseNormConfig.from_lm_config(cfg, eos_token_id=end, pad_token_id=end)
-    stem = Path(MODELING_FILE).stem
-    hf_config.auto_map = {"AutoConfig": f"{stem}.SiameseNormConfig",
-                          "AutoModel": f"{stem}.SiameseNormForCausalLM",
-                          "AutoModelForCausalLM": f"{stem}.SiameseNormForCausalLM"}
-    with torch.device("meta"):                      # a shell: the weights go in below
-        wrapper = SiameseNormForCausalLM(hf_config)
-    wrapper.model = lm.eval()
-    wrapper.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=end)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        wrapper.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
+        write_model_folder(tmp, lm.eval(), cfg, tokenizer)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
