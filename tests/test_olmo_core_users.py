@@ -20,6 +20,7 @@ from olmo_core.nn.transformer.config import TransformerBlockType as Block  # noq
 
 from siamesenorm.errors import UserError  # noqa: E402
 from siamesenorm.olmo_core import (  # noqa: E402
+    OWN_OPTIONS,
     OWN_SCHEME,
     PortableDroplessMLP,
     SchemeMoETransformer,
@@ -45,6 +46,8 @@ CONFIGS = {   # name -> (the user's config, the OLMo-core norms' names -> ours, 
     "peri_norm": (lambda: olmo2_like(Block.peri_norm),
                   {"attention_norm": "input_norm.{a}", "post_attention_norm": "output_norm.{a}",
                    "feed_forward_norm": "input_norm.{f}", "post_feed_forward_norm": "output_norm.{f}"}),
+    "olmo2-reordered": (lambda: olmo2_like(Block.reordered_norm),
+                        {"attention_norm": "output_norm.{a}", "feed_forward_norm": "output_norm.{f}"}),
     "default_scaled": (lambda: olmo2_like(Block.default_scaled),
                        {"attention_norm": "pre_norm.{a}", "feed_forward_norm": "pre_norm.{f}"}),
     "olmoe_1B_7B": (lambda: TransformerConfig.olmoe_1B_7B(VOCAB, d_model=32, n_layers=2, n_heads=4,
@@ -94,7 +97,7 @@ def _portable(model) -> None:
 def test_the_configs_own_scheme_computes_olmo_cores_own_model(name):
     make, norm_names = CONFIGS[name]
     user = _exact_norms(make())
-    scheme = OWN_SCHEME[user.block.name]
+    scheme, options = OWN_SCHEME[user.block.name], OWN_OPTIONS.get(user.block.name)
     torch.manual_seed(0)
     # built on the CPU, not init_weights: in OLMo-core 3.0.0 that leaves default_scaled's ln_scale
     # buffer uninitialised (our lns scheme computes the scale from the block's index)
@@ -103,7 +106,7 @@ def test_the_configs_own_scheme_computes_olmo_cores_own_model(name):
         for key, p in theirs.named_parameters():
             if "norm" in key:
                 p.add_(0.1 * torch.randn_like(p))
-    converted = from_transformer_config(user, scheme=scheme)
+    converted = from_transformer_config(user, scheme=scheme, options=options)
     ours = converted.build(init_device="cpu").double()
     ours.load_state_dict(_theirs_to_ours(theirs.state_dict(), norm_names))
     _portable(theirs)

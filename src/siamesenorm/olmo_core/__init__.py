@@ -62,9 +62,9 @@ from .moe import (  # noqa: E402
     SchemeMoEBlock,
     SchemeMoETransformer,
 )
-from .user_config import OWN_SCHEME, from_transformer_config  # noqa: E402
+from .user_config import OWN_OPTIONS, OWN_SCHEME, from_transformer_config  # noqa: E402
 
-__all__ = ["OWN_SCHEME", "CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention",
+__all__ = ["OWN_OPTIONS", "OWN_SCHEME", "CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention",
            "SchemeBlock", "SchemeBlockConfig", "SchemeMoEBlock", "SchemeMoETransformer",
            "SchemeTransformer", "SchemeTransformerConfig", "from_language_model",
            "from_siamesenorm_state_dict", "from_transformer_config", "head_norm_config", "lm_config",

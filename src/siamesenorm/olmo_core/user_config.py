@@ -22,14 +22,19 @@ from ..errors import UserError
 from ..schemes import get_scheme_class
 from .model import SchemeBlockConfig, SchemeTransformerConfig
 
-__all__ = ["OWN_SCHEME", "from_transformer_config"]
+__all__ = ["OWN_OPTIONS", "OWN_SCHEME", "from_transformer_config"]
 
-# The scheme that is a block type's own placement (scheme="pre" on a Llama config computes what
-# OLMo-core's own model computes). OLMo2's reordered_norm has none: h + LN(F(h)) without an input norm.
+# The scheme (with OWN_OPTIONS) that is a block type's own placement: scheme="pre" on a Llama config
+# computes what OLMo-core's own model computes. OLMo2's reordered_norm, h + LN(F(h)) with no input
+# norm, is Peri-LN without its input norms.
 OWN_SCHEME = {TransformerBlockType.default: "pre", TransformerBlockType.moe: "pre",
-              TransformerBlockType.peri_norm: "peri_ln", TransformerBlockType.default_scaled: "lns"}
+              TransformerBlockType.peri_norm: "peri_ln", TransformerBlockType.default_scaled: "lns",
+              TransformerBlockType.reordered_norm: "peri_ln",
+              TransformerBlockType.moe_reordered_norm: "peri_ln"}
+OWN_OPTIONS = {TransformerBlockType.reordered_norm: {"input_norm": False},
+               TransformerBlockType.moe_reordered_norm: {"input_norm": False}}
 # Block types whose norms alone the scheme replaces.
-_PLACEMENTS = {*OWN_SCHEME, TransformerBlockType.reordered_norm, TransformerBlockType.moe_reordered_norm}
+_PLACEMENTS = set(OWN_SCHEME)
 _WHY_NOT = {
     TransformerBlockType.normalized: "nGPT's blocks keep the hidden states on the unit sphere with "
                                      "learned step sizes, not a norm placement",
@@ -91,7 +96,8 @@ def from_transformer_config(config: TransformerConfig, scheme: str,
 
     The LM head's norm becomes the scheme's final norm: its kind and eps must be the blocks'; an LM
     head without a norm sets the option ``final_norm=False`` unless ``options`` names it.
-    ``OWN_SCHEME[block.name]`` is the scheme that computes what OLMo-core's own model computes."""
+    ``OWN_SCHEME[block.name]`` with ``OWN_OPTIONS.get(block.name)`` is the scheme that computes what
+    OLMo-core's own model computes."""
     if isinstance(config, SchemeTransformerConfig) or not isinstance(config, TransformerConfig):
         raise UserError(f"from_transformer_config takes an OLMo-core TransformerConfig, got "
                         f"{type(config).__name__}")
