@@ -23,6 +23,8 @@ def test_readme_has_examples():
 def test_readme_example_runs(code, tmp_path, monkeypatch):
     if "transformers" in code:
         pytest.importorskip("transformers")
+    if "olmo_core" in code:
+        pytest.importorskip("olmo_core")        # the extra "olmo"
     monkeypatch.chdir(tmp_path)         # what an example writes stays out of the checkout
     exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
 
