@@ -186,11 +186,16 @@ def test_a_finished_run_trains_further_to_the_same_losses_as_one_trained_straigh
     again = cli_in_process("train", "--resume", "--out", str(extended))
     assert again.returncode == 0 and f"{extended}: already finished (4 steps)" in again.stdout
     assert "train.steps=N (N > 4)" in again.stdout
-    for bad, fragment in ((["train.steps=4"], "give more than its 4 steps"),
-                          (["model.dim=8"], "give no preset and no override but train.steps=N"),
-                          (["train.steps=two"], "train.steps must be a whole number")):
+    for bad, fragment in ((["train.steps=3"], "planned 4 steps; give at least that many"),
+                          (["model.dim=8"], "--resume takes the run's own config.yaml, not model.dim=8: "
+                                            "it takes only train.steps, train.eval_every"),
+                          (["tiny"], "not the preset tiny"),
+                          (["train.steps=two"], "train.steps"),
+                          (["train.steps=8", "train.steps=9"], "train.steps is given twice")):
         res = cli_in_process("train", "--resume", "--out", str(extended), *bad)
-        assert res.returncode == 2 and fragment in res.stderr
+        assert res.returncode == 2 and fragment in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert yaml.safe_load((extended / "config.yaml").read_text())["train"]["steps"] == 4    # untouched
     assert cli_in_process("train", "--resume", "--out", str(extended), "train.steps=8").returncode == 0
 
     def rows(run):
@@ -200,3 +205,8 @@ def test_a_finished_run_trains_further_to_the_same_losses_as_one_trained_straigh
     assert rows(extended) == rows(straight) and len(rows(straight)) == 8
     assert json.loads((extended / "summary.json").read_text())["steps"] == 8
     assert yaml.safe_load((extended / "config.yaml").read_text())["train"]["steps"] == 8
+    # the run records what changed, when, and how the schedule goes on
+    [entry] = json.loads((extended / ".siamesenorm-run.json").read_text())["extensions"]
+    assert entry["changes"] == ["train.steps=8"] and entry["at_step"] == 4
+    assert entry["schedule"] == ("warm-up and cosine decay over 8 steps (was 4), followed from the step "
+                                 "the run resumes at")

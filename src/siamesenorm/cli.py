@@ -102,19 +102,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         preset = preset or DEFAULT_PRESET
         print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset))
         return 0
-    steps = _resume_steps(preset, overrides) if args.resume else None
+    changes = _resume_changes(preset, overrides) if args.resume else None
     if args.allow_data_change and not args.resume:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
-    finished = _finished_steps(args.out) if args.resume and steps is None else None
+    finished = _finished_steps(args.out) if args.resume and changes is None else None
     cfg = None if args.resume else load_config(preset or DEFAULT_PRESET, overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
 
         summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume,
-                              allow_data_change=args.allow_data_change, steps=steps)
+                              allow_data_change=args.allow_data_change, changes=changes)
     else:
         summary = run_training(cfg, args.out, resume=args.resume,
-                               allow_data_change=args.allow_data_change, steps=steps)
+                               allow_data_change=args.allow_data_change, changes=changes)
     if _other_rank():
         return 0        # one line per run: rank 0's
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
@@ -131,22 +131,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_steps(preset: str | None, overrides: list[str]) -> int | None:
-    """What ``--resume`` takes beside the run's own ``config.yaml``: ``train.steps=N`` (train the
-    run further), or nothing."""
+def _resume_changes(preset: str | None, overrides: list[str]) -> list[str] | None:
+    """What ``--resume`` takes beside the run's own ``config.yaml``: overrides of the settings that
+    cannot change what the run has done (``RESUME_SETTINGS``: ``train.steps=N`` trains it further),
+    or nothing (``None``)."""
     from .config import parse_override
+    from .tasks.runner import RESUME_SETTINGS
 
-    if preset is not None or any(parse_override(o)[0] != "train.steps" for o in overrides):
-        raise UserError("--resume takes the run's own config.yaml: give no preset and no override "
-                        "but train.steps=N, to train the run further")
-    if not overrides:
-        return None
-    if len(overrides) > 1:
-        raise UserError("train.steps is given twice on the command line; give it once")
-    value = parse_override(overrides[0])[1]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"train.steps must be a whole number of steps (1 or more), got {value!r}")
-    return value
+    others = [o for o in overrides if parse_override(o)[0] not in RESUME_SETTINGS]
+    if preset is not None or others:
+        what = f"the preset {preset}" if preset is not None else others[0]
+        raise UserError(f"--resume takes the run's own config.yaml, not {what}: it takes only "
+                        f"{', '.join(RESUME_SETTINGS)} (train.steps=N trains the run further)")
+    return list(overrides) or None
 
 
 def _finished_steps(out: str) -> int | None:

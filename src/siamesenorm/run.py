@@ -19,10 +19,10 @@ __all__ = ["analyze_run", "generate_text", "load_config", "load_trained", "run_t
 
 def run_training(cfg: Any, run_dir: str | Path, *, resume: bool = False,
                  progress: bool | None = None, allow_data_change: bool = False,
-                 steps: int | None = None) -> dict:
+                 changes: list[str] | None = None) -> dict:
     """Train ``cfg`` (any task's configuration, from :func:`load_config`) into ``run_dir``, or
     continue the run there with ``resume`` (``cfg`` may then be ``None``; ``allow_data_change``:
-    go on when the run's data changed, keeping both records; ``steps``: train it further, to that
-    many steps); returns the summary."""
+    go on when the run's data changed, keeping both records; ``changes``: with ``resume``,
+    overrides of ``RESUME_SETTINGS``, ``train.steps=N`` training it further); returns the summary."""
     return run_task(cfg, run_dir, resume=resume, progress=progress, allow_data_change=allow_data_change,
-                    steps=steps)
+                    changes=changes)

@@ -254,6 +254,18 @@ class RunDir:
         return history
 
 
+    def record_extension(self, entry: dict) -> None:
+        """Append ``entry`` (what ``train --resume`` with overrides changed, and when) to the
+        marker's ``extensions``, the run's own record of its settings' history."""
+        try:
+            record = json.loads(self.marker.read_bytes())
+            record = record if isinstance(record, dict) else {}
+        except (OSError, ValueError):
+            record = {}
+        done = record.get("extensions") if isinstance(record.get("extensions"), list) else []
+        write_json(self.marker, {**record, "extensions": [*done, entry]})
+
+
 def inner_folder(path: str | os.PathLike) -> Path:
     """``path``, a folder a run (or an analysis) writes inside itself (``tb/``, ``analysis/``,
     ``samples/``, ``tokenizer/``, ``wandb/``), created if missing. A link under its name, or a file,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
-from ..config import derive, dump_config
+from ..config import dump_config
 from ..devices import deterministic, environment, resolve_device
 from ..errors import UserError
 from ..locks import check_free, folder_lock
@@ -39,8 +40,13 @@ from ..shapes import read_summary
 from ..train import train
 from ..train.metrics import check_loggers
 from .dryrun import check_fits
-from .registry import TASKS, get_task, saved_config
+from .registry import TASKS, get_task, load_config, saved_config
 from .spec import TaskData
+
+# What ``train --resume`` takes besides the run's own config.yaml: the settings that cannot change
+# what the run has done (its length, when it evaluates, checkpoints and logs).
+RESUME_SETTINGS = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep",
+                   "train.log_every", "train.loggers")
 
 
 class Run:
@@ -64,21 +70,32 @@ class Run:
     def saved_config(self) -> Any:
         return saved_config(self.run_dir, f"cannot resume {self.run_dir}: it holds no config.yaml")
 
-    def extended(self, cfg: Any, steps: int | None) -> Any:
-        """``cfg`` (the run's saved configuration) with ``train.steps`` raised to ``steps`` (``None``:
-        as it is): more steps for a run, finished or not; fewer than it planned are refused."""
-        if steps is None:
+    def extended(self, cfg: Any, changes: list[str] | None) -> Any:
+        """``cfg`` (the run's saved configuration) with ``changes`` (``train.steps=N`` and the
+        other :data:`RESUME_SETTINGS` overrides; ``None``: as it is), checked as any configuration
+        is. ``train.steps`` may grow (the run trains on), never shrink."""
+        if not changes:
             return cfg
-        if steps <= cfg.train.steps:
-            raise UserError(f"train.steps={steps} with --resume trains {self.run_dir} further: give more "
-                            f"than its {cfg.train.steps} steps")
-        return derive(cfg, {"train.steps": steps})
+        new = load_config(str(self.folder.config), changes)
+        if new.train.steps < cfg.train.steps:
+            raise UserError(f"train.steps={new.train.steps} with --resume: {self.run_dir} planned "
+                            f"{cfg.train.steps} steps; give at least that many (a run is trained "
+                            "further, never cut short)")
+        return new
 
-    def record_extension(self, cfg: Any) -> None:
-        """Write ``cfg``'s raised ``train.steps`` into ``config.yaml`` (the workers and a later
-        ``--resume`` read it) and drop the finished run's ``summary.json`` (it trains on)."""
+    def record_extension(self, old: Any, cfg: Any, changes: list[str]) -> None:
+        """Write ``cfg`` (``old`` with ``changes``) into ``config.yaml`` (the workers and a later
+        ``--resume`` read it), record the change in the run's marker, and drop a finished run's
+        ``summary.json`` when it trains on."""
+        at = read_summary(self.folder.summary)["steps"] if self.folder.summary.is_file() else None
+        entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": list(changes), "at_step": at}
+        if cfg.train.steps != old.train.steps:
+            entry["schedule"] = (f"warm-up and cosine decay over {cfg.train.steps} steps (was "
+                                 f"{old.train.steps}), followed from the step the run resumes at")
         write_text(self.folder.config, dump_config(cfg))
-        self.folder.summary.unlink(missing_ok=True)
+        self.folder.record_extension(entry)
+        if cfg.train.steps > old.train.steps:
+            self.folder.summary.unlink(missing_ok=True)
 
     @contextmanager
     def claimed(self) -> Iterator[None]:
@@ -197,12 +214,13 @@ def _difference(before: Any, now: Any, where: str = "data") -> str:
 
 def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None,
              data: TaskData | None = None, command: str = "train", restart: bool = False,
-             allow_data_change: bool = False, steps: int | None = None) -> dict:
+             allow_data_change: bool = False, changes: list[str] | None = None) -> dict:
     """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
     ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
     setting, already loaded, with ``cfg`` fitted to it (compare loads each setting once). Every
     refusal comes before anything is written; a fresh run refuses a folder that already holds one
-    (unless ``restart``). ``steps`` (with ``resume``): train the run further, to that many steps.
+    (unless ``restart``). ``changes`` (with ``resume``): overrides of :data:`RESUME_SETTINGS`
+    (``train.steps=N`` trains the run further), recorded in the run.
 
     Under a launcher that runs this in every process, rank 0 claims and prepares the folder while
     the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
@@ -210,8 +228,10 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
     """
     run = Run(run_dir, resume=resume, command=command, restart=restart,
               allow_data_change=allow_data_change)
+    old = None
     if resume:
-        cfg = run.extended(run.saved_config(), steps)
+        old = run.saved_config()
+        cfg = run.extended(old, changes)
     world, device = init_world(cfg.train.device)
     try:
         with ExitStack() as held:
@@ -223,8 +243,8 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
             def claim_and_prepare():
                 held.enter_context(run.claimed())
                 prepared = run.prepare(cfg, data)
-                if steps is not None:       # once its data has loaded
-                    run.record_extension(prepared[0])
+                if changes:                 # once its data has loaded
+                    run.record_extension(old, prepared[0], changes)
                 return prepared
 
             prepared = on_main(world, claim_and_prepare)
@@ -240,7 +260,7 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
 
 def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = False,
                 command: str = "train", restart: bool = False, allow_data_change: bool = False,
-                steps: int | None = None) -> dict:
+                changes: list[str] | None = None) -> dict:
     """:func:`run_task` across ``nproc`` processes of this machine: this process claims and
     prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
     ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
@@ -248,14 +268,15 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     run = Run(run_dir, resume=resume, command=command, restart=restart)
     with run.claimed():
         if resume:
-            cfg = run.extended(run.saved_config(), steps)
+            old = run.saved_config()
+            cfg = run.extended(old, changes)
         check_distributed(cfg, World(0, nproc))
         check_fits(cfg, resolve_device(cfg.train.device), nproc, nproc)
         check_loggers(cfg.train.loggers)
         if not resume:
             run.prepare(cfg)
-        elif steps is not None:
-            run.record_extension(cfg)
+        elif changes:
+            run.record_extension(old, cfg, changes)
         flags = [*(["--resume"] if resume else []), *(["--allow-data-change"] if allow_data_change else [])]
         launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *flags], what=f"run {run_dir}")
     summary = read_summary(run.folder.summary)
