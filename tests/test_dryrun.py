@@ -3,6 +3,7 @@ the architecture (not from the code that counts), and the command's output and e
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -185,3 +186,48 @@ def test_image_presets_get_every_figure_but_flops(preset):
     assert r["flops_per_token"] is None and r["parameters"]["total"] > 0
     a = r["activations"]
     assert a["none"] > a["selective"] > a["sublayer"] > 0
+
+
+# ---- every n/a says why ---------------------------------------------------------------------------
+_TABLE_ROW = re.compile(r"^  \S.*?(\s{2,}(n/a|[\d.,]+)){2,}$")   # a label, then the columns' cells
+
+
+def _unexplained_na(text: str) -> list[str]:
+    """The lines of a dry run that print ``n/a`` without its reason: one in parentheses after it on
+    the line, or, for a cell of the memory table, an ``n/a:`` footnote line."""
+    lines = text.splitlines()
+    footnote = any(line.startswith("n/a:") for line in lines)
+    return [line for line in lines if "n/a" in line and not line.startswith("n/a:")
+            and not re.search(r"n/a.*\(\w+[^)]*\w", line)
+            and not (footnote and _TABLE_ROW.match(line))]
+
+
+def test_the_hf_family_dry_run_says_why_its_activations_are_not_estimated(tmp_path):
+    pytest.importorskip("transformers.masking_utils", reason="model.family needs transformers 5")
+    out = _cli(tmp_path, "train", "olmo-1b-hf", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("  activations", "  total"))]
+    assert rows and all(line.split()[-3:] == ["n/a"] * 3 for line in rows)   # still not estimated
+    assert _unexplained_na(out.stdout) == [], out.stdout
+    assert "meta device" in out.stdout and "causal mask" in out.stdout
+    this_run = next(line for line in out.stdout.splitlines() if line.startswith("this run:"))
+    total = int(out.stdout.split("parameters", 1)[1].split()[0].replace(",", ""))
+    states = (4 + 2 + 4 + 8) * total / 2**30   # one process: fp32 weights, bf16 copies, grads, AdamW
+    assert f"{states:.2f} without the activations" in this_run
+
+
+def test_an_image_dry_run_says_why_it_has_no_flops_per_token():
+    text = format_dry_run(dry_run(load_config("vit-digits"), 1), "vit-digits")
+    flops = next(line for line in text.splitlines() if line.startswith("FLOPs per token"))
+    assert "n/a" in flops and "per-token" in flops
+    assert _unexplained_na(text) == [], text
+    assert "n/a:" not in text                   # its activations are measured: no footnote
+
+
+def test_a_line_with_an_unexplained_na_is_found():
+    assert _unexplained_na("total (ckpt none)   n/a   n/a\nFLOPs   n/a  (no formula)") == \
+        ["total (ckpt none)   n/a   n/a"]
+    assert _unexplained_na("  total (ckpt none)        n/a         n/a") == \
+        ["  total (ckpt none)        n/a         n/a"]
+    assert _unexplained_na("  total (ckpt none)        n/a         n/a\nn/a: why") == []
+    assert _unexplained_na("this run: n/a GiB per rank") == ["this run: n/a GiB per rank"]

@@ -282,6 +282,13 @@ _ROWS = (("parameters", "parameters (fp32 master)"), ("weight_copies", "bf16 wei
          ("optimizer", "AdamW state (2 x fp32)"))
 
 
+# Why an activation figure (and the totals with it) reads n/a: _activations caught the failed pass.
+UNMEASURED = ("n/a: activations are measured by one micro-batch's forward on the meta device; this "
+              "model's forward has an operation that cannot run there")
+UNMEASURED_WHY = ("(in a model.family model, transformers' causal mask reads tensor values, which meta "
+                  "tensors lack), so they and the totals with them are not estimated")
+
+
 def format_dry_run(result: dict[str, Any], name: str = "") -> str:
     """``result`` of :func:`dry_run` as the table ``--dry-run`` prints."""
     r, p = result, result["parameters"]
@@ -296,7 +303,8 @@ def format_dry_run(result: dict[str, Any], name: str = "") -> str:
         lines.append(f"{'  active':<{w}}{_int(p['active']):>15}  ({_si(p['active'], big='B')} "
                      "per token: the routed experts only)")
     if r["flops_per_token"] is None:
-        lines.append(f"{'FLOPs per token':<{w}}{'n/a':>15}  (the model gives no estimate)")
+        lines.append(f"{'FLOPs per token':<{w}}{'n/a':>15}  (a {r['task']} model has no per-token "
+                     "FLOPs formula)")
     else:
         lines.append(f"{'FLOPs per token':<{w}}{_si(r['flops_per_token'], 'FLOP'):>15}  "
                      f"(training: forward + backward, at seq {r['seq_len']})")
@@ -328,16 +336,22 @@ def format_dry_run(result: dict[str, Any], name: str = "") -> str:
                  "".join(f"{_gib(c['total'][mode]):>{cw}}" for c in cols))
     dtype = "bf16, as FSDP2 computes (DDP's autocast keeps the streams in fp32: more there)" \
         if r["precision"] == "bf16" else "fp32"
+    states = next(c["states"] for c in cols if c["engine"] == conf["parallel"])
+    need = f"{_gib(conf['total'])} GiB per rank" if conf["total"] is not None else \
+        f"n/a GiB per rank ({_gib(states)} without the activations, n/a: see below)"
     lines += ["", f"this run: train.parallel -> {conf['parallel']} at {ranks}, {r['precision']}, "
-                  f"activation_checkpointing={mode}: {_gib(conf['total'])} GiB per rank"]
+                  f"activation_checkpointing={mode}: {need}"]
     machine = r.get("machine")
     if machine is not None:
         here = machine["memory"] * (1 if machine["device"].startswith("cuda") else 1 / r["nproc"])
-        verdict = "" if conf["total"] is None else \
+        verdict = "; does NOT fit even without activations: shrink the model" if states > here else \
+            "; whether it fits is unknown without the activations" if conf["total"] is None else \
             "; fits" if conf["total"] <= here else "; does NOT fit: shrink the model or the batch"
         lines.append(f"this machine: {_gib(machine['memory'])} GiB of {machine['device']} memory"
                      f"{' shared by the ranks' if r['nproc'] > 1 and machine['device'] == 'cpu' else ''}"
                      f"{verdict}")
-    lines += [f"activations: bytes saved for backward by one micro-batch, measured in {dtype}",
-              "not counted: CUDA context, allocator fragmentation, kernel temporaries, compile workspace"]
+    lines.append(f"activations: bytes saved for backward by one micro-batch, measured in {dtype}")
+    if any(a is None for a in r["activations"].values()):
+        lines += [UNMEASURED, "  " + UNMEASURED_WHY]
+    lines.append("not counted: CUDA context, allocator fragmentation, kernel temporaries, compile workspace")
     return "\n".join(lines)
