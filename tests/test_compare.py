@@ -677,3 +677,69 @@ def test_the_unigram_paragraph_is_only_in_a_language_model_s_report(tmp_path):
     write_report(tmp_path, rows, ["pre", "siamese"], [0.01], aggregate=parts[0], differences=parts[1],
                  baseline="pre")
     assert "at or above 98% of the unigram loss" in (tmp_path / "report.md").read_text()
+
+
+def _kept_figures(stdout: str, out) -> tuple[float, float]:
+    """The MB figures of compare's last line: what the folder keeps, and of it checkpoints."""
+    line = stdout.strip().splitlines()[-1]
+    found = re.fullmatch(rf"{re.escape(str(out))} keeps ([\d.]+) MB \(([\d.]+) MB of it checkpoints\): (.*)",
+                         line)
+    assert found, line
+    return float(found[1]), float(found[2])
+
+
+def _checkpoint_folders(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_a_finished_run_keeps_only_its_last_checkpoint_and_compare_says_how_much_is_kept(tmp_path):
+    out = tmp_path / "exp"
+    res = run("compare", "tiny", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=1",
+              "train.keep_checkpoints=3", "--schemes", "pre", "--lrs", "1e-3,1e4", "--jobs", "2",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    # finished (in a worker process): checkpoints/last alone, and it still loads for what reads it
+    finished, diverged = out / "pre-lr0.001-s0", out / "pre-lr10000-s0"
+    assert _checkpoint_folders(finished) == ["last"]
+    assert run("generate", str(finished), "--prompt", "x", "--max-new-tokens", "2").returncode == 0
+    # diverged: every checkpoint it kept, for a resume with other settings
+    assert json.loads((diverged / "summary.json").read_text())["diverged"]
+    assert _checkpoint_folders(diverged)[0] == "last" and len(_checkpoint_folders(diverged)) > 1
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    checkpoints = sum(p.stat().st_size for p in out.glob("*/checkpoints/**/*") if p.is_file())
+    kept, of_checkpoints = _kept_figures(res.stdout, out)
+    assert kept == pytest.approx(total / 1e6, abs=0.051)
+    assert of_checkpoints == pytest.approx(checkpoints / 1e6, abs=0.051) and of_checkpoints < kept
+    assert res.stdout.strip().endswith("2 runs, the last checkpoint of each, and older ones of 1")
+
+
+def test_keep_checkpoints_all_keeps_them_and_a_bad_value_is_one_line(tmp_path):
+    from siamesenorm.config import PRESET_DIR
+    from siamesenorm.experiments.disk import keep_last_checkpoint
+
+    tiny = yaml.safe_load((PRESET_DIR / "tiny.yaml").read_text())
+    preset, out = tmp_path / "keep.yaml", tmp_path / "exp"
+    preset.write_text(yaml.safe_dump({**tiny, "compare": {"schemes": ["pre"], "keep_checkpoints": "some"}}))
+    res = run("compare", str(preset), "--out", str(out))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "compare.keep_checkpoints must be last" in res.stderr and "'some'" in res.stderr
+    assert not out.exists()
+    preset.write_text(yaml.safe_dump({**tiny, "compare": {"schemes": ["pre"], "keep_checkpoints": "all"}}))
+    res = run("compare", str(preset), "train.steps=3", "train.eval_every=3", "train.checkpoint_every=1",
+              "--jobs", "1", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    run_dir = out / "pre-lr0.001-s0"
+    assert _checkpoint_folders(run_dir) == ["last", "step_2"]      # train.keep_checkpoints: 2
+    assert res.stdout.strip().endswith("1 run, its last checkpoint, and older ones of 1 "
+                                       "(compare.keep_checkpoints: all)")
+    # What `last` does to a run as it ends: only a cleanly finished one loses its step folders,
+    # and only those it wrote.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for unfinished in ({"interrupted": True}, {"diverged": True, "failed": True},
+                       {"stalled": True, "failed": True}, {"checkpoint_step": 2}):
+        keep_last_checkpoint(run_dir, {**summary, **unfinished})
+        assert _checkpoint_folders(run_dir) == ["last", "step_2"]
+    (run_dir / "checkpoints" / "step_1").mkdir()
+    (run_dir / "checkpoints" / "step_1" / "notes.txt").write_text("a person's, not the run's")
+    keep_last_checkpoint(run_dir, summary)
+    assert _checkpoint_folders(run_dir) == ["last", "step_1"]

@@ -35,6 +35,7 @@ from ..tasks import TASKS, get_task
 from ..tasks.dryrun import check_fits
 from ..train.metrics import check_loggers
 from . import stats
+from .disk import kept_line
 from .grid import plan
 from .jobs import Concurrency, check_jobs, choose
 from .report import write_report
@@ -168,6 +169,8 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     once they have ended, the failures are raised as one line (:class:`RunsFailed`, or
     :class:`UserError` when every one was a user's error) and no table is written. Ctrl-C or
     SIGTERM stops every run at its next step with a checkpoint; the same command resumes them.
+    A run that finishes keeps only ``checkpoints/last`` unless ``compare.keep_checkpoints`` is
+    ``all`` (:mod:`.disk`); the last line says how much the folder keeps.
     """
     p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)
     concurrency = choose(p.cells, p.jobs if jobs is None else check_jobs(jobs, "--jobs"), nproc=nproc,
@@ -183,12 +186,14 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
         check_loggers(cell.config.train.loggers)
     cells, data = load_data(p.cells)
     with folder_lock(out, "compare"):
-        return _compare(out, p.base, p.spec, cells, p.baseline, nproc, concurrency, data, log)
+        return _compare(out, p.base, p.spec, cells, p.baseline, nproc, concurrency, data, log,
+                        p.keep_checkpoints)
 
 
 def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,
-             concurrency: Concurrency, data: dict, log) -> list[dict]:
-    """:func:`compare` once it holds the experiment folder."""
+             concurrency: Concurrency, data: dict, log, keep_checkpoints: str = "last") -> list[dict]:
+    """:func:`compare` once it holds the experiment folder; ``keep_checkpoints`` (``last`` or
+    ``all``): which checkpoints a run that finishes keeps (:mod:`.disk`)."""
     _claim(out, {"base": config_to_dict(base), **spec})
     summaries: dict[str, dict] = {}
     todo = []
@@ -201,7 +206,7 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         else:
             todo.append(Todo(i, cell, out / cell.name, summary))
     if todo:
-        trained, failures = train_runs(todo, len(grid), concurrency, nproc, data, log)
+        trained, failures = train_runs(todo, len(grid), concurrency, nproc, data, log, keep_checkpoints)
         summaries.update(trained)
         if failures:
             raise_failures(failures, len(grid))
@@ -244,5 +249,6 @@ def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int 
         log("MFU: model FLOPs utilisation, the fraction of the device's peak each run achieved")
         log(text_table(rows, spec["schemes"], spec["lrs"], "mfu"))
     log(f"report: {out / 'report.md'}")
+    log(kept_line(out, [cell.name for cell in grid], keep_checkpoints))
     return rows
 

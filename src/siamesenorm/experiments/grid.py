@@ -9,7 +9,10 @@ options (the preset's, for the preset's own scheme). ``--schemes``, ``--lrs`` an
 replace the section's lists. Learning rates must be positive and finite, seeds in 0..2**63-1, and
 no list may repeat a value: refused before anything runs. The baseline (``--baseline``, else
 ``compare.baseline``, else ``pre`` when compared, else the first label) and ``jobs`` only shape the
-report and the scheduling, so neither is part of the grid ``experiment.json`` records.
+report and the scheduling, so neither is part of the grid ``experiment.json`` records; nor is
+``keep_checkpoints``: ``last`` (default) deletes a finished run's older checkpoints as it ends,
+keeping ``checkpoints/last`` (what ``export``, ``analyze``, ``generate`` and ``train --resume``
+read), ``all`` keeps every one ``train.keep_checkpoints`` kept.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ..tasks import load_config
 from .jobs import AUTO, check_jobs
 
 DEFAULT_SCHEMES = ("pre", "post", "siamese")
-_SECTION_KEYS = ("schemes", "lrs", "seeds", "baseline", "jobs", "variants")
+_SECTION_KEYS = ("schemes", "lrs", "seeds", "baseline", "jobs", "keep_checkpoints", "variants")
+KEEP_CHECKPOINTS = ("last", "all")      # what compare.keep_checkpoints may say
 DEFAULT_BASELINE = "pre"
 _VARIANT_KEYS = ("scheme", "options", "overrides")
 
@@ -100,6 +104,12 @@ def check_section(data: dict, preset: str | None) -> dict:
         out["baseline"] = section["baseline"]
     if "jobs" in section:
         out["jobs"] = check_jobs(section["jobs"], "compare.jobs")
+    if "keep_checkpoints" in section:
+        keep = section["keep_checkpoints"]
+        if keep not in KEEP_CHECKPOINTS:
+            raise UserError(f"compare.keep_checkpoints must be last (a finished run keeps only "
+                              f"checkpoints/last) or all (every checkpoint it kept), got {keep!r}")
+        out["keep_checkpoints"] = keep
     variants = section.get("variants") or {}
     if not isinstance(variants, dict):
         raise UserError("compare.variants must map a label to {scheme, options, overrides}")
@@ -181,14 +191,16 @@ def resolve_variants(names: list[str], variants: dict[str, Variant],
 @dataclass(frozen=True)
 class Plan:
     """A comparison, resolved once from its preset: the base configuration, the grid's spec (for
-    experiment.json), every cell, the baseline of the report, and how many runs train at once
-    (``compare.jobs``: a number, or ``auto``)."""
+    experiment.json), every cell, the baseline of the report, how many runs train at once
+    (``compare.jobs``: a number, or ``auto``), and which checkpoints a finished run keeps
+    (``compare.keep_checkpoints``: ``last`` or ``all``)."""
 
     base: Any
     spec: dict
     cells: list[Cell]
     baseline: str
     jobs: int | str = AUTO
+    keep_checkpoints: str = "last"
 
 
 def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
@@ -217,7 +229,7 @@ def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None 
     spec = {"schemes": [v.label for v in variants], "lrs": lrs, "seeds": seeds,
             "variants": {v.label: dataclasses.asdict(v) for v in variants}}
     return Plan(base, spec, cells, choose_baseline(spec["schemes"], baseline, section),
-                section.get("jobs", AUTO))
+                section.get("jobs", AUTO), section.get("keep_checkpoints", "last"))
 
 
 def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,

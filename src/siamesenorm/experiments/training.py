@@ -6,6 +6,10 @@ Either way a run that fails does not stop the others (its failure is kept, one l
 :func:`raise_failures` once all have ended), a run with a checkpoint resumes, keeping the thread
 count its interrupted session recorded, and any other starts afresh. Ctrl-C or SIGTERM stops the
 comparison: the runs in training checkpoint and stop, and the same command resumes them.
+
+A run that finishes (neither interrupted, diverged nor stalled) keeps only ``checkpoints/last``
+unless ``compare.keep_checkpoints`` is ``all`` (:mod:`.disk`); any other keeps
+every checkpoint it wrote.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..rundir import RunDir
 from ..shapes import METRICS_ROW, read_rows, read_summary
 from ..tasks import Run, launch_task, run_task
 from ..train.progress import duration
+from .disk import keep_last_checkpoint
 from .eta import Eta
 from .jobs import Concurrency, threads_of, work_per_step
 from .view import GridView
@@ -86,10 +91,11 @@ class Todo:
 
 class Finished:
     """The line of each run that ends (``log``), with the comparison's progress and ETA; ``view``
-    (:class:`.view.GridView`) counts the runs and keeps the ETA's clock."""
+    (:class:`.view.GridView`) counts the runs and keeps the ETA's clock. ``keep_checkpoints``
+    (``last`` or ``all``): which checkpoints a run that finished keeps."""
 
-    def __init__(self, view: GridView, log) -> None:
-        self.view, self.log = view, log
+    def __init__(self, view: GridView, log, keep_checkpoints: str = "last") -> None:
+        self.view, self.log, self.keep_checkpoints = view, log, keep_checkpoints
 
     @property
     def total(self) -> int:
@@ -110,6 +116,8 @@ class Finished:
         return f"{self.done}/{self.total} done, ETA {'?' if left is None else duration(left)}"
 
     def finished(self, item: Todo, summary: dict) -> None:
+        if self.keep_checkpoints == "last":
+            keep_last_checkpoint(item.run_dir, summary)
         self.view.ended(item.cell.name, summary.get("steps", 0) - item.start_step)
         line = _one_line(summary, grad_norm_peak(item.run_dir))
         self.log(f"  {item.cell.name}: {line}; {self._progress()}")
@@ -126,11 +134,12 @@ class Finished:
 
 
 def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: int | None, data: dict,
-               log) -> tuple[dict[str, dict], dict[str, Failure]]:
+               log, keep_checkpoints: str = "last") -> tuple[dict[str, dict], dict[str, Failure]]:
     """Train ``todo`` (of a grid of ``total`` runs) as ``concurrency`` says, after a line saying
     how; the summaries of the runs that ended, and the failures of those that failed (a run
     interrupted by Ctrl-C or SIGTERM raises once all have stopped). The grid's progress is shown
-    on stderr (:class:`.view.GridView`; with ``nproc`` above 1 each run shows its own as well)."""
+    on stderr (:class:`.view.GridView`; with ``nproc`` above 1 each run shows its own as well).
+    ``keep_checkpoints``: ``last`` prunes each run that finishes to ``checkpoints/last``."""
     eta = Eta()
     for item in todo:
         eta.add(item.cell.name, item.cell.config.train.steps - item.start_step,
@@ -138,7 +147,7 @@ def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: in
     spread = bool(nproc and nproc > 1)      # its processes write to stderr themselves
     view = GridView(total, total - len(todo), eta, live=False if spread else None)
     log = view.wrap(log)
-    done = Finished(view, log)
+    done = Finished(view, log, keep_checkpoints)
     summaries: dict[str, dict] = {}
     failures: dict[str, Failure] = {}
     try:
