@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,72 @@ def test_generate_refuses_what_is_not_a_usable_run(tmp_path):
     (out / "checkpoints" / "last" / "model.safetensors").write_bytes(b"garbage")
     res = run("generate", str(out), "--prompt", "x")
     assert res.returncode == 2 and "model.safetensors" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+# ---- export ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A 2-step tiny run at ROOT/runs/tiny, ROOT otherwise empty."""
+    root = tmp_path_factory.mktemp("export")
+    res = run("train", "tiny", "train.steps=2", "--out", "runs/tiny", cwd=root)
+    assert res.returncode == 0, res.stderr
+    return root / "runs" / "tiny"
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _weights(path: Path) -> tuple[dict, dict]:
+    """An exported file's metadata and tensors (as bytes: comparable with ==)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
+
+
+def test_export_without_out_writes_the_weights_beside_the_run(tiny_run):
+    root, inside, beside = tiny_run.parents[1], _listing(tiny_run), _listing(tiny_run.parent)
+    res = run("export", "runs/tiny", cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("runs/tiny.safetensors: ") and "step 2" in res.stdout
+    assert set(_listing(tiny_run.parent)) - set(beside) == {"tiny.safetensors"}
+    assert [p.name for p in root.iterdir()] == ["runs"] and _listing(tiny_run) == inside
+    written = _weights(tiny_run.parent / "tiny.safetensors")
+    again = run("export", "runs/tiny", cwd=root)                 # the refusals of --out hold
+    assert again.returncode == 2 and "runs/tiny.safetensors already exists" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    assert _weights(tiny_run.parent / "tiny.safetensors") == written
+    (tiny_run.parent / "tiny.safetensors").unlink()
+    here = run("export", ".", cwd=tiny_run)                     # the run is the current folder
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.startswith(f"{tiny_run.resolve()}.safetensors: ")
+    assert _weights(tiny_run.parent / "tiny.safetensors") == written
+    assert _listing(tiny_run) == inside
+    (tiny_run.parent / "tiny.safetensors").unlink()
+
+
+def test_export_hf_without_out_writes_the_model_folder_beside_the_run(tiny_run):
+    pytest.importorskip("transformers")
+    root, inside, beside = tiny_run.parents[1], _listing(tiny_run), _listing(tiny_run.parent)
+    res = run("export", "runs/tiny", "--format", "hf", cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("runs/tiny-hf: Hugging Face model folder")
+    folder = tiny_run.parent / "tiny-hf"
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert {p.split("/")[0] for p in set(_listing(tiny_run.parent)) - set(beside)} == {"tiny-hf"}
+    assert [p.name for p in root.iterdir()] == ["runs"] and _listing(tiny_run) == inside
+    again = run("export", "runs/tiny", "--format", "hf", cwd=root)  # not empty: --force replaces
+    assert again.returncode == 2 and "runs/tiny-hf is a folder that is not empty" in again.stderr
+    assert run("export", "runs/tiny", "--format", "hf", "--force", cwd=root).returncode == 0
+    assert (folder / "model.safetensors").is_file()
+    shutil.rmtree(folder)
+
+
+def test_export_of_the_root_folder_needs_out():
+    res = run("export", "/")
+    assert res.returncode == 2 and "give --out" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 

@@ -246,6 +246,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     _path_arg(args.run_dir, "RUN_DIR")
     _path_arg(args.out, "--out")
+    if args.out is None:
+        args.out = _beside_run(args.run_dir, ".safetensors" if args.format == "safetensors" else "-hf")
     if args.format == "hf":
         return _export_hf(args)
     if args.force:
@@ -254,6 +256,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     info = export_run(args.run_dir, args.out)
     print(f"{args.out}: {info['tensors']} tensors, {info['parameters']:,} parameters, step {info['step']}")
     return 0
+
+
+def _beside_run(run_dir: str, suffix: str) -> str:
+    """export's default ``--out``: the run folder's name plus ``suffix``, beside the folder
+    (``runs/tiny`` -> ``runs/tiny.safetensors``, ``runs/tiny-hf``); a run named ``.`` or ``..``
+    is named by its resolved path."""
+    from pathlib import Path
+
+    run = Path(run_dir)
+    if run.name in ("", ".", ".."):
+        run = run.resolve()
+    if not run.name:
+        raise UserError(f"RUN_DIR {run_dir} has no folder beside it to export to; give --out")
+    return str(run.with_name(run.name + suffix))
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -403,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "single-process or sharded) as one .safetensors file, or a "
                                       "language-model run as a Hugging Face model folder")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors|DIR",
-                   help="the weights file (--format safetensors) or the model folder (--format hf)")
+    p.add_argument("--out", default=None, metavar="FILE.safetensors|DIR",
+                   help="the weights file (--format safetensors) or the model folder (--format hf) "
+                        "(default: beside the run, RUN_DIR.safetensors or RUN_DIR-hf)")
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors (default): one weights file; hf: a folder that transformers' "
                         "from_pretrained and pipeline load (config, weights, tokenizer, model card, "
