@@ -37,6 +37,61 @@ def test_help_lists_the_subcommands():
     assert "schemes" in out.stdout and "demo" in out.stdout
 
 
+def _arguments(parser=None, command: str = "siamesenorm"):
+    """``(command, action)`` for every argument of the parser and its subcommands' but -h."""
+    import argparse
+
+    from siamesenorm.cli import build_parser
+
+    for action in (parser or build_parser())._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _arguments(sub, name)
+        elif not isinstance(action, argparse._HelpAction):
+            yield command, action
+
+
+def _help_problem(action) -> str | None:
+    """What is wrong with an argument's help: none; an option's default not shown (a value not
+    in the help as argparse prints it; an option without a value, a flag, is off by default); an
+    optional value whose help does not say what it defaults to."""
+    import argparse
+
+    text = (action.help or "").strip()
+    if not text or text == argparse.SUPPRESS:
+        return "no help"
+    shown = text % {**vars(action), "prog": "siamesenorm"}     # as argparse expands it
+    takes_value = action.nargs != 0
+    optional = bool(action.option_strings) and not action.required
+    if takes_value and action.default is not None and str(action.default) not in shown:
+        return f"its default {action.default!r} is not shown"
+    if takes_value and optional and "default" not in shown:
+        return "it does not say what it defaults to"
+    return None
+
+
+def test_every_argument_has_help_that_shows_its_default():
+    problems = [f"{command} {'/'.join(a.option_strings) or a.metavar or a.dest}: {_help_problem(a)}"
+                for command, a in _arguments() if _help_problem(a)]
+    assert problems == []
+    commands = {command for command, _ in _arguments()}
+    assert {"train", "compare", "generate", "analyze", "export", "demo"} <= commands
+
+
+def test_a_missing_help_or_default_is_found():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    flags = [parser.add_argument("run_dir"), parser.add_argument("--seed", type=int, default=0),
+             parser.add_argument("--lr", default=3e-3, help="rate (default 3e-3)"),
+             parser.add_argument("--k", default=None, help="top k"),
+             parser.add_argument("--lr2", default=3e-3, help="rate (default %(default)s)"),
+             parser.add_argument("--greedy", action="store_true", help="greedy")]
+    assert [_help_problem(a) for a in flags] == [
+        "no help", "no help", "its default 0.003 is not shown", "it does not say what it defaults to",
+        None, None]
+
+
 def test_a_user_error_ends_the_process_with_status_2_and_one_line():
     out = run_process("demo", "--schemes", "pre,siamse")
     assert out.returncode == 2 and out.stdout == ""

@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the compared scheme or variant the others are paired with, seed by seed, "
                         "in the report (default: compare.baseline, else pre when compared, else "
                         "the first)")
-    p.add_argument("--out", default="experiments/compare", help="experiment directory")
+    p.add_argument("--out", default="experiments/compare",
+                   help="experiment directory, one run folder per run (default %(default)s)")
     p.add_argument("--nproc", type=_nproc, default=None, metavar="N",
                    help="train each run across N processes on this machine (default 1)")
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N|auto",
@@ -391,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a language-model run directory of train; its last checkpoint generates")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                    help="tokens to add (default 200; prompt and continuation must fit the context)")
@@ -406,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("analyze", help="the paper's diagnostics on a trained run: layer pruning, "
                                        "logit lens per stream, angular distances, probes")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory of train; its last checkpoint is analysed")
     p.add_argument("--data", default=None, help="a text file, folder or token file to analyse "
                                                 "(default: the run's validation split)")
     p.add_argument("--batches", type=int, default=None,
@@ -418,10 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a run's trained weights (its last checkpoint, "
                                       "single-process or sharded) as one .safetensors file, or a "
                                       "language-model run as a Hugging Face model folder")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory of train (or import-olmo-core); its last checkpoint is exported")
     p.add_argument("--out", default=None, metavar="FILE.safetensors|DIR",
-                   help="the weights file (--format safetensors) or the model folder (--format hf) "
-                        "(default: beside the run, RUN_DIR.safetensors or RUN_DIR-hf)")
+                   help="the weights file (--format safetensors) or the model folder (--format hf); "
+                        "default: beside the run, RUN_DIR.safetensors or RUN_DIR-hf")
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors (default): one weights file; hf: a folder that transformers' "
                         "from_pretrained and pipeline load (config, weights, tokenizer, model card, "
@@ -443,12 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")
-    p.add_argument("--schemes", default="pre,post,siamese", help="comma-separated scheme names")
+    p.add_argument("--schemes", default="pre,post,siamese",
+                   help="comma-separated scheme names (default %(default)s; "
+                        "`siamesenorm schemes` lists them)")
     p.add_argument("--layers", type=int, default=12, help="number of blocks (default 12)")
     p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     p.add_argument("--steps", type=int, default=60, help="training steps per scheme (default 60)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and the batches, the same for every scheme "
+                        "(default %(default)s)")
     p.set_defaults(func=_cmd_demo)
     return parser
 
