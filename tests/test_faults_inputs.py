@@ -330,7 +330,7 @@ def _nested_block(depth: int) -> str:
     return "model:\n  scheme_options:\n" + "".join("  " * (i + 2) + "a:\n" for i in range(depth))
 
 
-@pytest.mark.parametrize("text", [_nested_block(3000),
+@pytest.mark.parametrize("text", [_nested_block(900),      # 0.8 MB: under the preset size limit
                                   "model: {scheme_options: " + "[" * 3000 + "]" * 3000 + "}\n",
                                   "- " * 3000 + "x\n"])
 def test_a_preset_nested_thousands_deep_is_one_line(tmp_path, capsys, text):
@@ -482,6 +482,12 @@ def test_every_reader_of_our_json_states_a_shape():
         "experiments/compare.py": 2,
         # checksums.json: every entry's fields read under the check (verify_checksums, issue 27 §1)
         "train/checkpoint/atomic.py": 1,
+        # checksums.json again: only its keys compared with the folder's files, a non-object taken
+        # as a folder the run did not write (keep.written_here: pruning)
+        "train/checkpoint/keep.py": 1,
+        # an imported run's summary.json: imported_from read under isinstance, anything else taken
+        # as none (tasks/lm._imported_from: the call and its .get)
+        "tasks/lm.py": 2,
         # the lock's holder: a non-object is treated as no holder (locks.held_by)
         "locks.py": 1,
         # the tokenizer descriptor: isinstance(dict) and its kind checked (load_tokenizer)

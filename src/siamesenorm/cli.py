@@ -99,14 +99,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise UserError("--dry-run sizes a new run from a preset and overrides; drop --resume")
         from .tasks.dryrun import dry_run, format_dry_run
 
-        preset = preset or DEFAULT_PRESET
-        print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset))
+        preset = _preset_or_default(preset, overrides)
+        print(format_dry_run(dry_run(load_config(preset, overrides), args.nproc), preset or ""))
         return 0
     changes = _resume_changes(preset, overrides) if args.resume else None
     if args.allow_data_change and not args.resume:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
     finished = _finished_steps(args.out) if args.resume and changes is None else None
-    cfg = None if args.resume else load_config(preset or DEFAULT_PRESET, overrides)
+    cfg = None if args.resume else load_config(_preset_or_default(preset, overrides), overrides)
     if args.nproc is not None and args.nproc > 1:
         from .tasks import launch_task
 
@@ -189,7 +189,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     _path_arg(args.out, "--out")
     preset, overrides = _split_preset(args.args)
-    compare(preset or DEFAULT_PRESET, overrides, args.out,
+    compare(_preset_or_default(preset, overrides), overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
             seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc,
             jobs=args.jobs)
@@ -319,6 +319,17 @@ def _cmd_import_olmo_core(args: argparse.Namespace) -> int:
     print(f"{args.out}: step {info['step']} of {info['checkpoint']}, {info['scheme']}, "
           f"{info['parameters']:,} parameters, {info['metrics']} metrics rows; analysis data: {data}")
     return 0
+
+
+def _preset_or_default(preset: str | None, overrides: list[str]) -> str | None:
+    """``preset``, else :data:`DEFAULT_PRESET` for a language model (``train`` and ``compare``
+    alike); a ``task=`` other than ``lm`` without a preset starts from that task's defaults."""
+    if preset is not None:
+        return preset
+    from .config import parse_override
+
+    task = next((parse_override(o)[1] for o in overrides if o.partition("=")[0].strip() == "task"), "lm")
+    return DEFAULT_PRESET if task == "lm" else None
 
 
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
