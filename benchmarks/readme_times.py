@@ -22,8 +22,10 @@ from pathlib import Path
 
 # name -> (the command, as the README shows it, with {out} for its output folder; what it states)
 COMMANDS = {
-    "tiny": ("siamesenorm train tiny model.scheme=siamese train.lr=2e-3 --out {out}",
-             "the quick start's run"),
+    "tiny": ("siamesenorm train tiny model.scheme=siamese train.lr=2e-3 --out {out}", "seconds"),
+    "small": ("siamesenorm train small model.scheme=siamese --out {out}", "about 2 min"),
+    "compare-tiny": ("siamesenorm compare tiny --schemes pre,post,siamese --lrs 1e-3,1e-2 "
+                     "train.steps=300 --out {out}", "about half a minute"),
     "default": ("siamesenorm compare --out {out}", "about 5 minutes"),
     "vit-digits": ("siamesenorm compare vit-digits --out {out}", "~1 min"),
     "dit-digits": ("siamesenorm compare dit-digits --out {out}", "~1.5 min"),
