@@ -163,4 +163,4 @@ def test_the_hugging_face_model_carries_it(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded(tokens).logits, m.model(tokens).logits, rtol=0, atol=1e-6)
 
 
-# OLMo-core's refusal: tests/test_olmo_core.py (run in CI's OLMo-core venv)
+# OLMo-core's refusal: tests/test_olmo_core.py (where the olmo extra is installed, as in CI)

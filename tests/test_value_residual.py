@@ -315,4 +315,4 @@ def test_the_hugging_face_model_carries_it(tmp_path: Path) -> None:
         H.SiameseNormConfig(value_residual=True, value_residual_mix="sparse")
 
 
-# OLMo-core's refusal: tests/test_olmo_core.py (run in CI's OLMo-core venv)
+# OLMo-core's refusal: tests/test_olmo_core.py (where the olmo extra is installed, as in CI)
