@@ -73,11 +73,11 @@ def _readme_commands() -> list[list[str]]:
 @pytest.mark.parametrize("argv", _readme_commands(), ids=lambda a: " ".join(a)[:60])
 def test_readme_commands_parse_and_their_configs_load(argv):
     """The README's commands are accepted as written: arguments, presets, overrides and grids."""
-    from siamesenorm.cli import DEFAULT_PRESET, _resume_changes, _split_preset, build_parser
+    from siamesenorm.cli import DEFAULT_PRESET, _resume_changes, _split_preset, build_parser, parse_args
     from siamesenorm.experiments import build_grid
     from siamesenorm.tasks import load_config
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)         # as the command parses: overrides after options
     if args.command == "train" and not args.resume:
         load_config(*_split_preset(args.args))
     elif args.command == "train":
