@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "side and write summary.csv, summary.json and report.md")
     p.add_argument("args", nargs="*", metavar="[PRESET] key=value",
                    help=f"a preset name or YAML file (default: {DEFAULT_PRESET}, pre/post/siamese "
-                        "at 12 layers, two learning rates, three seeds, ~5 min on 2 CPU cores), then "
+                        "at 12 layers, two learning rates, three seeds, ~6 min on 2 CPU cores), then "
                         "overrides")
     p.add_argument("--schemes", default=None,
                    help="comma-separated schemes or preset variants (default: the preset's "
