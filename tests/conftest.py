@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Under pytest-xdist (the default run: ``-n auto`` in pyproject.toml) each worker gets its share of
@@ -22,3 +24,15 @@ MAX_WORKERS = 4
 
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def one_thread():
+    """torch's intra-op threads at 1 for the test (the tiny HF models lose by more), then as
+    before; a module takes it for every test with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -172,6 +172,15 @@ def _until_trained(proc: subprocess.Popen, out: Path, names) -> None:
         time.sleep(0.05)
 
 
+def _slowed(*args: str, inject: str) -> subprocess.Popen:
+    """``siamesenorm ARGS`` in a process of its own, each training step 20 ms longer (at least 3 s
+    a run: a signal comes mid-way however fast the machine is); its output in pipes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S="0.02",
+               PYTHONPATH=os.pathsep.join(p for p in (inject, SRC, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen([sys.executable, "-m", "siamesenorm", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
 def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_each_exactly(
         tmp_path, capsys, inject):
     grid = ("compare", "tiny", *TINY, "train.steps=150", "train.checkpoint_every=50",
@@ -179,11 +188,7 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
     threads = max(1, available_cores() // 2)
     train_alone(grid[:grid.index("--jobs")], tmp_path / "reference", threads, capsys)
     out = tmp_path / "exp"
-    # 20 ms a step (at least 3 s a run): SIGTERM comes mid-way however fast the machine is
-    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S="0.02",
-               PYTHONPATH=os.pathsep.join(p for p in (inject, SRC, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid, "--out", str(out)], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = _slowed(*grid, "--out", str(out), inject=inject)
     try:
         _until_trained(proc, out, NAMES)
         # while it trains, the experiment and each run are locked
@@ -223,10 +228,7 @@ def test_a_stop_while_runs_wait_to_start_ends_the_comparison(tmp_path, inject):
     grid = ("compare", "tiny", *TINY, "train.steps=100000", "train.eval_every=100000",
             "train.checkpoint_every=100000", "train.divergence_factor=1e9", "train.log_every=1",
             "--schemes", "pre,siamese,post", "--jobs", "2", "--out", str(tmp_path / "exp"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S="0.02",
-               PYTHONPATH=os.pathsep.join(p for p in (inject, SRC, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", *grid], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = _slowed(*grid, inject=inject)
     try:
         _until_trained(proc, tmp_path / "exp", NAMES)
         proc.send_signal(signal.SIGTERM)

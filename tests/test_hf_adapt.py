@@ -31,12 +31,7 @@ MOE = tuple(name for name, family in TABLE.items() if family.moe)
 FAMILIES = DENSE + MOE
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def family_config(family: str, attn: str = "sdpa", experts: str | None = None, **kw):

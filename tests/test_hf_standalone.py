@@ -35,12 +35,7 @@ CASES = [(f, s) for f in ("qwen3", "llama", "olmo") for s in ("siamese", "pre")]
 PROMPT = "Hello"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def family_model(family: str, seed: int = 0):
