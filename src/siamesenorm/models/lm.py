@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.attention import Attention, KVCache
+from ..nn.depth_attention import DepthKeysValues
 from ..nn.mlp import build_mlp
 from ..nn.moe import MoE
 from ..nn.norms import set_llm_dyt_alpha0
@@ -122,7 +123,8 @@ class LanguageModel(ResidualStack, SchemeHost):
                     norm=cfg.norm, norm_eps=cfg.norm_eps, bias=cfg.bias, dropout=cfg.dropout,
                     layer_idx=block, value_residual=cfg.value_residual_mix if cfg.value_residual else None,
                     value_weights=cfg.value_weights, head_dim=cfg.head_size,
-                    qk_norm_per_head=cfg.qk_norm_per_head, **kw),
+                    qk_norm_per_head=cfg.qk_norm_per_head, depth_attention=cfg.depth_attention,
+                    **kw),
                 lambda block: self._mlp(block, kw))
             self.lm_head: nn.Linear | None = None
             if not cfg.tie_embeddings:
@@ -258,6 +260,8 @@ class LanguageModel(ResidualStack, SchemeHost):
         attend = {"cache": cache, "pos": pos, "positions": positions, "key_mask": attention_mask}
         if self.config.value_residual:
             attend["first_values"] = FirstValues()      # layer 0's values, for the later layers
+        if self.config.depth_attention:                 # the source layers' keys and values
+            attend["depth_kv"] = DepthKeysValues(self.config.depth_stride)
         x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale

@@ -36,6 +36,7 @@ UNSUPPORTED = (
     Unsupported("family", "norm", ("rmsnorm", "layernorm"), "the family's own norm class is used"),
     Unsupported("family", "mlp", ("swiglu",), "it has its own gated MLP"),
     Unsupported("family", "value_residual", None, "the family's own attention"),
+    Unsupported("family", "depth_attention", None, "the family's own attention"),
     Unsupported("family", "embed_scale", None, "the family's own embedding"),
     Unsupported("family", "head_size", None, "the family's attention takes head_dim from "
                 "model.family_options"),
@@ -45,6 +46,7 @@ UNSUPPORTED = (
     Unsupported("olmo_core", "mlp", ("swiglu",), "OLMo-core's feed-forward is gated"),
     Unsupported("olmo_core", "dropout", None, "OLMo-core drops other things than we do"),
     Unsupported("olmo_core", "value_residual", None, "its attention takes no first layer's values"),
+    Unsupported("olmo_core", "depth_attention", None, "its attention reads no earlier layer's keys"),
     Unsupported("olmo_core", "embed_scale", None, "its embedding has no learnable scale"),
 )
 
@@ -132,6 +134,10 @@ class LMConfig:
     one's (ResFormer, :mod:`~siamesenorm.nn.value_residual`): ``value_residual_own *`` its own
     ``+ value_residual_first *`` the first's, weights ``fixed`` or ``learned`` per layer
     (``value_residual_mix``; the paper's 0.5 and 0.5 by default, the learned ones' start).
+    ``depth_attention`` mixes, per position, the values of layers ``0, s, 2s, ...`` before it into
+    each attention layer's by a softmax of its query against their keys (Depth-Attention,
+    :mod:`~siamesenorm.nn.depth_attention`); ``s`` is ``depth_attention_stride``, by default half
+    the layers.
     ``embed_scale`` multiplies the token embedding (not the tied head) by one learnable scalar
     started at that value (``"sqrt_dim"``: sqrt(dim)), as the DyT paper's language models do
     (arXiv 2503.10622): without a norm's rescaling the residual stream enters the first DyT at the
@@ -168,6 +174,8 @@ class LMConfig:
     value_residual_mix: str = "fixed"
     value_residual_own: float = 0.5
     value_residual_first: float = 0.5
+    depth_attention: bool = False
+    depth_attention_stride: int | None = None
     embed_scale: float | str | None = None
 
     def __post_init__(self) -> None:
@@ -221,6 +229,7 @@ class LMConfig:
             raise UserError("LMConfig.scheme_options must be a mapping of option names to "
                               f"values, got {self.scheme_options!r}")
         self._check_value_residual()
+        self._check_depth_attention()
         self._check_embed_scale()
         if self.family:
             self.check_host("family")
@@ -251,6 +260,20 @@ class LMConfig:
             if changed:
                 raise UserError(f"model.{changed[0]} is set but model.value_residual is false; add "
                                   "model.value_residual=true")
+
+    def _check_depth_attention(self) -> None:
+        if not isinstance(self.depth_attention, bool):
+            raise UserError(f"model.depth_attention must be true or false, got {self.depth_attention!r}")
+        stride = self.depth_attention_stride
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
+            raise UserError("model.depth_attention_stride must be a positive integer or null, "
+                            f"got {stride!r}")
+        if stride is not None and not self.depth_attention:
+            raise UserError("model.depth_attention_stride is set but model.depth_attention is false; add "
+                            "model.depth_attention=true")
+        if self.depth_attention and self.value_residual:
+            raise UserError("model.depth_attention and model.value_residual both rewrite the values "
+                            "attention reads, and Depth-Attention defines no combination; choose one")
 
     def _check_embed_scale(self) -> None:
         value = self.embed_scale
@@ -287,6 +310,12 @@ class LMConfig:
     def value_weights(self) -> tuple[float, float]:
         """``(own, first)``: the value residual's weights on a layer's own and the first values."""
         return float(self.value_residual_own), float(self.value_residual_first)
+
+    @property
+    def depth_stride(self) -> int:
+        """``depth_attention_stride`` resolved: half the layers (at least 1) when unset."""
+        stride = self.depth_attention_stride
+        return max(1, self.n_layers // 2) if stride is None else stride
 
     def estimated_parameters(self) -> int:
         """The parameters of the embedding, every block's attention and MLP (or mixture of

@@ -6,6 +6,7 @@ For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
     k = rope(k_norm(split_heads(k_proj(x))))          # (B, n_kv_heads, T, head_dim)
     v = v_norm(split_heads(v_proj(x)))                # (B, n_kv_heads, T, head_dim)
     v = own * v + first * v_first                     # value residual, layers after the first
+    v = depth_mix(q, k, v, earlier layers' k, v)      # Depth-Attention
     out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
 
 The optional norms act per head (over ``head_dim``, weights shared by the heads): :func:`head_norm`,
@@ -13,7 +14,8 @@ The optional norms act per head (over ``head_dim``, weights shared by the heads)
 projections (a Hugging Face family). Query head ``h`` reads key/value head
 ``h // (n_heads // n_kv_heads)``; the product runs through ``scaled_dot_product_attention``.
 ``causal=False`` drops the mask (ViT, DiT), ``rope=False`` the rotation. ``value_residual``
-(ResFormer, :mod:`~siamesenorm.nn.value_residual`) mixes in ``v_first`` before the cache.
+(ResFormer, :mod:`~siamesenorm.nn.value_residual`) mixes in ``v_first`` before the cache;
+``depth_attention`` (:mod:`~siamesenorm.nn.depth_attention`) mixes in earlier layers' values.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from .depth_attention import DepthKeysValues, depth_mix
 from .fused import _autocast_on, fused_enabled, norm_value, recomputed_inputs
 from .legacy import LegacyStateNames
 from .norms import build_norm
@@ -156,6 +159,7 @@ class Attention(nn.Module):
         rope: rotate q and k by their positions; ``False`` leaves positions to the model.
         value_residual: ``None``, ``"fixed"`` or ``"learned"``: a value residual; layer 0 gives its
             values, every other layer mixes them into its own (``value_weights``: ``(own, first)``).
+        depth_attention: Depth-Attention; ``forward`` then needs ``depth_kv``.
         device, dtype: factory kwargs.
     """
 
@@ -165,7 +169,8 @@ class Attention(nn.Module):
                  bias: bool = False, dropout: float = 0.0, layer_idx: int = 0,
                  causal: bool = True, rope: bool = True, value_residual: str | None = None,
                  value_weights: tuple[float, float] = (0.5, 0.5), head_dim: int | None = None,
-                 qk_norm_per_head: bool = True, device=None, dtype=None) -> None:
+                 qk_norm_per_head: bool = True, depth_attention: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if head_dim is None and dim % n_heads:
@@ -198,6 +203,7 @@ class Attention(nn.Module):
         self.value_residual = value_residual
         self.value_mix = ValueMix(*value_weights, learned=value_residual == "learned", **kw) \
             if value_residual is not None and layer_idx > 0 else None
+        self.depth_attention = bool(depth_attention)
 
     def reset_parameters(self) -> None:
         """PyTorch's default Linear init, unit norms, fresh RoPE tables (a model re-inits after)."""
@@ -225,7 +231,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, *, cache: KVCache | None = None, pos: int = 0,
                 positions: Tensor | None = None, key_mask: Tensor | None = None,
-                first_values: FirstValues | None = None) -> Tensor:
+                first_values: FirstValues | None = None,
+                depth_kv: DepthKeysValues | None = None) -> Tensor:
         """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
         cache, over its earlier keys.
 
@@ -235,7 +242,8 @@ class Attention(nn.Module):
         real keys (and always to itself, so that a padding query gets a finite, unused output).
 
         With a value residual, ``first_values`` (one per forward pass) carries layer 0's values to
-        the later layers; layer 0 must run first.
+        the later layers; layer 0 must run first. With Depth-Attention, ``depth_kv`` (one per
+        forward pass) carries the source layers' keys and mixed values to the later ones.
         """
         b, t, _ = x.shape
         rot = pos if positions is None else positions
@@ -248,6 +256,8 @@ class Attention(nn.Module):
         q, k, v = (parts[name][3] for name in "qkv")
         if self.value_residual is not None:
             v = self._value_residual(v, first_values)
+        if self.depth_attention:
+            v = self._depth_attention(q, k, v, depth_kv)
         lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
                 and not _autocast_on(x))
         recipes = self._recipes(parts) if lean else {}
@@ -292,7 +302,18 @@ class Attention(nn.Module):
                              "but layer 0 has not run in this forward pass")
         return self.value_mix(v, first_values.values)
 
+    def _depth_attention(self, q: Tensor, k: Tensor, v: Tensor,
+                         depth_kv: DepthKeysValues | None) -> Tensor:
+        """Mix the source layers' values into ``v`` (:func:`depth_mix`) and keep this layer's."""
+        if depth_kv is None:
+            raise ValueError("attention with Depth-Attention needs depth_kv=DepthKeysValues(stride), "
+                             "one per forward pass")
+        v = depth_mix(q, k, v, *depth_kv.sources(self.layer_idx))
+        depth_kv.keep(self.layer_idx, k, v)
+        return v
+
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}, layer_idx={self.layer_idx}, causal={self.causal}, "
-                f"rope={self.rope is not None}")
+                f"rope={self.rope is not None}"
+                + (", depth_attention=True" if self.depth_attention else ""))

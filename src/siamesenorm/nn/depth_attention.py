@@ -1,0 +1,70 @@
+"""Depth-Attention (Zeng, Hao et al., "Depth-Attention: Cross-Layer Value Mixing for Language
+Models", arXiv 2606.05014): before attention layer ``l`` attends over the sequence, its query
+attends along depth, at each position on its own, over the keys of some earlier layers and its
+own, and the value it then reads is the mix of their values::
+
+    S(l)      = {j < l : j mod stride = 0}                  # the source layers
+    qbar_g    = mean of q_h over the query heads h of key/value head g
+    a_{l,j}   = softmax_{j in S(l) + {l}} (qbar_g . k_j / sqrt(head_dim))
+    vmix_l    = sum_{j in S(l)} a_{l,j} vmix_j + a_{l,l} v_l
+
+per key/value head ``g`` and position ``t``, every term at ``(g, t)``. ``k_j`` is layer ``j``'s key
+as its own attention reads it (after its QK-norm and RoPE; q and k of one position share a
+rotation, so RoPE cancels in the score) and ``vmix_j`` its mixed value, so a layer reads the mixes
+of the earlier ones. ``vmix_l`` replaces ``v_l`` everywhere: self-attention reads it and a KV cache
+holds it, so a decoding step needs the earlier layers' keys and values of the new tokens only,
+which the same forward pass has just made. The default stride is half the layers (the authors'
+configurations: 16 of 32, 24 of 48), so the sources are layers 0 and L/2. No parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["DepthKeysValues", "depth_mix"]
+
+
+class DepthKeysValues:
+    """Carries the source layers' keys and mixed values, ``(B, n_kv_heads, T, head_dim)`` each,
+    from one attention layer to the later ones during one forward pass: a model makes a fresh one
+    per forward. A layer's first write wins (a checkpoint's recompute leaves it unchanged)."""
+
+    def __init__(self, stride: int) -> None:
+        if stride < 1:
+            raise ValueError(f"the depth-attention stride must be at least 1, got {stride}")
+        self.stride = int(stride)
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+
+    def sources(self, layer: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The keys and mixed values of the source layers of ``layer``, in depth order."""
+        wanted = range(0, layer, self.stride)
+        missing = [j for j in wanted if j not in self.keys]
+        if missing:
+            raise ValueError(f"attention layer {layer} attends over the depth of layer {missing[0]}, "
+                             "which has not run in this forward pass")
+        return [self.keys[j] for j in wanted], [self.values[j] for j in wanted]
+
+    def keep(self, layer: int, keys: Tensor, values: Tensor) -> None:
+        """Hold layer ``layer``'s keys and mixed values if later layers read them."""
+        if layer % self.stride == 0 and layer not in self.keys:
+            self.keys[layer], self.values[layer] = keys, values
+
+
+def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
+              source_values: Sequence[Tensor]) -> Tensor:
+    """``vmix`` of the module's equations: ``q`` ``(B, n_heads, T, D)``; ``k``, ``v`` and each
+    source ``(B, n_kv_heads, T, D)``. The softmax runs in float32 at least."""
+    if not source_keys:
+        return v
+    b, h, t, d = q.shape
+    qbar = q.unflatten(1, (k.shape[1], h // k.shape[1])).mean(2)       # (B, Hkv, T, D)
+    keys = torch.stack((*source_keys, k), dim=-2)                       # (B, Hkv, T, N+1, D)
+    scores = torch.einsum("bgtd,bgtnd->bgtn", qbar, keys) / math.sqrt(d)
+    weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    values = torch.stack((*source_values, v), dim=-2)
+    return torch.einsum("bgtn,bgtnd->bgtd", weights.to(v.dtype), values)
