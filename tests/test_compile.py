@@ -40,6 +40,8 @@ OPTION_CASES = [
     ("siamese", {"form": "hybrid_pre"}, {"norm": "layernorm"}, "none"),
     ("pre", {}, {"value_residual": True}, "none"),
     ("siamese", {}, {"value_residual": True, "value_residual_mix": "learned"}, "none"),
+    ("pre", {}, {"depth_attention": True, "n_kv_heads": 1}, "none"),
+    ("siamese", {}, {"depth_attention": True, "depth_attention_stride": 1}, "none"),
     ("pre", {}, {"qk_norm": True}, "none"),
     ("siamese", {}, {}, "sublayer"),
     ("siamese", {}, {}, "selective"),
