@@ -39,9 +39,11 @@ SCHEMES = {name: (name, {}) for name in list_schemes()} | {
     "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
     "pre-moe": ("pre", {"moe": MOE}), "siamese-moe": ("siamese", {"moe": MOE}),
     "siamese-value_residual": ("siamese", {"model": {"value_residual": True,
-                                                     "value_residual_mix": "learned"}})}
+                                                     "value_residual_mix": "learned"}}),
+    "pre-depth_attention": ("pre", {"model": {"depth_attention": True}})}
 # also trained with activation checkpointing (sublayer, selective) under each engine
-CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre", "siamese-value_residual")
+CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre", "siamese-value_residual",
+                "pre-depth_attention")
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +57,7 @@ def tokens() -> tuple[np.ndarray, np.ndarray]:
 def build(scheme: str, options: dict) -> LanguageModel:
     """The tiny model of ``scheme``; ``options`` are its scheme options, except ``moe`` (a
     mixture of experts in every block, :class:`~siamesenorm.models.MoEConfig`'s fields) and
-    ``model`` (other :class:`LMConfig` fields: value residuals)."""
+    ``model`` (other :class:`LMConfig` fields: value residuals, Depth-Attention)."""
     torch.manual_seed(0)
     options = dict(options)
     moe, model = MoEConfig(**options.pop("moe", {})), options.pop("model", {})
