@@ -221,3 +221,8 @@ def test_the_hugging_face_model_carries_it(tmp_path: Path) -> None:
     prompt = ids(b=2, t=5, seed=19)
     theirs = loaded.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
     assert torch.equal(theirs, m.model.generate(prompt, 10, greedy=True, use_cache=False))
+
+
+def test_the_schemes_listing_names_it() -> None:
+    tail = cli_in_process("schemes", "-v").stdout
+    assert "model.depth_attention:" in tail and "arXiv 2606.05014" in tail

@@ -23,6 +23,10 @@ EVERY_SCHEME = """\
                          own * V_n + first * V_1 (ResFormer, arXiv 2410.17897; language models;
                          model.value_residual_mix: fixed or learned, model.value_residual_own and
                          model.value_residual_first: the weights, 0.5 and 0.5)
+  model.depth_attention: true: each attention layer's query mixes, per position, the values of
+                         layers 0, s, 2s, ... before it into its own by a softmax over their keys
+                         and its own (Depth-Attention, arXiv 2606.05014; language models; not with
+                         value_residual; model.depth_attention_stride: s, by default half the layers)
   model.embed_scale:     a learnable scalar on the token embedding, started at a number or
                          sqrt_dim, as the DyT paper's language models have (null: none)"""
 
