@@ -226,3 +226,47 @@ def test_the_hugging_face_model_carries_it(tmp_path: Path) -> None:
 def test_the_schemes_listing_names_it() -> None:
     tail = cli_in_process("schemes", "-v").stdout
     assert "model.depth_attention:" in tail and "arXiv 2606.05014" in tail
+
+
+# ---- the vision models: the same attention, each token mixing along depth on its own ------------
+def vision(kind: str, depth_attention: bool, **overrides):
+    from siamesenorm.models import DiT, ViTConfig, VisionTransformer
+    from siamesenorm.models.dit_config import DIT_SIZES, DiTConfig
+
+    options = {"depth_attention": depth_attention, **overrides}
+    if kind == "vit":
+        return VisionTransformer(ViTConfig.from_size("digits", **options), dtype=F64)
+    return DiT(DiTConfig(**DIT_SIZES["digits"], **options), dtype=F64)
+
+
+def vision_loss(model, kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 1, 8, 8, generator=gen, dtype=F64)
+    labels = torch.tensor([3, 7])
+    if kind == "vit":
+        return model(x, labels).loss
+    return model(x, torch.tensor([5.0, 500.0], dtype=F64), labels).square().mean()
+
+
+@pytest.mark.parametrize("kind", ["vit", "dit"])
+def test_the_vision_models_carry_it_through_checkpointing(kind: str) -> None:
+    model = randomize(vision(kind, True, depth_attention_stride=1), seed=22).eval()
+    plain = vision(kind, False).eval()
+    plain.load_state_dict(model.state_dict())       # no parameters of its own
+    loss = vision_loss(model, kind)
+    assert torch.isfinite(loss) and not torch.allclose(loss, vision_loss(plain, kind))
+    want = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    set_activation_checkpointing(model, "sublayer")
+    got = torch.autograd.grad(vision_loss(model, kind), list(model.parameters()), allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("preset", ["vit-digits", "dit-digits"])
+def test_the_vision_presets_take_it(preset: str) -> None:
+    cfg = load_config(preset, ["model.depth_attention=true", "model.depth_attention_stride=2"])
+    assert cfg.model.depth_attention and cfg.model.depth_attention_stride == 2
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, ["model.depth_attention_stride=2"])
+    assert "model.depth_attention_stride is set but model.depth_attention is false" in str(err.value)

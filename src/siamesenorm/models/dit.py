@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.attention import Attention
+from ..nn.depth_attention import DepthKeysValues, depth_stride
 from ..nn.mlp import GELUMLP
 from ..nn.norms import build_norm
 from ..schemes.base import Branch, ResidualScheme
@@ -222,7 +223,7 @@ class DiT(ResidualStack, SchemeHost):
             lambda block, qkv_norm: Attention(
                 cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
                 bias=True, layer_idx=block, causal=False, rope=False,
-                max_seq_len=cfg.num_patches, **kw),
+                max_seq_len=cfg.num_patches, depth_attention=cfg.depth_attention, **kw),
             lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, approximate="tanh", **kw))
 
     # ---- the module tree: OfficialDiT builds the official one around the same computation ----
@@ -272,7 +273,10 @@ class DiT(ResidualStack, SchemeHost):
                                           self.sublayers[i + 1])
             return block[i % 2]
 
-        return self.run(h, wrap=modulated)
+        cfg, attend = self.config, None
+        if cfg.depth_attention:          # the source layers' keys and values, for the later ones
+            attend = {"depth_kv": DepthKeysValues(depth_stride(cfg.depth_attention_stride, cfg.n_layers))}
+        return self.run(h, attention_kwargs=attend, wrap=modulated)
 
     @property
     def out_channels(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..nn.depth_attention import check_depth_attention
 from . import config_checks as check
 
 _OWNER = "DiTConfig"
@@ -33,7 +34,9 @@ class DiTConfig:
     variance interpolation). Labels run ``0 .. num_classes - 1``; ``num_classes`` is the null
     label of classifier-free guidance, which replaces a label with probability
     ``class_dropout_prob`` in training. ``frequency_dim`` is the size of the sinusoidal timestep
-    features and ``max_period`` their longest period.
+    features and ``max_period`` their longest period. ``depth_attention``
+    (``depth_attention_stride``) is the language model's Depth-Attention
+    (:mod:`~siamesenorm.nn.depth_attention`), each token mixing along depth on its own.
     """
 
     input_size: int = 32
@@ -52,6 +55,8 @@ class DiTConfig:
     norm_eps: float = 1e-6
     frequency_dim: int = 256
     max_period: float = 10000.0
+    depth_attention: bool = False
+    depth_attention_stride: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("input_size", "patch_size", "in_chans", "num_classes", "dim", "n_layers",
@@ -68,6 +73,7 @@ class DiTConfig:
         check.divisible(_OWNER, "frequency_dim", self.frequency_dim, "2 (cos and sin halves)", 2)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
         check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check_depth_attention(self.depth_attention, self.depth_attention_stride)
         check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
 
     def estimated_parameters(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UserError
+from ..nn.depth_attention import check_depth_attention, depth_stride
 from ..nn.mlp import MLP_KINDS, default_mlp_hidden
 from ..nn.norms import NORM_KINDS
 from ..nn.value_residual import VALUE_RESIDUAL_MIXES
@@ -262,15 +263,7 @@ class LMConfig:
                                   "model.value_residual=true")
 
     def _check_depth_attention(self) -> None:
-        if not isinstance(self.depth_attention, bool):
-            raise UserError(f"model.depth_attention must be true or false, got {self.depth_attention!r}")
-        stride = self.depth_attention_stride
-        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
-            raise UserError("model.depth_attention_stride must be a positive integer or null, "
-                            f"got {stride!r}")
-        if stride is not None and not self.depth_attention:
-            raise UserError("model.depth_attention_stride is set but model.depth_attention is false; add "
-                            "model.depth_attention=true")
+        check_depth_attention(self.depth_attention, self.depth_attention_stride)
         if self.depth_attention and self.value_residual:
             raise UserError("model.depth_attention and model.value_residual both rewrite the values "
                             "attention reads, and Depth-Attention defines no combination; choose one")
@@ -314,8 +307,7 @@ class LMConfig:
     @property
     def depth_stride(self) -> int:
         """``depth_attention_stride`` resolved: half the layers (at least 1) when unset."""
-        stride = self.depth_attention_stride
-        return max(1, self.n_layers // 2) if stride is None else stride
+        return depth_stride(self.depth_attention_stride, self.n_layers)
 
     def estimated_parameters(self) -> int:
         """The parameters of the embedding, every block's attention and MLP (or mixture of

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.attention import Attention
+from ..nn.depth_attention import DepthKeysValues, depth_stride
 from ..nn.mlp import GELUMLP
 from .host import (
     SchemeHost,
@@ -99,7 +100,7 @@ class VisionTransformer(ResidualStack, SchemeHost):
                 lambda block, qkv_norm: Attention(
                     cfg.dim, cfg.n_heads, qkv_norm=qkv_norm, norm=cfg.norm, norm_eps=cfg.norm_eps,
                     bias=True, dropout=cfg.dropout, layer_idx=block, causal=False, rope=False,
-                    max_seq_len=cfg.seq_len, **kw),
+                    max_seq_len=cfg.seq_len, depth_attention=cfg.depth_attention, **kw),
                 lambda block: GELUMLP(cfg.dim, cfg.hidden_dim, bias=True, dropout=cfg.dropout, **kw))
             self.head = nn.Linear(cfg.dim, cfg.num_classes, **kw)
         self.drop_path_rates = [cfg.drop_path * b / max(cfg.n_layers - 1, 1)
@@ -147,7 +148,10 @@ class VisionTransformer(ResidualStack, SchemeHost):
 
     def forward_tokens(self, images: Tensor) -> Tensor:
         """``scheme.exit`` of the final state, every token: ``(B, 1 + num_patches, dim)``."""
-        return self.run(self.embed(images), wrap=self._stochastic_depth)
+        cfg, attend = self.config, None
+        if cfg.depth_attention:          # the source layers' keys and values, for the later ones
+            attend = {"depth_kv": DepthKeysValues(depth_stride(cfg.depth_attention_stride, cfg.n_layers))}
+        return self.run(self.embed(images), attention_kwargs=attend, wrap=self._stochastic_depth)
 
     def _stochastic_depth(self, i: int, sublayer: nn.Module):
         rate = self.drop_path_rates[i // 2]

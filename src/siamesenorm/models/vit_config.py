@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..nn.depth_attention import check_depth_attention
 from . import config_checks as check
 
 _OWNER = "ViTConfig"
@@ -32,6 +33,8 @@ class ViTConfig:
     applies to integer targets in training mode and, folded into the mixed targets, under
     mixup/cutmix (unless ``data.augment.smoothing`` is set), as DeiT does. ``init_std`` is the
     truncated-normal std of every linear, the class token and the position embedding.
+    ``depth_attention`` (``depth_attention_stride``) is the language model's Depth-Attention
+    (:mod:`~siamesenorm.nn.depth_attention`), each token mixing along depth on its own.
     """
 
     image_size: int = 224
@@ -50,6 +53,8 @@ class ViTConfig:
     norm_eps: float = 1e-6
     label_smoothing: float = 0.1
     init_std: float = 0.02
+    depth_attention: bool = False
+    depth_attention_stride: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "in_chans", "num_classes", "dim", "n_layers",
@@ -64,6 +69,7 @@ class ViTConfig:
         check.divisible(_OWNER, "dim", self.dim, f"{_OWNER}.n_heads", self.n_heads)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
         check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check_depth_attention(self.depth_attention, self.depth_attention_stride)
         check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
 
     def estimated_parameters(self) -> int:

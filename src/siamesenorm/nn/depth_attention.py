@@ -25,7 +25,26 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DepthKeysValues", "depth_mix"]
+from ..errors import UserError
+
+__all__ = ["DepthKeysValues", "check_depth_attention", "depth_mix", "depth_stride"]
+
+
+def check_depth_attention(enabled: object, stride: object) -> None:
+    """Refuse, in one line, a ``model.depth_attention`` or ``model.depth_attention_stride`` that
+    is not one (a model config's check)."""
+    if not isinstance(enabled, bool):
+        raise UserError(f"model.depth_attention must be true or false, got {enabled!r}")
+    if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
+        raise UserError(f"model.depth_attention_stride must be a positive integer or null, got {stride!r}")
+    if stride is not None and not enabled:
+        raise UserError("model.depth_attention_stride is set but model.depth_attention is false; add "
+                        "model.depth_attention=true")
+
+
+def depth_stride(stride: int | None, n_layers: int) -> int:
+    """The stride of the source layers: ``stride``, or half of ``n_layers`` (at least 1)."""
+    return max(1, n_layers // 2) if stride is None else stride
 
 
 class DepthKeysValues:
