@@ -25,7 +25,7 @@ EVERY_SCHEME = """\
                          model.value_residual_first: the weights, 0.5 and 0.5)
   model.depth_attention: true: each attention layer's query mixes, per position, the values of
                          layers 0, s, 2s, ... before it into its own by a softmax over their keys
-                         and its own (Depth-Attention, arXiv 2606.05014; language models; not with
+                         and its own (Depth-Attention, arXiv 2606.05014; LM, ViT, DiT; not with
                          value_residual; model.depth_attention_stride: s, by default half the layers)
   model.embed_scale:     a learnable scalar on the token embedding, started at a number or
                          sqrt_dim, as the DyT paper's language models have (null: none)"""
