@@ -18,8 +18,9 @@ import torch
 
 from helpers import cli_in_process, raises_value_error
 from siamesenorm.errors import ConfigError
-from siamesenorm.models import LanguageModel, LMConfig
+from siamesenorm.models import DiT, LanguageModel, LMConfig, VisionTransformer, ViTConfig
 from siamesenorm.models.checkpointing import set_activation_checkpointing
+from siamesenorm.models.dit_config import DIT_SIZES, DiTConfig
 from siamesenorm.nn.attention import Attention
 from siamesenorm.nn.depth_attention import DepthKeysValues
 from siamesenorm.tasks import load_config
@@ -230,9 +231,6 @@ def test_the_schemes_listing_names_it() -> None:
 
 # ---- the vision models: the same attention, each token mixing along depth on its own ------------
 def vision(kind: str, depth_attention: bool, **overrides):
-    from siamesenorm.models import DiT, ViTConfig, VisionTransformer
-    from siamesenorm.models.dit_config import DIT_SIZES, DiTConfig
-
     options = {"depth_attention": depth_attention, **overrides}
     if kind == "vit":
         return VisionTransformer(ViTConfig.from_size("digits", **options), dtype=F64)
