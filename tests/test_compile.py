@@ -37,6 +37,8 @@ OPTION_CASES = [
     ("hyper", {"dynamic": False}, {}, "none"),
     ("pre", {}, {"norm": "dyt"}, "none"),
     ("siamese", {}, {"norm": "dyt"}, "none"),
+    ("pre", {}, {"norm": "derf"}, "none"),
+    ("siamese", {}, {"norm": "derf"}, "none"),
     ("siamese", {"form": "hybrid_pre"}, {"norm": "layernorm"}, "none"),
     ("pre", {}, {"value_residual": True}, "none"),
     ("siamese", {}, {"value_residual": True, "value_residual_mix": "learned"}, "none"),

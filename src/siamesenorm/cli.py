@@ -17,8 +17,9 @@ DEFAULT_PRESET = "default"  # configs/default.yaml: the README's main job, and t
 
 # What works with every scheme, for `schemes -v`: the norm kinds and the model's own options.
 EVERY_SCHEME = """\
-  model.norm:            layernorm, rmsnorm, or dyt (DyT, gamma * tanh(alpha x) + beta,
-                         arXiv 2503.10622): every norm a scheme or the attention owns
+  model.norm:            layernorm, rmsnorm, dyt (DyT, gamma * tanh(alpha x) + beta,
+                         arXiv 2503.10622) or derf (Derf, gamma * erf(alpha x + s) + beta,
+                         arXiv 2512.10938): every norm a scheme or the attention owns
   model.value_residual:  true mixes the first layer's values into every later attention layer's,
                          own * V_n + first * V_1 (ResFormer, arXiv 2410.17897; language models;
                          model.value_residual_mix: fixed or learned, model.value_residual_own and
@@ -28,7 +29,7 @@ EVERY_SCHEME = """\
                          and its own (Depth-Attention, arXiv 2606.05014; LM, ViT, DiT; not with
                          value_residual; model.depth_attention_stride: s, by default half the layers)
   model.embed_scale:     a learnable scalar on the token embedding, started at a number or
-                         sqrt_dim, as the DyT paper's language models have (null: none)"""
+                         sqrt_dim, as the DyT and Derf papers' language models have (null: none)"""
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ query and, with a LayerNorm or RMSNorm, the norm's row statistics; backward reco
 the weights and the mix once and applies the analytic gradients. It uses ``w . (g * v r) = r (v .
 (g * w))`` with ``r = 1 / sqrt(mean(v^2) + eps)``, so the normalised keys are never written, and
 works source by source (each pass over one source stays in cache; a stacked copy costs more than
-it saves on the CPU). Half inputs are mixed in float32. A DyT norm, or any norm under autocast,
+it saves on the CPU). Half inputs are mixed in float32. A DyT or Derf norm, or any norm under autocast,
 runs after the lean mix inside :func:`~siamesenorm.nn.fused.lean_region` instead.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from .fused import _autocast_on, _Norm, _norm_kind, _params, fused_enabled, lean_region
+from .fused import POINTWISE_KINDS, _autocast_on, _Norm, _norm_kind, _params, fused_enabled, lean_region
 
 __all__ = ["depth_mix"]
 
@@ -136,6 +136,6 @@ def depth_mix(sources: tuple[Tensor, ...], query: Tensor, key_gain: Tensor | Non
     if norm is None:
         return _DepthMix.apply(u, eps, *sources)
     kind = _norm_kind(norm)
-    if kind == "dyt" or _autocast_on(sources[0]):
+    if kind in POINTWISE_KINDS or _autocast_on(sources[0]):
         return lean_region(_mix_then_norm, norm, u, eps, *sources)
     return _DepthMixNorm.apply(_Norm(kind, norm.eps), u, eps, *_params(norm), *sources)

@@ -5,7 +5,8 @@ is an ordinary :class:`torch.autograd.Function` built on that (the lean path, do
 :func:`rms_norm` (PyTorch's CPU ``F.rms_norm`` keeps the normalised tensor too; CUDA uses PyTorch's
 fused kernel), :func:`stream_entry` (SiameseNorm's sublayer entry: the two stream norms, their sum
 and the branch norm, recomputing the sum, which separate modules would keep), :func:`dyt` (DyT,
-arXiv 2503.10622, recomputing the tanh), :func:`recomputed_inputs` (drops chosen saved tensors,
+arXiv 2503.10622, recomputing the tanh), :func:`derf` (Derf, arXiv 2512.10938, recomputing the
+erf), :func:`recomputed_inputs` (drops chosen saved tensors,
 e.g. attention's normalised q, k, v, and recomputes them), and on CUDA with Triton the fused
 kernels behind :func:`stream_entry`, :func:`stream_update_entry` and :func:`add_then_norm`
 (``SIAMESENORM_KERNELS=0`` turns them off). The plain composition of modules is the reference: the
@@ -33,12 +34,14 @@ try:
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
     add_norm = announce_fallback = kernels_available = siamese_update_entry = None
 
-__all__ = ["add_then_norm", "defers_add", "defers_update", "dyt", "fused_enabled",
+__all__ = ["add_then_norm", "defers_add", "defers_update", "derf", "dyt", "fused_enabled",
            "kernels_in_compiled_graphs", "lean_region", "norm_value", "recomputed_inputs",
            "reference_path", "rms_norm", "stream_entry", "stream_update", "stream_update_entry"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
+# The point-wise stand-ins for a norm (no row statistics; the Triton kernels do not compute them).
+POINTWISE_KINDS = ("dyt", "derf")
 
 
 class _Switch(threading.local):
@@ -115,7 +118,7 @@ def _autocast_fp32(t: Tensor) -> bool:
 
 def _norm_kind(module: nn.Module) -> str:
     kind = getattr(module, "kind", None)      # siamesenorm.nn.norms' classes (which import this)
-    if kind in ("layernorm", "rmsnorm", "dyt"):
+    if kind in ("layernorm", "rmsnorm", *POINTWISE_KINDS):
         return kind
     raise TypeError(f"not a siamesenorm norm: {type(module).__name__}")
 
@@ -177,7 +180,8 @@ def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
 @dataclass(frozen=True)
 class _Norm:
     """One norm of a fused function: its kind and epsilon (the parameters travel as tensors:
-    ``w``, ``b``, and DyT's ``a``, its alpha). DyT has no row statistics: backward reads its input."""
+    ``w``, ``b``, and DyT's ``a``, its alpha, or Derf's ``a = (alpha, shift)``). DyT and Derf have
+    no row statistics: backward reads their input."""
 
     kind: str
     eps: float
@@ -189,6 +193,8 @@ class _Norm:
             t = torch.tanh(a * x)
             out = t if w is None else t * w
             return (out if b is None else out + b), (t,)
+        if self.kind == "derf":
+            return _derf_value(x, a[:1], a[1:], w, b), ()
         if self.kind == "layernorm":
             out, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, self.eps)
             return out, (mean, rstd)
@@ -215,6 +221,12 @@ class _Norm:
                                            (needs[0], len(needs) > 3 and needs[3], needs[1], needs[2]),
                                            stats[0] if stats else None)
             return dx, dw, db, da
+        if self.kind == "derf":
+            want_a = len(needs) > 3 and needs[3]
+            dx, d_alpha, d_shift, dw, db = _derf_backward(
+                g, x, a[:1], a[1:], w, None if b is None else b.dtype,
+                (needs[0], want_a, want_a, needs[1], needs[2]))
+            return dx, dw, db, torch.cat([d_alpha, d_shift]) if want_a else None
         if self.kind == "layernorm":
             mask = [needs[0], needs[1] and w is not None, needs[2] and b is not None]
             if not any(mask):
@@ -231,8 +243,12 @@ def _params(module: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
 
 
 def _alpha(module: nn.Module | None) -> Tensor | None:
-    """DyT's alpha, or ``None`` (no module, or a norm that has none)."""
-    return getattr(module, "alpha", None) if module is not None and _norm_kind(module) == "dyt" else None
+    """DyT's alpha, Derf's ``(alpha, shift)`` as one tensor, or ``None`` (no module, or a norm
+    that has none)."""
+    kind = None if module is None else _norm_kind(module)
+    if kind == "derf":
+        return torch.cat([module.alpha, module.shift])
+    return module.alpha if kind == "dyt" else None
 
 
 def _float32(t: Tensor | None) -> Tensor | None:
@@ -319,6 +335,60 @@ def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | N
     return _dyt_value(x, alpha, weight, bias)
 
 
+# ---- Derf -----------------------------------------------------------------------------------------
+_TWO_OVER_SQRT_PI = 1.1283791670955126
+
+
+def _derf_value(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None,
+                bias: Tensor | None) -> Tensor:
+    """``weight * erf(alpha * x + shift) + bias`` (the same ops on every path, bit for bit)."""
+    out = torch.erf(alpha * x + shift)
+    if weight is not None:
+        out = out * weight
+    return out if bias is None else out + bias
+
+
+def _derf_backward(g: Tensor, x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None,
+                   bias_dtype: torch.dtype | None, needs: tuple[bool, ...]) -> tuple:
+    """``(dx, d alpha, d shift, dw, db)`` of ``weight * erf(alpha x + shift) + bias`` (``needs``:
+    which, in that order). With ``z = alpha x + shift`` and ``e = g w (2 / sqrt(pi)) exp(-z^2)``:
+    ``dx = alpha e``, ``d alpha = sum(e x)``, ``d shift = sum(e)``, ``dw = sum_rows g erf(z)``,
+    ``db = sum_rows g``."""
+    z = alpha * x + shift
+    gw = g if weight is None else g * weight
+    e = gw * torch.exp(-z * z) * _TWO_OVER_SQRT_PI
+    dx = _cast(e * alpha, x.dtype) if needs[0] else None
+    d_alpha = _cast((e * x).sum().reshape(alpha.shape), alpha.dtype) if needs[1] else None
+    d_shift = _cast(e.sum().reshape(shift.shape), shift.dtype) if needs[2] else None
+    dw = _row_sum(g * torch.erf(z), weight.dtype) if weight is not None and needs[3] else None
+    db = _row_sum(g, bias_dtype) if bias_dtype is not None and needs[4] else None
+    return dx, d_alpha, d_shift, dw, db
+
+
+class _Derf(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None,
+                bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, alpha, shift, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _derf_value(x, alpha, shift, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, alpha, shift, weight = ctx.saved_tensors
+        return _derf_backward(g, x, alpha, shift, weight, ctx.bias_dtype, ctx.needs_input_grad)
+
+
+def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None = None,
+         bias: Tensor | None = None) -> Tensor:
+    """``weight * erf(alpha * x + shift) + bias`` over the last dimension (Derf, arXiv
+    2512.10938), keeping only ``x`` (and the parameters) for backward; the plain composition of
+    ops where no gradient is needed or the lean path is off."""
+    if fused_enabled() and _wants_grad(x, alpha, shift, weight, bias):
+        return _Derf.apply(x, alpha, shift, weight, bias)
+    return _derf_value(x, alpha, shift, weight, bias)
+
+
 def norm_value(module: nn.Module, x: Tensor) -> Tensor:
     """The output of norm ``module`` on ``x`` without autograd, computed by the same kernels as
     the module's lean forward, so a recomputation matches the forward bit for bit."""
@@ -327,6 +397,8 @@ def norm_value(module: nn.Module, x: Tensor) -> Tensor:
     with torch.no_grad():
         if kind == "dyt":
             return _dyt_value(x, module.alpha, w, b)
+        if kind == "derf":
+            return _derf_value(x, module.alpha, module.shift, w, b)
         return _Norm(kind, module.eps).forward(x, w, b)[0]
 
 
@@ -379,13 +451,14 @@ class _StreamEntry(Function):
     ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and row
     statistics; with ``LN^in``, backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` (and with them
     the statistics of ``LN^X`` and ``LN^Y``, so only those of ``LN^in`` are saved). With DyT
-    (``xa``, ``ya``, ``ia``: the alphas) there are no statistics: it keeps ``x`` and ``y``."""
+    (``xa``, ``ya``, ``ia``: the alphas; Derf's ``(alpha, shift)``) there are no statistics: it
+    keeps ``x`` and ``y``."""
 
     @staticmethod
     def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia):
         xo, u, xs, ys = _entry_forward(spec, x, y, xw, xb, yw, yb, (), xa, ya)
         b, us = spec.norm.forward(u, iw, ib, ia) if spec.inp else (u, ())
-        if spec.norm.kind == "dyt":   # keep no tanh: backward recomputes it with x' and u
+        if spec.norm.kind in POINTWISE_KINDS:   # keep no tanh / erf: recomputed with x' and u
             xs = ys = us = ()
         ctx.spec, ctx.split, ctx.n_in = spec, len(xs), len(us)
         stats = (*us, *xs, *ys)
@@ -456,7 +529,8 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
         params.append(x_gain)
     one_norm = len(kinds) == 1 and len(eps) == 1 and (y_norm is not None or in_norm is not None)
     spec = _entry_spec(kinds, eps, x_norm, x_gain, y_norm, in_norm) if one_norm else None
-    if spec is not None and spec.norm.kind != "dyt" and _kernels_here() and _kernels_run_on(x, y):
+    if (spec is not None and spec.norm.kind not in POINTWISE_KINDS and _kernels_here()
+            and _kernels_run_on(x, y)):
         xo, _, b = _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
         return xo, b
     if spec is None or not (fused_enabled() and _wants_grad(x, y, *params)):
@@ -526,7 +600,7 @@ def defers_update(x: Tensor, y: Tensor | None, norm_kind: str) -> bool:
     where that kernel runs (CUDA with Triton, plain tensors; eager mode, or a compiled graph under
     :func:`kernels_in_compiled_graphs`), with RMSNorm or LayerNorm, and float32 streams under
     autocast (the kernel then writes them in float32, as :func:`stream_update` would)."""
-    return (y is not None and norm_kind != "dyt" and _kernels_here() and _kernels_run_on(x, y)
+    return (y is not None and norm_kind not in POINTWISE_KINDS and _kernels_here() and _kernels_run_on(x, y)
             and not (_autocast_on(x) and (x.dtype in _LOW or y.dtype in _LOW)))
 
 
@@ -552,7 +626,7 @@ def defers_add(h: Tensor, norm_kind: str) -> bool:
     next norm, :func:`add_then_norm`, which fuses both into one Triton kernel: where that kernel
     runs (as :func:`defers_update`), with RMSNorm or LayerNorm, and a float32 stream under autocast
     (whose norm PyTorch returns in float32, as the kernel does then)."""
-    return (norm_kind != "dyt" and _kernels_here() and _kernels_run_on(h, None)
+    return (norm_kind not in POINTWISE_KINDS and _kernels_here() and _kernels_run_on(h, None)
             and not (_autocast_on(h) and h.dtype in _LOW))
 
 

@@ -1,10 +1,11 @@
-"""Normalisation layers: LayerNorm, RMSNorm and DyT with factory kwargs and ``reset_parameters``.
+"""Normalisation layers: LayerNorm, RMSNorm, DyT and Derf with factory kwargs and ``reset_parameters``.
 
 LayerNorm and RMSNorm keep only their input and per-row statistics for backward: LayerNorm through
 ``F.layer_norm``, RMSNorm through :func:`siamesenorm.nn.fused.rms_norm` (``F.rms_norm`` itself on
 the reference path, see :func:`siamesenorm.nn.fused.reference_path`). DyT (arXiv 2503.10622) is no
 normalisation but an element-wise stand-in for one; it keeps only its input
-(:func:`siamesenorm.nn.fused.dyt`).
+(:func:`siamesenorm.nn.fused.dyt`), and so does Derf (arXiv 2512.10938,
+:func:`siamesenorm.nn.fused.derf`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .fused import dyt, rms_norm
+from .fused import derf, dyt, rms_norm
 
-NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
+NORM_KINDS = ("layernorm", "rmsnorm", "dyt", "derf")
 
 # DyT's alpha0 (arXiv 2503.10622): 0.5 by default (Section 7, "Initialization of alpha"; Table 14);
 # for LLMs the paper's LLaMA values (attention / other) by model width (Table 12, and Table 11 for
@@ -24,6 +25,17 @@ NORM_KINDS = ("layernorm", "rmsnorm", "dyt")
 DYT_ALPHA0 = 0.5
 DYT_LLM_ALPHA0 = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2), 5120: (0.6, 0.15),
                   8192: (0.2, 0.05)}
+# Derf's alpha0 and s0 (arXiv 2512.10938): the official code's defaults for its ViT, DiT, DNA and
+# speech models (alpha 0.5, shift 0); its GPT-2 takes separate alpha0 for the attention, FFN and
+# final norms from the command line, values we could not confirm, so every Derf starts at these.
+DERF_ALPHA0 = 0.5
+DERF_SHIFT0 = 0.0
+
+
+def _positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UserError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
 
 
 class LayerNorm(nn.Module):
@@ -91,9 +103,7 @@ class DyT(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, *, alpha0: float = DYT_ALPHA0, affine: bool = True,
                  bias: bool = True, role: str = "other", device=None, dtype=None) -> None:
         super().__init__()
-        if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not alpha0 > 0:
-            raise UserError(f"DyT alpha0 must be a positive number, got {alpha0!r}")
-        self.dim, self.eps, self.alpha0, self.role = dim, eps, float(alpha0), role
+        self.dim, self.eps, self.alpha0, self.role = dim, eps, _positive("DyT alpha0", alpha0), role
         kw = {"device": device, "dtype": dtype}
         self.alpha = nn.Parameter(torch.empty(1, **kw))
         self.weight = nn.Parameter(torch.empty(dim, **kw)) if affine else None
@@ -112,6 +122,49 @@ class DyT(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, alpha0={self.alpha0}, affine={self.weight is not None}, role={self.role}"
+
+
+class Derf(nn.Module):
+    """Dynamic erf (Chen et al., "Stronger Normalization-Free Transformers", arXiv 2512.10938):
+    ``weight * erf(alpha * x + shift) + bias`` element-wise. ``alpha`` and ``shift`` (the paper's
+    ``s``) are one learnable scalar each, started at ``alpha0`` (0.5) and ``shift0`` (0); ``weight``
+    (gamma) ones and ``bias`` (beta) zeros, one per channel, as for DyT (``affine=False``:
+    ``erf(alpha * x + shift)``). Not confirmed from the paper's text: the init values come from the
+    official code, which for GPT-2 sets separate attention / FFN / final ``alpha0`` we could not
+    find; every Derf here starts at ``alpha0`` whatever its ``role`` (kept for a per-role rule).
+    ``eps`` is accepted for :func:`build_norm`'s signature and unused."""
+
+    kind = "derf"
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, alpha0: float = DERF_ALPHA0,
+                 shift0: float = DERF_SHIFT0, affine: bool = True, bias: bool = True,
+                 role: str = "other", device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(shift0, bool) or not isinstance(shift0, (int, float)):
+            raise UserError(f"Derf shift0 must be a number, got {shift0!r}")
+        self.dim, self.eps, self.role = dim, eps, role
+        self.alpha0, self.shift0 = _positive("Derf alpha0", alpha0), float(shift0)
+        kw = {"device": device, "dtype": dtype}
+        self.alpha = nn.Parameter(torch.empty(1, **kw))
+        self.shift = nn.Parameter(torch.empty(1, **kw))
+        self.weight = nn.Parameter(torch.empty(dim, **kw)) if affine else None
+        self.bias = nn.Parameter(torch.empty(dim, **kw)) if affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.alpha, self.alpha0)
+        nn.init.constant_(self.shift, self.shift0)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return derf(x, self.alpha, self.shift, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.dim}, alpha0={self.alpha0}, shift0={self.shift0}, "
+                f"affine={self.weight is not None}, role={self.role}")
 
 
 def llm_dyt_alpha0(dim: int) -> tuple[float, float]:
@@ -136,8 +189,10 @@ def set_llm_dyt_alpha0(model: nn.Module, dim: int) -> None:
 
 def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, role: str = "other",
                device=None, dtype=None) -> nn.Module:
-    """Build a norm by name (``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``); ``role`` only tags a
-    DyT (``"attention"`` or ``"other"``, for :func:`set_llm_dyt_alpha0`)."""
+    """Build a norm by name (:data:`NORM_KINDS`); ``role`` only tags a DyT or Derf
+    (``"attention"`` or ``"other"``, for :func:`set_llm_dyt_alpha0`)."""
+    if kind == "derf":
+        return Derf(dim, eps, affine=affine, role=role, device=device, dtype=dtype)
     if kind == "dyt":
         return DyT(dim, eps, affine=affine, role=role, device=device, dtype=dtype)
     if kind == "layernorm":

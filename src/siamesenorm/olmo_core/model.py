@@ -67,11 +67,11 @@ PP_REFUSAL = ("pipeline parallelism of a SchemeTransformer is not supported: OLM
 
 
 def refuse_dyt(norm: str) -> None:
-    """DyT (``norm="dyt"``) is not offered inside OLMo-core: its blocks' per-head norms are
-    OLMo-core's own norm classes, which have no DyT."""
-    if norm == "dyt":
-        raise UserError("norm='dyt' is not available in OLMo-core models (OLMo-core's per-head "
-                          "norms have no DyT); use rmsnorm or layernorm there")
+    """DyT (``norm="dyt"``) and Derf (``norm="derf"``) are not offered inside OLMo-core: its
+    blocks' per-head norms are OLMo-core's own norm classes, which have neither."""
+    if norm in ("dyt", "derf"):
+        raise UserError(f"norm={norm!r} is not available in OLMo-core models (OLMo-core's per-head "
+                          "norms have no DyT or Derf); use rmsnorm or layernorm there")
 
 
 def head_norm_config(norm: str, eps: float) -> LayerNormConfig:

@@ -122,7 +122,7 @@ class ResidualScheme(nn.Module, ABC):
     Args:
         dim: model width.
         n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
-        norm: ``"layernorm"``, ``"rmsnorm"`` or ``"dyt"``, used for every norm the scheme owns.
+        norm: ``"layernorm"``, ``"rmsnorm"``, ``"dyt"`` or ``"derf"``, used for every norm the scheme owns.
         eps: epsilon of those norms.
         device, dtype: factory kwargs for the parameters.
         **options: the scheme's options, declared in :attr:`options` (undeclared: refused; missing:
