@@ -49,6 +49,8 @@ OPTION_CASES = [
     ("siamese", {}, {}, "selective"),
     ("siamese", {"form": "hybrid_pre"}, {}, "selective"),
     ("mhc", {}, {}, "sublayer"),
+    ("mhc", {"mixing": "deepseek_v4"}, {}, "none"),
+    ("mhc", {"mixing": "lite"}, {}, "none"),
     ("attn_res", {}, {}, "selective"),
 ]
 SCHEME_CASES = [(name, SCHEME_OPTIONS.get(name, {}), {}, "none") for name in list_schemes()]

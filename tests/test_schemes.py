@@ -341,6 +341,8 @@ OWN_OPTION_VALUES = {
     "mhc": {
         "n_streams": ([0, 2.5, "4", False, None], [1, 2, 4]),
         "sinkhorn_iters": ([0, -3, 20.0, None, True], [1, 5, 20]),
+        "mixing": (["Sinkhorn", "deepseek", None, 1], ["sinkhorn", "deepseek_v4", "lite"]),
+        "mix_eps": (["1e-6", True, None, -1e-6, 2.0], [0, 1e-6, 0.01]),
     },
     "attn_res": {"block_size": ([0, -2, 2.0, "2", True], [None, 1, 2, 3, 4])},
 }

@@ -1,14 +1,22 @@
-"""mHC: hyper-connections whose residual mixing is kept doubly stochastic (arXiv 2512.24880)."""
+"""mHC: hyper-connections whose residual mixing is kept doubly stochastic (arXiv 2512.24880), with
+DeepSeek-V4's form of it and mHC-lite's exact one (arXiv 2601.05732) as options."""
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import fused_enabled, recomputed_inputs
+from ..errors import UserError
+from ..nn.fused import _autocast_on, fused_enabled, recomputed_inputs
 from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
-from .base import Branch, Number, Option, register_scheme
+from .base import Branch, Number, OneOf, Option, register_scheme
 from .hyper import MAX_STREAMS, MultiStreamScheme
 
 try:
@@ -34,6 +42,29 @@ def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     return m
 
 
+# mHC-lite mixes n! permutation matrices: 120 at n = 5, and phi_res grows as n * d * n!.
+MAX_LITE_STREAMS = 5
+
+
+def deepseek_v4_sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """DeepSeek-V4's residual mix ``C`` from ``logits`` (..., n, n): a softmax over the last axis
+    plus ``eps``, the columns rescaled (``C / (colsum + eps)``), then ``iters - 1`` times the rows
+    and the columns the same way (as transformers' ``DeepseekV4HyperConnection`` computes it)."""
+    m = torch.softmax(logits, -1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def permutation_matrices(n: int, device=None, dtype=None) -> Tensor:
+    """The ``n!`` permutation matrices of order ``n``, flattened: (n!, n*n), the identity first;
+    row ``r`` is ``P_r`` with ``P_r[j, k] = 1`` where ``k = perm_r(j)``."""
+    index = torch.tensor(list(itertools.permutations(range(n))), device=device)
+    return torch.eye(n, device=device, dtype=dtype)[index].flatten(-2)
+
+
 @register_scheme
 class ManifoldHyperConnections(MultiStreamScheme):
     r"""Manifold-constrained hyper-connections, mHC (DeepSeek-AI, arXiv 2512.24880).
@@ -55,31 +86,69 @@ class ManifoldHyperConnections(MultiStreamScheme):
     ``b_post``, ``b_res``, ``final_norm``. ``branch_affine=False`` makes ``norm[i]`` non-affine
     (``stream_norm`` feeds the maps and stays affine); ``final_norm=False``: exit returns
     ``sum_k H_k``.
+
+    ``mixing`` picks how ``H^res`` is made (``"sinkhorn"``, the default, above):
+
+    - ``"deepseek_v4"``: DeepSeek-V4's released form (transformers' ``DeepseekV4HyperConnection``
+      and ``DeepseekV4HyperHead``), for a user of that model: ``H^pre = sigmoid(..) + mix_eps``,
+      ``C = softmax_row(logits) + mix_eps``, columns then ``sinkhorn_iters - 1`` times rows and
+      columns divided by their sum plus ``mix_eps``, and ``H^res = C^T`` (DeepSeek writes
+      ``C^T H``). ``stream_norm`` is RMSNorm without weight, the maps are computed in float32
+      (float64 stays float64; autocast off), and exit mixes the streams by a head of its own,
+      ``final_norm(sum_k p_k H_k)`` with ``p = sigmoid(head_alpha * (RMSNorm(vec H) head_phi) +
+      head_b) + mix_eps`` (``head_phi = 0``, ``head_alpha = 0.01``, ``head_b = 0`` at init: ours).
+    - ``"lite"``: mHC-lite (Yang and Gao, arXiv 2601.05732): ``H^res = sum_r a_r P_r`` over all
+      ``n!`` permutation matrices ``P_r`` with ``a = softmax(alpha_res * x' phi_res + b_res)``,
+      exactly doubly stochastic with no iteration (Birkhoff-von Neumann); ``phi_res`` is
+      ``(n*d, n!)``, ``b_res`` ``(n!,)`` = 0 on the identity and -8 elsewhere (the official
+      code's init), ``n_streams`` at most 5. ``H^pre`` and ``H^post`` as above. Not confirmed
+      from the paper's text: the equations follow the official code; its norm and ``pre``/``post``
+      init differ from ours (docs/schemes.md).
     """
 
     name = "mhc"
     role_norm_names = ("norm", "final_norm")
     summary = "H = SK(H_res) H + H_post^T F(LN(H_pre H)); out = LN(sum H)"
-    paper = "DeepSeek-AI 2025, arXiv 2512.24880"
+    paper = "DeepSeek-AI 2025, arXiv 2512.24880; mixing=lite: arXiv 2601.05732"
     options = {"n_streams": Option(4, Number(low=1, high=MAX_STREAMS, integer=True)),
-               "sinkhorn_iters": Option(20, Number(low=1, high=1000, integer=True))}
+               "sinkhorn_iters": Option(20, Number(low=1, high=1000, integer=True)),
+               "mixing": Option("sinkhorn", OneOf(("sinkhorn", "deepseek_v4", "lite"))),
+               "mix_eps": Option(1e-6, Number(low=0.0, high=1.0))}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
         super().__init__(dim, n_layers, **kwargs)
         n, s, kw = self.n_streams, self.n_sublayers, self._factory
+        deepseek, lite = self.mixing == "deepseek_v4", self.mixing == "lite"
+        n_res = math.factorial(n) if lite else n * n
         self.norm = self.make_branch_norms(s)
         self.final_norm = self.make_final_norm()
-        self.stream_norm = nn.ModuleList(RMSNorm(n * dim, self.eps, **kw) for _ in range(s))
+        self.stream_norm = nn.ModuleList(RMSNorm(n * dim, self.eps, affine=not deepseek, **kw)
+                                         for _ in range(s))
         self.phi_pre = nn.Parameter(torch.empty(s, n * dim, n, **kw))
         self.phi_post = nn.Parameter(torch.empty(s, n * dim, n, **kw))
-        self.phi_res = nn.Parameter(torch.empty(s, n * dim, n * n, **kw))
+        self.phi_res = nn.Parameter(torch.empty(s, n * dim, n_res, **kw))
         self.alpha_pre = nn.Parameter(torch.empty(s, **kw))
         self.alpha_post = nn.Parameter(torch.empty(s, **kw))
         self.alpha_res = nn.Parameter(torch.empty(s, **kw))
         self.b_pre = nn.Parameter(torch.empty(s, n, **kw))
         self.b_post = nn.Parameter(torch.empty(s, n, **kw))
-        self.b_res = nn.Parameter(torch.empty(s, n, n, **kw))
+        self.b_res = nn.Parameter(torch.empty(s, n_res, **kw) if lite else torch.empty(s, n, n, **kw))
+        if lite:    # constant 0/1 matrices, rebuilt by reset_parameters (not in the state dict)
+            self.register_buffer("permutations", torch.empty(n_res, n * n, **kw), persistent=False)
+        if deepseek:
+            self.head_norm = RMSNorm(n * dim, self.eps, affine=False, **kw)
+            self.head_phi = nn.Parameter(torch.empty(n * dim, n, **kw))
+            self.head_alpha = nn.Parameter(torch.empty(1, **kw))
+            self.head_b = nn.Parameter(torch.empty(n, **kw))
         self.reset_parameters()
+
+    @classmethod
+    def check_together(cls, options: Mapping[str, Any], dim: int | None = None) -> None:
+        n = options.get("n_streams", 4)
+        if options.get("mixing") == "lite" and n > MAX_LITE_STREAMS:
+            raise UserError(f"scheme 'mhc': mixing='lite' mixes all n! permutation matrices and takes "
+                            f"n_streams <= {MAX_LITE_STREAMS} (n_streams={n} needs {math.factorial(n)}); "
+                            f"use fewer streams or mixing='sinkhorn'")
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -92,40 +161,99 @@ class ManifoldHyperConnections(MultiStreamScheme):
             self.b_pre.fill_(-2.0)
             for i in range(self.n_sublayers):
                 self.b_pre[i, i % n] = 2.0
-            self.b_res.copy_(4.0 * torch.eye(n, device=self.b_res.device, dtype=self.b_res.dtype)
-                            .expand_as(self.b_res))
+            if self.mixing == "lite":
+                self.permutations.copy_(permutation_matrices(n, self.b_res.device, self.b_res.dtype))
+                self.b_res.fill_(-8.0)
+                self.b_res[:, 0] = 0.0                                 # the identity
+            else:
+                self.b_res.copy_(4.0 * torch.eye(n, device=self.b_res.device, dtype=self.b_res.dtype)
+                                .expand_as(self.b_res))
+            if self.mixing == "deepseek_v4":
+                self.head_phi.zero_()
+                self.head_alpha.fill_(0.01)
+                self.head_b.zero_()
+
+    # ---- the three maps --------------------------------------------------------------------------
+    def _pre(self, logits: Tensor) -> Tensor:
+        pre = torch.sigmoid(logits)
+        return pre + self.mix_eps if self.mixing == "deepseek_v4" else pre
+
+    def _res(self, z: Tensor, i: int, iterate) -> Tensor:
+        """``H^res`` (..., n, n) from ``z = alpha_res * x' phi_res`` (without ``b_res``);
+        ``iterate`` runs Sinkhorn-Knopp for the default mixing."""
+        n = self.n_streams
+        if self.mixing == "lite":       # sum_r a_r P_r, elementwise: exact under autocast too
+            coeff = torch.softmax(z + self.b_res[i], -1)
+            return (coeff.unsqueeze(-1) * self.permutations).sum(-2).unflatten(-1, (n, n))
+        logits = z.unflatten(-1, (n, n)) + self.b_res[i]
+        if self.mixing == "deepseek_v4":
+            return deepseek_v4_sinkhorn(logits, self.sinkhorn_iters, self.mix_eps).transpose(-1, -2)
+        return iterate(logits, self.sinkhorn_iters)
+
+    def _in_map_precision(self, fn, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``fn(state, i)``; with ``mixing="deepseek_v4"`` in float32 at least (autocast off, the
+        parameters cast), ``H^pre`` kept so, ``H^post`` and ``H^res`` in the state's dtype."""
+        if self.mixing != "deepseek_v4":
+            return fn(state, i)
+        work = torch.promote_types(state.dtype, torch.float32)
+        with torch.autocast(state.device.type, enabled=False) if _autocast_on(state) else nullcontext():
+            pre, post, res = fn(state.to(work), i, work)
+        return pre, post.to(state.dtype), res.to(state.dtype)
+
+    def exit(self, state: Tensor) -> Tensor:
+        if self.mixing != "deepseek_v4":
+            return super().exit(state)
+        work = torch.promote_types(state.dtype, torch.float32)
+        x = self.head_norm(state.to(work).flatten(-2))
+        pre = self._pre(self.head_alpha.to(work) * (x @ self.head_phi.to(work)) + self.head_b.to(work))
+        total = (pre.unsqueeze(-1) * state).sum(-2).to(state.dtype)
+        return total if self.final_norm is None else self.final_norm(total)
 
     def maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i."""
-        n = self.n_streams
+        return self._in_map_precision(self._maps, state, i)
+
+    def _maps(self, state: Tensor, i: int, work: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        def p(t: Tensor) -> Tensor:         # a parameter, in the maps' dtype
+            return t if work is None else t.to(work)
+
         x = self.stream_norm[i](state.flatten(-2))
-        pre = torch.sigmoid(self.alpha_pre[i] * (x @ self.phi_pre[i]) + self.b_pre[i])
-        post = 2 * torch.sigmoid(self.alpha_post[i] * (x @ self.phi_post[i]) + self.b_post[i])
-        res_logits = self.alpha_res[i] * (x @ self.phi_res[i]).unflatten(-1, (n, n)) + self.b_res[i]
-        return pre, post, sinkhorn(res_logits, self.sinkhorn_iters)
+        pre = self._pre(p(self.alpha_pre[i]) * (x @ p(self.phi_pre[i])) + p(self.b_pre[i]))
+        post = 2 * torch.sigmoid(p(self.alpha_post[i]) * (x @ p(self.phi_post[i])) + p(self.b_post[i]))
+        z = p(self.alpha_res[i]) * (x @ p(self.phi_res[i]))
+        return pre, post, self._res(z, i, sinkhorn)
 
     def fast_maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`maps` computed faster: the three projections as one matmul with the stream
         norm's weight folded in (``x' phi = rstd * (vec(x) (w * phi))``, so ``x'`` is never
         formed), and Sinkhorn as one Triton kernel or autograd function
         (:func:`siamesenorm.kernels.sinkhorn`)."""
+        return self._in_map_precision(self._fast_maps, state, i)
+
+    def _fast_maps(self, state: Tensor, i: int,
+                   work: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        def p(t: Tensor) -> Tensor:         # a parameter, in the maps' dtype
+            return t if work is None else t.to(work)
+
         n, norm = self.n_streams, self.stream_norm[i]
         flat = state.flatten(-2)
-        phi = torch.cat([self.phi_pre[i], self.phi_post[i], self.phi_res[i]], -1)
+        phi = torch.cat([p(self.phi_pre[i]), p(self.phi_post[i]), p(self.phi_res[i])], -1)
         if norm.weight is not None:
             phi = phi * norm.weight.unsqueeze(-1)
         square = torch.linalg.vector_norm(flat, 2, -1, keepdim=True).square() / flat.shape[-1]
         rstd = torch.rsqrt(square + norm.eps)
         proj = flat @ phi                                            # x' phi / rstd: (..., 2n + n*n)
-        pre = torch.sigmoid(proj[..., :n] * (self.alpha_pre[i] * rstd) + self.b_pre[i])
-        post = 2 * torch.sigmoid(proj[..., n:2 * n] * (self.alpha_post[i] * rstd) + self.b_post[i])
-        res_logits = (proj[..., 2 * n:] * (self.alpha_res[i] * rstd)).unflatten(-1, (n, n)) + self.b_res[i]
-        return pre, post, sinkhorn_function(res_logits, self.sinkhorn_iters)
+        pre = self._pre(proj[..., :n] * (p(self.alpha_pre[i]) * rstd) + p(self.b_pre[i]))
+        post = 2 * torch.sigmoid(proj[..., n:2 * n] * (p(self.alpha_post[i]) * rstd) + p(self.b_post[i]))
+        return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, sinkhorn_function)
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
         pre, post, res = self.maps(state, i)
-        inp = (pre.unsqueeze(-2) @ state).squeeze(-2)            # sum_k pre_k H_k
+        if self.mixing == "deepseek_v4":                         # pre in float32, as DeepSeek's
+            inp = (pre.unsqueeze(-1) * state).sum(-2).to(state.dtype)
+        else:
+            inp = (pre.unsqueeze(-2) @ state).squeeze(-2)        # sum_k pre_k H_k
         return self.norm[i](inp), post, res
 
     def _fast_entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,7 +262,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         pre, post, res = self.fast_maps(state, i)
 
         def mixed() -> Tensor:
-            return (pre.unsqueeze(-1) * state).sum(-2)              # sum_k pre_k H_k
+            return (pre.unsqueeze(-1) * state).sum(-2).to(state.dtype)   # sum_k pre_k H_k
 
         inp = mixed()
         with recomputed_inputs({id(inp): mixed}):
