@@ -23,7 +23,7 @@ DIM = 8
 BATCH, SEQ = 2, 3
 EPS = 1e-3  # far from the 1e-5 default, so a norm that ignores the scheme's eps shows up
 TOL = {"atol": 1e-6, "rtol": 1e-6}
-NORMS = ["layernorm", "rmsnorm", "dyt"]
+NORMS = ["layernorm", "rmsnorm", "dyt", "derf"]
 
 
 @pytest.fixture(autouse=True, params=["lean", "reference"])
@@ -50,6 +50,11 @@ def dyt(x, alpha, weight, bias):
     return weight * torch.tanh(alpha * x) + bias
 
 
+def derf(x, alpha, s, weight, bias):
+    """Derf, arXiv 2512.10938: ``gamma * erf(alpha x + s) + beta`` (no eps)."""
+    return weight * torch.special.erf(alpha * x + s) + bias
+
+
 def norm_fn(kind, eps):
     """N(module, x): the scheme's norm ``kind`` applied with ``module``'s parameters."""
 
@@ -59,6 +64,9 @@ def norm_fn(kind, eps):
         if kind == "dyt":
             return dyt(x, module.alpha, 1.0 if module.weight is None else module.weight,
                        0.0 if bias is None else bias)
+        if kind == "derf":
+            return derf(x, module.alpha, module.shift, 1.0 if module.weight is None else module.weight,
+                        0.0 if bias is None else bias)
         if kind == "layernorm":
             assert bias is not None, "an affine LayerNorm must have a bias"
             return layernorm(x, module.weight, bias, eps)
