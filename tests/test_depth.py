@@ -64,3 +64,16 @@ def test_gradient_reaches_the_first_block_within_a_factor_of_ten(name, init):
     model(x, y).loss.backward()
     norms = block_grad_norms(model)
     assert 0.1 < norms[0] / norms[-1] < 10, (norms[0], norms[-1])
+
+
+@pytest.mark.parametrize("init", ["normal", "mitchell"])
+def test_keel_at_depth_the_gradient_reaches_every_block(init):
+    # Keel (arXiv 2601.19895): the skip weighted alpha = L keeps every block's gradient within a
+    # factor of ten of the last's. Block 0's is larger, not smaller: its skip carries the raw
+    # embedding (RMS ~ init_std), so its output norm divides by alpha * init_std instead of alpha.
+    model = _model("keel", 64, init)
+    x, y = _batch()
+    model(x, y).loss.backward()
+    norms = block_grad_norms(model)
+    assert all(0.1 < n / norms[-1] < 10 for n in norms[1:]), norms
+    assert norms[0] > norms[-1], (norms[0], norms[-1])

@@ -145,7 +145,7 @@ def absent(s, attr):
 
 
 # ---- registry and requirements ---------------------------------------------------------------
-ALL = ["pre", "post", "siamese", "hybridnorm", "spannorm", "resi_dual", "deepnorm", "mix_ln",
+ALL = ["pre", "post", "siamese", "hybridnorm", "spannorm", "resi_dual", "deepnorm", "keel", "mix_ln",
        "peri_ln", "lns", "hyper", "mhc", "attn_res"]
 
 
@@ -163,7 +163,8 @@ def test_registry_lists_every_scheme():
     ("siamese", {"form": "hybrid_pre", "topology": "resi_dual"}, True),
     ("hybridnorm", {}, True), ("hybridnorm", {"first_layer_pre": True}, True),
     ("spannorm", {}, False), ("resi_dual", {}, False), ("deepnorm", {}, False),
-    ("mix_ln", {}, False), ("peri_ln", {}, False), ("lns", {}, False), ("hyper", {}, False),
+    ("keel", {}, False), ("mix_ln", {}, False), ("peri_ln", {}, False), ("lns", {}, False),
+    ("hyper", {}, False),
     ("mhc", {}, False), ("attn_res", {}, False), ("attn_res", {"block_size": 2}, False),
 ])
 def test_requires_qkv_norm_blocks(name, options, qkv_all):
@@ -403,6 +404,24 @@ def test_deepnorm_explicit_alpha_beta():
     for i in range(6):
         x = N(s.post_norm[i], 1.7 * x + br.ref(i)(x))
     close(out, x)
+
+
+# ---- keel --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("options", [{}, {"alpha": 1.5}, {"final_norm": True}])
+def test_keel(norm, options):
+    # arXiv 2601.19895: x_{l+1} = LN_1(alpha x_l + F_l(LN_2(x_l))), alpha = L sublayers by default
+    s = make("keel", 3, norm, **options)
+    alpha = options.get("alpha", 6)
+    assert s.alpha == alpha and s.requires == siamesenorm.SchemeRequirements()
+    randomize(s)
+    N, h, br = norm_fn(norm, EPS), make_input(), Branches(6)
+    state, out = run(s, h, br)
+    x = h
+    for i in range(6):
+        x = N(s.post_norm[i], alpha * x + br.ref(i)(N(s.pre_norm[i], x)))
+    close(state, x)
+    close(out, N(s.final_norm, x) if options.get("final_norm") else x)
 
 
 # ---- mix_ln ----------------------------------------------------------------------------------

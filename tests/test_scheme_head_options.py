@@ -34,6 +34,8 @@ BRANCH_NORMS: dict[tuple[str, tuple], list[str]] = {
     ("spannorm", ()): ["initial_norm", "attn_norm.*"],
     ("resi_dual", ()): [],
     ("deepnorm", ()): [],
+    ("keel", ()): ["pre_norm.*"],
+    ("keel", (("alpha", 1.0),)): ["pre_norm.*"],
     ("mix_ln", ()): [f"norm.{i}" for i in range(2, 2 * LAYERS)],  # n_post = floor(0.25 * 4) = 1
     ("mix_ln", (("post_fraction", 1.0),)): [],
     ("peri_ln", ()): ["input_norm.*"],
@@ -52,6 +54,7 @@ HAS_FINAL = {
     ("siamese", (("topology", "single"),)): False, ("siamese", (("merge", "sum"),)): False,
     ("hybridnorm", ()): True, ("hybridnorm", (("first_layer_pre", True),)): True,
     ("spannorm", ()): False, ("resi_dual", ()): False, ("deepnorm", ()): False,
+    ("keel", ()): False, ("keel", (("alpha", 1.0),)): False,
     ("mix_ln", ()): True, ("mix_ln", (("post_fraction", 1.0),)): False, ("peri_ln", ()): True,
     ("peri_ln", (("embed_norm", True),)): True, ("lns", ()): True, ("hyper", ()): True,
     ("hyper", (("dynamic", False),)): True, ("mhc", ()): True, ("attn_res", ()): True,
@@ -122,7 +125,8 @@ def test_options_are_listed_with_each_scheme_default_and_checked():
     for name in sn.list_schemes():
         opts = sn.scheme_options(name)
         assert opts["branch_affine"] is True
-        assert opts["final_norm"] is (name != "post")  # Post-Norm has no final norm by default
+        # Post-Norm and Keel end on a norm of the stream: no final norm by default
+        assert opts["final_norm"] is (name not in ("post", "keel"))
     with pytest.raises(sn.ConfigError, match="branch_affine must be true or false"):
         sn.build_scheme("pre", DIM, LAYERS, branch_affine="no")
     with pytest.raises(sn.ConfigError, match="final_norm must be true or false"):

@@ -330,6 +330,7 @@ OWN_OPTION_VALUES = {
         "alpha": (["1", True, -0.5, [1.0]], [None, 0, 0.5, 2, 3.7]),
         "beta": (["x", False, -1], [None, 0.0, 0.1, 1]),
     },
+    "keel": {"alpha": (["L", True, -1, [2.0]], [None, 0, 1, 2.5, 128])},
     "mix_ln": {"post_fraction": (["0.5", True, None, -0.1, 1.5, 2], [0, 0.0, 0.25, 0.5, 1, 1.0])},
     "peri_ln": {"embed_norm": (["yes", 1, None], [True, False]),
                 "input_norm": (["no", 0, None], [True, False])},

@@ -19,8 +19,9 @@ its options once, in its ``options`` table, and describes it once, in its docstr
 """
 
 # isort: off
-# The import order is the registry order: the paper's subject first, then its baselines.
-from . import pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, peri_ln, lns
+# The import order is the registry order: the paper's subject first, then its baselines and the
+# other schemes, each beside its kin (Keel after DeepNorm: both are Post-Norm with a scaled skip).
+from . import pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, keel, mix_ln, peri_ln, lns
 from . import hyper, mhc, attn_res
 # isort: on
 from .base import (
@@ -39,7 +40,8 @@ from .base import (
                    scheme_options,
 )
 
-del pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, mix_ln, peri_ln, lns, hyper, mhc, attn_res
+del pre, siamese, hybridnorm, spannorm, resi_dual, deepnorm, keel, mix_ln, peri_ln, lns
+del hyper, mhc, attn_res
 
 __all__ = ["SUBLAYERS_PER_BLOCK", "Flag", "Number", "OneOf", "Option", "ResidualScheme",
            "SchemeRequirements", "build_scheme", "check_scheme_options", "get_scheme_class",
