@@ -172,3 +172,24 @@ def test_at_depth_64_the_highway_skip_keeps_the_gradient_that_post_norm_loses():
     assert post[0] / post[-1] < 1e-10, (post[0], post[-1])
     weak = _state_gradients("keel", alpha=1)            # Post-Norm plus the branch norm: decays too
     assert weak[0] / weak[-1] < 1e-10, (weak[0], weak[-1])
+
+
+@pytest.mark.parametrize("suffix", ["", "-gpu"])
+def test_the_keel_depth_preset_is_table2s_grid_with_keel_beside_pre_norm(suffix):
+    import dataclasses
+
+    from siamesenorm.experiments import build_grid
+
+    def cells(preset):
+        return {(c.variant.label, c.seed): c.config for c in build_grid(preset, [])[2]}
+
+    keel, table2 = cells("keel-depth" + suffix), cells("table2" + suffix)
+    assert {c.model.scheme for c in keel.values()} == {"pre", "keel"}
+    assert all(c.model.scheme_options == {} for c in keel.values())
+    for (label, seed), cfg in table2.items():               # every shape, rate and seed of table2
+        if label.startswith("pre-"):
+            assert keel[label, seed] == cfg
+            twin = keel["keel-" + label[4:], seed]
+            assert dataclasses.replace(twin.model, scheme="pre") == cfg.model
+            assert dataclasses.replace(twin, model=cfg.model) == cfg
+    assert len(keel) == len(table2)
