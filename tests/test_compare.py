@@ -406,7 +406,8 @@ def test_with_a_peak_the_table_and_summary_csv_show_each_run_s_mfu(tmp_path):
 
 
 def test_the_topologies_preset_compares_the_2026_designs_at_two_rates():
-    """Issue 28: pre, siamese, hyper, mhc, attn_res (full and block) and Pre-Norm with DyT."""
+    """Issues 28 and 38: pre, siamese, hyper, mhc, attn_res (full and block), Pre-Norm with DyT or
+    Derf, Keel, and Pre-Norm and SiameseNorm with Depth-Attention."""
     from siamesenorm.experiments.grid import build_grid
 
     for preset in ("topologies", "topologies-gpu"):
@@ -417,12 +418,18 @@ def test_the_topologies_preset_compares_the_2026_designs_at_two_rates():
         assert built["attn_res-block"][0] == "attn_res" and built["attn_res-block"][2]["block_size"] > 1
         assert built["pre-dyt"] == ("pre", "dyt", {}) and built["pre"][1] != "dyt"
         assert {built[k][0] for k in ("siamese", "hyper", "mhc")} == {"siamese", "hyper", "mhc"}
-        assert len(spec["lrs"]) == 2 and len(cells) == 7 * 2 * 3
+        assert built["keel"] == ("keel", built["pre"][1], {})
+        assert built["pre-derf"] == ("pre", "derf", {})
+        assert len(spec["lrs"]) == 2 and len(cells) == 11 * 2 * 3
         # DyT as its paper's language models have it: the embedding's learnable sqrt(d) scale, on an
         # embedding of std 1/sqrt(d) (OLMo's init, every design's), so the stream enters at std 1
         models = {c.variant.label: c.config.model for c in cells}
         assert models["pre-dyt"].embed_scale == "sqrt_dim" and models["pre"].embed_scale is None
+        assert models["pre-derf"].embed_scale == "sqrt_dim"
         assert {m.init for m in models.values()} == {"mitchell"}
+        # Depth-Attention beside the same residual designs: only the option differs
+        assert [k for k, m in models.items() if m.depth_attention] == ["pre-da", "siamese-da"]
+        assert built["pre-da"] == built["pre"] and built["siamese-da"] == built["siamese"]
 
 
 # ---- what compare shows while it trains (experiments/view.py) ------------------------------------
