@@ -24,6 +24,8 @@ class Keel(ResidualScheme):
     stream stays normalised as in Post-Norm. The last ``LN^post`` already normalises the output, so
     as in ``post`` there is no final norm unless ``final_norm=True``. ``LN^pre`` feeds the branch
     alone (``branch_affine``). Parameters: ``post_norm[i]``, ``pre_norm[i]`` (and ``final_norm``).
+    The equation and ``alpha = L`` come from summaries of the paper (its method section was not
+    available to us); docs/schemes.md says what is and is not confirmed.
     """
 
     name = "keel"
