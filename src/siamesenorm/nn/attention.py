@@ -294,8 +294,7 @@ class Attention(nn.Module):
             raise ValueError("attention with a value residual needs first_values=FirstValues(), "
                              "one per forward pass")
         if self.value_mix is None:
-            if first_values.values is None:
-                first_values.values = v
+            first_values.keep(0, v)
             return v
         if first_values.values is None:
             raise ValueError(f"attention layer {self.layer_idx} mixes in the first layer's values, "
@@ -309,7 +308,7 @@ class Attention(nn.Module):
             raise ValueError("attention with Depth-Attention needs depth_kv=DepthKeysValues(stride), "
                              "one per forward pass")
         v = depth_mix(q, k, v, *depth_kv.sources(self.layer_idx))
-        depth_kv.keep(self.layer_idx, k, v)
+        depth_kv.keep(self.layer_idx, (k, v))
         return v
 
     def extra_repr(self) -> str:

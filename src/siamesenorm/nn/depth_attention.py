@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from .carrier import LayerCarrier
 
 __all__ = ["DepthKeysValues", "check_depth_attention", "depth_mix", "depth_stride"]
 
@@ -47,7 +48,7 @@ def depth_stride(stride: int | None, n_layers: int) -> int:
     return max(1, n_layers // 2) if stride is None else stride
 
 
-class DepthKeysValues:
+class DepthKeysValues(LayerCarrier):
     """Carries the source layers' keys and mixed values, ``(B, n_kv_heads, T, head_dim)`` each,
     from one attention layer to the later ones during one forward pass: a model makes a fresh one
     per forward. A layer's first write wins (a checkpoint's recompute leaves it unchanged)."""
@@ -55,23 +56,25 @@ class DepthKeysValues:
     def __init__(self, stride: int) -> None:
         if stride < 1:
             raise ValueError(f"the depth-attention stride must be at least 1, got {stride}")
+        super().__init__()
         self.stride = int(stride)
-        self.keys: dict[int, Tensor] = {}
-        self.values: dict[int, Tensor] = {}
+
+    def empty(self) -> DepthKeysValues:
+        return DepthKeysValues(self.stride)
 
     def sources(self, layer: int) -> tuple[list[Tensor], list[Tensor]]:
         """The keys and mixed values of the source layers of ``layer``, in depth order."""
         wanted = range(0, layer, self.stride)
-        missing = [j for j in wanted if j not in self.keys]
+        missing = [j for j in wanted if j not in self.held]
         if missing:
             raise ValueError(f"attention layer {layer} attends over the depth of layer {missing[0]}, "
                              "which has not run in this forward pass")
-        return [self.keys[j] for j in wanted], [self.values[j] for j in wanted]
+        return [self.held[j][0] for j in wanted], [self.held[j][1] for j in wanted]
 
-    def keep(self, layer: int, keys: Tensor, values: Tensor) -> None:
-        """Hold layer ``layer``'s keys and mixed values if later layers read them."""
-        if layer % self.stride == 0 and layer not in self.keys:
-            self.keys[layer], self.values[layer] = keys, values
+    def keep(self, layer: int, item: tuple[Tensor, Tensor]) -> None:
+        """Hold layer ``layer``'s ``(keys, mixed values)`` if later layers read them."""
+        if layer % self.stride == 0:
+            super().keep(layer, item)
 
 
 def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],

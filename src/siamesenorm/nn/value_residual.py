@@ -16,18 +16,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .carrier import LayerCarrier
+
 __all__ = ["VALUE_RESIDUAL_MIXES", "FirstValues", "ValueMix"]
 
 VALUE_RESIDUAL_MIXES = ("fixed", "learned")
 
 
-class FirstValues:
+class FirstValues(LayerCarrier):
     """Carries the first attention layer's values ``V_1`` to the later ones during one forward
     pass: a model makes a fresh one per forward and passes it to every attention sublayer. The
     first write wins (a checkpoint's recompute of the first layer leaves it unchanged)."""
 
-    def __init__(self) -> None:
-        self.values: Tensor | None = None
+    @property
+    def values(self) -> Tensor | None:
+        """``V_1``, or ``None`` before the first layer has run."""
+        return self.held.get(0)
+
+    @values.setter
+    def values(self, values: Tensor) -> None:
+        self.keep(0, values)
 
 
 class ValueMix(nn.Module):
