@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,9 +31,10 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..config import CHECKPOINTING_MODES
+from ..nn.carrier import LayerCarrier
 from .host import SchemeHost
 
-__all__ = ["activation_checkpointing", "activation_memory", "saved_activation_bytes",
+__all__ = ["activation_checkpointing", "activation_memory", "carrying_step", "saved_activation_bytes",
            "set_activation_checkpointing", "set_scheme_checkpointing"]
 
 _aten = torch.ops.aten
@@ -111,12 +113,46 @@ class _CheckpointedStep:
     def __init__(self, scheme: nn.Module, mode: str) -> None:
         self.scheme, self.mode = scheme, mode
 
+    def active(self) -> bool:
+        """Whether a step is checkpointed now: in training, with gradients on."""
+        return self.scheme.training and torch.is_grad_enabled()
+
+    def _checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
+        extra = {"context_fn": _selective_contexts} if self.mode == "selective" else {}
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+
     def __call__(self, state: Any, i: int, branch: Callable[[Tensor], Tensor]) -> Any:
         plain = type(self.scheme).step
-        if not (self.scheme.training and torch.is_grad_enabled()):
+        if not self.active():
             return plain(self.scheme, state, i, branch)
-        extra = {"context_fn": _selective_contexts} if self.mode == "selective" else {}
-        return checkpoint(plain, self.scheme, state, i, branch, use_reentrant=False, **extra)
+        return self._checkpoint(plain, self.scheme, state, i, branch)
+
+    def carrying(self, state: Any, i: int, branch: Callable[..., Tensor],
+                 carriers: dict[str, LayerCarrier]) -> Any:
+        """The checkpointed step of a sublayer that reads and adds to ``carriers``: the region
+        runs on copies and returns what they gained, which the carriers take in outside it."""
+        plain = type(self.scheme).step
+
+        def region(state: Any) -> tuple[Any, dict[str, dict]]:
+            copies = {name: carrier.copy() for name, carrier in carriers.items()}
+            out = plain(self.scheme, state, i, partial(branch, **copies))
+            return out, {name: copies[name].added_since(carrier) for name, carrier in carriers.items()}
+
+        out, added = self._checkpoint(region, state)
+        for name, carrier in carriers.items():
+            carrier.merge(added[name])
+        return out
+
+
+def carrying_step(scheme: nn.Module, state: Any, i: int, branch: Callable[..., Tensor],
+                  carriers: dict[str, LayerCarrier]) -> Any:
+    """``scheme.step(state, i, branch)`` where ``branch`` takes ``carriers`` (name -> carrier) as
+    keyword arguments. Under activation checkpointing, what the step adds to them flows out of the
+    checkpointed region as its output (see :mod:`~siamesenorm.nn.carrier`)."""
+    step = vars(scheme).get("step")
+    if isinstance(step, _CheckpointedStep) and step.active():
+        return step.carrying(state, i, branch, carriers)
+    return scheme.step(state, i, partial(branch, **carriers))
 
 
 def _host(model: nn.Module) -> SchemeHost:

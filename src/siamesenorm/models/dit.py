@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,9 +52,10 @@ def modulate(h: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-def _modulated(sublayer: nn.Module, shift: Tensor, scale: Tensor, gate: Tensor, u: Tensor) -> Tensor:
-    """One DiT branch: ``gate * F(modulate(u, shift, scale))``."""
-    return gate.unsqueeze(1) * sublayer(modulate(u, shift, scale))
+def _modulated(sublayer: nn.Module, shift: Tensor, scale: Tensor, gate: Tensor, u: Tensor,
+               **kwargs: Any) -> Tensor:
+    """One DiT branch: ``gate * F(modulate(u, shift, scale))`` (``kwargs`` go to ``F``)."""
+    return gate.unsqueeze(1) * sublayer(modulate(u, shift, scale), **kwargs)
 
 
 def adaln_branches(modulation: Tensor, attn: Branch, mlp: Branch) -> tuple[Branch, Branch]:

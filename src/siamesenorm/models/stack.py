@@ -19,8 +19,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..nn.carrier import LayerCarrier
 from ..schemes.base import SUBLAYERS_PER_BLOCK, ResidualScheme, build_scheme
-from .checkpointing import set_scheme_checkpointing
+from .checkpointing import carrying_step, set_scheme_checkpointing
 
 __all__ = ["ResidualStack", "hidden_at"]
 
@@ -103,7 +104,10 @@ class ResidualStack(nn.Module):
         """The loop: ``state = scheme.enter(h)``, ``state = scheme.step(state, i, branch_i)`` for
         every sublayer, then ``scheme.exit(state)``, the hidden state for a head.
 
-        ``attention_kwargs`` go to every attention sublayer (a mask, a KV cache, positions).
+        ``attention_kwargs`` go to every attention sublayer (a mask, a KV cache, positions). Those that
+        are a :class:`~siamesenorm.nn.carrier.LayerCarrier` reach it as keyword arguments of the
+        branch call (:func:`~.checkpointing.carrying_step`), so a branch that ``wrap`` makes must
+        pass keyword arguments on to its sublayer.
         ``wrap(i, sublayer) -> branch`` makes the branch of sublayer ``i`` (called in order, once
         per sublayer: DiT's conditioning, stochastic depth). ``states`` receives the state after
         ``enter`` and after every block.
@@ -112,16 +116,22 @@ class ResidualStack(nn.Module):
         if h.shape[-1] != scheme.dim:
             raise ValueError(f"ResidualStack: the input's last dimension is {h.shape[-1]}, the scheme's "
                              f"width (dim) is {scheme.dim}")
+        bound = dict(attention_kwargs or {})
+        carriers = {name: bound.pop(name) for name, value in list(bound.items())
+                    if isinstance(value, LayerCarrier)}
         state = scheme.enter(h)
         if states is not None:
             states.append(state)
         for i, sublayer in enumerate(self.sublayers):
-            branch = partial(sublayer, **attention_kwargs) if attention_kwargs and scheme.is_attention(i) \
-                else sublayer
+            attention = scheme.is_attention(i)
+            branch = partial(sublayer, **bound) if bound and attention else sublayer
             if wrap is not None:
                 branch = wrap(i, branch)
-            state = scheme.step(state, i, branch)
-            if states is not None and not scheme.is_attention(i):
+            if carriers and attention:
+                state = carrying_step(scheme, state, i, branch, carriers)
+            else:
+                state = scheme.step(state, i, branch)
+            if states is not None and not attention:
                 states.append(state)
         return scheme.exit(state)
 

@@ -20,7 +20,7 @@ stream) per sample, at a rate rising linearly from 0 in block 0 to ``drop_path``
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,8 @@ def drop_path(x: Tensor, rate: float, training: bool = True) -> Tensor:
     return x * mask.bernoulli_(keep) / keep
 
 
-def _dropped(sublayer: nn.Module, rate: float, u: Tensor) -> Tensor:
-    return drop_path(sublayer(u), rate, True)
+def _dropped(sublayer: nn.Module, rate: float, u: Tensor, **kwargs: Any) -> Tensor:
+    return drop_path(sublayer(u, **kwargs), rate, True)
 
 
 def _trunc_normal(weight: Tensor, std: float) -> None:
