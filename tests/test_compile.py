@@ -45,6 +45,13 @@ OPTION_CASES = [
     ("pre", {}, {"depth_attention": True, "n_kv_heads": 1}, "none"),
     ("siamese", {}, {"depth_attention": True, "depth_attention_stride": 1}, "none"),
     ("pre", {}, {"qk_norm": True}, "none"),
+    # the tensors attention hands to later layers flow through each checkpointed region
+    ("pre", {}, {"value_residual": True}, "sublayer"),
+    ("siamese", {}, {"value_residual": True}, "selective"),
+    ("siamese", {}, {"value_residual": True, "value_residual_mix": "learned"}, "sublayer"),
+    ("pre", {}, {"value_residual": True, "value_residual_mix": "learned"}, "selective"),
+    ("siamese", {}, {"depth_attention": True, "depth_attention_stride": 1}, "sublayer"),
+    ("pre", {}, {"depth_attention": True, "n_kv_heads": 1}, "selective"),
     ("siamese", {}, {}, "sublayer"),
     ("siamese", {}, {}, "selective"),
     ("siamese", {"form": "hybrid_pre"}, {}, "selective"),
@@ -142,9 +149,12 @@ AOT_CASES = [c for c in CASES if c[0] in ("siamese", "mhc", "attn_res", "hyper")
 
 @pytest.mark.parametrize("case", AOT_CASES, ids=_id)
 def test_forward_and_backward_trace_through_aot_autograd(case, strict_dynamo):
-    """The backward traces too, and the compiled step's loss and gradients are eager's."""
+    """The backward traces too, and the compiled step's loss and gradients are those of eager
+    without checkpointing."""
     model = _model(*case, layers=2)
+    set_activation_checkpointing(model, "none")
     eager = _steps(model, model)
+    set_activation_checkpointing(model, case[3])
     compiled = _steps(model, torch.compile(model, backend="aot_eager", fullgraph=True))
     assert counters["stats"]["unique_graphs"] == 1
     for a, b in zip(compiled, eager, strict=True):
