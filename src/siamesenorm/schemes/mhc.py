@@ -20,6 +20,7 @@ from .base import Branch, Number, OneOf, Option, register_scheme
 from .hyper import MAX_STREAMS, MultiStreamScheme
 
 try:
+    from ..kernels.mix import mix_write, mix_write_kernel_runs
     from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
     from ..kernels.sinkhorn import sinkhorn_kernel_runs
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
@@ -27,6 +28,11 @@ except ImportError:     # the exported modelling code (siamesenorm.hf.export) ca
 
     def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
         return False
+
+    def mix_write_kernel_runs(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> bool:
+        return False
+
+    mix_write = None
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -269,9 +275,20 @@ class ManifoldHyperConnections(MultiStreamScheme):
             return self.norm[i](inp), post, res
 
     def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
+        # ``H^res H + H^post^T F`` is one Triton kernel each way where it runs (also under
+        # ``torch.compile``), written in the dtype each path's PyTorch ops give.
         if not fused_enabled():                                      # the reference path
             inp, post, res = self._entry(state, i)
-            return res @ state + post.unsqueeze(-1) * branch(inp).unsqueeze(-2)
+            out = branch(inp)
+            if mix_write_kernel_runs(res, state, post, out):
+                product = (torch.get_autocast_dtype(state.device.type) if _autocast_on(state)
+                           else torch.promote_types(res.dtype, state.dtype))     # res @ state's
+                dtype = torch.promote_types(product, torch.promote_types(post.dtype, out.dtype))
+                return mix_write(res, state, post, out, dtype)
+            return res @ state + post.unsqueeze(-1) * out.unsqueeze(-2)
         # Lean path: keeps H and the maps' per-token outputs; recomputes the branch norm's input.
         inp, post, res = self._fast_entry(state, i)
-        return mix_and_write(res.transpose(-1, -2), state, post, branch(inp))
+        out = branch(inp)
+        if mix_write_kernel_runs(res, state, post, out):
+            return mix_write(res, state, post, out, torch.promote_types(post.dtype, out.dtype))
+        return mix_and_write(res.transpose(-1, -2), state, post, out)
