@@ -1,5 +1,6 @@
-"""mHC's stream mix-and-write kernel (siamesenorm::mix_write) against the equation written out in
-float64, and mHC with the kernel against mHC without it.
+"""mHC's stream kernels, the mix and write (siamesenorm::mix_write) and the entry
+(siamesenorm::mix_entry), against their equations written out in float64, and mHC with the kernels
+against mHC without them.
 
 Without CUDA the kernel runs under Triton's interpreter on the CPU (tests/triton_interpreter.py).
 """
@@ -22,9 +23,11 @@ from triton_interpreter import (
 triton = import_triton()
 
 from siamesenorm.kernels import mix_write, mix_write_kernel_runs  # noqa: E402
+from siamesenorm.kernels.mix import mix_entry, mix_entry_kernel_runs  # noqa: E402
 
 IN_PROCESS = CUDA or interpreted("siamesenorm.kernels._triton_mix", "_mix_write_fwd")
 test_in_fresh_process = fresh_process_test(__file__)
+EPS = 1e-5
 
 
 # ---- the reference: H_new[j] = sum_k R[j, k] H[k] + post[j] out, per token (float64) ----------------
@@ -140,6 +143,94 @@ def test_keeps_only_its_inputs_and_no_tokens():
     assert got.shape == (0, 3, 8) and all(t.grad.shape == t.shape for t in empty)
 
 
+# ---- the entry: b = norm(sum_k pre[k] H[k]) (float64) ----------------------------------------------
+def ref_entry(h, pre, w, b, kind):
+    u = sum(pre[..., k, None] * h[..., k, :] for k in range(h.shape[-2]))
+    if kind == "layernorm":
+        u = u - u.mean(-1, keepdim=True)
+    out = u / torch.sqrt((u * u).mean(-1, keepdim=True) + EPS)
+    out = out if w is None else out * w
+    return out if b is None else out + b
+
+
+def check_entry(lead, n, d, kind, affine=True, dtypes=(torch.float32,) * 2, dtype=None, seed=0):
+    """The entry's value and the gradients of ``h``, ``pre``, weight and bias against the reference's
+    (``pre`` in (0.5, 1.5), as mHC's sigmoids give)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, pre = torch.randn(*lead, n, d, generator=gen), 0.5 + torch.rand(*lead, n, generator=gen)
+    exact = [h.to(dtypes[0]).double(), pre.to(dtypes[1]).double()]
+    if affine:
+        exact.append((1 + 0.3 * torch.randn(d, generator=gen)).to(dtypes[0]).double())
+        if kind == "layernorm":
+            exact.append((0.3 * torch.randn(d, generator=gen)).to(dtypes[0]).double())
+    kw = [dtypes[0], dtypes[1], dtypes[0], dtypes[0]]
+    got_in = [e.to(DEVICE, t).requires_grad_() for e, t in zip(exact, kw)]
+    assert mix_entry_kernel_runs(got_in[0], got_in[1], kind)
+    params = (got_in[2:] + [None, None])[:2]
+    out = mix_entry(got_in[0], got_in[1], *params, kind=kind, eps=EPS, dtype=dtype)
+    assert out.dtype == (dtype or torch.promote_types(*dtypes)) and out.shape == (*lead, d)
+    up = rounded(torch.randn(out.shape, generator=gen, dtype=torch.float64), out.dtype)
+    grads = torch.autograd.grad(out, got_in, up.to(DEVICE, out.dtype))
+    ref_in = [e.requires_grad_() for e in exact]
+    ref = ref_entry(ref_in[0], ref_in[1], *(ref_in[2:] + [None, None])[:2], kind)
+    ref_grads = torch.autograd.grad(ref, ref_in, up)
+
+    def close(got, want, dt):
+        rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dt]
+        torch.testing.assert_close(got.cpu().double(), want.detach(), rtol=rtol, atol=1e-5)
+
+    close(out, ref, out.dtype)
+    for g, r, t in zip(grads, ref_grads, got_in, strict=True):
+        assert g.dtype == t.dtype
+        close(g, r, t.dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_entry_every_stream_count(n):
+    check_entry((3,), n, 37, "layernorm" if n % 2 else "rmsnorm", affine=n != 4, seed=n)
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_entry_widths_with_masked_tails(kind):
+    check_entry((2,), 4, 130, kind, seed=1)          # a block of 256
+    check_entry((2, 3), 3, 5, kind, affine=False, seed=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_entry_low_precision(dtype):
+    check_entry((5,), 4, 33, "rmsnorm", dtypes=(dtype,) * 2, seed=3)
+    check_entry((5,), 3, 20, "layernorm", dtypes=(dtype,) * 2, seed=4)
+
+
+def test_entry_autocast_mix_of_dtypes():
+    """A float32 state and bf16 maps, the branch input in the dtype asked for."""
+    check_entry((4,), 4, 24, "rmsnorm", dtypes=(torch.float32, torch.bfloat16), dtype=torch.bfloat16, seed=5)
+
+
+def test_entry_keeps_the_state_the_maps_and_row_statistics():
+    h, pre = torch.randn(5, 3, 8, device=DEVICE, requires_grad=True), torch.rand(5, 3, device=DEVICE)
+    w = torch.ones(8, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mix_entry(h, pre.requires_grad_(), w)
+    assert saved[:3] == [h, pre, w] and len(saved) == 4 and saved[3].shape == (2, 5)
+
+
+def test_entry_pytorch_path_and_bad_arguments():
+    h, pre = torch.randn(3, 4, 6, device=DEVICE), torch.rand(3, 4, device=DEVICE)
+    assert not mix_entry_kernel_runs(h, pre, "dyt") and not mix_entry_kernel_runs(h.double(), pre, "rmsnorm")
+    assert not mix_entry_kernel_runs(torch.randn(3, 9, 6, device=DEVICE), torch.rand(3, 9), "rmsnorm")
+    got = mix_entry(h.double(), pre.double(), kind="layernorm", eps=EPS)
+    torch.testing.assert_close(got, ref_entry(h.double(), pre.double(), None, None, "layernorm"))
+    op = torch.ops.siamesenorm.mix_entry
+    with pytest.raises(ValueError, match="pre must have shape"):
+        op(h, pre[:, :3], None, None, "rmsnorm", EPS, torch.float32)
+    with pytest.raises(ValueError, match="no bias"):
+        op(h, pre, None, torch.zeros(6), "rmsnorm", EPS, torch.float32)
+    with pytest.raises(ValueError, match="norm kind"):
+        op(h, pre, None, None, "dyt", EPS, torch.float32)
+
+
 # ---- registration: opcheck and torch.compile --------------------------------------------------------
 def test_opcheck():
     _, ins = inputs((1, 2), 4, 10, (torch.float32,) * 4)
@@ -149,11 +240,20 @@ def test_opcheck():
     grad = torch.randn(1, 2, 4, 10, device=DEVICE)
     torch.library.opcheck(torch.ops.siamesenorm.mix_write_backward.default,
                           (grad, *(t.detach() for t in ins)))
+    h, pre = ins[1], ins[2]
+    w, b = (torch.randn(10, device=DEVICE, requires_grad=True) for _ in range(2))
+    entry = torch.ops.siamesenorm.mix_entry.default
+    torch.library.opcheck(entry, (h, pre, w, b, "layernorm", EPS, torch.float32))
+    torch.library.opcheck(entry, (low[1], low[2], None, None, "rmsnorm", EPS, torch.bfloat16))
+    _, stats = entry(h, pre, w, None, "rmsnorm", EPS, torch.float32)
+    torch.library.opcheck(torch.ops.siamesenorm.mix_entry_backward.default,
+                          (torch.randn(1, 2, 10, device=DEVICE), h.detach(), pre.detach(), w.detach(), None,
+                           stats, "rmsnorm", True, False))
 
 
 def test_compile_traces_one_call():
-    """Under ``torch.compile`` (one graph) the mix and write is one call of the op each way, with
-    eager's values and gradients."""
+    """Under ``torch.compile`` (one graph) the entry and the mix and write are one call of their op
+    each way, with eager's values and gradients."""
     graphs = []
 
     def backend(gm, example):
@@ -161,7 +261,8 @@ def test_compile_traces_one_call():
         return torch._dynamo.backends.debugging.aot_eager(gm, example)
 
     def f(res, h, post, out):
-        return (mix_write(res.softmax(-1), h, post.sigmoid(), out) * h).sum()
+        b = mix_entry(h, post.sigmoid(), out[0, 0], kind="rmsnorm", eps=EPS)
+        return (mix_write(res.softmax(-1), h, post.sigmoid(), out * b) * h).sum()
 
     _, ins = inputs((2, 5), 3, 12, (torch.float32,) * 4, seed=8)
     want = f(*ins)
@@ -173,8 +274,9 @@ def test_compile_traces_one_call():
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)
     calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    op = torch.ops.siamesenorm.mix_write
-    assert sum(t in (op, op.default) for t in calls) == 1
+    ops = torch.ops.siamesenorm
+    for op in (ops.mix_write, ops.mix_entry):
+        assert sum(t in (op, op.default) for t in calls) == 1, op
 
 
 # ---- dispatch --------------------------------------------------------------------------------------
@@ -212,7 +314,8 @@ def _mhc_model(mixing):
 
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc",
-                   scheme_options={"mixing": mixing, "n_streams": 3 if mixing == "lite" else 4})
+                   scheme_options={"mixing": mixing, "n_streams": 3 if mixing == "lite" else 4},
+                   norm="layernorm" if mixing == "deepseek_v4" else "rmsnorm")
     model = LanguageModel(cfg).to(DEVICE)
     with torch.no_grad():               # per-token maps far from the initial near-identity
         for name, p in model.named_parameters():
@@ -230,15 +333,16 @@ def _loss_and_grads(model, x, step=None):
 @pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
                                           ("lean", "deepseek_v4"), ("reference", "lite")])
 def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
-    """An mHC language model whose stream writes run the kernel (lean path, reference path, and
-    compiled, where the reference path is traced; every ``mixing``) has the loss and gradients of
-    the reference path without kernels."""
+    """An mHC language model whose entries and stream writes run the kernels (lean path, reference
+    path, and compiled, where the reference path is traced; every ``mixing``; RMSNorm and LayerNorm)
+    has the loss and gradients of the reference path without kernels."""
     from siamesenorm.nn.fused import reference_path
 
     kernel_module = importlib.import_module("siamesenorm.kernels.mix")
     calls = []
-    real = kernel_module._kernels
-    monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())
+    for name in ("_kernels", "_entry_kernels"):
+        real = getattr(kernel_module, name)
+        monkeypatch.setattr(kernel_module, name, lambda real=real, name=name: calls.append(name) or real())
     model = _mhc_model(mixing)
     x = torch.randint(0, 32, (2, 9), device=DEVICE)
     if path == "compiled":
@@ -247,21 +351,22 @@ def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
     else:
         with reference_path(path == "reference"):
             got = _loss_and_grads(model, x)
-    assert len(calls) == 2 * 4, "the kernel did not run forward and backward in each sublayer"
+    assert sorted(calls) == ["_entry_kernels"] * 8 + ["_kernels"] * 8, \
+        "the kernels did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
     with reference_path():
         want = _loss_and_grads(model, x)
-    assert len(calls) == 2 * 4
+    assert len(calls) == 16
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_mhc_under_autocast_keeps_each_paths_dtype(monkeypatch):
-    """Under bf16 autocast the kernel writes the state in the dtype of the ops it stands for (the
-    reference path's bf16 product; the lean path's maps and branch output), to bf16 rounding."""
+    """Under bf16 autocast the kernels write the branch input and the state in the dtypes of the ops
+    they stand for (the reference path's bf16 products; the lean path's), to bf16 rounding."""
     import siamesenorm as sn
     from siamesenorm.nn.fused import reference_path
 

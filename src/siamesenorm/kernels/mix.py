@@ -1,29 +1,43 @@
-"""mHC's stream mix and write as one Triton kernel each way (``siamesenorm::mix_write``)::
+"""mHC's per-token stream work (arXiv 2512.24880) as one Triton kernel each way, twice: the stream
+mix and write (``siamesenorm::mix_write``) and the entry (``siamesenorm::mix_entry``)::
 
     H_new[j] = sum_k res[j, k] H[k] + post[j] out        (per token: H^res H + H^post^T F)
+    b        = norm(sum_k pre[k] H[k])                   (the branch input: LN(H^pre H))
 
 Forward reads the state, the branch output and the token's maps once and writes the new state;
 backward reads the gradient, the state and the branch output once and writes the gradients of all
 four (``dH = res^T g``, ``dout = sum_j post[j] g[j]``, ``dres = g H^T`` and ``dpost = g out``, the
 last two summed over the width in registers). Where plain ops take a matrix product, a multiply,
-an add and, backward, a product and two reductions apiece.
+an add and, backward, a product and two reductions apiece. The entry reads the state once and
+writes the branch input, keeping only the norm's row statistics; backward sums the streams again.
+The RMSNorm of the flattened state that feeds the maps stays with PyTorch (or Inductor): its one
+statistic per token only scales the maps' projection, a matrix product that reads the state anyway,
+and the maps' small per-token functions differ with ``mixing``.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.mixing import mix_and_write
 from .availability import announce_fallback, kernels_available
 
-__all__ = ["MAX_N", "mix_write", "mix_write_kernel_runs"]
+__all__ = ["MAX_N", "mix_entry", "mix_entry_kernel_runs", "mix_write", "mix_write_kernel_runs"]
 
 MAX_N = 8            # the most streams the kernel takes (a token's n x n matrix stays in registers)
+MAX_WIDTH = 65536    # the entry's row is one Triton block; wider rows take the PyTorch path
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KINDS = ("rmsnorm", "layernorm")
 
 
 def _kernels():
     from . import _triton_mix
     return _triton_mix
+
+
+def _entry_kernels():
+    from . import _triton_mix_entry
+    return _triton_mix_entry
 
 
 def _check(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> None:
@@ -112,3 +126,108 @@ def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dt
     if mix_write_kernel_runs(res, h, post, out):
         return torch.ops.siamesenorm.mix_write(res, h, post, out, dtype)
     return mix_and_write(res.transpose(-1, -2), h, post, out).to(dtype)
+
+
+# ---- b = norm(sum_k pre_k H_k) -----------------------------------------------------------------------
+def _check_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
+    if h.dim() < 2 or not 0 < h.shape[-2] <= MAX_N or not 0 < h.shape[-1] <= MAX_WIDTH:
+        raise ValueError(f"mix_entry: h must be (..., n, d) with 0 < n <= {MAX_N} and 0 < d <= {MAX_WIDTH}, "
+                         f"not {tuple(h.shape)}")
+    if pre.shape != h.shape[:-1]:
+        raise ValueError(f"mix_entry: pre must have shape {tuple(h.shape[:-1])}, not {tuple(pre.shape)}")
+    if kind not in _KINDS:
+        raise ValueError(f"mix_entry: norm kind must be one of {_KINDS}, not {kind!r}")
+    if kind == "rmsnorm" and bias is not None:
+        raise ValueError("mix_entry: RMSNorm has no bias")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != h.shape[-1:]:
+            raise ValueError(f"mix_entry: {name} must have shape {tuple(h.shape[-1:])}, not {tuple(p.shape)}")
+
+
+@torch.library.custom_op("siamesenorm::mix_entry", mutates_args=())
+def _mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(b, stats)``: the branch input in ``dtype`` and ``(2, tokens)`` float32 row statistics
+    (mean, 0 for RMSNorm, and rstd)."""
+    _check_entry(h, pre, weight, bias, kind)
+    return _entry_kernels().mix_entry_forward(h.contiguous(), pre.contiguous(), weight, bias,
+                                              kind == "layernorm", eps, dtype)
+
+
+@_mix_entry.register_fake
+def _(h, pre, weight, bias, kind, eps, dtype):
+    _check_entry(h, pre, weight, bias, kind)
+    return (h.new_empty((*h.shape[:-2], h.shape[-1]), dtype=dtype),
+            h.new_empty((2, pre.numel() // pre.shape[-1]), dtype=torch.float32))
+
+
+@torch.library.custom_op("siamesenorm::mix_entry_backward", mutates_args=())
+def _mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None,
+                        stats: Tensor, kind: str, need_w: bool,
+                        need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dh, dpre, dw, db)`` in their inputs' dtypes (``dw``, ``db`` empty where not computed)."""
+    return _entry_kernels().mix_entry_backward(grad.contiguous(), h.contiguous(), pre.contiguous(), weight,
+                                               bias, stats, kind == "layernorm", need_w, need_b)
+
+
+@_mix_entry_backward.register_fake
+def _(grad, h, pre, weight, bias, stats, kind, need_w, need_b):
+    def param_grad(p: Tensor | None, need: bool) -> Tensor:
+        return torch.empty_like(p) if p is not None and need else h.new_empty(0, dtype=torch.float32)
+
+    return torch.empty_like(h), torch.empty_like(pre), param_grad(weight, need_w), param_grad(bias, need_b)
+
+
+def _entry_setup(ctx, inputs, output) -> None:
+    h, pre, weight, bias, kind, _, _ = inputs
+    ctx.save_for_backward(h, pre, weight, bias, output[1])
+    ctx.kind = kind
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _entry_grad(ctx, grad, _stats):
+    if grad is None:
+        return (None,) * 7
+    h, pre, weight, bias, stats = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dh, dpre, dw, db = torch.ops.siamesenorm.mix_entry_backward(
+        grad, h, pre, weight, bias, stats, ctx.kind, need[2], need[3])
+    return (dh if need[0] else None, dpre if need[1] else None,
+            dw if weight is not None and need[2] else None, db if bias is not None and need[3] else None,
+            None, None, None)
+
+
+_mix_entry.register_autograd(_entry_grad, setup_context=_entry_setup)
+
+
+def mix_entry_kernel_runs(h: Tensor, pre: Tensor, kind: str) -> bool:
+    """Whether :func:`mix_entry` runs the kernel: as :func:`mix_write_kernel_runs` for ``h`` and
+    ``pre``, with RMSNorm or LayerNorm (``kind``) and a width up to 65536."""
+    if not (kind in _KINDS and all(type(t) is Tensor and t.dtype in _DTYPES for t in (h, pre))
+            and h.dim() >= 2 and 0 < h.shape[-2] <= MAX_N and 0 < h.shape[-1] <= MAX_WIDTH):
+        return False
+    if kernels_available(h):
+        return True
+    if h.is_cuda and not torch.compiler.is_compiling():
+        announce_fallback()
+    return False
+
+
+def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,
+              kind: str = "rmsnorm", eps: float = 1e-6, dtype: torch.dtype | None = None) -> Tensor:
+    """``norm(sum_k pre[..., k] h[..., k, :])``: ``h`` (..., n, d), ``pre`` (..., n), leading shapes
+    broadcast; ``kind`` ``"rmsnorm"`` (weight optional) or ``"layernorm"`` (weight and bias
+    optional); the result in ``dtype`` (default: ``h``'s and ``pre``'s promoted dtype). The kernel
+    (float32 inside, the sum never stored) where :func:`mix_entry_kernel_runs`, else PyTorch ops."""
+    if dtype is None:
+        dtype = torch.promote_types(h.dtype, pre.dtype)
+    lead = torch.broadcast_shapes(h.shape[:-2], pre.shape[:-1])
+    h = h if h.shape[:-2] == lead else h.expand(*lead, *h.shape[-2:])
+    pre = pre if pre.shape[:-1] == lead else pre.expand(*lead, pre.shape[-1])
+    if mix_entry_kernel_runs(h, pre, kind):
+        return torch.ops.siamesenorm.mix_entry(h, pre, weight, bias, kind, float(eps), dtype)[0]
+    u = (pre.unsqueeze(-1) * h).sum(-2)
+    d = (u.shape[-1],)
+    out = F.layer_norm(u, d, weight, bias, eps) if kind == "layernorm" else F.rms_norm(u, d, weight, eps)
+    return out.to(dtype)

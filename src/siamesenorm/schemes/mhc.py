@@ -20,7 +20,7 @@ from .base import Branch, Number, OneOf, Option, register_scheme
 from .hyper import MAX_STREAMS, MultiStreamScheme
 
 try:
-    from ..kernels.mix import mix_write, mix_write_kernel_runs
+    from ..kernels.mix import mix_entry, mix_entry_kernel_runs, mix_write, mix_write_kernel_runs
     from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
     from ..kernels.sinkhorn import sinkhorn_kernel_runs
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
@@ -32,7 +32,10 @@ except ImportError:     # the exported modelling code (siamesenorm.hf.export) ca
     def mix_write_kernel_runs(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> bool:
         return False
 
-    mix_write = None
+    def mix_entry_kernel_runs(h: Tensor, pre: Tensor, kind: str) -> bool:
+        return False
+
+    mix_entry = mix_write = None
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -253,9 +256,28 @@ class ManifoldHyperConnections(MultiStreamScheme):
         post = 2 * torch.sigmoid(proj[..., n:2 * n] * (p(self.alpha_post[i]) * rstd) + p(self.b_post[i]))
         return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, sinkhorn_function)
 
+    def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, dtype: torch.dtype) -> Tensor | None:
+        """``LN_i(sum_k pre_k H_k)`` as one Triton kernel each way where it runs (else ``None``),
+        written in the dtype of the PyTorch ops it stands for: ``dtype``, the sum's, or float32
+        where CUDA's autocast runs the norms in float32."""
+        norm = self.norm[i]
+        kind = getattr(norm, "kind", None)
+        if not mix_entry_kernel_runs(state, pre, kind):
+            return None
+        if state.is_cuda and _autocast_on(state):
+            dtype = torch.float32
+        return mix_entry(state, pre, norm.weight, getattr(norm, "bias", None), kind=kind, eps=norm.eps,
+                         dtype=dtype)
+
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
         pre, post, res = self.maps(state, i)
+        summed = (state.dtype if self.mixing == "deepseek_v4" else          # the sum's dtype below
+                  torch.get_autocast_dtype(state.device.type) if _autocast_on(state)
+                  else torch.promote_types(pre.dtype, state.dtype))
+        inp = self._kernel_entry(state, pre, i, summed)
+        if inp is not None:
+            return inp, post, res
         if self.mixing == "deepseek_v4":                         # pre in float32, as DeepSeek's
             inp = (pre.unsqueeze(-1) * state).sum(-2).to(state.dtype)
         else:
@@ -266,6 +288,9 @@ class ManifoldHyperConnections(MultiStreamScheme):
         """:meth:`_entry` from :meth:`fast_maps`; the norm's input is not kept but recomputed from
         ``pre`` and ``H`` in backward (the maps' per-token outputs are kept instead)."""
         pre, post, res = self.fast_maps(state, i)
+        inp = self._kernel_entry(state, pre, i, state.dtype)
+        if inp is not None:
+            return inp, post, res
 
         def mixed() -> Tensor:
             return (pre.unsqueeze(-1) * state).sum(-2).to(state.dtype)   # sum_k pre_k H_k
