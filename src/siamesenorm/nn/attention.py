@@ -256,11 +256,12 @@ class Attention(nn.Module):
         q, k, v = (parts[name][3] for name in "qkv")
         if self.value_residual is not None:
             v = self._value_residual(v, first_values)
-        if self.depth_attention:
-            v = self._depth_attention(q, k, v, depth_kv)
         lean = (cache is None and fused_enabled() and torch.is_grad_enabled()
                 and not _autocast_on(x))
         recipes = self._recipes(parts) if lean else {}
+        if self.depth_attention:
+            with recomputed_inputs(recipes):     # the depth mix keeps q and k as attention does
+                v = self._depth_attention(q, k, v, depth_kv)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, pos)
         t_key = k.shape[-2]

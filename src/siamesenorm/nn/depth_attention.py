@@ -24,9 +24,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import Function
 
 from ..errors import UserError
 from .carrier import LayerCarrier
+from .fused import fused_enabled
 
 __all__ = ["DepthKeysValues", "check_depth_attention", "depth_mix", "depth_stride"]
 
@@ -80,9 +82,15 @@ class DepthKeysValues(LayerCarrier):
 def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
               source_values: Sequence[Tensor]) -> Tensor:
     """``vmix`` of the module's equations: ``q`` ``(B, n_heads, T, D)``; ``k``, ``v`` and each
-    source ``(B, n_kv_heads, T, D)``. The softmax runs in float32 at least."""
+    source ``(B, n_kv_heads, T, D)``. The softmax runs in float32 at least. Off the reference
+    path (:func:`~siamesenorm.nn.fused.fused_enabled`) one autograd function that keeps only its
+    inputs (alive anyway, or recomputed: see the attention's ``recomputed_inputs``) and the depth
+    weights, ``(N+1, B, n_kv_heads, T)``; the plain composition keeps stacked copies of the keys
+    and values."""
     if not source_keys:
         return v
+    if fused_enabled() and torch.is_grad_enabled():
+        return _LeanDepthMix.apply(len(source_keys), q, k, v, *source_keys, *source_values)
     b, h, t, d = q.shape
     qbar = q.unflatten(1, (k.shape[1], h // k.shape[1])).mean(2)       # (B, Hkv, T, D)
     keys = torch.stack((*source_keys, k), dim=-2)                       # (B, Hkv, T, N+1, D)
@@ -90,3 +98,48 @@ def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
     weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     values = torch.stack((*source_values, v), dim=-2)
     return torch.einsum("bgtn,bgtnd->bgtd", weights.to(v.dtype), values)
+
+
+def _group_mean(q: Tensor, groups: int) -> Tensor:
+    """``qbar``: the mean of ``q`` ``(B, H, T, D)`` over the query heads of each of ``groups``."""
+    return q.unflatten(1, (groups, q.shape[1] // groups)).mean(2)
+
+
+class _LeanDepthMix(Function):
+    """:func:`depth_mix` source by source (no stacked copies). Backward, with ``w`` the depth
+    weights, ``g`` the gradient of ``vmix`` and ``V_j``, ``K_j`` the values and keys (the layer's
+    own last): ``dV_j = w_j g``; ``ds_j = w_j (<g, V_j> - sum_i w_i <g, V_i>) / sqrt(D)``;
+    ``dK_j = ds_j qbar``; ``dqbar = sum_j ds_j K_j``, shared equally by the group's query heads."""
+
+    @staticmethod
+    def forward(ctx, n: int, q: Tensor, k: Tensor, v: Tensor, *sources: Tensor) -> Tensor:
+        keys, values = (*sources[:n], k), (*sources[n:], v)
+        qbar = _group_mean(q, k.shape[1])
+        scores = torch.stack([(qbar * key).sum(-1) for key in keys]) / math.sqrt(q.shape[-1])
+        weights = scores.softmax(0, dtype=torch.promote_types(scores.dtype, torch.float32))
+        w = weights.to(v.dtype)
+        out = w[0, ..., None] * values[0]
+        for j in range(1, n + 1):
+            out.addcmul_(w[j, ..., None], values[j])
+        ctx.n = n
+        ctx.save_for_backward(q, weights, *keys, *values)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        n = ctx.n
+        q, weights, *rest = ctx.saved_tensors
+        keys, values = rest[:n + 1], rest[n + 1:]
+        b, h, t, d = q.shape
+        groups = keys[0].shape[1]
+        qbar = _group_mean(q, groups)
+        dots = torch.stack([(g * value).sum(-1).to(weights.dtype) for value in values])
+        ds = (weights * (dots - (weights * dots).sum(0, keepdim=True)) / math.sqrt(d)).to(q.dtype)
+        dqbar = ds[0, ..., None] * keys[0]
+        for j in range(1, n + 1):
+            dqbar.addcmul_(ds[j, ..., None], keys[j])
+        per_head = (dqbar / (h // groups)).unsqueeze(2).expand(b, groups, h // groups, t, d)
+        w = weights.to(g.dtype)
+        dkeys = [ds[j, ..., None] * qbar for j in range(n + 1)]
+        dvalues = [w[j, ..., None] * g for j in range(n + 1)]
+        return (None, per_head.reshape(b, h, t, d), dkeys[n], dvalues[n], *dkeys[:n], *dvalues[:n])
