@@ -10,7 +10,8 @@ backend fuses as its GPU backend does in the main (one kernel per fused group of
 ratios are a proxy for GPU traffic; the byte counts are exact for the kernels it generates. Our own
 fused ops (``siamesenorm.kernels``) count with the generated kernels, at the bytes of their inputs
 and outputs (one pass each); ``--kernels`` runs them through Triton's interpreter so that the
-compiled graphs call them (mHC's Sinkhorn; SiameseNorm's entry op runs in eager mode only).
+compiled graphs call them (mHC's entry, Sinkhorn, and stream mix and write; SiameseNorm's entry op
+runs in eager mode only).
 
 The floor: the reads and writes of residual-stream tensors that a scheme's equations cannot avoid
 between two matrix products, forward and backward, with every element-wise step between them fused
@@ -24,7 +25,7 @@ moves beyond Pre-Norm with what its equations add to Pre-Norm's floor.
     python benchmarks/traffic.py                           # every case, dim 256, 4 blocks
     python benchmarks/traffic.py --cases pre,siamese,siamese-hybrid_pre --dim 768 --layers 2
     python benchmarks/traffic.py --precision fp32 --markdown traffic.md
-    python benchmarks/traffic.py --cases mhc --kernels             # mHC with its Sinkhorn kernel
+    python benchmarks/traffic.py --cases mhc --kernels             # mHC with its kernels
 """
 
 from __future__ import annotations

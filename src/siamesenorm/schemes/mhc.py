@@ -256,26 +256,30 @@ class ManifoldHyperConnections(MultiStreamScheme):
         post = 2 * torch.sigmoid(proj[..., n:2 * n] * (p(self.alpha_post[i]) * rstd) + p(self.b_post[i]))
         return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, sinkhorn_function)
 
-    def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, dtype: torch.dtype) -> Tensor | None:
+    def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, reference: bool) -> Tensor | None:
         """``LN_i(sum_k pre_k H_k)`` as one Triton kernel each way where it runs (else ``None``),
-        written in the dtype of the PyTorch ops it stands for: ``dtype``, the sum's, or float32
-        where CUDA's autocast runs the norms in float32."""
+        written in the dtype of the PyTorch ops it stands for: the norm's input's (the reference
+        path's product ``pre @ H`` under autocast: autocast's; else the state's), float32 where
+        CUDA's autocast runs the norms in float32."""
         norm = self.norm[i]
         kind = getattr(norm, "kind", None)
         if not mix_entry_kernel_runs(state, pre, kind):
             return None
-        if state.is_cuda and _autocast_on(state):
+        autocast = _autocast_on(state)
+        if state.is_cuda and autocast:
             dtype = torch.float32
+        elif reference and self.mixing != "deepseek_v4":
+            dtype = (torch.get_autocast_dtype(state.device.type) if autocast
+                     else torch.promote_types(pre.dtype, state.dtype))
+        else:
+            dtype = state.dtype
         return mix_entry(state, pre, norm.weight, getattr(norm, "bias", None), kind=kind, eps=norm.eps,
                          dtype=dtype)
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
         pre, post, res = self.maps(state, i)
-        summed = (state.dtype if self.mixing == "deepseek_v4" else          # the sum's dtype below
-                  torch.get_autocast_dtype(state.device.type) if _autocast_on(state)
-                  else torch.promote_types(pre.dtype, state.dtype))
-        inp = self._kernel_entry(state, pre, i, summed)
+        inp = self._kernel_entry(state, pre, i, reference=True)
         if inp is not None:
             return inp, post, res
         if self.mixing == "deepseek_v4":                         # pre in float32, as DeepSeek's
@@ -288,7 +292,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         """:meth:`_entry` from :meth:`fast_maps`; the norm's input is not kept but recomputed from
         ``pre`` and ``H`` in backward (the maps' per-token outputs are kept instead)."""
         pre, post, res = self.fast_maps(state, i)
-        inp = self._kernel_entry(state, pre, i, state.dtype)
+        inp = self._kernel_entry(state, pre, i, reference=False)
         if inp is not None:
             return inp, post, res
 
