@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel,
 from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..schemes import ResidualScheme, build_scheme
+from .views import SchemeBlockView, like_a_block_output
 
 __all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
            "SchemeTransformerConfig", "head_norm_config"]
@@ -155,7 +156,9 @@ class SchemeBlock(TransformerBlockBase):
     """Block ``block_idx``: OLMo-core's attention (sublayer ``2 * block_idx``) and feed-forward
     (sublayer ``2 * block_idx + 1``), bare, run by ``scheme.step``. The scheme is the model's
     (:meth:`bind_scheme`); it is not a submodule of the block, so FSDP shards the block's own
-    attention and feed-forward with it and the scheme's parameters with the model's root.
+    attention and feed-forward with it and the scheme's parameters with the model's root. The
+    block steps through its ``view`` of the scheme (views.py), which ``torch.compile`` traces
+    as one graph for every block of a kind.
 
     ``forward(state, **attention_kwargs) -> state``: the scheme's state in and out. Under tensor
     parallelism (:meth:`apply_tp`) the state enters and leaves as plain tensors, the same on every
@@ -180,18 +183,26 @@ class SchemeBlock(TransformerBlockBase):
             self.feed_forward = feed_forward.build(d_model=d_model, init_device=init_device)
         self.dropout = nn.Dropout(dropout) if dropout > 0.0 else None
         self._scheme: tuple[ResidualScheme, ...] = ()
+        self.view: SchemeBlockView | None = None
 
     def bind_scheme(self, scheme: ResidualScheme) -> None:
-        """Run under ``scheme`` (held by reference, not registered as a submodule)."""
+        """Run under ``scheme`` (held by reference, not registered as a submodule), through this
+        block's view of it (:class:`~siamesenorm.olmo_core.views.SchemeBlockView`)."""
         if scheme.n_layers != self.n_layers:
             raise UserError(f"the scheme has {scheme.n_layers} blocks, the model {self.n_layers}")
         self._scheme = (scheme,)
+        self.view = SchemeBlockView(scheme, self.block_idx)
 
     @property
     def scheme(self) -> ResidualScheme:
         if not self._scheme:
             raise RuntimeError("SchemeBlock has no scheme: the SchemeTransformer binds it")
         return self._scheme[0]
+
+    def _view_scheme(self) -> ResidualScheme:
+        if self.view is None:
+            raise RuntimeError("SchemeBlock has no scheme: the SchemeTransformer binds it")
+        return self.view.scheme
 
     def _branch(self, module: nn.Module, kwargs: dict[str, Any]):
         fn = partial(module, **kwargs) if kwargs else module
@@ -201,7 +212,7 @@ class SchemeBlock(TransformerBlockBase):
 
     def forward(self, x: Any, *, loss_div_factor: Tensor | float | None = None, **kwargs: Any) -> Any:
         del loss_div_factor
-        scheme, i, mesh = self.scheme, 2 * self.block_idx, self._tp_mesh
+        scheme, i, mesh = self._view_scheme(), self.view.first, self._tp_mesh
         state = x if mesh is None else map_state(partial(replicated, mesh), x)
         state = scheme.step(state, i, self._branch(self.attention, kwargs))
         state = scheme.step(state, i + 1, self._branch(self.feed_forward, {}))
@@ -335,8 +346,9 @@ def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | Non
 
 
 def recompile_limit_for(n_blocks: int) -> int:
-    """Dynamo's recompile limit that compiles each of ``n_blocks`` blocks once (one entry per
-    block on their shared code, and room for the LM head and a few shape changes)."""
+    """Dynamo's recompile limit that compiles each of ``n_blocks`` blocks once if it must (one
+    entry per kind of block on their shared code, at most one per block, and room for a few
+    shape changes)."""
     return n_blocks + 8
 
 
@@ -377,8 +389,11 @@ class SchemeTransformer(Transformer):
         self.scheme = scheme_module
         self._scheme_build = partial(build_scheme, scheme, d_model, n_layers, norm=norm, eps=norm_eps,
                                      dtype=dtype, **(scheme_options or {}))
+        views = []
         for b in self.blocks.values():
             cast(SchemeBlock, b).bind_scheme(scheme_module)
+            views.append(cast(SchemeBlock, b).view)
+        self._scheme_views = tuple(views)
         # Transformer caches its parameter counts before the scheme was attached.
         for name in ("num_params", "num_non_embedding_params"):
             self.__dict__.pop(name, None)
@@ -466,7 +481,12 @@ class SchemeTransformer(Transformer):
                 h = h * self.embed_scale
             if self.embedding_norm is not None:
                 h = self.embedding_norm(h)
+        if not torch.compiler.is_compiling():   # outside the compiled blocks (views.py)
+            for view in self._scheme_views:
+                view.refresh()
         state = map_state(local, self.scheme.enter(h))    # plain tensors between blocks (apply_tp)
+        if self.compile_enabled:
+            state = like_a_block_output(state)
         for key, block in self.blocks.items():
             if self.compile_enabled:
                 self._mark_dynamic(state)
@@ -536,10 +556,13 @@ class SchemeTransformer(Transformer):
         super().apply_ddp(*args, **kwargs)
 
     def apply_compile(self) -> None:
-        """OLMo-core's per-block ``torch.compile``, with dynamo's recompile limit raised to cover
-        every block. A block reaches its norms through ``scheme.step(state, i, ...)`` with its own
-        sublayer index, which dynamo specialises on: one graph per block. At the default limit
-        (8) the blocks past the eighth ran uncompiled (half of OLMo-1B's 16), silently."""
+        """OLMo-core's per-block ``torch.compile``. Each block runs the scheme through its view
+        (:class:`~siamesenorm.olmo_core.views.SchemeBlockView`: the sublayer index symbolic, the
+        norms reached by reference), so blocks of one kind share a graph: one for every block of
+        Pre-Norm or SiameseNorm, two for Mix-LN or SpanNorm, one per block for AttnRes (each
+        block receives one more source). Dynamo's recompile limit is raised to cover one graph
+        per block all the same: at the default (8) the blocks past the eighth of a scheme with a
+        graph per block would run uncompiled, silently."""
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, recompile_limit_for(len(self.blocks)))
         super().apply_compile()

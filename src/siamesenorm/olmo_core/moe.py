@@ -209,7 +209,7 @@ class SchemeMoEBlock(SchemeBlock):
         self.feed_forward_moe.reset_metrics()
 
     def forward(self, x: Any, *, loss_div_factor: Tensor | float | None = None, **kwargs: Any) -> Any:
-        scheme, i = self.scheme, 2 * self.block_idx
+        scheme, i = self._view_scheme(), self.view.first
         state = scheme.step(x, i, self._branch(self.attention, kwargs))
         moe_kwargs = {} if loss_div_factor is None else {"loss_div_factor": loss_div_factor}
         return scheme.step(state, i + 1, self._branch(self.feed_forward_moe, moe_kwargs))
