@@ -138,7 +138,8 @@ def test_the_stream_stays_normalised_whatever_the_skip_weight():
     state = s.enter(h)
     for i, f in enumerate(branches(s.n_sublayers)):
         state = s.step(state, i, f)
-        assert torch.allclose(state.pow(2).mean(-1), torch.ones(2, 3, dtype=F64), atol=1e-3)
+        stream = s.streams(state)["h"]
+        assert torch.allclose(stream.pow(2).mean(-1), torch.ones(2, 3, dtype=F64), atol=1e-3)
 
 
 def _state_gradients(name, n_layers=64, **options):
@@ -153,11 +154,15 @@ def _state_gradients(name, n_layers=64, **options):
     h = torch.randn(2, 4, 32, generator=g, dtype=F64)
     h = (h / h.pow(2).mean(-1, keepdim=True).sqrt()).requires_grad_(True)   # a normalised input
     states, state = [], s.enter(h)
-    for i, (w, v, b) in enumerate(fs):
-        state.retain_grad()
-        states.append(state)
-        state = s.step(state, i, lambda u, w=w, v=v, b=b: torch.tanh(u @ w) @ v + b)
-    out = s.exit(state)
+    # The plain path: there the branch input LN^pre(h) is computed from the stream h; the lean
+    # entry returns both from the sum before LN^post, so h's gradient would miss the branch's part.
+    with reference_path():
+        for i, (w, v, b) in enumerate(fs):
+            stream = s.streams(state)["h"]
+            stream.retain_grad()
+            states.append(stream)
+            state = s.step(state, i, lambda u, w=w, v=v, b=b: torch.tanh(u @ w) @ v + b)
+        out = s.exit(state)
     (out * torch.randn(out.shape, generator=g, dtype=F64)).sum().backward()
     return [t.grad.pow(2).mean().sqrt().item() for t in states]
 

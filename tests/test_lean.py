@@ -225,7 +225,8 @@ def test_hybrid_attention_entry_keeps_streams_and_one_norm_statistics() -> None:
 @pytest.mark.parametrize("scheme,options,norm,most", [
     ("siamese", {}, "rmsnorm", 1.10), ("siamese", {"form": "hybrid_pre"}, "rmsnorm", 1.12),
     ("hyper", {}, "rmsnorm", 1.25), ("attn_res", {}, "rmsnorm", 1.02),
-    ("attn_res", {"block_size": 4}, "rmsnorm", 1.02), ("siamese", {}, "dyt", 1.10)])
+    ("attn_res", {"block_size": 4}, "rmsnorm", 1.02), ("siamese", {}, "dyt", 1.10),
+    ("keel", {}, "rmsnorm", 1.05)])
 def test_saved_activation_ratio_to_pre_on_meta(scheme, options, norm, most) -> None:
     """The issue's targets at dim 256 / 12 blocks / 8 x 256 tokens, counted on the meta device
     (no memory used; meta figures equal CPU ones), and the plain path above them; with DyT against

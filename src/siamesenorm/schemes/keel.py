@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
+from ..nn.fused import stream_entry
 from .base import Branch, Number, Option, ResidualScheme, register_scheme
 
 
@@ -42,11 +43,22 @@ class Keel(ResidualScheme):
         self.post_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
 
-    def step(self, state: Tensor, i: int, branch: Branch) -> Tensor:
-        return self.post_norm[i](self.alpha * state + branch(self.pre_norm[i](state)))
+    def step(self, state: Tensor | tuple, i: int, branch: Branch) -> Tensor | tuple:
+        # state: h, or (h, LN^pre_i(h)): the previous sublayer's LN^post and this one's LN^pre ran
+        # as one lean entry (nn.fused.stream_entry), which keeps their input alone. Only from a
+        # block's attention to its MLP: a block's norms are its own (OLMo-core's blocks, FSDP units).
+        h, normed = state if isinstance(state, tuple) else (state, self.pre_norm[i](state))
+        s = self.alpha * h + branch(normed)
+        if self.is_attention(i):
+            return stream_entry(s, x_norm=self.post_norm[i], in_norm=self.pre_norm[i + 1])
+        return self.post_norm[i](s)
 
-    def exit(self, state: Tensor) -> Tensor:
-        return state if self.final_norm is None else self.final_norm(state)
+    def exit(self, state: Tensor | tuple) -> Tensor:
+        h = state[0] if isinstance(state, tuple) else state
+        return h if self.final_norm is None else self.final_norm(h)
+
+    def streams(self, state: Tensor | tuple) -> dict[str, Tensor]:
+        return {"h": state[0] if isinstance(state, tuple) else state}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, alpha={self.alpha:.4g}"
