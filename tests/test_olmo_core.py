@@ -286,40 +286,105 @@ def test_deepnorm_branch_weights_are_xavier_with_its_gain():
     assert abs(float(att.w_v.weight.detach().std()) / (beta * xavier) - 1) < 0.15
 
 
-def _compile_blocks(case: str, blocks: int, monkeypatch) -> int:
-    """Graphs of one training step of ``case`` with OLMo-core's per-block compile (dynamo only,
-    ``fullgraph``: a graph break fails), the recompile limit at dynamo's default of 8 before
-    ``apply_compile`` raises it, and a recompile over the limit failing."""
+# Kinds of block at 12 blocks: blocks whose step decides alike (views.py) and so share a graph.
+# Mix-LN: its Post-Norm blocks (floor(0.25 * 12) = 3) and its Pre-Norm ones; SpanNorm and
+# HybridNorm*: block 0 and the rest; AttnRes: each block receives one more source than the last
+# (full form: 1 + 2 b; block_size=4: 1, 2, 2, 3, 3, ...) and its own boundaries, so every block is
+# a kind of its own, as before.
+KIND_CASES = SCHEMES | {"hybridnorm-first_layer_pre": ("hybridnorm", {"first_layer_pre": True}),
+                        "attn_res-block": ("attn_res", {"block_size": 4}),
+                        "hyper-static": ("hyper", {"dynamic": False}),
+                        "siamese-no_depth_scale": ("siamese", {"depth_scale": False})}
+BLOCK_KINDS = {case: 1 for case in KIND_CASES} | {
+    "mix_ln": 2, "spannorm": 2, "hybridnorm-first_layer_pre": 2, "attn_res": 12, "attn_res-block": 12}
+
+
+def _compile_blocks(case: str, blocks: int, monkeypatch, limit: int | None = None,
+                    backend: str = "eager") -> tuple[int, float, float]:
+    """Graphs of one training step of ``case`` with OLMo-core's per-block compile (dynamo with
+    ``backend``, ``fullgraph``: a graph break fails), and the largest differences of its loss and
+    gradients from the uncompiled model's. A recompile over the limit fails: the limit is
+    dynamo's default of 8 before ``apply_compile`` raises it, or ``limit`` from then on."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
     original = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: original(self, backend="eager", fullgraph=True))
-    scheme, options = SCHEMES[case]
+                        lambda self, **kw: original(self, backend=backend, fullgraph=True))
+    scheme, options = KIND_CASES[case]
     cfg = replace(tiny(scheme, options, qk_norm=True, tie_embeddings=False), n_layers=blocks)
     model = olmo_config(cfg).build()
+    x, y = batch()
+    model(x, labels=y).loss.backward()      # eager, which also fills OLMo-core's RoPE cache
+    want = {n: p.grad for n, p in model.named_parameters()}
+    want_loss = model(x, labels=y).loss.detach()
+    model.zero_grad(set_to_none=True)
     dynamo.reset()
     counters.clear()
     with dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         model.apply_compile()
         assert dynamo.config.recompile_limit >= blocks
-        x, y = batch()
-        model(x, labels=y).loss.backward()
+        with dynamo.config.patch(recompile_limit=limit or dynamo.config.recompile_limit):
+            loss = model(x, labels=y).loss
+            loss.backward()
     dynamo.reset()
-    return counters["stats"]["unique_graphs"]
+    grad_error = max(float((p.grad - want[n]).abs().max()) for n, p in model.named_parameters())
+    return counters["stats"]["unique_graphs"], abs(float(loss) - float(want_loss)), grad_error
 
 
-@pytest.mark.parametrize("case", ["pre", "siamese-hybrid_pre"])
+@pytest.mark.parametrize("case", ["pre", "siamese-hybrid_pre", "attn_res"])
 def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
-    """Past dynamo's default limit of 8 no block falls back to eager: one graph per block (the
-    block index specialises them) and the LM head's."""
-    assert _compile_blocks(case, 12, monkeypatch) == 12 + 1
+    """Past dynamo's default limit of 8 no block falls back to eager: one graph per kind of block
+    and the LM head's. AttnRes, whose every block is a kind of its own, needs the raised limit."""
+    assert _compile_blocks(case, 12, monkeypatch)[0] == BLOCK_KINDS[case] + 1
+
+
+@pytest.mark.parametrize("case", KIND_CASES)
+def test_the_per_block_compile_traces_one_graph_per_kind_of_block(case, monkeypatch):
+    """At 12 blocks and a recompile limit of the number of kinds of block, every block compiles
+    (a block past the limit would fail), as at most that many graphs (and the LM head's), and
+    the loss and every gradient are the uncompiled model's."""
+    kinds = BLOCK_KINDS[case]
+    graphs, loss_error, grad_error = _compile_blocks(case, 12, monkeypatch, limit=kinds)
+    assert graphs - 1 <= kinds, (graphs, kinds)
+    assert loss_error <= 1e-6 and grad_error <= 1e-6, (loss_error, grad_error)
+
+
+@pytest.mark.parametrize("case", ["siamese", "siamese-hybrid_pre", "lns", "hyper", "mhc"])
+def test_one_graph_for_every_block_through_aot_autograd(case, monkeypatch):
+    """The depth scale, the layer scale and the rows of stacked parameters, which the block's
+    sublayer index selects, stay symbolic through AOTAutograd: one graph, the eager gradients."""
+    graphs, loss_error, grad_error = _compile_blocks(case, 12, monkeypatch, limit=1,
+                                                     backend="aot_eager")
+    assert graphs == 1 + 1
+    assert loss_error <= 1e-6 and grad_error <= 1e-6, (loss_error, grad_error)
 
 
 @pytest.mark.parametrize("case", SCHEMES)
 def test_every_schemes_blocks_compile_without_a_graph_break(case, monkeypatch):
-    assert _compile_blocks(case, 2, monkeypatch) == 2 + 1
+    assert _compile_blocks(case, 2, monkeypatch)[0] <= 2 + 1
+
+
+def test_a_block_view_is_the_schemes_step_on_the_blocks_entries():
+    """Block b's view indexes the scheme's lists as the scheme does, holds only the block's
+    entries, follows the scheme's training flag and a swapped ParameterList entry, and is no
+    submodule: the state dict is the scheme's."""
+    model = olmo_config(tiny("siamese", {"form": "hybrid_pre"})).build()
+    scheme, view = model.scheme, model.blocks["2"].view
+    assert view.first == 4 and type(view.scheme) is type(scheme)
+    assert view.scheme.pre_norm[4] is scheme.pre_norm[4] and view.scheme.pre_norm[5] is scheme.pre_norm[5]
+    assert view.scheme.post_norm[2] is scheme.post_norm[2] and len(view.scheme.pre_norm) == 2
+    assert view.scheme.x_gain[2] is scheme.x_gain[2]
+    for outside in (3, 6):       # the blocks before and after: refused, not wrapped round
+        with pytest.raises(IndexError, match=r"pre_norm\[4:6\]"):
+            view.scheme.pre_norm[outside]
+    model.eval()
+    scheme.x_gain[2] = torch.nn.Parameter(torch.full((32,), 2.0))
+    model(batch()[0])
+    assert not view.scheme.training and view.scheme.x_gain[2] is scheme.x_gain[2]
+    assert all(not k.startswith("blocks.") or ".view" not in k for k in model.state_dict())
+    assert {k for k in model.state_dict() if k.startswith("scheme.")} == {
+        f"scheme.{k}" for k in scheme.state_dict()}
 
 
 def test_pipeline_parallelism_is_refused():   # tensor parallelism: test_olmo_core_parallel.py

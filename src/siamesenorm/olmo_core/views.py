@@ -45,8 +45,8 @@ class BlockEntries:
     ``source[k]`` for the block's indices ``k``: the index minus the block's first index, computed
     from the block's symbolic first sublayer ``first``, is a constant for dynamo."""
 
-    def __init__(self, source: nn.Module, block: int, per: int, first: DynamicInt) -> None:
-        self.source, self.block, self.per, self.first = source, block, per, first
+    def __init__(self, name: str, source: nn.Module, block: int, per: int, first: DynamicInt) -> None:
+        self.name, self.source, self.block, self.per, self.first = name, source, block, per, first
         self.lo, self.hi = (2 * block, 2 * block + 2) if per == 1 else (block, block + 1)
         self.refresh()
 
@@ -55,8 +55,10 @@ class BlockEntries:
 
     def __getitem__(self, k: int) -> Any:
         at = k - self.first // self.per
-        if at < 0:      # not this block's: a negative index would wrap round to one that is
-            raise IndexError(f"index {k} is not one of block {self.block}'s")
+        if not 0 <= at < len(self.entries):    # a negative one would wrap round to one of ours
+            raise IndexError(f"the scheme's step read {self.name}[{k}] in block {self.block}, which "
+                             f"holds {self.name}[{self.lo}:{self.hi}]: a block's step may read only "
+                             "its own entries")
         return self.entries[at]
 
     def __len__(self) -> int:
@@ -77,7 +79,7 @@ class SchemeBlockView:
         for name, module in scheme.named_children():
             if isinstance(module, LISTS) and len(module) in (scheme.n_sublayers, scheme.n_layers):
                 per = 1 if len(module) == scheme.n_sublayers else 2
-                self.entries[name] = BlockEntries(module, block, per, self.first)
+                self.entries[name] = BlockEntries(name, module, block, per, self.first)
         self.scheme = object.__new__(type(scheme))
         self.refresh()
 
