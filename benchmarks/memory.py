@@ -26,7 +26,8 @@ Sizes: ``default`` (dim 64, 12 blocks, 4 heads, batch 16 x 128: the default pres
 request ``2048`` (dim 2048, 2 blocks, 16 heads, batch 1 x 1024: OLMoE's width, for ``--moe``). The
 schemes are every registered one plus ``siamese-hybrid_pre`` (SiameseNorm, ``form=hybrid_pre``) and
 ``pre+value_residual``, ``siamese+value_residual`` (``model.value_residual=true``, ResFormer),
-``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``), ``attn_res-block4``
+``pre+value_residual-learned`` (with ``model.value_residual_mix=learned``), ``pre+depth_attention``
+and ``siamese+depth_attention`` (``model.depth_attention=true``), ``attn_res-block4``
 (Block AttnRes, 4 sublayers per block), ``hyper-fracs2`` and ``hyper-fracs4`` (Frac-Connections,
 ``n_streams=1, fracs=2/4``).
 
@@ -70,7 +71,9 @@ VARIANTS = {"siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}, {}),
             "pre+value_residual": ("pre", {}, {"value_residual": True}),
             "siamese+value_residual": ("siamese", {}, {"value_residual": True}),
             "pre+value_residual-learned": ("pre", {}, {"value_residual": True,
-                                                       "value_residual_mix": "learned"})}
+                                                       "value_residual_mix": "learned"}),
+            "pre+depth_attention": ("pre", {}, {"depth_attention": True}),          # arXiv 2606.05014
+            "siamese+depth_attention": ("siamese", {}, {"depth_attention": True})}
 MIB = 2**20
 # --moe E,K: every block's MLP is a mixture of E SwiGLU experts (hidden dim / 2, as OLMoE's), K per
 # token; None: dense MLPs.
