@@ -6,9 +6,11 @@ import importlib.util
 import os
 import sys
 
+import torch
 from torch import Tensor
 
-__all__ = ["announce_fallback", "kernels_available", "kernels_switched_on", "triton_installed"]
+__all__ = ["announce_fallback", "kernels_available", "kernels_run_on", "kernels_switched_on",
+           "triton_installed"]
 
 _announced = False
 
@@ -41,6 +43,16 @@ def kernels_available(t: Tensor) -> bool:
     if t.is_cuda:
         return True
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_run_on(t: Tensor) -> bool:
+    """:func:`kernels_available` for ``t``; where not, on CUDA outside a traced graph, say so once
+    (:func:`announce_fallback`). An op's own shape and dtype checks come first."""
+    if kernels_available(t):
+        return True
+    if t.is_cuda and not torch.compiler.is_compiling():
+        announce_fallback()
+    return False
 
 
 def announce_fallback() -> None:

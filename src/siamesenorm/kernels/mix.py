@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.mixing import mix_and_write
-from .availability import announce_fallback, kernels_available
+from .availability import kernels_run_on
 
 __all__ = ["MAX_N", "mix_entry", "mix_entry_kernel_runs", "mix_write", "mix_write_kernel_runs"]
 
@@ -105,11 +105,7 @@ def mix_write_kernel_runs(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> 
     if not (all(type(t) is Tensor and t.dtype in _DTYPES for t in ts) and h.dim() >= 2
             and 0 < h.shape[-2] <= MAX_N and h.shape[-1] > 0):
         return False
-    if kernels_available(h):
-        return True
-    if h.is_cuda and not torch.compiler.is_compiling():
-        announce_fallback()
-    return False
+    return kernels_run_on(h)
 
 
 def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -207,11 +203,7 @@ def mix_entry_kernel_runs(h: Tensor, pre: Tensor, kind: str) -> bool:
     if not (kind in _KINDS and all(type(t) is Tensor and t.dtype in _DTYPES for t in (h, pre))
             and h.dim() >= 2 and 0 < h.shape[-2] <= MAX_N and 0 < h.shape[-1] <= MAX_WIDTH):
         return False
-    if kernels_available(h):
-        return True
-    if h.is_cuda and not torch.compiler.is_compiling():
-        announce_fallback()
-    return False
+    return kernels_run_on(h)
 
 
 def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..nn.sinkhorn import sinkhorn as sinkhorn_function
-from .availability import announce_fallback, kernels_available
+from .availability import kernels_run_on
 
 __all__ = ["MAX_ITERS", "MAX_N", "sinkhorn", "sinkhorn_kernel_runs"]
 
@@ -81,11 +81,7 @@ def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
     if not (type(logits) is Tensor and logits.dtype in _DTYPES and logits.dim() >= 2
             and logits.shape[-1] == logits.shape[-2] <= MAX_N and 0 <= iters <= MAX_ITERS):
         return False
-    if kernels_available(logits):
-        return True
-    if logits.is_cuda and not torch.compiler.is_compiling():
-        announce_fallback()
-    return False
+    return kernels_run_on(logits)
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
