@@ -26,6 +26,13 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(items):
+    # The kernel test files under Triton's interpreter: one test, one fresh process, run first.
+    from triton_interpreter import one_fresh_process
+
+    one_fresh_process(items)
+
+
 @pytest.fixture
 def one_thread():
     """torch's intra-op threads at 1 for the test (the tiny HF models lose by more), then as

@@ -7,7 +7,8 @@ asks :func:`interpreted` whether the interpreter is on (re-decorating its kernel
 be), sets it around each test (the front functions read it when they dispatch) and, where Triton was
 imported before without it (collecting the whole suite does that), keeps only the test made by
 :func:`fresh_process_test`, which runs the module again in a process that sets it first
-(:func:`collect`).
+(:func:`collect`). Where several modules collect that test, one of them runs them all, first in the
+run (:func:`one_fresh_process`).
 """
 
 from __future__ import annotations
@@ -70,18 +71,35 @@ def interpreter(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def fresh_process_test(path: str) -> Callable[[], None]:
-    def test_in_fresh_process():
-        """This file in a process that sets TRITON_INTERPRET=1 before anything imports Triton."""
+FRESH = "test_in_fresh_process"
+
+
+def fresh_process_test(path: str) -> Callable[..., None]:
+    def test_in_fresh_process(request):
+        """This file (and the other kernel test files collected, see :func:`one_fresh_process`) in
+        one process that sets TRITON_INTERPRET=1 before anything imports Triton."""
+        paths = getattr(request.node, "kernel_files", [path])
         env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                             env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+        # -n 0: one process; the suite's other workers keep the other cores busy meanwhile.
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                              *paths], env=env, capture_output=True, text=True, timeout=600)
+        failed = [line for line in run.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        assert run.returncode == 0, "\n".join([*failed, run.stdout[-6000:], run.stderr[-2000:]])
     return test_in_fresh_process
+
+
+def one_fresh_process(items: list[pytest.Item]) -> None:
+    """Of the tests made by :func:`fresh_process_test` keep one, the first of the run, that runs the
+    files of all of them: one interpreter start-up and collection for every kernel test file, and the
+    longest test of the suite starts at once, not last on a worker (tests/conftest.py calls this)."""
+    fresh = [item for item in items if item.name == FRESH]
+    if fresh:
+        fresh[0].kernel_files = [str(item.path) for item in fresh]
+        items[:] = [fresh[0], *(item for item in items if item.name != FRESH)]
 
 
 def collect(namespace: dict, in_process: bool) -> None:
     """Keep the tests that can run here: the module's own, or the one that reruns it."""
     for name in [n for n in namespace if n.startswith("test_")]:
-        if (name == "test_in_fresh_process") == in_process:
+        if (name == FRESH) == in_process:
             del namespace[name]
