@@ -2,8 +2,9 @@
 gloo) or in the test's own process (the single-process reference).
 
     python dist_worker.py equivalence OUT.json
-        every scheme of SCHEMES (all registered ones) under DDP and FSDP2: 5 steps, one rank's
-        micro-batch each, and those of CHECKPOINTED with activation checkpointing; rank 0 writes
+        every case of SCHEMES (one per structure that DDP and FSDP2 see, and the model options)
+        under DDP and FSDP2: 5 steps, one rank's micro-batch each, and those of CHECKPOINTED with
+        activation checkpointing; rank 0 writes
         {"<scheme>/<mode>[/<checkpointing>]": {"losses": [...], "val": ...}} to OUT.json
     python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
         [--lr LR]
@@ -33,17 +34,50 @@ from siamesenorm.schemes import list_schemes
 from siamesenorm.train import train as train_engine
 
 VOCAB, SEQ, BATCH = 64, 16, 4
-# every registered scheme with its defaults (SiameseNorm's default form is post_pre), and the OLMo form
 MOE = {"every": 1, "n_experts": 4, "top_k": 2, "hidden": 16}
-SCHEMES = {name: (name, {}) for name in list_schemes()} | {
-    "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
-    "pre-moe": ("pre", {"moe": MOE}), "siamese-moe": ("siamese", {"moe": MOE}),
-    "siamese-value_residual": ("siamese", {"model": {"value_residual": True,
-                                                     "value_residual_mix": "learned"}}),
-    "pre-depth_attention": ("pre", {"model": {"depth_attention": True}})}
+# Pre-Norm and SiameseNorm (its default form, post_pre: two streams), then the model options that
+# change the sublayers or carry tensors from one sublayer to another: the OLMo form (QKV-norm in
+# the attention), a mixture of experts, value residuals and Depth-Attention (carriers).
+OPTIONS = {"pre": ("pre", {}), "siamese": ("siamese", {}),
+           "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"}),
+           "siamese-moe": ("siamese", {"moe": MOE}),
+           "siamese-value_residual": ("siamese", {"model": {"value_residual": True,
+                                                            "value_residual_mix": "learned"}}),
+           "pre-depth_attention": ("pre", {"model": {"depth_attention": True}})}
 # also trained with activation checkpointing (sublayer, selective) under each engine
-CHECKPOINTED = ("pre", "post", "hyper", "siamese", "siamese-hybrid_pre", "siamese-value_residual",
+CHECKPOINTED = ("pre", "hyper", "siamese", "siamese-hybrid_pre", "siamese-value_residual",
                 "pre-depth_attention")
+
+
+def structure(model: LanguageModel) -> tuple[frozenset, frozenset]:
+    """What DDP and FSDP2 (``siamesenorm.parallel.wrap``) see of a model: the shapes of the
+    parameters of the root group (the embedding, the scheme's norms and connection weights) and
+    the names and shapes of the sublayers' (each sublayer its own FSDP2 group). Both engines treat
+    every parameter alike, by its shape alone (FSDP2 shards dim 0; DDP reduces it whole); the
+    scheme's equations run inside the root's forward, between the sublayers' gathers, and take no
+    part in how gradients are reduced. That every parameter gets a gradient (DDP's requirement) is
+    tests/test_depth.py's, for every registered scheme."""
+    root, subs = set(), set()
+    for name, p in model.named_parameters():
+        if name.startswith("sublayers."):
+            subs.add((name.split(".", 2)[2], tuple(p.shape)))
+        else:
+            root.add(tuple(p.shape))
+    return frozenset(root), frozenset(subs)
+
+
+def _one_per_structure() -> dict[str, tuple[str, dict]]:
+    """OPTIONS, then each registered scheme whose model has a structure none before it has
+    (hyper-connections, mHC, Attention Residuals: connection weights of their own shapes; the
+    schemes of norm gains alone train as Pre-Norm and SiameseNorm do)."""
+    cases = dict(OPTIONS)
+    seen = {structure(build(*case)) for case in cases.values()}
+    for name in list_schemes():
+        found = structure(build(name, {}))
+        if found not in seen:
+            cases[name] = (name, {})
+            seen.add(found)
+    return cases
 
 
 def tokens() -> tuple[np.ndarray, np.ndarray]:
@@ -63,6 +97,9 @@ def build(scheme: str, options: dict) -> LanguageModel:
     moe, model = MoEConfig(**options.pop("moe", {})), options.pop("model", {})
     return LanguageModel(LMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, max_seq_len=SEQ,
                                   scheme=scheme, scheme_options=options, moe=moe, **model))
+
+
+SCHEMES = _one_per_structure()
 
 
 def settings(steps: int, parallel: str, accum: int, checkpoint_every: int = 0) -> TrainConfig:

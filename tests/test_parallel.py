@@ -70,61 +70,61 @@ def test_ddp_and_fsdp_match_one_process_with_accumulation(tmp_path):
                 assert_close(got["losses"], want, f"{name} under {mode} with {ac} checkpointing")
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_resume_at_another_world_size_continues_the_same_run(tmp_path, first, then):
+def test_a_run_resumes_at_another_world_size_and_after_a_save_killed_part_way(tmp_path):
+    """One run of 6 steps (a checkpoint every 2) in three sessions, each stopped by a fault, ends
+    with exactly the losses of the same run never stopped (one process, ``grad_accum=2``): 2
+    processes killed inside the step-4 save, then 1 process resuming their checkpoint and crashing
+    in step 6, then 2 processes resuming that one. A save killed part-way leaves the previous
+    checkpoint whole and its half-written folder aside, and the next save clears it."""
     ref = tmp_path / "ref"
     w.train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
-          progress=False)
+            progress=False)
     want, _ = w.losses(ref)
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
 
-    run_dir = tmp_path / "run"
+    def checkpoint_step() -> int:
+        return torch.load(checkpoints / "last" / "state.pt", weights_only=True)["extra"]["run"]["step"]
 
-    def start(nproc: int, *extra: str) -> None:
-        accum = str(2 // nproc)
-        if nproc == 1:
-            subprocess.run([sys.executable, WORKER, "run", str(run_dir), "none", accum, *extra],
-                           check=False, capture_output=True)
-        else:
-            with pytest.raises(RankFailed) if "--crash-at-batch" in extra else _nothing():
-                launch(2, [WORKER, "run", str(run_dir), "fsdp", accum, *extra])
+    def leftovers() -> list[str]:
+        return [p.name for p in checkpoints.iterdir() if p.name.startswith(".last.tmp-")]
 
-    start(first, "--crash-at-batch", "7")         # inside step 4: the checkpoint is step 2's
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    start(then, "--resume")
-    got, _ = w.losses(run_dir)
-    assert_close(got, want, f"{first} then {then} processes")
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
-
-
-def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
-    ref = tmp_path / "ref"
-    w.train(w.build("pre", {}), w.source(), w.settings(6, "none", 2, checkpoint_every=2), ref,
-          progress=False)
-    want, _ = w.losses(ref)
-    run_dir = tmp_path / "run"
+    # 2 processes: the step-4 save is killed after its shards are written, before the swap
     with pytest.raises(RankFailed, match="exited with status 9"):
-        launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--kill-save", "2"])   # the step-4 save
-    extra = torch.load(run_dir / "checkpoints" / "last" / "state.pt", weights_only=True)["extra"]
-    assert extra["run"]["step"] == 2
-    assert any(p.name.startswith(".last.tmp-") for p in (run_dir / "checkpoints").iterdir())
+        launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--kill-save", "2"])
+    assert checkpoint_step() == 2 and (checkpoints / "last" / "dcp" / ".metadata").is_file()
+    assert len(leftovers()) == 1
+    # 1 process resumes their sharded checkpoint (its step-4 save clears the leftover) and
+    # crashes inside step 6 (its 11th micro-batch): its own checkpoint is step 4's
+    res = subprocess.run([sys.executable, WORKER, "run", str(run_dir), "none", "2", "--resume",
+                          "--crash-at-batch", "11"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "planned crash after 11 micro-batches" in res.stderr, res.stderr
+    assert checkpoint_step() == 4 and not (checkpoints / "last" / "dcp").exists() and leftovers() == []
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # 2 processes resume the one process's checkpoint and finish the run
     launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--resume"])
     got, _ = w.losses(run_dir)
-    assert_close(got, want, "resumed after a killed save")
-    assert not any(p.name.startswith(".") for p in (run_dir / "checkpoints").iterdir())
+    assert_close(got, want, "2, then 1, then 2 processes")
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+    assert not any(p.name.startswith(".") for p in checkpoints.iterdir())
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``siamesenorm ARGS`` in a process of its own, as a user starts it."""
     return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
+                          timeout=300)
+
+
+def _main(capfd, *args: str) -> subprocess.CompletedProcess:
+    """The command in this process (``siamesenorm.cli.main``), its ranks (``--nproc``) in their
+    own: its status and what it and they printed, for what does not depend on the command's own
+    process (that one is :func:`_cli`'s)."""
+    from siamesenorm.cli import main
+
+    capfd.readouterr()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
 @pytest.mark.parametrize("joined", [False, True])
@@ -162,8 +162,10 @@ def test_divergence_stops_every_rank_at_the_step_one_process_stops(tmp_path):
     assert_close(w.losses(run_dir)[0], w.losses(ref)[0], "diverging run")
 
 
-def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path):
-    """A crash on rank 1 only (rank 0 then waits in a collective): the launcher stops both."""
+def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path, capfd, monkeypatch):
+    """A crash on rank 1 only (rank 0 then waits in a collective): the launcher stops both. The
+    command runs in this process; the ranks are processes of their own, whose output is
+    captured with its own."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
@@ -176,9 +178,9 @@ def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path):
         "            raise RuntimeError('disk on fire')\n"
         "        return real(self)\n"
         "    batches.BatchSampler.next_batch = next_batch\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     began = time.monotonic()
-    res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(tmp_path / "run"), env=env)
+    res = _main(capfd, "train", "tiny", *TINY, "--nproc", "2", "--out", str(tmp_path / "run"))
     assert time.monotonic() - began < 120        # not a hang (the agent stops rank 0 at once)
     assert res.returncode == 1, res.stderr
     lines = [line for line in res.stderr.strip().splitlines() if not line.startswith("[train] ")]
@@ -188,9 +190,9 @@ def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path):
     assert "disk on fire" in traceback_file.read_text()
 
 
-def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
+def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(run_dir))
+    res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(run_dir))     # as a user starts it
     assert res.returncode == 0, res.stderr
     final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     assert res.stdout.strip().splitlines() == [
@@ -202,8 +204,10 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
 
+    # what reads the sharded checkpoint: in this process, but generate (nothing on stderr: no
+    # warning of loading it without a process group, which this process's pytest would hold back)
     out = tmp_path / "weights.safetensors"
-    res = _cli("export", str(run_dir), "--out", str(out))
+    res = _main(capfd, "export", str(run_dir), "--out", str(out))
     assert res.returncode == 0, res.stderr
     from safetensors import safe_open
 
@@ -213,37 +217,42 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path):
         assert "siamesenorm_config" in f.metadata() and f.metadata()["step"] == "4"
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(f.get_tensor(name), tensor, rtol=0, atol=0)
-    assert _cli("export", str(run_dir), "--out", str(out)).returncode == 2   # refuses to overwrite
+    assert _main(capfd, "export", str(run_dir), "--out", str(out)).returncode == 2   # refuses to overwrite
 
     res = _cli("generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4", "--greedy")
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    res = _cli("analyze", str(run_dir), "--out", str(tmp_path / "analysis"))
+    res = _main(capfd, "analyze", str(run_dir), "--out", str(tmp_path / "analysis"))
     assert res.returncode == 0 and "effective depth" in res.stdout, res.stderr
 
-    res = _cli("train", "--resume", "--nproc", "2", "--out", str(run_dir))   # finished: nothing to do
+    res = _main(capfd, "train", "--resume", "--nproc", "2", "--out", str(run_dir))   # finished: nothing to do
     assert res.returncode == 0, res.stderr
 
 
-def test_nproc_refusals_are_one_line(tmp_path):
+def test_nproc_refusals_are_one_line(tmp_path, capfd, monkeypatch):
+    """Refused before any process starts: in this process, with what any rank would print."""
     run_dir = tmp_path / "run"
-    res = _cli("train", "tiny", *TINY, "data.corpus=/no/such.bin", "--nproc", "2", "--out", str(run_dir))
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "/no/such.bin" in res.stderr and not run_dir.exists()
-    res = _cli("train", "tiny", *TINY, "analysis.every=2", "--nproc", "2", "--out", str(run_dir))
-    assert res.returncode == 2 and "analysis.every" in res.stderr and not run_dir.exists()
-    res = _cli("train", "vit-digits", "--nproc", "2", "--out", str(run_dir))
-    assert res.returncode == 2 and "task lm" in res.stderr and not run_dir.exists()
-    res = _cli("train", "tiny", "train.parallel=none", "--nproc", "2", "--out", str(run_dir))
-    assert res.returncode == 2 and "train.parallel=none" in res.stderr, res.stderr
-    res = _cli("train", "tiny", "--nproc", "2", "--out", str(run_dir), env={"WORLD_SIZE": "2"})
-    assert res.returncode == 2 and "torchrun" in res.stderr, res.stderr
+
+    def refused(*args: str, writes_nothing: bool = True) -> str:
+        res = _main(capfd, "train", *args, "--nproc", "2", "--out", str(run_dir))
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not (writes_nothing and run_dir.exists())
+        return res.stderr
+
+    assert "/no/such.bin" in refused("tiny", *TINY, "data.corpus=/no/such.bin")
+    assert "analysis.every" in refused("tiny", *TINY, "analysis.every=2")
+    assert "task lm" in refused("vit-digits")
+    assert "train.parallel=none" in refused("tiny", "train.parallel=none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "torchrun" in refused("tiny", writes_nothing=False)    # refused by the launcher
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ConfigError, match="at least 1"):
         launch(0, [WORKER])
 
 
-def test_nproc_compare_end_to_end(tmp_path):
+def test_nproc_compare_end_to_end(tmp_path, capfd):
     out = tmp_path / "exp"
-    res = _cli("compare", "tiny", *TINY, "--schemes", "pre,siamese", "--nproc", "2", "--out", str(out))
+    res = _main(capfd, "compare", "tiny", *TINY, "--schemes", "pre,siamese", "--nproc", "2", "--out",
+                str(out))
     assert res.returncode == 0, res.stderr
     rows = json.loads((out / "summary.json").read_text())["runs"]
     assert [r["scheme"] for r in rows] == ["pre", "siamese"]
