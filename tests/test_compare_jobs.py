@@ -51,6 +51,16 @@ def cli(*args: str, threads: int = 1, extra_path: str | None = None) -> subproce
                           env=env, timeout=300)
 
 
+def in_process(capfd, *args: str) -> subprocess.CompletedProcess:
+    """``siamesenorm ARGS`` in this process (:func:`siamesenorm.cli.main`), as :func:`cli` gives
+    it: its status, and what it and the workers it starts printed. For what does not depend on
+    the comparison's own process being a fresh one (the signals do: those tests start one)."""
+    capfd.readouterr()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def rows(run_dir: Path) -> list[tuple]:
     """Every logged step's figures, the timing left out."""
     out = []
@@ -90,11 +100,12 @@ def train_alone(grid: tuple, out: Path, threads: int, capsys) -> list[str]:
     return lines
 
 
-def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_path, capsys):
-    """Two runs at once, one of which diverges (lr 1e4) while the other trains on."""
+def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_path, capfd):
+    """Two runs at once, one of which diverges (lr 1e4) while the other trains on. The comparison
+    runs in this process, its workers in theirs (what they print is captured with its own)."""
     grid = ("compare", "tiny", *TINY, "train.steps=8", "train.eval_every=4", "--schemes", "siamese",
             "--lrs", "1e-3,1e4")
-    both = cli(*grid, "--jobs", "2", "--out", str(tmp_path / "both"))
+    both = in_process(capfd, *grid, "--jobs", "2", "--out", str(tmp_path / "both"))
     assert both.returncode == 0, both.stderr
     threads = max(1, available_cores() // 2)
     out = both.stdout.splitlines()
@@ -108,7 +119,7 @@ def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_pat
     assert "siamese-lr0.001-s0: [train] done: 8/8 steps" in both.stderr
     assert "siamese-lr10000-s0: [train] diverged at step " in both.stderr
     # alone: one run at a time in this process, with the thread count each concurrent run had
-    lines = train_alone(grid, tmp_path / "alone", threads, capsys)
+    lines = train_alone(grid, tmp_path / "alone", threads, capfd)
     assert lines[0].startswith(f"compare: 1 run at a time, {threads} thread")
     assert summary(tmp_path / "both" / "siamese-lr10000-s0")["diverged"]
     for name in ("siamese-lr0.001-s0", "siamese-lr10000-s0"):
@@ -172,10 +183,11 @@ def _until_trained(proc: subprocess.Popen, out: Path, names) -> None:
         time.sleep(0.05)
 
 
-def _slowed(*args: str, inject: str) -> subprocess.Popen:
-    """``siamesenorm ARGS`` in a process of its own, each training step 20 ms longer (at least 3 s
-    a run: a signal comes mid-way however fast the machine is); its output in pipes."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S="0.02",
+def _slowed(*args: str, inject: str, pause: float = 0.02) -> subprocess.Popen:
+    """``siamesenorm ARGS`` in a process of its own, each training step ``pause`` seconds longer
+    (a run of 3 s at least: a signal comes mid-way however fast the machine is); its output in
+    pipes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLOW_STEP_S=str(pause),
                PYTHONPATH=os.pathsep.join(p for p in (inject, SRC, os.environ.get("PYTHONPATH")) if p))
     return subprocess.Popen([sys.executable, "-m", "siamesenorm", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -183,12 +195,14 @@ def _slowed(*args: str, inject: str) -> subprocess.Popen:
 
 def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_each_exactly(
         tmp_path, capsys, inject):
-    grid = ("compare", "tiny", *TINY, "train.steps=150", "train.checkpoint_every=50",
-            "train.eval_every=75", "train.log_every=5", "--schemes", "pre,siamese", "--jobs", "2")
+    # 60 steps of 50 ms at least (3 s a run): a checkpoint and a validation before and after
+    # wherever the signal comes
+    grid = ("compare", "tiny", *TINY, "train.steps=60", "train.checkpoint_every=20",
+            "train.eval_every=30", "train.log_every=2", "--schemes", "pre,siamese", "--jobs", "2")
     threads = max(1, available_cores() // 2)
     train_alone(grid[:grid.index("--jobs")], tmp_path / "reference", threads, capsys)
     out = tmp_path / "exp"
-    proc = _slowed(*grid, "--out", str(out), inject=inject)
+    proc = _slowed(*grid, "--out", str(out), inject=inject, pause=0.05)
     try:
         _until_trained(proc, out, NAMES)
         # while it trains, the experiment and each run are locked
@@ -207,7 +221,7 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
     stopped = {}
     for name in NAMES:
         s = summary(out / name)
-        assert s["interrupted"] and 0 < s["steps"] < 150 and s["checkpoint_step"] == s["steps"], s
+        assert s["interrupted"] and 0 < s["steps"] < 60 and s["checkpoint_step"] == s["steps"], s
         assert f"  {name}: interrupted at step {s['steps']}" in stdout
         stopped[name] = s["steps"]
     assert not (out / "summary.csv").exists()
@@ -216,10 +230,10 @@ def test_sigterm_stops_every_run_with_a_checkpoint_and_the_same_command_resumes_
     assert "skipped" not in again.out
     for name in NAMES:
         resumed, whole = out / name, tmp_path / "reference" / name
-        assert rows(resumed) == rows(whole) and len(rows(whole)) == 150
+        assert rows(resumed) == rows(whole) and len(rows(whole)) == 60
         assert summary(resumed)["final_val_loss"] == summary(whole)["final_val_loss"]
         # the second session went on from where the first stopped
-        assert f"{name}: resumed at step {stopped[name]}/150" in again.err
+        assert f"{name}: resumed at step {stopped[name]}/60" in again.err
 
 
 def test_a_stop_while_runs_wait_to_start_ends_the_comparison(tmp_path, inject):
@@ -325,32 +339,41 @@ registry.TASKS["lm"] = dataclasses.replace(_task, load_data=_counted("load", _ta
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
-def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, monkeypatch, jobs):
-    """Four runs of one data setting: the data is loaded once (in compare, whose workers get it
-    handed over) and each run's configuration fitted to it once; the workers trust the fitted
-    config.yaml."""
+def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, monkeypatch, capfd, jobs):
+    """Two runs of one data setting: the data is loaded once (in compare, whose workers get it
+    handed over, each its own copy) and each run's configuration fitted to it once; the workers
+    trust the fitted config.yaml. The comparison runs in this process (counted as the workers
+    are, by COUNT)."""
+    from siamesenorm.tasks import registry
+
     folder = tmp_path / "count"
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(COUNT)
     counts = tmp_path / "counts.txt"
     monkeypatch.setenv("COUNT_FILE", str(counts))
-    res = cli("compare", "tiny", *TINY, "train.steps=2", "train.eval_every=2", "--schemes", "pre,siamese",
-              "--lrs", "0.001,0.002", "--jobs", jobs, "--out", str(tmp_path / "exp"), extra_path=str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH"))
+                                                     if p))
+    monkeypatch.setitem(registry.TASKS, "lm", registry.TASKS["lm"])      # put back after
+    exec(COUNT, {})
+    res = in_process(capfd, "compare", "tiny", *TINY, "train.steps=2", "train.eval_every=2", "--schemes",
+                     "pre,siamese", "--jobs", jobs, "--out", str(tmp_path / "exp"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "exp" / "summary.csv").exists()
     lines = counts.read_text().split()
-    assert lines.count("load") == 1 and lines.count("fit") == 4, lines
+    assert lines.count("load") == 1 and lines.count("fit") == 2, lines
 
 
-def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, inject, capsys):
+def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, inject, capfd):
     """A crash (an exception in the training loop of one worker, injected by a sitecustomize that
     only that run's process acts on) leaves the other run training; the same command then trains
-    the failed run alone, from its checkpoint. (A divergence: the first test.)"""
+    the failed run alone, from its checkpoint. (A divergence: the first test.) The comparison
+    runs in this process, its workers in theirs."""
     monkeypatch.setenv("CRASH_RUN", "siamese-lr0.001-s0")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p))
     out = tmp_path / "exp"
     grid = ("compare", "tiny", *TINY, "train.steps=6", "train.eval_every=3", "train.checkpoint_every=2",
             "--schemes", "pre,siamese", "--jobs", "2", "--out", str(out))
-    res = cli(*grid, extra_path=inject)
+    res = in_process(capfd, *grid)
     assert res.returncode == 1, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("siamesenorm compare: error: 1 of 2 runs failed (siamese-lr0.001-s0: "
@@ -365,8 +388,8 @@ def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, i
     assert not (out / "summary.csv").exists() and not (out / "report.md").exists()
     # without the crash, the same command trains only the failed run, from its checkpoint
     monkeypatch.delenv("CRASH_RUN")
-    assert main(list(grid)) == 0        # the same command (here in this process)
-    again = capsys.readouterr()
+    assert main(list(grid)) == 0        # the same command
+    again = capfd.readouterr()
     assert again.out.count("skipped") == 1
     assert "siamese-lr0.001-s0: resumed from its last checkpoint, 6 steps in all" in again.err
     assert summary(out / "siamese-lr0.001-s0")["steps"] == 6 and (out / "summary.csv").exists()
