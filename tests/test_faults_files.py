@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import cli_in_process
 from siamesenorm.errors import ConfigError
 from siamesenorm.locks import LOCK_NAME, folder_lock
 from siamesenorm.rundir import MARKER_NAME, RunDir, open_jsonl, replacing, write_json, write_text
@@ -57,7 +58,8 @@ def refused(res: subprocess.CompletedProcess, *fragments: str) -> str:
 
 def main(capsys, *args: str) -> subprocess.CompletedProcess:
     """The command run in this process (``siamesenorm.cli.main``): quicker than :func:`cli` for
-    what is refused before any work."""
+    what is refused before any work. With ``capfd`` for ``capsys``, what the ranks of a ``--nproc``
+    command print (processes of their own) is captured with its own, as :func:`cli` would."""
     from siamesenorm import cli as cli_module
 
     capsys.readouterr()
@@ -89,9 +91,11 @@ def single_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
-    """The same run across two processes: sharded checkpoints (dcp/), last (step 4) and step_2."""
+    """The same run across two processes of one thread (as the real-disk cases train it):
+    sharded checkpoints (dcp/), last (step 4) and step_2. Launched from this process."""
     run = tmp_path_factory.mktemp("sharded") / "run"
-    res = cli("train", "tiny", *FOUR, "train.keep_checkpoints=2", "--nproc", "2", "--out", str(run))
+    res = cli_in_process("train", "tiny", *FOUR, "train.keep_checkpoints=2", "--nproc", "2", "--out",
+                         str(run), env={"OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
     return run
 
@@ -138,12 +142,14 @@ READERS = {
 
 
 @pytest.mark.parametrize("reader", list(READERS))
-def test_a_planted_reduce_in_dcp_metadata_is_refused_by_every_reader(tmp_path, sharded_run, reader):
+def test_a_planted_reduce_in_dcp_metadata_is_refused_by_every_reader(tmp_path, sharded_run, reader, capfd,
+                                                                       monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = copy_run(sharded_run, tmp_path / "run")
     marker = tmp_path / "ran"
     plant_in_metadata(run / "checkpoints" / "last", Planted(os.system, f"touch {marker}"))
     before = snapshot(run)
-    line = refused(cli(*READERS[reader](run)), "refusing checkpoint file",
+    line = refused(main(capfd, *READERS[reader](run)), "refusing checkpoint file",
                    str(run / "checkpoints" / "last" / "dcp" / ".metadata"), "posix.system")
     assert "possibly to run code" in line
     assert not marker.exists()
@@ -610,43 +616,46 @@ def test_a_compare_variant_label_that_is_not_a_name_is_refused(tmp_path, capsys,
     assert not Path("/tmp/siamesenorm-abs-lr0.001-s0").exists()
 
 
-def test_resume_refuses_changed_data_or_keeps_both_records(tmp_path, capsys):
+def test_resume_refuses_changed_data_or_keeps_both_records(tmp_path, capfd):
     corpus = tmp_path / "corpus.txt"
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(800))
     corpus.write_text(text)
     run = tmp_path / "run"
     data = [f"data.corpus={corpus}", "train.steps=2", "train.eval_every=2", "train.warmup=0"]
-    assert main(capsys, "train", "tiny", *data, "--out", str(run)).returncode == 0
+    assert main(capfd, "train", "tiny", *data, "--out", str(run)).returncode == 0
     recorded = json.loads((run / MARKER_NAME).read_text())["data"]
     assert recorded == json.loads((run / "summary.json").read_text())["data"]
-    assert main(capsys, "train", "--resume", "--out", str(run)).returncode == 0      # the same data
+    assert main(capfd, "train", "--resume", "--out", str(run)).returncode == 0      # the same data
     corpus.write_text(text.replace("lazy", "idle"))          # as many bytes: the digest tells
     before = snapshot(run)
-    refused(main(capsys, "train", "--resume", "--out", str(run)), f"cannot resume {run}: its data changed",
+    refused(main(capfd, "train", "--resume", "--out", str(run)), f"cannot resume {run}: its data changed",
             "data.fingerprint.sha256 was", "--allow-data-change")
-    refused(cli("train", "--resume", "--nproc", "2", "--out", str(run)), "its data changed")
+    refused(main(capfd, "train", "--resume", "--nproc", "2", "--out", str(run)), "its data changed")
     assert snapshot(run) == before
-    refused(main(capsys, "train", "tiny", *data, "--allow-data-change", "--out", str(tmp_path / "new")),
+    refused(main(capfd, "train", "tiny", *data, "--allow-data-change", "--out", str(tmp_path / "new")),
             "--allow-data-change goes with --resume")
-    res = main(capsys, "train", "--resume", "--allow-data-change", "--out", str(run))
+    res = main(capfd, "train", "--resume", "--allow-data-change", "--out", str(run))
     assert res.returncode == 0, res.stderr
     warning = [line for line in error_lines(res) if line.startswith("warning:")]
     assert len(warning) == 1 and "the data changed since the run started" in warning[0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data"] != recorded and [h["data"] for h in summary["data_history"]] == [recorded]
     assert json.loads((run / MARKER_NAME).read_text())["data"] == summary["data"]
-    assert main(capsys, "train", "--resume", "--out", str(run)).returncode == 0   # the new data is the run's
+    assert main(capfd, "train", "--resume", "--out", str(run)).returncode == 0   # the new data is the run's
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_damaged_sharded_checkpoint_without_checksums_falls_back(tmp_path, sharded_run, nproc):
+def test_a_damaged_sharded_checkpoint_without_checksums_falls_back(tmp_path, sharded_run, nproc, capfd,
+                                                                   monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")       # as sharded_run was trained
     run = copy_run(sharded_run, tmp_path / "run")
     want = losses(run)
     last = run / "checkpoints" / "last"
     (last / "checksums.json").unlink()
     shard = last / "dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    res = cli("train", "--resume", *(["--nproc", "2"] if nproc == 2 else []), "--out", str(run))
+    res = main(capfd, "train", "--resume", "--nproc", "2", "--out", str(run)) if nproc == 2 else \
+        cli("train", "--resume", "--out", str(run))
     assert res.returncode == 0, res.stderr
     lines = error_lines(res)
     assert len(lines) == 1 and lines[0].startswith("warning: cannot read checkpoint "), res.stderr
@@ -855,9 +864,15 @@ def test_an_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monke
 
 
 # ---- 3. a real full disk: a small tmpfs in a private mount namespace --------------------------------
+# Each ``run`` step is ``siamesenorm ARGS`` in a process of its own, forked from the driver once it
+# has imported torch, the package and the plan's "imports" (tests/forked.py: a command would import
+# them first; a full disk meets the command, not its imports).
 _DRIVER = r'''
 import json, os, shutil, subprocess, sys
 plan = json.load(open(sys.argv[1]))
+sys.path.insert(0, plan["tests"])
+import forked
+forked.preload(plan["imports"])
 results = {}
 for step in plan["steps"]:
     if step[0] == "mount":
@@ -865,9 +880,9 @@ for step in plan["steps"]:
     elif step[0] == "remount":
         subprocess.run(["mount", "-o", f"remount,size={step[2]}", step[1]], check=True)
     elif step[0] == "run":
-        res = subprocess.run([sys.executable, "-m", "siamesenorm", *step[2]], capture_output=True,
-                             text=True, timeout=600)
-        results[step[1]] = {"returncode": res.returncode, "stderr": res.stderr, "stdout": res.stdout}
+        out, err = plan["results"] + ".out", plan["results"] + ".err"
+        code = forked.command(step[2], out, err)
+        results[step[1]] = {"returncode": code, "stderr": open(err).read(), "stdout": open(out).read()}
     elif step[0] == "list":
         results[step[1]] = sorted(os.path.relpath(os.path.join(d, f), step[2])
                                   for d, _, files in os.walk(step[2]) for f in files)
@@ -895,12 +910,14 @@ def _mounts_work() -> bool:
 needs_mount = pytest.mark.skipif(not _mounts_work(), reason="cannot mount a tmpfs here (unshare -rm)")
 
 
-def in_small_disk(tmp_path: Path, steps: list) -> dict:
+def in_small_disk(tmp_path: Path, steps: list, imports: tuple[str, ...] = ()) -> dict:
     """Run ``steps`` (mount, remount, run, list, copy) in a private mount namespace; returns what
-    each ``run`` and ``list`` step gave."""
+    each ``run`` and ``list`` step gave. ``imports``: modules the commands import, beside torch
+    and the training (imported once, before the first)."""
     plan = tmp_path / "plan.json"
     results = tmp_path / "results.json"
-    plan.write_text(json.dumps({"steps": steps, "results": str(results)}))
+    plan.write_text(json.dumps({"steps": steps, "results": str(results), "imports": list(imports),
+                                "tests": str(Path(__file__).parent)}))
     res = subprocess.run(["unshare", "-rm", sys.executable, "-c", _DRIVER, str(plan)], capture_output=True,
                          text=True, env=_env(), timeout=900)
     assert res.returncode == 0, res.stderr
@@ -968,7 +985,8 @@ def test_a_real_full_disk_during_an_export(tmp_path, single_run, fmt):
     got = in_small_disk(tmp_path, [["mount", str(disk), str(_pages(model // 2))],
                                    ["run", "full", args], ["list", "left", str(disk)],
                                    ["remount", str(disk), "64m"], ["run", "freed", args],
-                                   ["list", "written", str(disk)]])
+                                   ["list", "written", str(disk)]],
+                        imports=("siamesenorm.hf.export",) if fmt == "hf" else ())
     refused(_completed(got["full"]), f"No space left on device: {out}")
     assert got["left"] == []                                 # no partial file, no temporary one
     assert got["freed"]["returncode"] == 0, got["freed"]["stderr"]

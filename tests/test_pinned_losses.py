@@ -6,8 +6,9 @@ run computes.
 Floats are compared exactly (``==``) on a machine like the one that recorded them (the same torch
 version and CPU instruction set, from ``torch.backends.cpu.get_cpu_capability``): another vector
 width may sum in another order, so elsewhere they are compared to 1e-5. Each run goes through the
-command line as a user's does. To record new figures after an intended change of the numbers:
-``python tests/test_pinned_losses.py --record``.
+command line as a user's does, in a fresh process of its own (forked from one that imported torch
+and the package once: tests/forked.py). To record new figures after an intended change of the
+numbers: ``python tests/test_pinned_losses.py --record``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from forked import Commands
 
 PINNED = Path(__file__).parent / "data" / "pinned_losses.json"
 _LM = ["tiny", "train.steps=6", "train.eval_every=3", "train.checkpoint_every=3", "train.warmup=1",
@@ -47,12 +49,22 @@ def machine() -> dict:
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
-def run_losses(name: str, out: Path) -> dict:
+def one_thread_commands(folder: Path) -> Commands:
+    """Where the runs start: each in a process of its own, with one thread."""
+    return Commands(folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    runner = one_thread_commands(tmp_path_factory.mktemp("commands"))
+    yield runner
+    runner.close()
+
+
+def run_losses(commands: Commands, name: str, out: Path) -> dict:
     """``loss`` and ``val_loss`` of every row of the ``metrics.jsonl`` the run ``name`` writes."""
     _, args = CASES[name]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", *args, "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = commands("train", *args, "--out", str(out))
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"loss": [r["loss"] for r in rows if "loss" in r],
@@ -60,9 +72,9 @@ def run_losses(name: str, out: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_losses_of_a_seeded_run_are_bit_identical_to_the_pinned_ones(name, tmp_path):
+def test_the_losses_of_a_seeded_run_are_bit_identical_to_the_pinned_ones(name, tmp_path, commands):
     pinned = json.loads(PINNED.read_text())
-    want, got = pinned["runs"][name], run_losses(name, tmp_path / "run")
+    want, got = pinned["runs"][name], run_losses(commands, name, tmp_path / "run")
     exact = pinned["machine"] == machine()
     for key in ("loss", "val_loss"):
         assert len(got[key]) == len(want[key]) > 0, key
@@ -74,7 +86,9 @@ def test_the_losses_of_a_seeded_run_are_bit_identical_to_the_pinned_ones(name, t
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
     with tempfile.TemporaryDirectory() as tmp:
+        runner = one_thread_commands(Path(tmp))
         record = {"machine": machine(),
-                  "runs": {name: run_losses(name, Path(tmp) / name) for name in sorted(CASES)}}
+                  "runs": {name: run_losses(runner, name, Path(tmp) / name) for name in sorted(CASES)}}
+        runner.close()
     PINNED.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {PINNED}")
