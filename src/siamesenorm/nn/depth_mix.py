@@ -10,6 +10,14 @@ the weights and the mix once and applies the analytic gradients. It uses ``w . (
 works source by source (each pass over one source stays in cache; a stacked copy costs more than
 it saves on the CPU). Half inputs are mixed in float32. A DyT or Derf norm, or any norm under autocast,
 runs after the lean mix inside :func:`~siamesenorm.nn.fused.lean_region` instead.
+
+Where the Triton kernels run (:func:`~siamesenorm.kernels.availability.kernels_run_on`: CUDA with
+Triton), the mix and a RMSNorm or LayerNorm after it are one kernel each way instead
+(``siamesenorm::depth_mix``, :mod:`siamesenorm.kernels.depth_mix`), on every path: eager (lean or
+reference) and under ``torch.compile``, as mHC's ops are. The rule is mHC's, not SiameseNorm's
+(whose op enters compiled graphs only on request), because the op moves fewer bytes than
+Inductor's fusion of the reference: that reads the n sources forward for the logits and again for
+the sum, and backward several times (benchmarks/traffic.py; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,7 +26,24 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from .fused import POINTWISE_KINDS, _autocast_on, _Norm, _norm_kind, _params, fused_enabled, lean_region
+from .fused import (
+    POINTWISE_KINDS,
+    _autocast_fp32,
+    _autocast_on,
+    _Norm,
+    _norm_kind,
+    _params,
+    fused_enabled,
+    lean_region,
+)
+
+try:
+    from ..kernels.depth_mix import depth_mix_kernel_runs, fused_depth_mix
+except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
+    def depth_mix_kernel_runs(sources: tuple[Tensor, ...], u: Tensor, kind: str) -> bool:
+        return False
+
+    fused_depth_mix = None
 
 __all__ = ["depth_mix"]
 
@@ -122,10 +147,36 @@ def _mix_then_norm(norm: nn.Module, u: Tensor, eps: float, *sources: Tensor) -> 
     return norm(_DepthMix.apply(u, eps, *sources))
 
 
+def _kernel_mix(sources: tuple[Tensor, ...], u: Tensor, eps: float, norm: nn.Module | None,
+                kind: str) -> Tensor:
+    """The mix (and norm) as ``siamesenorm::depth_mix``, written in the dtype of the ops it stands
+    for: the lean path's (the first source's), or the reference path's (its product's: autocast's
+    dtype under autocast, else the sources'); a norm's in float32 where CUDA's autocast runs norms
+    in float32."""
+    first = sources[0]
+    if fused_enabled():
+        dtype = first.dtype
+    elif _autocast_on(first):
+        dtype = torch.get_autocast_dtype(first.device.type)
+    else:
+        dtype = first.dtype
+        for v in sources[1:]:
+            dtype = torch.promote_types(dtype, v.dtype)
+    if norm is not None and _autocast_fp32(first):
+        dtype = torch.float32
+    weight, bias = _params(norm)
+    with torch.autocast(first.device.type, enabled=False):
+        return fused_depth_mix(sources, u, weight, bias, kind=kind, eps=eps,
+                               norm_eps=1e-6 if norm is None else norm.eps, dtype=dtype)
+
+
 def depth_mix(sources: tuple[Tensor, ...], query: Tensor, key_gain: Tensor | None, eps: float,
               norm: nn.Module | None = None) -> Tensor:
     """``sum_j softmax_j(query . RMSNorm(v_j)) v_j`` (RMSNorm with gain ``key_gain`` and ``eps``),
     then ``norm`` of it if given (a siamesenorm norm)."""
+    kind = "none" if norm is None else getattr(norm, "kind", None)
+    if depth_mix_kernel_runs(sources, query, kind):
+        return _kernel_mix(sources, query if key_gain is None else key_gain * query, eps, norm, kind)
     params = () if norm is None else tuple(norm.parameters())
     wants = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key_gain, *params, *sources)
                                             if t is not None)

@@ -1,0 +1,150 @@
+"""AttnRes's depth mix (arXiv 2603.15031) as one Triton kernel each way (``siamesenorm::depth_mix``)::
+
+    x = sum_j softmax_j(u . RMSNorm(v_j)) v_j;   out = norm(x)   (optional RMSNorm or LayerNorm)
+
+with ``u = key_gain * query`` (so the key norm's gain folds into the query). Forward reads each
+source once and writes ``out`` and, with a norm, its float32 row statistics; it keeps only the
+sources (the scheme's state, alive anyway), ``u`` and those statistics. Backward reads the
+gradient and the sources, recomputes the mix, and writes each source's gradient, ``du`` and the
+norm's weight and bias gradients (per-program partial sums, summed after). The sources are passed
+as a tuple of pointers, never stacked. Up to 32 sources and a width of 65536; beyond, and for
+float64, the PyTorch path (:func:`siamesenorm.nn.depth_mix.depth_mix`) runs.
+"""
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from .availability import kernels_run_on
+
+__all__ = ["MAX_SOURCES", "MAX_WIDTH", "depth_mix_kernel_runs", "fused_depth_mix"]
+
+MAX_SOURCES = 32      # each count of sources compiles a kernel of its own
+MAX_WIDTH = 65536     # a row is one Triton block; wider rows take the PyTorch path
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KINDS = ("none", "rmsnorm", "layernorm")
+
+
+def _kernels():
+    from . import _triton_depth_mix
+    return _triton_depth_mix
+
+
+def _check(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
+    if not 0 < len(sources) <= MAX_SOURCES:
+        raise ValueError(f"depth_mix: 1 to {MAX_SOURCES} sources, not {len(sources)}")
+    shape = sources[0].shape
+    if len(shape) == 0 or not 0 < shape[-1] <= MAX_WIDTH:
+        raise ValueError(f"depth_mix: sources must be (..., d) with 0 < d <= {MAX_WIDTH}, not {tuple(shape)}")
+    if any(v.shape != shape for v in sources):
+        raise ValueError(f"depth_mix: the sources differ in shape: {[tuple(v.shape) for v in sources]}")
+    if any(not v.is_floating_point() for v in sources):
+        raise ValueError("depth_mix: the sources must be floating point")
+    for name, t in (("u", u), ("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != shape[-1:]:
+            raise ValueError(f"depth_mix: {name} must have shape {tuple(shape[-1:])}, not {tuple(t.shape)}")
+    if kind not in _KINDS:
+        raise ValueError(f"depth_mix: norm kind must be one of {_KINDS}, not {kind!r}")
+    if kind != "layernorm" and bias is not None or kind == "none" and weight is not None:
+        raise ValueError(f"depth_mix: norm kind {kind!r} takes no {'bias' if bias is not None else 'weight'}")
+
+
+def _stats_shape(sources: list[Tensor], kind: str) -> tuple[int, ...]:
+    return (0,) if kind == "none" else (2, sources[0].numel() // sources[0].shape[-1])
+
+
+@torch.library.custom_op("siamesenorm::depth_mix", mutates_args=())
+def _depth_mix(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+               eps: float, norm_eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(out, stats)``: ``out`` in ``dtype`` (float32 inside), ``stats`` the norm's ``(2, tokens)``
+    float32 mean (0 for RMSNorm) and rstd, empty without a norm. ``eps``: the key norm's."""
+    _check(sources, u, weight, bias, kind)
+    return _kernels().depth_mix_forward([v.contiguous() for v in sources], u.contiguous(), weight, bias,
+                                        kind, eps, norm_eps, dtype)
+
+
+@_depth_mix.register_fake
+def _(sources, u, weight, bias, kind, eps, norm_eps, dtype):
+    _check(sources, u, weight, bias, kind)
+    return (sources[0].new_empty(sources[0].shape, dtype=dtype),
+            u.new_empty(_stats_shape(sources, kind), dtype=torch.float32))
+
+
+@torch.library.custom_op("siamesenorm::depth_mix_backward", mutates_args=())
+def _depth_mix_backward(grad: Tensor, sources: list[Tensor], u: Tensor, weight: Tensor | None,
+                        bias: Tensor | None, stats: Tensor, kind: str, eps: float, need_w: bool,
+                        need_b: bool) -> list[Tensor]:
+    """``[dv_0, ..., dv_{n-1}, du, dw, db]`` in their inputs' dtypes (``dw``, ``db`` empty where not
+    computed)."""
+    return _kernels().depth_mix_backward(grad.contiguous(), [v.contiguous() for v in sources], u.contiguous(),
+                                         weight, bias, stats, kind, eps, need_w, need_b)
+
+
+@_depth_mix_backward.register_fake
+def _(grad, sources, u, weight, bias, stats, kind, eps, need_w, need_b):
+    def param_grad(p: Tensor | None, need: bool) -> Tensor:
+        return torch.empty_like(p) if p is not None and need else u.new_empty(0, dtype=torch.float32)
+
+    return [*(torch.empty_like(v) for v in sources), torch.empty_like(u), param_grad(weight, need_w),
+            param_grad(bias, need_b)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    sources, u, weight, bias, kind, eps, _, _ = inputs
+    ctx.save_for_backward(u, weight, bias, output[1], *sources)
+    ctx.kind, ctx.eps = kind, eps
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _grad(ctx, grad, _stats):
+    if grad is None:
+        return (None,) * 8
+    u, weight, bias, stats, *sources = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    *dsources, du, dw, db = torch.ops.siamesenorm.depth_mix_backward(
+        grad, sources, u, weight, bias, stats, ctx.kind, ctx.eps, bool(need[2]), bool(need[3]))
+    return (dsources, du if need[1] else None, dw if weight is not None and need[2] else None,
+            db if bias is not None and need[3] else None, None, None, None, None)
+
+
+_depth_mix.register_autograd(_grad, setup_context=_setup)
+
+
+def depth_mix_kernel_runs(sources: tuple[Tensor, ...], u: Tensor, kind: str) -> bool:
+    """Whether :func:`fused_depth_mix` runs the kernel: the kernels are available for the sources
+    (:func:`~siamesenorm.kernels.kernels_available`), all are plain tensors (``u`` may be a
+    parameter; DTensors are not) of float32, bf16 or fp16 of one shape ``(..., d)`` with
+    ``0 < d <= 65536``, 1 to 32 of them, and the norm ``kind`` is ``"none"``, ``"rmsnorm"`` or
+    ``"layernorm"``. On CUDA without Triton, says so once."""
+    first = sources[0] if sources else None
+    if not (kind in _KINDS and first is not None and 0 < len(sources) <= MAX_SOURCES and first.dim() >= 1
+            and 0 < first.shape[-1] <= MAX_WIDTH and type(u) in (Tensor, Parameter) and u.dtype in _DTYPES
+            and all(type(v) is Tensor and v.dtype in _DTYPES and v.shape == first.shape for v in sources)):
+        return False
+    return kernels_run_on(first)
+
+
+def fused_depth_mix(sources: tuple[Tensor, ...], u: Tensor, weight: Tensor | None = None,
+                    bias: Tensor | None = None, *, kind: str = "none", eps: float = 1e-6,
+                    norm_eps: float = 1e-6, dtype: torch.dtype | None = None) -> Tensor:
+    """``norm(sum_j softmax_j(u . v_j / rms(v_j)) v_j)`` over the sources ``v_j`` (``rms`` with
+    ``eps``; ``kind`` the norm, ``"none"`` for none, with ``norm_eps``), in ``dtype`` (default: the
+    sources' promoted dtype): the kernel where :func:`depth_mix_kernel_runs`, else plain ops."""
+    if dtype is None:
+        dtype = sources[0].dtype
+        for v in sources[1:]:
+            dtype = torch.promote_types(dtype, v.dtype)
+    if depth_mix_kernel_runs(sources, u, kind):
+        return torch.ops.siamesenorm.depth_mix(list(sources), u, weight, bias, kind, float(eps),
+                                               float(norm_eps), dtype)[0]
+    values = torch.stack(sources).float()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    x = torch.einsum("n...,n...d->...d", (keys @ u.float()).softmax(0), values)
+    d = (x.shape[-1],)
+    weight, bias = (None if p is None else p.float() for p in (weight, bias))
+    if kind == "layernorm":
+        x = torch.nn.functional.layer_norm(x, d, weight, bias, norm_eps)
+    elif kind == "rmsnorm":
+        x = torch.nn.functional.rms_norm(x, d, weight, norm_eps)
+    return x.to(dtype)
