@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import traceback
@@ -58,12 +59,13 @@ def command(args: list[str], out: str, err: str) -> int:
 
 
 class Commands:
-    """A process that imported what the commands import, forking one child per command."""
+    """A process that imported what the commands import, forking one child per command; in a
+    session of its own, so that a command that hangs is ended with it (and its ranks)."""
 
     def __init__(self, folder: Path, env: dict | None = None, imports: tuple[str, ...] = ()) -> None:
         self.folder = folder
         self.proc = subprocess.Popen([sys.executable, __file__, *imports], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
     def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         out, err = self.folder / "stdout", self.folder / "stderr"
@@ -71,19 +73,30 @@ class Commands:
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
-        assert line, f"siamesenorm {' '.join(args)}: no exit status in {timeout} s, or its parent died"
+        if not line:
+            self.kill()
+            raise AssertionError(f"siamesenorm {' '.join(args)}: no exit status in {timeout} s, or its "
+                                 "parent died")
         return subprocess.CompletedProcess(list(args), json.loads(line), out.read_text(), err.read_text())
+
+    def kill(self) -> None:
+        """End the process and every process of its session."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def close(self) -> None:
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
 
 
 if __name__ == "__main__":
     preload(sys.argv[1:])
     for request in sys.stdin:
         print(json.dumps(command(*json.loads(request))), flush=True)
+    os._exit(0)         # nothing left to flush: no teardown to wait for
