@@ -26,10 +26,14 @@ TOL = {"atol": 1e-6, "rtol": 1e-6}
 NORMS = ["layernorm", "rmsnorm", "dyt", "derf"]
 
 
-@pytest.fixture(autouse=True, params=["lean", "reference"])
-def compute_path(request):
-    """Every test runs twice: on the memory-lean path (forced on, whatever SIAMESENORM_FUSED says)
-    and on the reference path, the plain composition of modules (siamesenorm.nn.fused)."""
+@pytest.fixture(autouse=True, params=["lean", "reference", "compiled"])
+def compute_path(request, monkeypatch):
+    """Every test runs three times: on the memory-lean path (forced on, whatever SIAMESENORM_FUSED
+    says), on the reference path, the plain composition of modules (siamesenorm.nn.fused), and on
+    what a graph being compiled computes (``torch.compiler.is_compiling()`` true: where a scheme
+    rewrites its formulation for Inductor, mHC's and hyper-connections' maps)."""
+    if request.param == "compiled":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with reference_path(request.param == "reference"):
         yield request.param
 

@@ -200,3 +200,19 @@ def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, r
     if kind == "rmsnorm":
         return RMSNorm(dim, eps, affine=affine, device=device, dtype=dtype)
     raise UserError(f"unknown norm {kind!r}; choose one of {', '.join(NORM_KINDS)}")
+
+
+def normed_product(norm: nn.Module, x: Tensor, proj: Tensor) -> Tensor:
+    """``norm(x) @ proj`` for a LayerNorm or RMSNorm without writing ``norm(x)``: the gain folds
+    into ``proj`` and the row statistics scale the product, ``rstd ((x - mu) (g proj)) + b proj``
+    (``mu = 0`` for RMSNorm). For compiled graphs: Inductor fuses the statistics with the cast the
+    product needs, where ``norm(x)`` would be written, read and, in backward, written again."""
+    w = proj if norm.weight is None else norm.weight.unsqueeze(-1).to(proj.dtype) * proj
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if norm.kind == "layernorm":
+        xf = xf - xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm.eps)
+    z = xf.to(x.dtype) @ w
+    z = (z * rstd).to(z.dtype)
+    bias = getattr(norm, "bias", None)
+    return z if bias is None else z + bias.to(proj.dtype) @ proj

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ..nn.fused import fused_enabled, lean_region
 from ..nn.mixing import stream_mix
-from ..nn.norms import build_norm
+from ..nn.norms import build_norm, normed_product
 from .base import Branch, Flag, Number, Option, ResidualScheme, register_scheme
 
 # The most residual streams (or fractions) a multi-stream scheme takes: the papers use 2 to 8
@@ -130,9 +130,18 @@ class HyperConnections(MultiStreamScheme):
         alpha, beta = self.static_alpha[i], self.static_beta[i]
         if not self.dynamic:
             return alpha, beta
-        normed = self.dyn_norm[i](state)
-        alpha = alpha + self.alpha_scale[i] * torch.tanh(normed @ self.alpha_proj[i])
-        beta = beta + self.beta_scale[i] * torch.tanh(normed @ self.beta_proj[i])
+        norm = self.dyn_norm[i]
+        if torch.compiler.is_compiling() and getattr(norm, "kind", None) in ("rmsnorm", "layernorm"):
+            # Inductor's step moves fewer bytes when the normalised state is never written and one
+            # product serves both projections (docs/performance.md).
+            proj = torch.cat([self.alpha_proj[i], self.beta_proj[i].unsqueeze(-1)], -1)
+            z = normed_product(norm, state, proj)
+            alpha_z, beta_z = z[..., :-1], z[..., -1]
+        else:
+            normed = norm(state)
+            alpha_z, beta_z = normed @ self.alpha_proj[i], normed @ self.beta_proj[i]
+        alpha = alpha + self.alpha_scale[i] * torch.tanh(alpha_z)
+        beta = beta + self.beta_scale[i] * torch.tanh(beta_z)
         return alpha, beta
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Mapping
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -219,7 +220,11 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return total if self.final_norm is None else self.final_norm(total)
 
     def maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i."""
+        """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i. A graph
+        being compiled takes :meth:`fast_maps`' formulation with plain ops (the normalised state
+        never written, one projection): Inductor's step moves 22% fewer bytes so (docs/performance.md)."""
+        if torch.compiler.is_compiling():
+            return self._in_map_precision(partial(self._fast_maps, iterate=sinkhorn), state, i)
         return self._in_map_precision(self._maps, state, i)
 
     def _maps(self, state: Tensor, i: int, work: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -239,8 +244,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
         (:func:`siamesenorm.kernels.sinkhorn`)."""
         return self._in_map_precision(self._fast_maps, state, i)
 
-    def _fast_maps(self, state: Tensor, i: int,
-                   work: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _fast_maps(self, state: Tensor, i: int, work: torch.dtype | None = None,
+                   iterate=sinkhorn_function) -> tuple[Tensor, Tensor, Tensor]:
         def p(t: Tensor) -> Tensor:         # a parameter, in the maps' dtype
             return t if work is None else t.to(work)
 
@@ -254,7 +259,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         proj = flat @ phi                                            # x' phi / rstd: (..., 2n + n*n)
         pre = self._pre(proj[..., :n] * (p(self.alpha_pre[i]) * rstd) + p(self.b_pre[i]))
         post = 2 * torch.sigmoid(proj[..., n:2 * n] * (p(self.alpha_post[i]) * rstd) + p(self.b_post[i]))
-        return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, sinkhorn_function)
+        return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, iterate)
 
     def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, reference: bool) -> Tensor | None:
         """``LN_i(sum_k pre_k H_k)`` as one Triton kernel each way where it runs (else ``None``),
