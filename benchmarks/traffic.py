@@ -10,22 +10,24 @@ backend fuses as its GPU backend does in the main (one kernel per fused group of
 ratios are a proxy for GPU traffic; the byte counts are exact for the kernels it generates. Our own
 fused ops (``siamesenorm.kernels``) count with the generated kernels, at the bytes of their inputs
 and outputs (one pass each); ``--kernels`` runs them through Triton's interpreter so that the
-compiled graphs call them (mHC's entry, Sinkhorn, and stream mix and write; SiameseNorm's entry op
-runs in eager mode only).
+compiled graphs call them (mHC's entry, Sinkhorn, and stream mix and write; AttnRes's depth mix;
+SiameseNorm's entry op runs in eager mode only).
 
 The floor: the reads and writes of residual-stream tensors that a scheme's equations cannot avoid
 between two matrix products, forward and backward, with every element-wise step between them fused
-(docs/performance.md derives them). Everything else a step moves (attention's and the MLP's own
-element-wise work, the loss) is the same for every scheme and taken from Pre-Norm's measured bytes,
-so ``floor`` = Pre-Norm's bytes - Pre-Norm's stream floor + the scheme's stream floor, and
-``bytes / floor`` says how far the compiled scheme is from the best any kernel could do (if
-Pre-Norm's own stream traffic were at its floor); ``extra / floor's extra`` compares what the scheme
-moves beyond Pre-Norm with what its equations add to Pre-Norm's floor.
+(docs/performance.md derives them; AttnRes's in :func:`attn_res_floor`). Everything else a step
+moves (attention's and the MLP's own element-wise work, the loss) is the same for every scheme and
+taken from Pre-Norm's measured bytes, so ``floor`` = Pre-Norm's bytes - Pre-Norm's stream floor +
+the scheme's stream floor, and ``bytes / floor`` says how far the compiled scheme is from the best
+any kernel could do (if Pre-Norm's own stream traffic were at its floor); ``extra / floor's
+extra`` compares what the scheme moves beyond Pre-Norm with what its equations add to Pre-Norm's
+floor.
 
     python benchmarks/traffic.py                           # every case, dim 256, 4 blocks
     python benchmarks/traffic.py --cases pre,siamese,siamese-hybrid_pre --dim 768 --layers 2
     python benchmarks/traffic.py --precision fp32 --markdown traffic.md
     python benchmarks/traffic.py --cases mhc --kernels             # mHC with its kernels
+    python benchmarks/traffic.py --cases attn_res,attn_res-block4 --kernels   # AttnRes's depth mix op
 """
 
 from __future__ import annotations
@@ -88,6 +90,48 @@ def stream_floor(streams: tuple[int, int] | None, qkv: bool, sublayers: int, ele
     backward = (3 * normed + accumulated) * s + 2 * a
     extra = (sublayers // 2) * 7 * a if qkv else 0
     return elements * (sublayers * (forward + backward) + extra)
+
+
+def attn_res_floor(sublayers: int, block_size: int | None, elements: int, s: int, a: int) -> int:
+    """Bytes of stream traffic AttnRes's step cannot avoid (docs/performance.md). Its state is the
+    sources: the embedding (``s`` bytes an element) and the branch outputs or block sums (``a``).
+    A mix of sources of ``b_1..b_n`` bytes, with its norm, reads them and writes the branch input
+    forward (``sum b + a``); backward reads the branch input's gradient and the sources and writes a
+    gradient for each (``a + 2 sum b``). Sublayer 0's input norm is a mix of one source. The block
+    form's ``b + out`` reads both and writes the sum (its gradient passes to both unchanged). A
+    source read by ``c`` mixes (or a sum that is also added to) gets ``c`` gradients: autograd's
+    accumulation of them costs, at the floor, one read of the running sum for each after the first
+    (an in-place add by the mix that writes the next). The exit's mix counts beyond Pre-Norm's final
+    norm (a mix of the ``s``-byte stream alone), which the shared part holds."""
+    sizes, grads = [s], [0]                   # the sources' bytes, and the gradients each receives
+    total = 0
+
+    def mix() -> int:
+        for j in range(len(sizes)):
+            grads[j] += 1
+        return 3 * sum(sizes) + 2 * a
+
+    for i in range(sublayers):
+        total += mix()                                      # sublayer 0: the embedding's norm
+        if block_size is None or i % block_size == 0:       # out opens a source of its own
+            sizes.append(a)
+            grads.append(0)
+        else:                                               # b' = b + out
+            total += sizes[-1] + a + max(sizes[-1], a)
+            total += grads[-1] * sizes[-1]                  # b's gradients: its mixes' and b''s
+            sizes[-1] = max(sizes[-1], a)
+            grads[-1] = 0
+    total += mix() - (3 * s + 2 * a)
+    total += sum((g - 1) * b for g, b in zip(grads, sizes) if g > 1)
+    return elements * total
+
+
+def case_floor(case: str, sublayers: int, elements: int, s: int, a: int) -> int | None:
+    """The stream floor of ``case`` (:func:`stream_floor`, or :func:`attn_res_floor`)."""
+    scheme, options, _, streams, qkv = CASES[case]
+    if scheme == "attn_res":
+        return attn_res_floor(sublayers, options.get("block_size"), elements, s, a)
+    return stream_floor(streams, qkv, sublayers, elements, s, a)
 
 
 class _Counter:
@@ -153,7 +197,7 @@ def table(rows: list[dict], args) -> str:
     out = ["| case | generated MiB | / pre | kernels | / pre | library MiB | floor / pre | bytes / floor "
            "| extra / floor's extra |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        floor = stream_floor(*CASES[r["case"]][3:], 2 * args.layers, elements, s, a)
+        floor = case_floor(r["case"], 2 * args.layers, elements, s, a)
         floor_ratio = within = extra = "n.d."
         if floor is not None:
             total = pre["generated"] - pre_floor + floor

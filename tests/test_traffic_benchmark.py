@@ -30,6 +30,19 @@ def test_the_floor_is_the_papers_stream_count():
     assert traffic.stream_floor(None, False, 2, 10, 4, 2) is None
 
 
+def test_attn_res_floor_counts_each_mix_sum_and_accumulation():
+    """One sublayer: the embedding's norm (a mix of one source, 3s + 2a = 16), the exit's mix of
+    h and out beyond Pre-Norm's final norm (3 * (s + a) + 2a - 16 = 6), h's second gradient (s = 4).
+    Two sublayers as one block add b + out (3a) and b's second gradient (a) where the full form
+    has a third source: 60 either way; one sublayer a block is the full form."""
+    traffic = _load()
+    assert traffic.attn_res_floor(1, None, 1, 4, 2) == 26
+    assert traffic.attn_res_floor(2, 2, 10, 4, 2) == traffic.attn_res_floor(2, None, 10, 4, 2) == 600
+    assert traffic.attn_res_floor(8, 1, 1, 4, 2) == traffic.attn_res_floor(8, None, 1, 4, 2) == 432
+    assert traffic.attn_res_floor(8, 4, 1, 4, 2) < 432
+    assert traffic.case_floor("attn_res-block4", 8, 1, 4, 2) == traffic.attn_res_floor(8, 4, 1, 4, 2)
+
+
 def test_a_tiny_run_prints_every_ratio(tmp_path, capsys):
     traffic = _load()
     out = tmp_path / "t.md"
