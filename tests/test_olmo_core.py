@@ -1,9 +1,8 @@
 """The OLMo-core integration (``siamesenorm.olmo_core``): every scheme as an OLMo-core Transformer
 gives our LanguageModel's logits with the mapped weights, the parameter map round-trips, a tiny
-model trains with OLMo-core's optimizer and train module, and FSDP/DDP over 2 processes (gloo,
-``torchrun``) give one process's losses.
-
-Run as a script by ``torchrun --nproc_per_node 2`` it is the worker of the 2-process test.
+model trains with OLMo-core's optimizer and train module, and the training entry trains under
+FSDP and under tensor parallelism over 2 processes (gloo, ``torchrun``) as one process does.
+FSDP, DDP, TP and CP of the train module itself: tests/test_olmo_core_parallel.py.
 """
 
 from __future__ import annotations
@@ -17,20 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 pytest.importorskip("olmo_core")
 
 import olmo_core.distributed.parallel as olmo_parallel  # noqa: E402
 from olmo_core.config import DType  # noqa: E402
-from olmo_core.distributed.parallel import DataParallelType  # noqa: E402
 from olmo_core.nn.attention import Attention  # noqa: E402
 from olmo_core.nn.transformer import TransformerActivationCheckpointingMode as ACMode  # noqa: E402
 from olmo_core.nn.transformer import TransformerBlockConfig, TransformerConfig  # noqa: E402
 from olmo_core.optim import AdamWConfig  # noqa: E402
 from olmo_core.train.train_module import (  # noqa: E402
     TransformerActivationCheckpointingConfig,
-    TransformerDataParallelConfig,
     TransformerTrainModuleConfig,
 )
 
@@ -300,11 +296,13 @@ BLOCK_KINDS = {case: 1 for case in KIND_CASES} | {
 
 
 def _compile_blocks(case: str, blocks: int, monkeypatch, limit: int | None = None,
-                    backend: str = "eager") -> tuple[int, float, float]:
+                    backend: str = "eager", prior_limit: int = 8,
+                    extra_options: dict | None = None) -> tuple[int, float, float]:
     """Graphs of one training step of ``case`` with OLMo-core's per-block compile (dynamo with
     ``backend``, ``fullgraph``: a graph break fails), and the largest differences of its loss and
     gradients from the uncompiled model's. A recompile over the limit fails: the limit is
-    dynamo's default of 8 before ``apply_compile`` raises it, or ``limit`` from then on."""
+    ``prior_limit`` (dynamo's default of 8) before ``apply_compile`` raises it, or ``limit`` from
+    then on. ``extra_options`` join the case's scheme options."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
@@ -312,6 +310,7 @@ def _compile_blocks(case: str, blocks: int, monkeypatch, limit: int | None = Non
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: original(self, backend=backend, fullgraph=True))
     scheme, options = KIND_CASES[case]
+    options = {**options, **(extra_options or {})}
     cfg = replace(tiny(scheme, options, qk_norm=True, tie_embeddings=False), n_layers=blocks)
     model = olmo_config(cfg).build()
     x, y = batch()
@@ -321,7 +320,7 @@ def _compile_blocks(case: str, blocks: int, monkeypatch, limit: int | None = Non
     model.zero_grad(set_to_none=True)
     dynamo.reset()
     counters.clear()
-    with dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+    with dynamo.config.patch(recompile_limit=prior_limit, fail_on_recompile_limit_hit=True):
         model.apply_compile()
         assert dynamo.config.recompile_limit >= blocks
         with dynamo.config.patch(recompile_limit=limit or dynamo.config.recompile_limit):
@@ -332,22 +331,33 @@ def _compile_blocks(case: str, blocks: int, monkeypatch, limit: int | None = Non
     return counters["stats"]["unique_graphs"], abs(float(loss) - float(want_loss)), grad_error
 
 
-# A graph per block: past dynamo's default recompile limit only the limit apply_compile raises
-# keeps every block compiled; the other schemes' blocks share graphs under a limit of their kinds.
+# A graph per block: past the recompile limit in force before ``apply_compile`` only the limit it
+# raises keeps every block compiled; the other schemes' blocks share graphs under a limit of their
+# kinds. The limit is set to 2 and the model has 3 blocks, one past it: the same code as dynamo's
+# default of 8 at 12 blocks (``max(limit, recompile_limit_for(blocks))``), at a quarter of the
+# graphs. In AttnRes with block_size=4 (4 sublayers, 2 blocks) block 2 opens a second AttnRes block.
 PER_BLOCK = [case for case, kinds in BLOCK_KINDS.items() if kinds == 12]
+PRIOR_LIMIT = 2
 
 
 @pytest.mark.parametrize("case", PER_BLOCK)
 def test_the_per_block_compile_compiles_every_block(case, monkeypatch):
-    """Past dynamo's default limit of 8 no block falls back to eager: AttnRes, whose every block is
-    a kind of its own, needs the raised limit; one graph a block and the LM head's, and the loss
-    and every gradient are the uncompiled model's."""
-    graphs, loss_error, grad_error = _compile_blocks(case, 12, monkeypatch)
-    assert graphs == BLOCK_KINDS[case] + 1
+    """Past the recompile limit in force before ``apply_compile`` no block falls back to eager:
+    AttnRes, whose every block is a kind of its own, needs the raised limit; one graph a block and
+    the LM head's, and the loss and every gradient are the uncompiled model's."""
+    blocks = PRIOR_LIMIT + 1
+    graphs, loss_error, grad_error = _compile_blocks(case, blocks, monkeypatch, prior_limit=PRIOR_LIMIT)
+    assert graphs == blocks + 1
     assert loss_error <= 1e-6 and grad_error <= 1e-6, (loss_error, grad_error)
 
 
-@pytest.mark.parametrize("case", [case for case in KIND_CASES if case not in PER_BLOCK])
+# These cases' blocks share one graph; the test below compiles them with AOTAutograd, whose
+# dynamo trace is the one backend="eager" makes: one compile checks both.
+AOT_BLOCK_CASES = ["siamese", "siamese-hybrid_pre", "lns", "hyper", "mhc"]
+
+
+@pytest.mark.parametrize("case", [case for case in KIND_CASES
+                                  if case not in PER_BLOCK and case not in AOT_BLOCK_CASES])
 def test_the_per_block_compile_traces_one_graph_per_kind_of_block(case, monkeypatch):
     """At 12 blocks and a recompile limit of the number of kinds of block, every block compiles
     (a block past the limit would fail) with no graph break (``fullgraph``), as at most that many
@@ -358,12 +368,15 @@ def test_the_per_block_compile_traces_one_graph_per_kind_of_block(case, monkeypa
     assert loss_error <= 1e-6 and grad_error <= 1e-6, (loss_error, grad_error)
 
 
-@pytest.mark.parametrize("case", ["siamese", "siamese-hybrid_pre", "lns", "hyper", "mhc"])
+@pytest.mark.parametrize("case", AOT_BLOCK_CASES)
 def test_one_graph_for_every_block_through_aot_autograd(case, monkeypatch):
     """The depth scale, the layer scale and the rows of stacked parameters, which the block's
-    sublayer index selects, stay symbolic through AOTAutograd: one graph, the eager gradients."""
+    sublayer index selects, stay symbolic through AOTAutograd: at 12 blocks and a recompile limit
+    of 1 (one kind of block), one graph and the LM head's, and the eager loss and gradients.
+    mHC's Sinkhorn iterations unroll in the graph: 4, the same code as its 20."""
+    extra = {"sinkhorn_iters": 4} if case == "mhc" else None
     graphs, loss_error, grad_error = _compile_blocks(case, 12, monkeypatch, limit=1,
-                                                     backend="aot_eager")
+                                                     backend="aot_eager", extra_options=extra)
     assert graphs == 1 + 1
     assert loss_error <= 1e-6 and grad_error <= 1e-6, (loss_error, grad_error)
 
@@ -397,40 +410,12 @@ def test_pipeline_parallelism_is_refused():   # tensor parallelism: test_olmo_co
 
 
 # ---- training ------------------------------------------------------------------------------
-def _train_module(config, dp: str | None = None):
-    # OLMo-core builds one world mesh per process; the 2-process worker trains several models
-    olmo_parallel._WORLD_MESH = None
-    dp_config = None if dp is None else TransformerDataParallelConfig(
-        name=DataParallelType(dp), reduce_dtype=DType.float32)
+def _train_module(config):
+    olmo_parallel._WORLD_MESH = None   # OLMo-core builds one world mesh per process
     return TransformerTrainModuleConfig(
         rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
-        optim=AdamWConfig(lr=1e-2, weight_decay=0.0), dp_config=dp_config,
+        optim=AdamWConfig(lr=1e-2, weight_decay=0.0),
     ).build(config.build(init_device="meta"))
-
-
-def run_steps(scheme: str, options: dict, steps: int, dp: str | None = None) -> list[float]:
-    """``steps`` AdamW steps of OLMo-core's train module on a fixed global batch sequence; under
-    ``dp`` (2 processes) each rank takes its half of every global batch. The global mean loss."""
-    tm = _train_module(olmo_config(tiny(scheme, options)), dp)
-    rank, world = 0, 1
-    if dp is not None:
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if dp == "fsdp":   # the blocks' parameters and the root's (embedding, scheme, head)
-            assert all(isinstance(p, DTensor) for p in tm.model.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = batch(100 + step)
-        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        tm.zero_grads()
-        loss = tm.model_forward(x[rows], labels=y[rows]).loss
-        loss.backward()
-        tm.optim_step()
-        loss = loss.detach().clone()
-        if dp is not None:
-            torch.distributed.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
-    return losses
 
 
 def test_training_steps_with_olmo_cores_optimizer_match_ours():
@@ -481,51 +466,6 @@ def test_olmo_cores_activation_checkpointing_carries_the_state():
     want = losses(None)
     for mode in (ACMode.full, ACMode.selected_ops):
         assert losses(TransformerActivationCheckpointingConfig(mode=mode)) == want, mode
-
-
-# ---- two processes -------------------------------------------------------------------------
-DIST_CASES = {"pre": ("pre", {}), "siamese": ("siamese", {}),
-              "siamese-hybrid_pre": ("siamese", {"form": "hybrid_pre"})}
-DIST_STEPS = 4
-
-
-def test_fsdp_and_ddp_over_two_processes_match_one_process(tmp_path):
-    out = tmp_path / "losses.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
-    for case, (scheme, options) in DIST_CASES.items():
-        want = run_steps(scheme, options, DIST_STEPS)
-        for mode in ("fsdp", "ddp"):
-            got = results[f"{case}/{mode}"]
-            assert len(got) == len(want)
-            for i, (a, b) in enumerate(zip(got, want)):
-                assert abs(a - b) <= 1e-5 * abs(b), f"{case} under {mode}, step {i + 1}: {a} vs {b}"
-
-
-def _worker(out: str) -> None:
-    torch.distributed.init_process_group("gloo")
-    try:
-        results = {f"{case}/{mode}": run_steps(scheme, options, DIST_STEPS, dp=mode)
-                   for case, (scheme, options) in DIST_CASES.items() for mode in ("fsdp", "ddp")}
-        if torch.distributed.get_rank() == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])
-    # The gloo threads of a group that FSDP or DDP referenced outlive destroy_process_group and,
-    # torn down with the interpreter, now and then abort a finished process ("terminate called
-    # without an active exception"); end as siamesenorm.parallel.env.exit_process does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # ---- the training entry point (siamesenorm.olmo_core.train) ----------------------------------
@@ -599,6 +539,21 @@ def test_fsdp_over_two_processes_matches_one_process(token_files, one_process_ru
     assert len(got) == len(want) == TRAIN_STEPS
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {i + 1}: {got} vs {want}"
+
+
+def test_the_entry_trains_with_tensor_parallelism_as_one_process(token_files, one_process_run, tmp_path):
+    """``--tp 2`` (FSDP as the data-parallel config, one data-parallel rank: both ranks read the
+    same batch) logs the one-process run's losses; the tiny config has QKV-norm and clipping."""
+    save = tmp_path / "run"
+    proc = _entry(["tiny", "--data", str(token_files / "*.npy"), "--save-folder", str(save),
+                   "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1",
+                   "--tp", "2"], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "Applied tensor parallelism" in proc.stdout + proc.stderr
+    got, want = _losses(save), _losses(one_process_run)
+    assert len(got) == len(want) == TRAIN_STEPS
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b) + 1e-9, f"step {i + 1}: {got} vs {want}"
 
 
 def test_dry_run_of_olmo_1b_needs_no_data(capsys):
