@@ -209,10 +209,11 @@ def normed_product(norm: nn.Module, x: Tensor, proj: Tensor) -> Tensor:
     product needs, where ``norm(x)`` would be written, read and, in backward, written again."""
     w = proj if norm.weight is None else norm.weight.unsqueeze(-1).to(proj.dtype) * proj
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    if norm.kind == "layernorm":
+    if norm.kind == "layernorm":            # centred before the product's cast: no cancellation
         xf = xf - xf.mean(-1, keepdim=True)
+        x = xf.to(x.dtype)
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm.eps)
-    z = xf.to(x.dtype) @ w
+    z = x @ w
     z = (z * rstd).to(z.dtype)
     bias = getattr(norm, "bias", None)
     return z if bias is None else z + bias.to(proj.dtype) @ proj
