@@ -22,6 +22,7 @@ from .hyper import MAX_STREAMS, MultiStreamScheme
 
 try:
     from ..kernels.mix import mix_entry, mix_entry_kernel_runs, mix_write, mix_write_kernel_runs
+    from ..kernels.rms_project import rms_project, rms_project_kernel_runs
     from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
     from ..kernels.sinkhorn import sinkhorn_kernel_runs
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
@@ -36,7 +37,10 @@ except ImportError:     # the exported modelling code (siamesenorm.hf.export) ca
     def mix_entry_kernel_runs(h: Tensor, pre: Tensor, kind: str) -> bool:
         return False
 
-    mix_entry = mix_write = None
+    def rms_project_kernel_runs(x: Tensor, w: Tensor) -> bool:
+        return False
+
+    mix_entry = mix_write = rms_project = None
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -240,8 +244,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
     def fast_maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`maps` computed faster: the three projections as one matmul with the stream
         norm's weight folded in (``x' phi = rstd * (vec(x) (w * phi))``, so ``x'`` is never
-        formed), and Sinkhorn as one Triton kernel or autograd function
-        (:func:`siamesenorm.kernels.sinkhorn`)."""
+        formed; one Triton kernel each way where it runs, :func:`siamesenorm.kernels.rms_project`),
+        and Sinkhorn as one Triton kernel or autograd function (:func:`siamesenorm.kernels.sinkhorn`)."""
         return self._in_map_precision(self._fast_maps, state, i)
 
     def _fast_maps(self, state: Tensor, i: int, work: torch.dtype | None = None,
@@ -254,12 +258,22 @@ class ManifoldHyperConnections(MultiStreamScheme):
         phi = torch.cat([p(self.phi_pre[i]), p(self.phi_post[i]), p(self.phi_res[i])], -1)
         if norm.weight is not None:
             phi = phi * norm.weight.unsqueeze(-1)
-        square = torch.linalg.vector_norm(flat, 2, -1, keepdim=True).square() / flat.shape[-1]
-        rstd = torch.rsqrt(square + norm.eps)
-        proj = flat @ phi                                            # x' phi / rstd: (..., 2n + n*n)
-        pre = self._pre(proj[..., :n] * (p(self.alpha_pre[i]) * rstd) + p(self.b_pre[i]))
-        post = 2 * torch.sigmoid(proj[..., n:2 * n] * (p(self.alpha_post[i]) * rstd) + p(self.b_post[i]))
-        return pre, post, self._res(proj[..., 2 * n:] * (p(self.alpha_res[i]) * rstd), i, iterate)
+        rstd = None
+        if rms_project_kernel_runs(flat, phi):                      # x' phi: (..., 2n + n*n)
+            dot = (torch.get_autocast_dtype(state.device.type) if _autocast_on(state)
+                   else torch.promote_types(flat.dtype, phi.dtype))  # the dtype of flat @ phi below
+            proj = rms_project(flat, phi, norm.eps, dot).to(torch.promote_types(dot, flat.dtype))
+        else:
+            square = torch.linalg.vector_norm(flat, 2, -1, keepdim=True).square() / flat.shape[-1]
+            rstd = torch.rsqrt(square + norm.eps)
+            proj = flat @ phi                                        # x' phi / rstd
+
+        def scaled(lo: int, hi: int | None, alpha: Tensor) -> Tensor:
+            return proj[..., lo:hi] * (p(alpha) if rstd is None else p(alpha) * rstd)
+
+        pre = self._pre(scaled(0, n, self.alpha_pre[i]) + p(self.b_pre[i]))
+        post = 2 * torch.sigmoid(scaled(n, 2 * n, self.alpha_post[i]) + p(self.b_post[i]))
+        return pre, post, self._res(scaled(2 * n, None, self.alpha_res[i]), i, iterate)
 
     def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, reference: bool) -> Tensor | None:
         """``LN_i(sum_k pre_k H_k)`` as one Triton kernel each way where it runs (else ``None``),

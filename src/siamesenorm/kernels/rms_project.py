@@ -1,0 +1,112 @@
+"""The RMS-normalised projection ``z = rstd(x) (x @ w)``, ``rstd(x) = 1 / sqrt(mean(x^2) + eps)``,
+as one Triton kernel each way (``siamesenorm::rms_project``): mHC's maps (arXiv 2512.24880)
+project the RMSNorm of the flattened streams, ``RMSNorm(vec H) phi``, with the norm's gain folded
+into ``phi``. A token's row is read once forward, its statistic and its product with ``w`` taken
+together, and ``x``'s normalised copy is never written; backward reads ``x`` once more and writes
+``dx`` and the per-split partial sums of ``dw``. Keeps ``x`` (the scheme's state, alive anyway),
+``w``, and the per-token ``z`` and ``rstd``. ``w`` may have up to 256 columns (mHC-lite's
+``2n + n!`` at ``n = 5`` is 130); beyond, and for float64, plain PyTorch ops run.
+"""
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from .availability import kernels_run_on
+
+__all__ = ["MAX_COLUMNS", "rms_project", "rms_project_kernel_runs"]
+
+MAX_COLUMNS = 256     # a block of rows keeps its (rows x columns) product in registers
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernels():
+    from . import _triton_rms_project
+    return _triton_rms_project
+
+
+def _check(x: Tensor, w: Tensor) -> None:
+    if x.dim() < 1 or w.dim() != 2 or w.shape[0] != x.shape[-1] or not 0 < w.shape[1] <= MAX_COLUMNS:
+        raise ValueError(f"rms_project: x must be (..., K) and w (K, M) with 0 < M <= {MAX_COLUMNS}, "
+                         f"not {tuple(x.shape)} and {tuple(w.shape)}")
+
+
+@torch.library.custom_op("siamesenorm::rms_project", mutates_args=())
+def _rms_project(x: Tensor, w: Tensor, eps: float, tf32: bool) -> tuple[Tensor, Tensor]:
+    """``(z, rstd)`` in float32, ``(..., M)`` and ``(...)``; the product in TF32 or exact float32."""
+    _check(x, w)
+    z, rstd = _kernels().rms_project_forward(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(),
+                                             eps, tf32)
+    return z.reshape(*x.shape[:-1], w.shape[1]), rstd.reshape(x.shape[:-1])
+
+
+@_rms_project.register_fake
+def _(x, w, eps, tf32):
+    _check(x, w)
+    return (x.new_empty((*x.shape[:-1], w.shape[1]), dtype=torch.float32),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("siamesenorm::rms_project_backward", mutates_args=())
+def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tensor, tf32: bool,
+                          need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` in ``x``'s and ``w``'s dtypes, each empty where not asked for."""
+    k, m = w.shape
+    dx, dw = _kernels().rms_project_backward(dz.reshape(-1, m).contiguous(), x.reshape(-1, k).contiguous(),
+                                             w.contiguous(), z.reshape(-1, m).contiguous(), rstd.reshape(-1),
+                                             tf32, need_x, need_w)
+    return dx.reshape(x.shape) if need_x else dx, dw
+
+
+@_rms_project_backward.register_fake
+def _(dz, x, w, z, rstd, tf32, need_x, need_w):
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(w) if need_w else w.new_empty(0))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, _, tf32 = inputs
+    ctx.save_for_backward(x, w, *output)
+    ctx.tf32 = tf32
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _grad(ctx, dz, _rstd):
+    if dz is None:
+        return None, None, None, None
+    x, w, z, rstd = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.siamesenorm.rms_project_backward(dz, x, w, z, rstd, ctx.tf32, bool(need_x),
+                                                        bool(need_w))
+    return dx if need_x else None, dw if need_w else None, None, None
+
+
+_rms_project.register_autograd(_grad, setup_context=_setup)
+
+
+def rms_project_kernel_runs(x: Tensor, w: Tensor) -> bool:
+    """Whether :func:`rms_project` runs the kernel: the kernels are available for ``x``
+    (:func:`~siamesenorm.kernels.kernels_available`), ``x`` is a plain tensor and ``w`` a plain
+    tensor or parameter (DTensors are not), both float32, bf16 or fp16, ``x`` ``(..., K)`` and
+    ``w`` ``(K, M)`` with ``0 < M <= 256``. On CUDA without Triton, says so once."""
+    if not (type(x) is Tensor and type(w) in (Tensor, Parameter) and x.dtype in _DTYPES and w.dtype in _DTYPES
+            and x.dim() >= 1 and w.dim() == 2 and w.shape[0] == x.shape[-1] > 0
+            and 0 < w.shape[1] <= MAX_COLUMNS):
+        return False
+    return kernels_run_on(x)
+
+
+def rms_project(x: Tensor, w: Tensor, eps: float, dot: torch.dtype | None = None) -> Tensor:
+    """``rstd(x) (x @ w)`` over the last axis of ``x``, in float32 (float64 for float64 inputs).
+    ``dot``: the dtype plain ops would take the product in (default: the inputs' promoted dtype;
+    pass autocast's under autocast, whose casts a custom op does not see). The kernel where
+    :func:`rms_project_kernel_runs`, in float32 inside, its product exact for ``dot`` float32 and
+    in TF32 (more precise than bf16 or fp16) otherwise; else plain ops."""
+    if dot is None:
+        dot = torch.promote_types(x.dtype, w.dtype)
+    if rms_project_kernel_runs(x, w) and dot != torch.float64:
+        return torch.ops.siamesenorm.rms_project(x, w, float(eps), dot != torch.float32)[0]
+    work = torch.promote_types(x.dtype, torch.float32)
+    rstd = torch.rsqrt(x.to(work).square().mean(-1, keepdim=True) + eps)
+    return (x.to(dot) @ w.to(dot)).to(work) * rstd
