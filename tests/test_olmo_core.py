@@ -527,7 +527,11 @@ def test_the_tiny_config_trains_and_writes_olmo_core_checkpoints(one_process_run
     assert "model.blocks.0.attention.v_norm.weight" in keys
 
 
-def test_fsdp_over_two_processes_matches_one_process(token_files, one_process_run, tmp_path):
+def test_fsdp_over_two_processes_matches_one_process_and_its_checkpoint_converts(token_files, one_process_run,
+                                                                                 tmp_path):
+    """Two processes under FSDP log the one-process run's losses; their sharded checkpoint (each
+    rank's shards) converts to our run directory with OLMo-core's own reading of its weights and
+    the run's losses (``import-olmo-core``: tests/test_olmo_core_export.py, one process)."""
     save = tmp_path / "run"
     proc = _entry(["tiny", "--data", str(token_files / "*.npy"), "--save-folder", str(save),
                    "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1"],
@@ -539,6 +543,19 @@ def test_fsdp_over_two_processes_matches_one_process(token_files, one_process_ru
     assert len(got) == len(want) == TRAIN_STEPS
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {i + 1}: {got} vs {want}"
+
+    from safetensors.torch import load_file
+
+    from siamesenorm.cli import main
+    from siamesenorm.rundir import RunDir, read_jsonl
+    from test_olmo_core_export import olmo_losses, olmo_weights_as_ours
+    run = tmp_path / "imported"
+    assert main(["import-olmo-core", str(save), "--out", str(run)]) == 0
+    ours = load_file(str(RunDir(run).last_checkpoint / "model.safetensors"))
+    theirs = olmo_weights_as_ours(save / f"step{TRAIN_STEPS}")
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert [r["loss"] for r in read_jsonl(RunDir(run).metrics)] == list(olmo_losses(save).values())
 
 
 def test_the_entry_trains_with_tensor_parallelism_as_one_process(token_files, one_process_run, tmp_path):
