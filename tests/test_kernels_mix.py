@@ -18,6 +18,8 @@ from triton_interpreter import (
     import_triton,
     interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
+    loss_and_grads,
+    mhc_lm,
 )
 
 triton = import_triton()
@@ -309,56 +311,28 @@ def test_bad_arguments():
 
 
 # ---- the kernel inside mHC -------------------------------------------------------------------------
-def _mhc_model(mixing):
-    from siamesenorm.models import LanguageModel, LMConfig
-
-    torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc",
-                   scheme_options={"mixing": mixing, "n_streams": 3 if mixing == "lite" else 4},
-                   norm="layernorm" if mixing == "deepseek_v4" else "rmsnorm")
-    model = LanguageModel(cfg).to(DEVICE)
-    with torch.no_grad():               # per-token maps far from the initial near-identity
-        for name, p in model.named_parameters():
-            if name.startswith("scheme."):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def _loss_and_grads(model, x, step=None):
-    loss = (model if step is None else step)(x[:, :-1], x[:, 1:]).loss
-    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-    return [loss, *(g for g in grads if g is not None)]
-
-
 @pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
                                           ("lean", "deepseek_v4"), ("reference", "lite")])
 def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
     """An mHC language model whose entries and stream writes run the kernels (lean path, reference
     path, and compiled, where the reference path is traced; every ``mixing``; RMSNorm and LayerNorm)
     has the loss and gradients of the reference path without kernels."""
-    from siamesenorm.nn.fused import reference_path
-
     kernel_module = importlib.import_module("siamesenorm.kernels.mix")
     calls = []
     for name in ("_kernels", "_entry_kernels"):
         real = getattr(kernel_module, name)
         monkeypatch.setattr(kernel_module, name, lambda real=real, name=name: calls.append(name) or real())
-    model = _mhc_model(mixing)
+    model = mhc_lm("layernorm" if mixing == "deepseek_v4" else "rmsnorm", mixing=mixing,
+                   n_streams=3 if mixing == "lite" else 4)
     x = torch.randint(0, 32, (2, 4), device=DEVICE)
-    if path == "compiled":
-        torch._dynamo.reset()
-        got = _loss_and_grads(model, x, torch.compile(model, backend="aot_eager", fullgraph=True))
-    else:
-        with reference_path(path == "reference"):
-            got = _loss_and_grads(model, x)
+    got = loss_and_grads(model, x, path)
     assert sorted(calls) == ["_entry_kernels"] * 8 + ["_kernels"] * 8, \
         "the kernels did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
-    with reference_path():
-        want = _loss_and_grads(model, x)
+    want = loss_and_grads(model, x, "reference")
     assert len(calls) == 16
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

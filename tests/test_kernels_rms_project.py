@@ -17,6 +17,8 @@ from triton_interpreter import (
     import_triton,
     interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
+    loss_and_grads,
+    mhc_lm,
 )
 
 triton = import_triton()
@@ -185,54 +187,26 @@ def test_bad_arguments():
 
 
 # ---- the kernel inside mHC -------------------------------------------------------------------------
-def _mhc_model(mixing):
-    from siamesenorm.models import LanguageModel, LMConfig
-
-    torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc",
-                   scheme_options={"mixing": mixing, "n_streams": 3 if mixing == "lite" else 4},
-                   norm="layernorm" if mixing == "deepseek_v4" else "rmsnorm")
-    model = LanguageModel(cfg).to(DEVICE)
-    with torch.no_grad():               # per-token maps far from the initial near-identity
-        for name, p in model.named_parameters():
-            if name.startswith("scheme."):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def _loss_and_grads(model, x, step=None):
-    loss = (model if step is None else step)(x[:, :-1], x[:, 1:]).loss
-    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-    return [loss, *(g for g in grads if g is not None)]
-
-
 @pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
                                           ("lean", "deepseek_v4"), ("compiled", "lite")])
 def test_mhc_maps_with_the_kernel_equal_mhc_without(path, mixing, monkeypatch):
     """An mHC language model whose maps run the kernel (the lean path, and compiled graphs, which
     take the lean maps; every ``mixing``: 24, 24 and 12 columns, DeepSeek-V4's in float32) has the
     loss and gradients of the reference path without kernels."""
-    from siamesenorm.nn.fused import reference_path
-
     kernel_module = importlib.import_module("siamesenorm.kernels.rms_project")
     calls = []
     real = kernel_module._kernels
     monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())
-    model = _mhc_model(mixing)
+    model = mhc_lm("layernorm" if mixing == "deepseek_v4" else "rmsnorm", mixing=mixing,
+                   n_streams=3 if mixing == "lite" else 4)
     x = torch.randint(0, 32, (2, 4), device=DEVICE)
-    if path == "compiled":
-        torch._dynamo.reset()
-        got = _loss_and_grads(model, x, torch.compile(model, backend="aot_eager", fullgraph=True))
-    else:
-        with reference_path(False):
-            got = _loss_and_grads(model, x)
+    got = loss_and_grads(model, x, path)
     assert len(calls) == 8, "the kernel did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
-    with reference_path():
-        want = _loss_and_grads(model, x)
+    want = loss_and_grads(model, x, "reference")
     assert len(calls) == 8
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,8 @@ from triton_interpreter import (
     import_triton,
     interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
+    loss_and_grads,
+    mhc_lm,
 )
 
 triton = import_triton()
@@ -168,55 +170,27 @@ def test_bad_arguments():
 
 
 # ---- the kernel inside mHC -------------------------------------------------------------------------
-def _mhc_model():
-    from siamesenorm.models import LanguageModel, LMConfig
-
-    torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc",
-                   scheme_options={"sinkhorn_iters": 5})   # 20 and MAX_ITERS: the tests above
-    model = LanguageModel(cfg).to(DEVICE)
-    with torch.no_grad():               # per-token maps far from the initial near-identity
-        for name, p in model.named_parameters():
-            if name.startswith("scheme."):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def _loss_and_grads(model, x, step=None):
-    loss = (model if step is None else step)(x[:, :-1], x[:, 1:]).loss
-    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-    return [loss, *(g for g in grads if g is not None)]
-
-
 @pytest.mark.parametrize("path", ["lean", "reference", "compiled"])
 def test_mhc_with_the_kernel_equals_mhc_without(path, monkeypatch):
     """An mHC language model whose Sinkhorn runs the kernel (lean path, reference path, and
     compiled, where the reference path is traced) has the loss and gradients of the reference path
     without kernels."""
-    from siamesenorm.nn.fused import reference_path
-
     kernel_module = importlib.import_module("siamesenorm.kernels.sinkhorn")   # the package's
     # attribute ``sinkhorn`` is the function
 
     calls = []
     real = kernel_module._kernels
     monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())
-    model = _mhc_model()
+    model = mhc_lm(sinkhorn_iters=5)       # 20 and MAX_ITERS: the tests above
     x = torch.randint(0, 32, (2, 4), device=DEVICE)
-    if path == "compiled":
-        torch._dynamo.reset()
-        got = _loss_and_grads(model, x, torch.compile(model, backend="aot_eager", fullgraph=True))
-    else:
-        with reference_path(path == "reference"):
-            got = _loss_and_grads(model, x)
+    got = loss_and_grads(model, x, path)
     assert len(calls) == 2 * 4, "the kernel did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         assert not sinkhorn_kernel_runs(torch.zeros(1, 4, 4), 20)
     else:
         monkeypatch.setattr(kernel_module, "kernels_run_on", lambda t: False)
-    with reference_path():
-        want = _loss_and_grads(model, x)
+    want = loss_and_grads(model, x, "reference")
     assert len(calls) == 2 * 4
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -131,3 +131,35 @@ def collect(namespace: dict, in_process: bool) -> None:
     for name in [n for n in namespace if n.startswith("test_")]:
         if (name == FRESH) == in_process:
             del namespace[name]
+
+
+# ---- an mHC language model for the kernels' model-level tests -----------------------------------------
+def mhc_lm(norm: str = "rmsnorm", **options) -> torch.nn.Module:
+    """A 2-layer mHC language model (width 16) on :data:`DEVICE` with the scheme's ``options``,
+    its scheme's parameters moved far from their near-identity init (so the per-token maps vary)."""
+    from siamesenorm.models import LanguageModel, LMConfig
+
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, scheme="mhc",
+                   scheme_options=options, norm=norm)
+    model = LanguageModel(cfg).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("scheme."):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def loss_and_grads(model: torch.nn.Module, x: torch.Tensor, path: str) -> list[torch.Tensor]:
+    """The loss on tokens ``x`` and the parameters' gradients, on the ``"lean"`` or ``"reference"``
+    path, or ``"compiled"`` (one graph, ``aot_eager``: the path compiled graphs take)."""
+    from siamesenorm.nn.fused import reference_path
+
+    step = model
+    if path == "compiled":
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with reference_path(path == "reference"):
+        loss = step(x[:, :-1], x[:, 1:]).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return [loss, *(g for g in grads if g is not None)]
