@@ -312,28 +312,32 @@ def test_bad_arguments():
 
 # ---- the kernel inside mHC -------------------------------------------------------------------------
 @pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
-                                          ("lean", "deepseek_v4"), ("reference", "lite")])
+                                          ("lean", "deepseek_v4"), ("reference", "lite"), ("lean", "lite")])
 def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
     """An mHC language model whose entries and stream writes run the kernels (lean path, reference
-    path, and compiled, where the reference path is traced; every ``mixing``; RMSNorm and LayerNorm)
-    has the loss and gradients of the reference path without kernels."""
-    kernel_module = importlib.import_module("siamesenorm.kernels.mix")
+    path, and compiled; every ``mixing``; RMSNorm and LayerNorm), and whose maps' projection runs
+    siamesenorm::rms_project where the lean maps are taken (lean and compiled: 24, 24 and 12
+    columns, DeepSeek-V4's in float32), has the loss and gradients of the reference path without
+    kernels."""
     calls = []
-    for name in ("_kernels", "_entry_kernels"):
-        real = getattr(kernel_module, name)
-        monkeypatch.setattr(kernel_module, name, lambda real=real, name=name: calls.append(name) or real())
+    for module, name in (("mix", "_kernels"), ("mix", "_entry_kernels"), ("rms_project", "_kernels")):
+        kernel_module = importlib.import_module(f"siamesenorm.kernels.{module}")
+        real, key = getattr(kernel_module, name), module + name
+        monkeypatch.setattr(kernel_module, name, lambda real=real, key=key: calls.append(key) or real())
     model = mhc_lm("layernorm" if mixing == "deepseek_v4" else "rmsnorm", mixing=mixing,
                    n_streams=3 if mixing == "lite" else 4)
     x = torch.randint(0, 32, (2, 4), device=DEVICE)
     got = loss_and_grads(model, x, path)
-    assert sorted(calls) == ["_entry_kernels"] * 8 + ["_kernels"] * 8, \
+    projections = [] if path == "reference" else ["rms_project_kernels"] * 8
+    assert sorted(calls) == ["mix_entry_kernels"] * 8 + ["mix_kernels"] * 8 + projections, \
         "the kernels did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    runs = len(calls)
     want = loss_and_grads(model, x, "reference")
-    assert len(calls) == 16
+    assert len(calls) == runs
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -1,10 +1,9 @@
 """The RMS-normalised projection kernel (siamesenorm::rms_project) against its equation written out
-in float64, and mHC, whose maps it computes, with the kernel against mHC without it.
+in float64 (mHC with the kernel against mHC without it: tests/test_kernels_mix.py).
 
 Without CUDA the kernel runs under Triton's interpreter on the CPU (tests/triton_interpreter.py).
 """
 
-import importlib
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from triton_interpreter import (
     import_triton,
     interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
-    loss_and_grads,
-    mhc_lm,
 )
 
 triton = import_triton()
@@ -184,32 +181,6 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="0 < M <= 256"):
         op(x, torch.randn(12, MAX_COLUMNS + 1, device=DEVICE), EPS, False)
     assert not rms_project_kernel_runs(x, torch.randn(11, 3, device=DEVICE))
-
-
-# ---- the kernel inside mHC -------------------------------------------------------------------------
-@pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
-                                          ("lean", "deepseek_v4"), ("compiled", "lite")])
-def test_mhc_maps_with_the_kernel_equal_mhc_without(path, mixing, monkeypatch):
-    """An mHC language model whose maps run the kernel (the lean path, and compiled graphs, which
-    take the lean maps; every ``mixing``: 24, 24 and 12 columns, DeepSeek-V4's in float32) has the
-    loss and gradients of the reference path without kernels."""
-    kernel_module = importlib.import_module("siamesenorm.kernels.rms_project")
-    calls = []
-    real = kernel_module._kernels
-    monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())
-    model = mhc_lm("layernorm" if mixing == "deepseek_v4" else "rmsnorm", mixing=mixing,
-                   n_streams=3 if mixing == "lite" else 4)
-    x = torch.randint(0, 32, (2, 4), device=DEVICE)
-    got = loss_and_grads(model, x, path)
-    assert len(calls) == 8, "the kernel did not run forward and backward in each sublayer"
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    else:
-        monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
-    want = loss_and_grads(model, x, "reference")
-    assert len(calls) == 8
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # Collect what can run here: the tests, or (no GPU, Triton loaded without its interpreter) the test
