@@ -89,12 +89,8 @@ def test_log_every_zero_is_quiet_apart_from_the_final_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"{LOG_PREFIX} done: 4/4 steps in "), lines
 
 
-def test_only_rank_0_logs_across_processes(tmp_path):
-    res, lines = train_to_file(tmp_path, *SMALL, "train.steps=4", "train.eval_every=4",
-                               "train.log_every=2", "--nproc", "2", "--out", str(tmp_path / "run"))
-    assert res.returncode == 0, lines
-    assert [int(STEP.match(line)[1]) for line in lines[:-1]] == [2, 4], lines
-    assert lines[-1].startswith(f"{LOG_PREFIX} done: 4/4 steps"), lines
+# Only rank 0 logs across processes: tests/test_parallel.py's ``--nproc 2`` run end to end, its
+# stderr a file as here.
 
 
 def test_the_default_interval_keeps_a_log_to_about_a_hundred_lines():

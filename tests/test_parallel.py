@@ -19,6 +19,8 @@ import dist_worker as w
 from siamesenorm.errors import ConfigError, RankFailed
 from siamesenorm.parallel import RankSource
 from siamesenorm.parallel.launch import launch
+from siamesenorm.train.progress import LOG_PREFIX
+from test_logging import STEP
 
 WORKER = str(Path(w.__file__).resolve())
 TINY = ["train.steps=4", "train.eval_every=4", "train.warmup=1", "train.checkpoint_every=2",
@@ -109,10 +111,15 @@ def test_a_run_resumes_at_another_world_size_and_after_a_save_killed_part_way(tm
     assert not any(p.name.startswith(".") for p in checkpoints.iterdir())
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    """``siamesenorm ARGS`` in a process of its own, as a user starts it."""
-    return subprocess.run([sys.executable, "-m", "siamesenorm", *args], capture_output=True, text=True,
-                          timeout=300)
+def _cli(*args: str, stderr_file: Path | None = None) -> subprocess.CompletedProcess:
+    """``siamesenorm ARGS`` in a process of its own, as a user starts it; with ``stderr_file`` its
+    stderr goes to that file (as under a scheduler), and the result holds what the file got."""
+    cmd = [sys.executable, "-m", "siamesenorm", *args]
+    if stderr_file is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    with open(stderr_file, "w") as stream:
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stream, text=True, timeout=300)
+    return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, stderr_file.read_text())
 
 
 def _main(capfd, *args: str) -> subprocess.CompletedProcess:
@@ -192,11 +199,16 @@ def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path, capfd, monkey
 
 def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    res = _cli("train", "tiny", *TINY, "--nproc", "2", "--out", str(run_dir))     # as a user starts it
+    # as a user starts it, its stderr a file as under a scheduler
+    res = _cli("train", "tiny", *TINY, "train.log_every=2", "--nproc", "2", "--out", str(run_dir),
+               stderr_file=tmp_path / "stderr.log")
     assert res.returncode == 0, res.stderr
     final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     assert res.stdout.strip().splitlines() == [
         f"{run_dir}: 4 steps (2 processes), final val loss {final:.4f}"]
+    lines = res.stderr.splitlines()       # rank 0's plain lines alone, every 2 steps, then its final line
+    assert [int(STEP.match(line)[1]) for line in lines[:-1]] == [2, 4], lines
+    assert lines[-1].startswith(f"{LOG_PREFIX} done: 4/4 steps"), lines
     assert (run_dir / "checkpoints" / "last" / "dcp" / ".metadata").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == \
         sorted([".siamesenorm-run.json", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb",
