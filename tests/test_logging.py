@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import termios
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,21 @@ def _env() -> dict:
                 OMP_NUM_THREADS="1")
 
 
-def train_to_file(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """``siamesenorm train`` with stderr redirected to a file, as under a scheduler."""
-    err = tmp_path / "stderr.log"
-    with open(err, "w") as stream:
-        res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", *args],
-                             stdout=subprocess.PIPE, stderr=stream, text=True, env=_env(), timeout=600)
-    return res, err.read_text().splitlines()
+def train_to_file(capfd, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``siamesenorm train`` with stderr redirected to a file, as under a scheduler: in this process,
+    whose stderr (file descriptor 2) is pytest's file. A warning, which a process of its own would
+    print there (once a place; deprecations hidden, as Python's default filters do), is a line too."""
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
+        warnings.filterwarnings("ignore", category=ImportWarning)
+        warnings.filterwarnings("ignore", category=ResourceWarning)
+        code = main(["train", "tiny", *args])
+    out, err = capfd.readouterr()
+    lines = err.splitlines() + [f"{w.category.__name__}: {w.message}" for w in caught]
+    return subprocess.CompletedProcess(args, code, out, err), lines
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -49,9 +58,9 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 # ---- a batch job's log ---------------------------------------------------------------------------
-def test_a_log_file_gets_a_line_every_log_every_steps_and_at_evaluations_then_a_final_line(tmp_path):
+def test_a_log_file_gets_a_line_every_log_every_steps_and_at_evaluations_then_a_final_line(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    res, lines = train_to_file(tmp_path, *SMALL, "train.steps=12", "train.eval_every=6",
+    res, lines = train_to_file(capfd, *SMALL, "train.steps=12", "train.eval_every=6",
                                "train.log_every=4", "--out", str(run_dir))
     assert res.returncode == 0, lines
     assert all(line.startswith(LOG_PREFIX + " ") for line in lines), lines
@@ -82,8 +91,8 @@ def test_a_log_file_gets_a_line_every_log_every_steps_and_at_evaluations_then_a_
         assert "mfu" not in row
 
 
-def test_log_every_zero_is_quiet_apart_from_the_final_line(tmp_path):
-    res, lines = train_to_file(tmp_path, *SMALL, "train.steps=4", "train.eval_every=2",
+def test_log_every_zero_is_quiet_apart_from_the_final_line(tmp_path, capfd):
+    res, lines = train_to_file(capfd, *SMALL, "train.steps=4", "train.eval_every=2",
                                "train.log_every=0", "--out", str(tmp_path / "run"))
     assert res.returncode == 0, lines
     assert len(lines) == 1 and lines[0].startswith(f"{LOG_PREFIX} done: 4/4 steps in "), lines
