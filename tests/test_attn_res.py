@@ -11,22 +11,17 @@ sublayers (§3.2). It never calls the scheme's ``enter``/``step``/``exit``.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import siamesenorm as sn
-from helpers import make_branches, randomize_, run_scheme
+from helpers import cli_in_process, make_branches, randomize_, run_scheme
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
 from siamesenorm.nn.fused import reference_path
 
 F64 = torch.float64
 DIM, LAYERS, EPS = 8, 3, 1e-3          # 6 sublayers
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 # ---- the paper's equations -------------------------------------------------------------------
@@ -214,12 +209,10 @@ def test_bad_block_sizes_are_refused_in_one_line(value, fragment):
     ("model.scheme_options.block_size=two", "option block_size must be an integer"),
 ])
 def test_the_cli_refuses_a_bad_block_size_with_exit_status_2(tmp_path, option, fragment):
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    """The command in this process (what its process ends with on a status 2:
+    tests/test_cli.py)."""
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "siamesenorm", "train", "tiny", "model.scheme=attn_res",
-                          option, "--out", str(out)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    res = cli_in_process("train", "tiny", "model.scheme=attn_res", option, "--out", str(out))
     assert res.returncode == 2 and fragment in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     assert not (out / "metrics.jsonl").exists()
