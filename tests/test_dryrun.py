@@ -84,8 +84,9 @@ def test_fsdp_shards_parameters_gradients_and_optimizer_state_as_one_over_n():
     cfg = _pre("olmo-1b")
     total, root, block = _pre_total(*OLMO_1B)
     unsharded = root + block
+    runs = {n: dry_run(cfg, n) for n in (2, 4, 8)}
     for n in (2, 8):
-        cols = {c["engine"]: c for c in dry_run(cfg, n)["memory"]}
+        cols = {c["engine"]: c for c in runs[n]["memory"]}
         ddp, fsdp = cols["ddp"], cols["fsdp"]
         assert ddp["parameters"] == ddp["gradients"] == ddp["buckets"] == 4 * total
         assert ddp["optimizer"] == 8 * total and ddp["weight_copies"] == 2 * total   # bf16 autocast
@@ -93,7 +94,7 @@ def test_fsdp_shards_parameters_gradients_and_optimizer_state_as_one_over_n():
         # fp32 shard plus the bf16 copy of the groups held gathered at once
         assert fsdp["parameters"] == fsdp["gradients"] == int(4 * total / n + 2 * unsharded)
         assert fsdp["buckets"] == fsdp["weight_copies"] == 0
-    at = {n: {c["engine"]: c["states"] for c in dry_run(cfg, n)["memory"]} for n in (2, 4, 8)}
+    at = {n: {c["engine"]: c["states"] for c in run["memory"]} for n, run in runs.items()}
     assert at[2]["fsdp"] > at[4]["fsdp"] > at[8]["fsdp"]
     assert at[2]["ddp"] == at[4]["ddp"] == at[8]["ddp"]
 
