@@ -95,11 +95,11 @@ def test_a_run_resumes_at_another_world_size_and_after_a_save_killed_part_way(tm
         launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--kill-save", "2"])
     assert checkpoint_step() == 2 and (checkpoints / "last" / "dcp" / ".metadata").is_file()
     assert len(leftovers()) == 1
-    # 1 process resumes their sharded checkpoint (its step-4 save clears the leftover) and
-    # crashes inside step 6 (its 11th micro-batch): its own checkpoint is step 4's
-    res = subprocess.run([sys.executable, WORKER, "run", str(run_dir), "none", "2", "--resume",
-                          "--crash-at-batch", "11"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 1 and "planned crash after 11 micro-batches" in res.stderr, res.stderr
+    # 1 process (this one) resumes their sharded checkpoint (its step-4 save clears the leftover)
+    # and crashes inside step 6 (its 11th micro-batch): its own checkpoint is step 4's
+    with pytest.raises(RuntimeError, match="planned crash after 11 micro-batches"):
+        w.train(w.build("pre", {}), w.Crashing(w.source(), 11), w.settings(6, "none", 2, checkpoint_every=2),
+                run_dir, resume=True, progress=False)
     assert checkpoint_step() == 4 and not (checkpoints / "last" / "dcp").exists() and leftovers() == []
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
