@@ -5,9 +5,11 @@ this process."""
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -102,3 +104,30 @@ def cli_in_process(*args: str, cwd: str | Path | None = None, env: dict | None =
                 os.environ[k] = v
     return subprocess.CompletedProcess([sys.executable, "-m", "siamesenorm", *args], code,
                                        out.getvalue(), err.getvalue())
+
+
+@contextmanager
+def what_a_process_would_print() -> Iterator[list[str]]:
+    """The lines beyond its own writes that a command run in a process of its own would print on
+    stderr, and that pytest holds back in this one: warnings as Python's default filters show
+    them (each place once; deprecations, imports and resources hidden), and log records of
+    WARNING and above (Python's last-resort handler). Run the command in this process inside the
+    block; the list fills as it runs."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname}:{record.name}: {record.getMessage()}")
+
+    handler = Collect(logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category)
+            yield lines
+    finally:
+        root.removeHandler(handler)
+    lines.extend(f"{w.category.__name__}: {w.message}" for w in caught)

@@ -11,12 +11,12 @@ import struct
 import subprocess
 import sys
 import termios
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import what_a_process_would_print
 from siamesenorm.cli import main
 from siamesenorm.config import TrainConfig
 from siamesenorm.models import LanguageModel, LMConfig
@@ -38,19 +38,14 @@ def _env() -> dict:
 
 def train_to_file(capfd, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """``siamesenorm train`` with stderr redirected to a file, as under a scheduler: in this process,
-    whose stderr (file descriptor 2) is pytest's file. A warning, which a process of its own would
-    print there (once a place; deprecations hidden, as Python's default filters do), is a line too."""
+    whose stderr (file descriptor 2) is pytest's file. What a process of its own would print
+    there beside (warnings, log records: :func:`helpers.what_a_process_would_print`) are lines
+    too."""
     capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
-        warnings.filterwarnings("ignore", category=ImportWarning)
-        warnings.filterwarnings("ignore", category=ResourceWarning)
+    with what_a_process_would_print() as extra:
         code = main(["train", "tiny", *args])
     out, err = capfd.readouterr()
-    lines = err.splitlines() + [f"{w.category.__name__}: {w.message}" for w in caught]
-    return subprocess.CompletedProcess(args, code, out, err), lines
+    return subprocess.CompletedProcess(args, code, out, err), err.splitlines() + extra
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dist_worker as w
+from helpers import what_a_process_would_print
 from siamesenorm.errors import ConfigError, RankFailed
 from siamesenorm.parallel import RankSource
 from siamesenorm.parallel.launch import launch
@@ -216,8 +217,11 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path, capfd
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
 
-    # what reads the sharded checkpoint: in this process, but generate (nothing on stderr: no
-    # warning of loading it without a process group, which this process's pytest would hold back)
+    # what reads the sharded checkpoint, in this process (which has no process group, as the
+    # commands' own would not); generate prints nothing on stderr: no warning of loading it
+    # without a process group, which pytest would hold back here but what_a_process_would_print
+    # collects
+    assert not torch.distributed.is_initialized()
     out = tmp_path / "weights.safetensors"
     res = _main(capfd, "export", str(run_dir), "--out", str(out))
     assert res.returncode == 0, res.stderr
@@ -231,8 +235,9 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path, capfd
             torch.testing.assert_close(f.get_tensor(name), tensor, rtol=0, atol=0)
     assert _main(capfd, "export", str(run_dir), "--out", str(out)).returncode == 2   # refuses to overwrite
 
-    res = _cli("generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4", "--greedy")
-    assert res.returncode == 0 and res.stderr == "", res.stderr
+    with what_a_process_would_print() as extra:
+        res = _main(capfd, "generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4", "--greedy")
+    assert res.returncode == 0 and res.stderr == "" and extra == [], (res.stderr, extra)
     res = _main(capfd, "analyze", str(run_dir), "--out", str(tmp_path / "analysis"))
     assert res.returncode == 0 and "effective depth" in res.stdout, res.stderr
 
