@@ -100,13 +100,16 @@ def train_alone(grid: tuple, out: Path, threads: int, capsys) -> list[str]:
     return lines
 
 
-def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_path, capfd):
+def test_each_run_of_jobs_2_has_the_losses_of_the_same_run_trained_alone(tmp_path, capfd, counted):
     """Two runs at once, one of which diverges (lr 1e4) while the other trains on. The comparison
-    runs in this process, its workers in theirs (what they print is captured with its own)."""
+    runs in this process, its workers in theirs (what they print is captured with its own). The
+    two runs share one data setting: compare loads it once and fits each run's configuration to it
+    once, and the workers, handed both, load and fit nothing (counted by COUNT)."""
     grid = ("compare", "tiny", *TINY, "train.steps=8", "train.eval_every=4", "--schemes", "siamese",
             "--lrs", "1e-3,1e4")
     both = in_process(capfd, *grid, "--jobs", "2", "--out", str(tmp_path / "both"))
     assert both.returncode == 0, both.stderr
+    assert counted() == {"load": 1, "fit": 2}
     threads = max(1, available_cores() // 2)
     out = both.stdout.splitlines()
     assert out[0] == f"compare: 2 runs at once, {threads} thread{'s' if threads > 1 else ''} each " \
@@ -338,12 +341,10 @@ registry.TASKS["lm"] = dataclasses.replace(_task, load_data=_counted("load", _ta
 '''
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])
-def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, monkeypatch, capfd, jobs):
-    """Two runs of one data setting: the data is loaded once (in compare, whose workers get it
-    handed over, each its own copy) and each run's configuration fitted to it once; the workers
-    trust the fitted config.yaml. The comparison runs in this process (counted as the workers
-    are, by COUNT)."""
+@pytest.fixture
+def counted(tmp_path, monkeypatch):
+    """Counts every load and fit of the language-model task's data from here on, in this process
+    and in the workers it starts (COUNT); returns a function that reads the counts so far."""
     from siamesenorm.tasks import registry
 
     folder = tmp_path / "count"
@@ -355,12 +356,23 @@ def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, m
                                                      if p))
     monkeypatch.setitem(registry.TASKS, "lm", registry.TASKS["lm"])      # put back after
     exec(COUNT, {})
+
+    def read() -> dict[str, int]:
+        lines = counts.read_text().split() if counts.exists() else []
+        return {"load": lines.count("load"), "fit": lines.count("fit")}
+    return read
+
+
+def test_compare_loads_each_data_setting_once_and_fits_each_run_once(tmp_path, capfd, counted):
+    """Two runs of one data setting: the data is loaded once (in compare) and each run's
+    configuration fitted to it once. The comparison runs in this process, one run after the other
+    (``--jobs 1``); with workers (``--jobs 2``, which get the data handed over, each its own copy,
+    and trust the fitted config.yaml): the first test."""
     res = in_process(capfd, "compare", "tiny", *TINY, "train.steps=2", "train.eval_every=2", "--schemes",
-                     "pre,siamese", "--jobs", jobs, "--out", str(tmp_path / "exp"))
+                     "pre,siamese", "--jobs", "1", "--out", str(tmp_path / "exp"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "exp" / "summary.csv").exists()
-    lines = counts.read_text().split()
-    assert lines.count("load") == 1 and lines.count("fit") == 2, lines
+    assert counted() == {"load": 1, "fit": 2}
 
 
 def test_a_run_that_crashes_does_not_stop_its_neighbour(tmp_path, monkeypatch, inject, capfd):
