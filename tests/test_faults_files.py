@@ -695,13 +695,11 @@ def _enospc(*args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """FOUR, uninterrupted, one checkpoint kept: the losses a resumed run must repeat, and the sizes
-    the real-disk cases size their disk by."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    res = cli("train", "tiny", *FOUR, "train.keep_checkpoints=1", "--out", str(run))
-    assert res.returncode == 0, res.stderr
-    return run
+def reference(single_run) -> Path:
+    """FOUR, uninterrupted: the losses a resumed run must repeat, and the sizes the real-disk cases
+    size their disk by (its last checkpoint, and what lies outside checkpoints/: the step_2 that
+    it also keeps counts in neither). ``single_run``, read only."""
+    return single_run
 
 
 def _second_save_fails(monkeypatch, writer: str) -> None:
