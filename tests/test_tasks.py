@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,14 @@ pytest.importorskip("sklearn")
 
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def proxy_cache(tmp_path_factory) -> Path:
+    """One cache folder (``SIAMESENORM_CACHE``) for this file's DiT runs, away from the user's:
+    the FD proxy is trained by the first and loaded by the others (its training is deterministic:
+    tests/test_fid_proxy.py, which also tests the cache itself)."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def test_a_tiny_vit_learns_the_digits_within_seconds(tmp_path):
@@ -46,8 +55,8 @@ def test_vit_resume_continues_exactly(tmp_path):
     assert [r["loss"] for r in _rows(split)] == [r["loss"] for r in _rows(straight)]
 
 
-def test_dit_run_writes_sample_grids_and_fd_proxy_scores(tmp_path, monkeypatch):
-    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+def test_dit_run_writes_sample_grids_and_fd_proxy_scores(tmp_path, monkeypatch, proxy_cache):
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(proxy_cache))
     out = tmp_path / "dit"
     res = run("train", "dit-digits", "train.steps=30", "train.eval_every=15", "train.warmup=3",
               "diffusion.eval_samples=40", "diffusion.sample_steps=5", "diffusion.grid_per_class=2",
@@ -69,7 +78,7 @@ def test_dit_run_writes_sample_grids_and_fd_proxy_scores(tmp_path, monkeypatch):
         out / "samples" / "step_30.png").size[0]  # 10 class rows of 2 samples: taller than wide
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_fd_proxy"] == evals[-1]["fd_proxy"]
-    assert any((tmp_path / "cache").rglob("*.safetensors"))  # the proxy was cached
+    assert any(proxy_cache.rglob("*.safetensors"))  # the proxy is cached (by this run or this file's first)
 
 
 def test_compare_of_vits_reports_accuracy(tmp_path):
@@ -246,8 +255,8 @@ def test_task_picks_the_configuration_class_wherever_it_is_set(tmp_path):
         load_config(None, ["task=vit", "diffusion.timesteps=10"])
 
 
-def test_image_runs_record_probes_and_analyze_reads_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+def test_image_runs_record_probes_and_analyze_reads_them(tmp_path, monkeypatch, proxy_cache):
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(proxy_cache))
     vit, dit = tmp_path / "vit", tmp_path / "dit"
     assert run("train", "vit-digits", "train.steps=4", "train.eval_every=4", "model.n_layers=2",
                "model.scheme=siamese", "analysis.every=2", "--out", str(vit)).returncode == 0
@@ -273,8 +282,8 @@ def test_image_runs_record_probes_and_analyze_reads_them(tmp_path, monkeypatch):
         assert not (tmp_path / "refused").exists()
 
 
-def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path, monkeypatch):
-    monkeypatch.setenv("SIAMESENORM_CACHE", str(tmp_path / "cache"))
+def test_dit_compare_report_shows_fd_proxy_and_a_sample_grid_per_scheme(tmp_path, monkeypatch, proxy_cache):
+    monkeypatch.setenv("SIAMESENORM_CACHE", str(proxy_cache))
     out = tmp_path / "exp"
     res = run("compare", "dit-digits", "train.steps=2", "train.eval_every=2", "model.n_layers=2",
               "diffusion.eval_samples=10", "diffusion.sample_steps=2", "--seeds", "0", "--out", str(out))
