@@ -1,11 +1,12 @@
 """A training script for tests/test_parallel.py, run by ``siamesenorm.parallel.launch`` (2 processes,
 gloo) or in the test's own process (the single-process reference).
 
-    python dist_worker.py equivalence OUT.json
+    python dist_worker.py equivalence OUT.json [DIVERGING_RUN_DIR]
         every case of SCHEMES (one per structure that DDP and FSDP2 see, and the model options)
         under DDP and FSDP2: 5 steps, one rank's micro-batch each, and those of CHECKPOINTED with
         activation checkpointing; rank 0 writes
-        {"<scheme>/<mode>[/<checkpointing>]": {"losses": [...], "val": ...}} to OUT.json
+        {"<scheme>/<mode>[/<checkpointing>]": {"losses": [...], "val": ...}} to OUT.json; then,
+        with DIVERGING_RUN_DIR, ``run DIVERGING_RUN_DIR fsdp 1 --lr 50`` below in the same launch
     python dist_worker.py run RUN_DIR PARALLEL ACCUM [--resume] [--crash-at-batch N] [--kill-save K]
         [--lr LR]
         one run of 6 steps (checkpoint every 2) of pre; ``--crash-at-batch N`` raises when the
@@ -178,41 +179,49 @@ def main(argv: list[str]) -> None:
     world, _ = init_world("cpu")
     try:
         if argv[0] == "equivalence":
-            results = {}
-            with tempfile.TemporaryDirectory() as tmp:
-                from siamesenorm.parallel import broadcast_object
-
-                tmp = broadcast_object(world, tmp)
-                cases = [(name, mode, "none") for name in SCHEMES for mode in ("ddp", "fsdp")]
-                cases += [(name, mode, ac) for name in CHECKPOINTED for mode in ("ddp", "fsdp")
-                          for ac in ("sublayer", "selective")]
-                for name, mode, ac in cases:
-                    run_dir = Path(tmp) / f"{name}-{mode}-{ac}"
-                    model = build(*SCHEMES[name])
-                    set_activation_checkpointing(model, ac)
-                    # checkpointing changes no parameter or state the final checkpoint holds: the
-                    # case's run without it saves that checkpoint under this engine
-                    with _no_save() if ac != "none" else nullcontext():
-                        train(model, source(), settings(5, mode, 1), run_dir, progress=False)
-                    if world.main:
-                        key = f"{name}/{mode}" + ("" if ac == "none" else f"/{ac}")
-                        results[key] = dict(zip(("losses", "val"), losses(run_dir)))
-            if world.main:
-                Path(argv[1]).write_text(json.dumps(results))
-            return
-        run_dir, parallel, accum = Path(argv[1]), argv[2], int(argv[3])
-        rest = argv[4:]
-        src = source()
-        if "--crash-at-batch" in rest:
-            src = Crashing(src, int(rest[rest.index("--crash-at-batch") + 1]))
-        if "--kill-save" in rest:
-            _kill_inside_save(int(rest[rest.index("--kill-save") + 1]))
-        s = settings(6, parallel, accum, checkpoint_every=2)
-        if "--lr" in rest:
-            s = dataclasses.replace(s, lr=float(rest[rest.index("--lr") + 1]))
-        train(build("pre", {}), src, s, run_dir, resume="--resume" in rest, progress=False)
+            equivalence(world, Path(argv[1]))
+            if len(argv) > 2:
+                run(Path(argv[2]), "fsdp", 1, ["--lr", "50"])
+        else:
+            run(Path(argv[1]), argv[2], int(argv[3]), argv[4:])
     finally:
         leave_world(world)
+
+
+def equivalence(world, out: Path) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        from siamesenorm.parallel import broadcast_object
+
+        tmp = broadcast_object(world, tmp)
+        cases = [(name, mode, "none") for name in SCHEMES for mode in ("ddp", "fsdp")]
+        cases += [(name, mode, ac) for name in CHECKPOINTED for mode in ("ddp", "fsdp")
+                  for ac in ("sublayer", "selective")]
+        for name, mode, ac in cases:
+            run_dir = Path(tmp) / f"{name}-{mode}-{ac}"
+            model = build(*SCHEMES[name])
+            set_activation_checkpointing(model, ac)
+            # checkpointing changes no parameter or state the final checkpoint holds: the
+            # case's run without it saves that checkpoint under this engine
+            with _no_save() if ac != "none" else nullcontext():
+                train(model, source(), settings(5, mode, 1), run_dir, progress=False)
+            if world.main:
+                key = f"{name}/{mode}" + ("" if ac == "none" else f"/{ac}")
+                results[key] = dict(zip(("losses", "val"), losses(run_dir)))
+    if world.main:
+        out.write_text(json.dumps(results))
+
+
+def run(run_dir: Path, parallel: str, accum: int, rest: list[str]) -> None:
+    src = source()
+    if "--crash-at-batch" in rest:
+        src = Crashing(src, int(rest[rest.index("--crash-at-batch") + 1]))
+    if "--kill-save" in rest:
+        _kill_inside_save(int(rest[rest.index("--kill-save") + 1]))
+    s = settings(6, parallel, accum, checkpoint_every=2)
+    if "--lr" in rest:
+        s = dataclasses.replace(s, lr=float(rest[rest.index("--lr") + 1]))
+    train(build("pre", {}), src, s, run_dir, resume="--resume" in rest, progress=False)
 
 
 if __name__ == "__main__":

@@ -667,8 +667,8 @@ def test_a_reader_of_a_few_lines_gets_them_and_the_rest_is_dropped():
 # ---- 9b. the noise of runs across processes ----------------------------------------------------------------
 def test_moe_under_nproc_2_prints_no_gradient_warning(tmp_path):
     """FSDP2's "returned a view tensor ... wrong gradients" warning is silenced for our MoE only;
-    tests/test_parallel.py::test_ddp_and_fsdp_match_one_process_with_accumulation proves it harmless
-    (the MoE's losses under FSDP2 across 2 processes equal one process's)."""
+    tests/test_parallel.py's DDP/FSDP2 equivalence test proves it harmless (the MoE's losses under
+    FSDP2 across 2 processes equal one process's)."""
     from siamesenorm.parallel.wrap import MOE_VIEW_WARNING
 
     out = tmp_path / "run"

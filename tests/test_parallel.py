@@ -4,6 +4,7 @@ global batch, resumption at another world size, a save killed part-way, a failin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -58,9 +59,14 @@ def test_rank_source_splits_one_order():
     assert torch.equal(r0.state_dict()["generator"], r1.state_dict()["generator"])
 
 
-def test_ddp_and_fsdp_match_one_process_with_accumulation(tmp_path):
-    out = tmp_path / "results.json"
-    launch(2, [WORKER, "equivalence", str(out)])
+def test_ddp_and_fsdp_match_one_process_with_accumulation_and_diverge_at_its_step(tmp_path):
+    """Every case's losses and validation under DDP and FSDP2 (with checkpointing where it
+    applies) are one process's. In the same launch, a run that diverges: the loss and gradient
+    norm that the divergence check reads are reduced over the ranks, so every rank sees the same
+    figures and stops at the same step, as one process would (and the launch returns: no rank
+    hangs)."""
+    out, diverging = tmp_path / "results.json", tmp_path / "diverging"
+    launch(2, [WORKER, "equivalence", str(out), str(diverging)])
     results = json.loads(out.read_text())
     for name in w.SCHEMES:
         want, want_val = reference(name, tmp_path)
@@ -71,6 +77,15 @@ def test_ddp_and_fsdp_match_one_process_with_accumulation(tmp_path):
             for ac in ("sublayer", "selective") if name in w.CHECKPOINTED else ():
                 got = results[f"{name}/{mode}/{ac}"]
                 assert_close(got["losses"], want, f"{name} under {mode} with {ac} checkpointing")
+
+    ref = tmp_path / "diverging-ref"
+    settings = dataclasses.replace(w.settings(6, "none", 2, checkpoint_every=2), lr=50.0)
+    w.train(w.build("pre", {}), w.source(), settings, ref, progress=False)
+    want = json.loads((ref / "summary.json").read_text())
+    assert want["diverged"], "the reference did not diverge: raise the learning rate"
+    got = json.loads((diverging / "summary.json").read_text())
+    assert got["diverged"] and got["diverged_at"] == want["diverged_at"]
+    assert_close(w.losses(diverging)[0], w.losses(ref)[0], "diverging run")
 
 
 def test_a_run_resumes_at_another_world_size_and_after_a_save_killed_part_way(tmp_path):
@@ -151,23 +166,6 @@ def test_exit_process_skips_the_teardown_only_after_joining_a_group(joined):
     assert res.returncode == 3
     assert res.stdout == ("buffered" if joined else "bufferedteardown\n")
     assert res.stderr == "err"
-
-
-def test_divergence_stops_every_rank_at_the_step_one_process_stops(tmp_path):
-    """The loss and gradient norm that the divergence check reads are reduced over the ranks, so
-    every rank sees the same figures and stops at the same step, as one process would."""
-    import dataclasses
-
-    ref = tmp_path / "ref"
-    settings = dataclasses.replace(w.settings(6, "none", 2, checkpoint_every=2), lr=50.0)
-    w.train(w.build("pre", {}), w.source(), settings, ref, progress=False)
-    want = json.loads((ref / "summary.json").read_text())
-    assert want["diverged"], "the reference did not diverge: raise the learning rate"
-    run_dir = tmp_path / "run"
-    launch(2, [WORKER, "run", str(run_dir), "fsdp", "1", "--lr", "50"])     # returns: no rank hangs
-    got = json.loads((run_dir / "summary.json").read_text())
-    assert got["diverged"] and got["diverged_at"] == want["diverged_at"]
-    assert_close(w.losses(run_dir)[0], w.losses(ref)[0], "diverging run")
 
 
 def test_one_rank_raising_stops_every_rank_with_one_line(tmp_path, capfd, monkeypatch):
