@@ -194,15 +194,38 @@ def test_a_run_whose_process_was_killed_resumes_past_its_lock(tmp_path):
 
 
 # ---- signals ----------------------------------------------------------------------------------------
+# What the signalled process runs first (a sitecustomize on its PYTHONPATH): each training step
+# SLOW_STEP_S seconds longer (wall time only: the numbers are untouched), so that a signal comes
+# mid-run however fast the machine is, while the resumed and reference runs (here) take few steps.
+SLOW = '''import os, time
+from siamesenorm.train import loop
+
+compute, pause = loop.Trainer.compute, float(os.environ["SLOW_STEP_S"])
+
+
+def slowed(self, *args, **kwargs):
+    time.sleep(pause)
+    return compute(self, *args, **kwargs)
+
+
+loop.Trainer.compute = slowed
+'''
+
+
 def test_sigterm_checkpoints_writes_the_summary_exits_143_and_resumes_exactly(tmp_path):
     """What a scheduler sends before preempting a job: handled as Ctrl-C is (the step in flight
     finishes, a checkpoint and summary.json are written), exit status 143; the resumed run ends
     where an uninterrupted one does."""
-    steps = ["train.steps=300", "train.eval_every=150", "train.warmup=0", "data.max_bytes=40000",
-             "train.checkpoint_every=1000"]
-    run_dir = tmp_path / "run"
+    # 60 steps of 50 ms at least (3 s): the signal comes after step 5, with steps to spare
+    steps = ["train.steps=60", "train.eval_every=30", "train.warmup=0", "data.max_bytes=40000",
+             "train.checkpoint_every=1000", "train.log_every=3"]
+    run_dir, slow = tmp_path / "run", tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW)
+    env = _env()
+    env.update(SLOW_STEP_S="0.05", PYTHONPATH=str(slow) + os.pathsep + env["PYTHONPATH"])
     proc = subprocess.Popen([sys.executable, "-m", "siamesenorm", "train", "tiny", *steps, "--out",
-                             str(run_dir)], env=_env(), stdout=subprocess.DEVNULL,
+                             str(run_dir)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -219,10 +242,10 @@ def test_sigterm_checkpoints_writes_the_summary_exits_143_and_resumes_exactly(tm
         "SIGTERM: stopping after this step and saving a checkpoint",
         "siamesenorm train: terminated (SIGTERM)"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["interrupted"] and 5 <= summary["steps"] < 300
+    assert summary["interrupted"] and 5 <= summary["steps"] < 60
     # the run's log (every 3 steps) ends with where it stopped
     final = [line for line in lines if line.startswith(LOG_PREFIX)][-1]
-    assert final.startswith(f"{LOG_PREFIX} interrupted at step {summary['steps']}/300 after "), final
+    assert final.startswith(f"{LOG_PREFIX} interrupted at step {summary['steps']}/60 after "), final
     assert not (run_dir / LOCK_NAME).exists()
     res = cli("train", "--resume", "--out", str(run_dir))
     assert res.returncode == 0, res.stderr
