@@ -13,6 +13,7 @@ from triton_interpreter import (
     CUDA,
     DEVICE,
     collect,
+    compiles_to_one_call_each,
     fresh_process_test,
     import_triton,
     interpreted,
@@ -194,12 +195,6 @@ def test_opcheck():
 def test_compile_traces_one_call():
     """Under ``torch.compile`` (one graph) the mix and its norm are one call of the op each way,
     with eager's values and gradients."""
-    graphs = []
-
-    def backend(gm, example):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example)
-
     norm = build_norm("layernorm", 12, NORM_EPS).to(DEVICE)
 
     def f(a, b, c, query, gain):
@@ -207,18 +202,7 @@ def test_compile_traces_one_call():
 
     gen = torch.Generator().manual_seed(8)
     ins = [torch.randn(*s, generator=gen).to(DEVICE).requires_grad_() for s in ((4, 12),) * 3 + ((12,),) * 2]
-    params = [*ins, norm.weight, norm.bias]
-    want = f(*ins)
-    want_grads = torch.autograd.grad(want, params)
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend, fullgraph=True)(*ins)
-    got_grads = torch.autograd.grad(got, params)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b)
-    calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    op = torch.ops.siamesenorm.depth_mix
-    assert sum(t in (op, op.default) for t in calls) == 1
+    compiles_to_one_call_each(f, ins, [torch.ops.siamesenorm.depth_mix], [norm.weight, norm.bias])
 
 
 # ---- the kernel inside AttnRes -----------------------------------------------------------------------

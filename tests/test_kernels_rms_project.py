@@ -12,6 +12,7 @@ from triton_interpreter import (
     CUDA,
     DEVICE,
     collect,
+    compiles_to_one_call_each,
     fresh_process_test,
     import_triton,
     interpreted,
@@ -127,29 +128,13 @@ def test_opcheck():
 def test_compile_traces_one_call():
     """Under ``torch.compile`` (one graph) the projection is one call of its op each way, with
     eager's values and gradients."""
-    graphs = []
-
-    def backend(gm, example):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example)
-
     def f(x, w):
         return (rms_project(x * 2, w.tanh(), EPS).sigmoid() * x[..., :6]).sum()
 
     gen = torch.Generator().manual_seed(6)
     ins = [torch.randn(3, 4, 30, generator=gen).to(DEVICE).requires_grad_(),
            torch.randn(30, 6, generator=gen).to(DEVICE).requires_grad_()]
-    want = f(*ins)
-    want_grads = torch.autograd.grad(want, ins)
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend, fullgraph=True)(*ins)
-    got_grads = torch.autograd.grad(got, ins)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, want_grads):
-        torch.testing.assert_close(a, b)
-    calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    op = torch.ops.siamesenorm.rms_project
-    assert sum(t in (op, op.default) for t in calls) == 1
+    compiles_to_one_call_each(f, ins, [torch.ops.siamesenorm.rms_project])
 
 
 # ---- dispatch and arguments -------------------------------------------------------------------------

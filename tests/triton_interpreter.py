@@ -163,3 +163,27 @@ def loss_and_grads(model: torch.nn.Module, x: torch.Tensor, path: str) -> list[t
         loss = step(x[:, :-1], x[:, 1:]).loss
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     return [loss, *(g for g in grads if g is not None)]
+
+
+def compiles_to_one_call_each(f: Callable[..., torch.Tensor], inputs: list[torch.Tensor], ops: list,
+                              params: list[torch.Tensor] = ()) -> None:
+    """``f(*inputs)`` (a scalar) compiled as one graph (``aot_eager``) equals eager in value and in
+    the gradients of ``inputs`` and ``params``, and its graphs call each op of ``ops`` once."""
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example)
+
+    wrt = [*inputs, *params]
+    want = f(*inputs)
+    want_grads = torch.autograd.grad(want, wrt)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend, fullgraph=True)(*inputs)
+    got_grads = torch.autograd.grad(got, wrt)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    calls = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    for op in ops:
+        assert sum(t in (op, op.default) for t in calls) == 1, op
