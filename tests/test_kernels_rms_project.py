@@ -121,8 +121,10 @@ def test_opcheck():
     torch.library.opcheck(op.rms_project.default, (x, w, EPS, False))
     torch.library.opcheck(op.rms_project.default, (x.detach().bfloat16(), w.detach(), EPS, True))
     z, rstd = op.rms_project(x, w, EPS, False)
-    torch.library.opcheck(op.rms_project_backward.default,
-                          (torch.randn_like(z), x.detach(), w.detach(), z.detach(), rstd, False, True, True))
+    for need_w in (True, False):      # without dw, its empty result too in the fake's dtype
+        torch.library.opcheck(op.rms_project_backward.default,
+                              (torch.randn_like(z), x.detach(), w.detach().bfloat16(), z.detach(), rstd,
+                               False, True, need_w))
 
 
 def test_compile_traces_one_call():

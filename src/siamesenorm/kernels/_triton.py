@@ -264,10 +264,14 @@ def _block(d: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
+def _wanted(t: Tensor) -> int:
+    """How many programs a backward kernel's grid aims at on ``t``'s device: a few per SM on CUDA."""
+    return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+
+
 def _programs(t: Tensor, rows: int) -> tuple[int, int]:
-    """Programs of a backward kernel and the rows each walks (a few programs per SM on CUDA)."""
-    wanted = 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
-    programs = max(1, min(rows, wanted))
+    """Programs of a backward kernel and the rows each walks (:func:`_wanted` of them at most)."""
+    programs = max(1, min(rows, _wanted(t)))
     per = triton.cdiv(rows, programs)
     return triton.cdiv(rows, per), per
 

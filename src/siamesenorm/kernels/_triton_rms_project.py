@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._triton import _reduce, _wanted
+
 
 @triton.jit
 def _dot(a, b, acc, TF32: tl.constexpr):
@@ -106,9 +108,8 @@ def rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tens
     dx = torch.empty_like(x) if need_x else x.new_empty(0)
     bt, bk, bm = _blocks(m)
     tiles = triton.cdiv(k, bk)
-    wanted = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     blocks = max(1, triton.cdiv(t, bt))
-    splits = max(1, min(blocks, triton.cdiv(wanted, tiles)))
+    splits = max(1, min(blocks, triton.cdiv(_wanted(x), tiles)))
     per = triton.cdiv(blocks, splits) * bt                      # rows a split walks
     splits = triton.cdiv(blocks * bt, per)
     make = torch.empty if t else torch.zeros         # every program writes its whole tile
@@ -117,5 +118,4 @@ def rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tens
         _rms_project_bwd[(tiles, splits)](dz, x, w, z, rstd, dx, part if need_w else z, t, k, m, per,
                                           NEED_X=need_x, NEED_W=need_w, TF32=tf32, BLOCK_T=bt,
                                           BLOCK_K=bk, BLOCK_M=bm, num_warps=4)
-    dw = part.sum(0).to(w.dtype) if need_w else w.new_empty(0)
-    return dx, dw
+    return dx, _reduce(part if need_w else None, w, w.device)

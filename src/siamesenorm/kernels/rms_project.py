@@ -50,7 +50,8 @@ def _(x, w, eps, tf32):
 @torch.library.custom_op("siamesenorm::rms_project_backward", mutates_args=())
 def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tensor, tf32: bool,
                           need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
-    """``(dx, dw)`` in ``x``'s and ``w``'s dtypes, each empty where not asked for."""
+    """``(dx, dw)`` in ``x``'s and ``w``'s dtypes, each empty where not asked for (``dw`` then
+    float32, as :mod:`._triton`'s absent partial sums)."""
     k, m = w.shape
     dx, dw = _kernels().rms_project_backward(dz.reshape(-1, m).contiguous(), x.reshape(-1, k).contiguous(),
                                              w.contiguous(), z.reshape(-1, m).contiguous(), rstd.reshape(-1),
@@ -61,7 +62,7 @@ def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Ten
 @_rms_project_backward.register_fake
 def _(dz, x, w, z, rstd, tf32, need_x, need_w):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(w) if need_w else w.new_empty(0))
+            torch.empty_like(w) if need_w else w.new_empty(0, dtype=torch.float32))
 
 
 def _setup(ctx, inputs, output) -> None:
