@@ -320,7 +320,8 @@ def test_opcheck_add_norm():
         torch.library.opcheck(torch.ops.siamesenorm.add_norm.default, (h, z, w, b, kind, EPS))
     s, n, stats = torch.ops.siamesenorm.add_norm(h.detach(), z.detach(), w.detach(), None, "rmsnorm", EPS)
     torch.library.opcheck(torch.ops.siamesenorm.add_norm_backward.default,
-                          (None, torch.randn_like(n), s, w.detach(), None, stats, "rmsnorm", True, False))
+                          (None, torch.randn_like(n), s, w.detach(), None, stats, "rmsnorm", EPS, True,
+                           False))
 
 
 def test_opcheck_update_entry():
@@ -335,8 +336,8 @@ def test_opcheck_update_entry():
         xo, y1, b, x1, stats = op(x, y, o, 0.5, *p, "layernorm", EPS, "norm", True, True)
     g = torch.randn_like(b)
     torch.library.opcheck(torch.ops.siamesenorm.update_entry_backward.default,
-                          (g, g, g, x1, y1, *(t.detach() for t in p), stats, True, 0.5, "layernorm", "norm",
-                           True, True))
+                          (g, g, g, x1, y1, *(t.detach() for t in p), stats, True, 0.5, "layernorm", EPS,
+                           "norm", True, True))
 
 
 def test_compile_matches_eager():

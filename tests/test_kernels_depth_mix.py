@@ -18,6 +18,7 @@ from triton_interpreter import (
     import_triton,
     interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
+    without_first_use_checks,
 )
 
 triton = import_triton()
@@ -189,7 +190,8 @@ def test_opcheck():
     _, stats = op(sources, u, w, None, "rmsnorm", KEY_EPS, NORM_EPS, torch.float32)
     torch.library.opcheck(torch.ops.siamesenorm.depth_mix_backward.default,
                           (torch.randn(2, 3, 10, device=DEVICE), [v.detach() for v in sources], u.detach(),
-                           w.detach(), None, stats, "rmsnorm", KEY_EPS, True, False), test_utils=quick)
+                           w.detach(), None, stats, "rmsnorm", KEY_EPS, NORM_EPS, True, False),
+                          test_utils=quick)
 
 
 def test_compile_traces_one_call():
@@ -215,6 +217,7 @@ def test_attn_res_with_the_kernel_equals_attn_res_without(layers, block_size, pa
     from siamesenorm.nn.fused import reference_path
 
     kernel_module = importlib.import_module("siamesenorm.kernels.depth_mix")
+    without_first_use_checks(monkeypatch)
     calls = []
     real = kernel_module._kernels
     monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())

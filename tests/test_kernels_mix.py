@@ -21,6 +21,7 @@ from triton_interpreter import (
     interpreter,  # noqa: F401  (the autouse fixture)
     loss_and_grads,
     mhc_lm,
+    without_first_use_checks,
 )
 
 triton = import_triton()
@@ -251,7 +252,7 @@ def test_opcheck():
     _, stats = entry(h, pre, w, None, "rmsnorm", EPS, torch.float32)
     torch.library.opcheck(torch.ops.siamesenorm.mix_entry_backward.default,
                           (torch.randn(1, 2, 10, device=DEVICE), h.detach(), pre.detach(), w.detach(), None,
-                           stats, "rmsnorm", True, False))
+                           stats, "rmsnorm", EPS, True, False))
 
 
 def test_compile_traces_one_call():
@@ -304,6 +305,7 @@ def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
     siamesenorm::rms_project where the lean maps are taken (lean and compiled: 24, 24 and 12
     columns, DeepSeek-V4's in float32), has the loss and gradients of the reference path without
     kernels."""
+    without_first_use_checks(monkeypatch)
     calls = []
     for module, name in (("mix", "_kernels"), ("mix", "_entry_kernels"), ("rms_project", "_kernels")):
         kernel_module = importlib.import_module(f"siamesenorm.kernels.{module}")

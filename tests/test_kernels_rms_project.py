@@ -124,7 +124,7 @@ def test_opcheck():
     for need_w in (True, False):      # without dw, its empty result too in the fake's dtype
         torch.library.opcheck(op.rms_project_backward.default,
                               (torch.randn_like(z), x.detach(), w.detach().bfloat16(), z.detach(), rstd,
-                               False, True, need_w))
+                               EPS, False, True, need_w))
 
 
 def test_compile_traces_one_call():

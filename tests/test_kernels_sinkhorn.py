@@ -19,6 +19,7 @@ from triton_interpreter import (
     interpreter,  # noqa: F401  (the autouse fixture)
     loss_and_grads,
     mhc_lm,
+    without_first_use_checks,
 )
 
 triton = import_triton()
@@ -178,6 +179,7 @@ def test_mhc_with_the_kernel_equals_mhc_without(path, monkeypatch):
     kernel_module = importlib.import_module("siamesenorm.kernels.sinkhorn")   # the package's
     # attribute ``sinkhorn`` is the function
 
+    without_first_use_checks(monkeypatch)
     calls = []
     real = kernel_module._kernels
     monkeypatch.setattr(kernel_module, "_kernels", lambda: calls.append(1) or real())

@@ -94,9 +94,24 @@ def _patch_language_once_per_launch() -> None:
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """TRITON_INTERPRET=1 around each test without CUDA (import it into a kernel test module)."""
+    """TRITON_INTERPRET=1 around each test without CUDA (import it into a kernel test module); and
+    each test ends with every op on: a first-use check that failed would send the rest of the
+    process down the PyTorch path, whose tests would prove nothing about the kernels (a test that
+    breaks a kernel on purpose turns it back on itself)."""
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+    from siamesenorm.kernels import guard
+    off = {name: op.off_reason for name, op in guard.kernel_ops().items() if not op.on}
+    for name in off:
+        guard.kernel_ops()[name].reset()
+    assert not off, f"kernels turned off: {off}"
+
+
+def without_first_use_checks(monkeypatch) -> None:
+    """No first-use checks in this test (which counts the kernels' launches)."""
+    from siamesenorm.kernels import guard
+    monkeypatch.setattr(guard.KernelOp, "check", lambda *args: None)
 
 
 FRESH = "test_in_fresh_process"

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 
 import torch
 from torch import Tensor
 
-__all__ = ["announce_fallback", "kernels_available", "kernels_run_on", "kernels_switched_on",
-           "triton_installed"]
+__all__ = ["TRITON_RANGE", "announce_fallback", "kernels_available", "kernels_run_on", "kernels_switched_on",
+           "triton_installed", "triton_supported", "triton_version"]
+
+# The Triton releases the kernels are tested under: both ends in CI (the interpreter), and on a GPU
+# by `benchmarks/gpu.py --smoke`. Outside it the PyTorch path runs, said once.
+TRITON_RANGE = ((3, 6), (3, 9))
 
 _announced = False
 
@@ -23,11 +29,36 @@ def _find_triton() -> bool:
         return False
 
 
+def _installed_version() -> str | None:
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 _TRITON = _find_triton()
+_VERSION = _installed_version() if _TRITON else None
 
 
 def triton_installed() -> bool:
     return _TRITON
+
+
+def triton_version() -> str | None:
+    """Triton's version as installed (its distribution's metadata), or None."""
+    return _VERSION
+
+
+def triton_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed one) lies in :data:`TRITON_RANGE`."""
+    version = _VERSION if version is None else version
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    if match is None:
+        return False
+    low, high = TRITON_RANGE
+    return low <= (int(match[1]), int(match[2])) <= high
 
 
 def kernels_switched_on() -> bool:
@@ -36,9 +67,10 @@ def kernels_switched_on() -> bool:
 
 
 def kernels_available(t: Tensor) -> bool:
-    """Triton is installed, ``SIAMESENORM_KERNELS`` is not ``0``, and ``t`` is on CUDA, or on the
-    CPU with ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests)."""
-    if not (_TRITON and kernels_switched_on()):
+    """Triton is installed in a supported version (:data:`TRITON_RANGE`), ``SIAMESENORM_KERNELS``
+    is not ``0``, and ``t`` is on CUDA, or on the CPU with ``TRITON_INTERPRET=1`` (Triton's
+    interpreter, for tests)."""
+    if not (_TRITON and kernels_switched_on() and triton_supported()):
         return False
     if t.is_cuda:
         return True
@@ -55,11 +87,17 @@ def kernels_run_on(t: Tensor) -> bool:
     return False
 
 
+def _why_not() -> str:
+    if not _TRITON or triton_supported():
+        return "fused Triton kernels need CUDA and triton"
+    (a, b), (c, d) = TRITON_RANGE
+    return f"fused Triton kernels are tested with Triton {a}.{b} to {c}.{d}, not {_VERSION}"
+
+
 def announce_fallback() -> None:
     """Say once per process, on stderr, that the PyTorch path runs in place of the kernels."""
     global _announced
     if _announced or not kernels_switched_on():     # switched off on purpose: nothing to say
         return
     _announced = True
-    print("siamesenorm: fused Triton kernels need CUDA and triton; running the PyTorch path",
-          file=sys.stderr)
+    print(f"siamesenorm: {_why_not()}; running the PyTorch path", file=sys.stderr)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from . import guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_SOURCES", "MAX_WIDTH", "depth_mix_kernel_runs", "fused_depth_mix"]
@@ -53,14 +54,58 @@ def _stats_shape(sources: list[Tensor], kind: str) -> tuple[int, ...]:
     return (0,) if kind == "none" else (2, sources[0].numel() // sources[0].shape[-1])
 
 
+def _reference(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+               eps: float, norm_eps: float, dtype: torch.dtype) -> Tensor:
+    """The mix and its norm by PyTorch ops, in float32 inside."""
+    values = torch.stack(sources).float()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    x = torch.einsum("n...,n...d->...d", (keys @ u.float()).softmax(0), values)
+    d = (x.shape[-1],)
+    weight, bias = (None if p is None else p.float() for p in (weight, bias))
+    if kind == "layernorm":
+        x = torch.nn.functional.layer_norm(x, d, weight, bias, norm_eps)
+    elif kind == "rmsnorm":
+        x = torch.nn.functional.rms_norm(x, d, weight, norm_eps)
+    return x.to(dtype)
+
+
+def _check_kernels(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                   eps: float, norm_eps: float, dtype: torch.dtype) -> float:
+    d = u.shape[-1]
+    small = guard.random_inputs(0, u.device, *(((4, d), v.dtype) for v in sources), ((d,), u.dtype),
+                                None if weight is None else ((d,), weight.dtype),
+                                None if bias is None else ((d,), bias.dtype))
+    n = len(sources)
+    args = [small[:n], *small[n:]]
+    if args[2] is not None:
+        args[2] = 1 + 0.1 * args[2]
+    return guard.compare(lambda *a: torch.ops.siamesenorm.depth_mix(*a, kind, eps, norm_eps, dtype)[:1],
+                         lambda *a: [_reference(*a, kind, eps, norm_eps, dtype)], args,
+                         guard.tolerance(args, dtype))
+
+
+def _example(device: torch.device, dtype: torch.dtype) -> tuple:
+    *sources, u, w = guard.random_inputs(7, device, *[((5, 96), dtype)] * 3, ((96,), dtype), ((96,), dtype))
+    return sources, u, w, None, "rmsnorm", 1e-6, 1e-6, dtype
+
+
+DEPTH_MIX = guard.KernelOp("depth_mix", _check_kernels, _example)
+
+
 @torch.library.custom_op("siamesenorm::depth_mix", mutates_args=())
 def _depth_mix(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
                eps: float, norm_eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(out, stats)``: ``out`` in ``dtype`` (float32 inside), ``stats`` the norm's ``(2, tokens)``
-    float32 mean (0 for RMSNorm) and rstd, empty without a norm. ``eps``: the key norm's."""
+    float32 mean (0 for RMSNorm) and rstd, empty without a norm (zeros on the PyTorch path, whose
+    backward does not read them). ``eps``: the key norm's."""
     _check(sources, u, weight, bias, kind)
-    return _kernels().depth_mix_forward([v.contiguous() for v in sources], u.contiguous(), weight, bias,
-                                        kind, eps, norm_eps, dtype)
+    return DEPTH_MIX.run(
+        lambda: _kernels().depth_mix_forward([v.contiguous() for v in sources], u.contiguous(), weight, bias,
+                                             kind, eps, norm_eps, dtype),
+        lambda: (_reference(sources, u, weight, bias, kind, eps, norm_eps, dtype).contiguous(),
+                 u.new_zeros(_stats_shape(sources, kind), dtype=torch.float32)),
+        (guard.config_key(u.shape[-1], sources, u, weight, bias, kind, dtype),
+         (sources, u, weight, bias, kind, eps, norm_eps, dtype), u.device))
 
 
 @_depth_mix.register_fake
@@ -72,16 +117,29 @@ def _(sources, u, weight, bias, kind, eps, norm_eps, dtype):
 
 @torch.library.custom_op("siamesenorm::depth_mix_backward", mutates_args=())
 def _depth_mix_backward(grad: Tensor, sources: list[Tensor], u: Tensor, weight: Tensor | None,
-                        bias: Tensor | None, stats: Tensor, kind: str, eps: float, need_w: bool,
-                        need_b: bool) -> list[Tensor]:
+                        bias: Tensor | None, stats: Tensor, kind: str, eps: float, norm_eps: float,
+                        need_w: bool, need_b: bool) -> list[Tensor]:
     """``[dv_0, ..., dv_{n-1}, du, dw, db]`` in their inputs' dtypes (``dw``, ``db`` empty where not
     computed)."""
-    return _kernels().depth_mix_backward(grad.contiguous(), [v.contiguous() for v in sources], u.contiguous(),
-                                         weight, bias, stats, kind, eps, need_w, need_b)
+    n = len(sources)
+
+    def fallback() -> list[Tensor]:
+        *dv, du, dw, db = guard.reference_grads(
+            lambda *a: [_reference(list(a[:n]), *a[n:], kind, eps, norm_eps, grad.dtype)],
+            [*sources, u, weight, bias], [grad], u.device)
+
+        def param(g: Tensor | None, p: Tensor | None, need: bool) -> Tensor:
+            return g.to(p.dtype) if p is not None and need else u.new_empty(0, dtype=torch.float32)
+        return [*(g.to(v.dtype) for g, v in zip(dv, sources)), du.to(u.dtype), param(dw, weight, need_w),
+                param(db, bias, need_b)]
+    return DEPTH_MIX.run(
+        lambda: _kernels().depth_mix_backward(grad.contiguous(), [v.contiguous() for v in sources],
+                                              u.contiguous(), weight, bias, stats, kind, eps, need_w, need_b),
+        fallback)
 
 
 @_depth_mix_backward.register_fake
-def _(grad, sources, u, weight, bias, stats, kind, eps, need_w, need_b):
+def _(grad, sources, u, weight, bias, stats, kind, eps, norm_eps, need_w, need_b):
     def param_grad(p: Tensor | None, need: bool) -> Tensor:
         return torch.empty_like(p) if p is not None and need else u.new_empty(0, dtype=torch.float32)
 
@@ -90,9 +148,9 @@ def _(grad, sources, u, weight, bias, stats, kind, eps, need_w, need_b):
 
 
 def _setup(ctx, inputs, output) -> None:
-    sources, u, weight, bias, kind, eps, _, _ = inputs
+    sources, u, weight, bias, kind, eps, norm_eps, _ = inputs
     ctx.save_for_backward(u, weight, bias, output[1], *sources)
-    ctx.kind, ctx.eps = kind, eps
+    ctx.kind, ctx.eps, ctx.norm_eps = kind, eps, norm_eps
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
@@ -103,7 +161,7 @@ def _grad(ctx, grad, _stats):
     u, weight, bias, stats, *sources = ctx.saved_tensors
     need = ctx.needs_input_grad
     *dsources, du, dw, db = torch.ops.siamesenorm.depth_mix_backward(
-        grad, sources, u, weight, bias, stats, ctx.kind, ctx.eps, bool(need[2]), bool(need[3]))
+        grad, sources, u, weight, bias, stats, ctx.kind, ctx.eps, ctx.norm_eps, bool(need[2]), bool(need[3]))
     return (dsources, du if need[1] else None, dw if weight is not None and need[2] else None,
             db if bias is not None and need[3] else None, None, None, None, None)
 
@@ -138,13 +196,4 @@ def fused_depth_mix(sources: tuple[Tensor, ...], u: Tensor, weight: Tensor | Non
     if depth_mix_kernel_runs(sources, u, kind):
         return torch.ops.siamesenorm.depth_mix(list(sources), u, weight, bias, kind, float(eps),
                                                float(norm_eps), dtype)[0]
-    values = torch.stack(sources).float()
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    x = torch.einsum("n...,n...d->...d", (keys @ u.float()).softmax(0), values)
-    d = (x.shape[-1],)
-    weight, bias = (None if p is None else p.float() for p in (weight, bias))
-    if kind == "layernorm":
-        x = torch.nn.functional.layer_norm(x, d, weight, bias, norm_eps)
-    elif kind == "rmsnorm":
-        x = torch.nn.functional.rms_norm(x, d, weight, norm_eps)
-    return x.to(dtype)
+    return _reference(list(sources), u, weight, bias, kind, eps, norm_eps, dtype)

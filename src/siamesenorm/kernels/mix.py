@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.mixing import mix_and_write
+from . import guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_N", "mix_entry", "mix_entry_kernel_runs", "mix_write", "mix_write_kernel_runs"]
@@ -53,12 +54,36 @@ def _check(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> None:
             raise ValueError(f"mix_write: the inputs must be floating point, not {t.dtype}")
 
 
+def _write_reference(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
+    return mix_and_write(res.transpose(-1, -2), h, post, out).to(dtype)
+
+
+def _write_check(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> float:
+    n, d = h.shape[-2:]
+    args = guard.random_inputs(0, h.device, ((4, n, n), res.dtype), ((4, n, d), h.dtype),
+                               ((4, n), post.dtype), ((4, d), out.dtype))
+    return guard.compare(lambda *a: [torch.ops.siamesenorm.mix_write(*a, dtype)],
+                         lambda *a: [_write_reference(*a, dtype)], args, guard.tolerance(args, dtype))
+
+
+def _write_example(device: torch.device, dtype: torch.dtype) -> tuple:
+    return (*guard.random_inputs(4, device, ((3, 4, 4), dtype), ((3, 4, 96), dtype), ((3, 4), dtype),
+                                 ((3, 96), dtype)), dtype)
+
+
+MIX_WRITE = guard.KernelOp("mix_write", _write_check, _write_example)
+
+
 @torch.library.custom_op("siamesenorm::mix_write", mutates_args=())
 def _mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """The new state in ``dtype`` (float32 inside); the inputs of one leading shape."""
     _check(res, h, post, out)
-    return _kernels().mix_write_forward(res.contiguous(), h.contiguous(), post.contiguous(),
-                                        out.contiguous(), dtype)
+    return MIX_WRITE.run(
+        lambda: _kernels().mix_write_forward(res.contiguous(), h.contiguous(), post.contiguous(),
+                                             out.contiguous(), dtype),
+        lambda: _write_reference(res, h, post, out, dtype).contiguous(),
+        (guard.config_key(h.shape[-1], h.shape[-2], res, h, post, out, dtype), (res, h, post, out, dtype),
+         h.device))
 
 
 @_mix_write.register_fake
@@ -71,8 +96,13 @@ def _(res, h, post, out, dtype):
 def _mix_write_backward(grad: Tensor, res: Tensor, h: Tensor, post: Tensor,
                         out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dres, dh, dpost, dout)``, each in its input's dtype."""
-    return _kernels().mix_write_backward(grad.contiguous(), res.contiguous(), h.contiguous(),
-                                         post.contiguous(), out.contiguous())
+    def fallback():
+        inputs = [res, h, post, out]
+        grads = guard.reference_grads(lambda r, *rest: [mix_and_write(r.transpose(-1, -2), *rest)], inputs,
+                                      [grad], h.device)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+    tensors = (grad, res, h, post, out)
+    return MIX_WRITE.run(lambda: _kernels().mix_write_backward(*(t.contiguous() for t in tensors)), fallback)
 
 
 @_mix_write_backward.register_fake
@@ -121,7 +151,7 @@ def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dt
                          for t, k in ((res, 2), (h, 2), (post, 1), (out, 1)))
     if mix_write_kernel_runs(res, h, post, out):
         return torch.ops.siamesenorm.mix_write(res, h, post, out, dtype)
-    return mix_and_write(res.transpose(-1, -2), h, post, out).to(dtype)
+    return _write_reference(res, h, post, out, dtype)
 
 
 # ---- b = norm(sum_k pre_k H_k) -----------------------------------------------------------------------
@@ -140,14 +170,48 @@ def _check_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | N
             raise ValueError(f"mix_entry: {name} must have shape {tuple(h.shape[-1:])}, not {tuple(p.shape)}")
 
 
+def _entry_reference(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                     eps: float, dtype: torch.dtype) -> Tensor:
+    u = (pre.unsqueeze(-1) * h).sum(-2)
+    d = (u.shape[-1],)
+    out = F.layer_norm(u, d, weight, bias, eps) if kind == "layernorm" else F.rms_norm(u, d, weight, eps)
+    return out.to(dtype)
+
+
+def _entry_check(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float,
+                 dtype: torch.dtype) -> float:
+    n, d = h.shape[-2:]
+    args = guard.random_inputs(0, h.device, ((4, n, d), h.dtype), ((4, n), pre.dtype),
+                               None if weight is None else ((d,), weight.dtype),
+                               None if bias is None else ((d,), bias.dtype))
+    if args[2] is not None:
+        args[2] = 1 + 0.1 * args[2]
+    return guard.compare(lambda *a: [torch.ops.siamesenorm.mix_entry(*a, kind, eps, dtype)[0]],
+                         lambda *a: [_entry_reference(*a, kind, eps, dtype)], args,
+                         guard.tolerance(args, dtype))
+
+
+def _entry_example(device: torch.device, dtype: torch.dtype) -> tuple:
+    h, pre, w = guard.random_inputs(5, device, ((3, 4, 96), dtype), ((3, 4), dtype), ((96,), dtype))
+    return h, pre, w, None, "rmsnorm", 1e-6, dtype
+
+
+MIX_ENTRY = guard.KernelOp("mix_entry", _entry_check, _entry_example)
+
+
 @torch.library.custom_op("siamesenorm::mix_entry", mutates_args=())
 def _mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float,
                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(b, stats)``: the branch input in ``dtype`` and ``(2, tokens)`` float32 row statistics
-    (mean, 0 for RMSNorm, and rstd)."""
+    (mean, 0 for RMSNorm, and rstd; zeros on the PyTorch path, whose backward does not read them)."""
     _check_entry(h, pre, weight, bias, kind)
-    return _entry_kernels().mix_entry_forward(h.contiguous(), pre.contiguous(), weight, bias,
-                                              kind == "layernorm", eps, dtype)
+    return MIX_ENTRY.run(
+        lambda: _entry_kernels().mix_entry_forward(h.contiguous(), pre.contiguous(), weight, bias,
+                                                   kind == "layernorm", eps, dtype),
+        lambda: (_entry_reference(h, pre, weight, bias, kind, eps, dtype).contiguous(),
+                 h.new_zeros((2, pre.numel() // pre.shape[-1]), dtype=torch.float32)),
+        (guard.config_key(h.shape[-1], h.shape[-2], h, pre, weight, bias, kind, dtype),
+         (h, pre, weight, bias, kind, eps, dtype), h.device))
 
 
 @_mix_entry.register_fake
@@ -159,15 +223,25 @@ def _(h, pre, weight, bias, kind, eps, dtype):
 
 @torch.library.custom_op("siamesenorm::mix_entry_backward", mutates_args=())
 def _mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None,
-                        stats: Tensor, kind: str, need_w: bool,
+                        stats: Tensor, kind: str, eps: float, need_w: bool,
                         need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dh, dpre, dw, db)`` in their inputs' dtypes (``dw``, ``db`` empty where not computed)."""
-    return _entry_kernels().mix_entry_backward(grad.contiguous(), h.contiguous(), pre.contiguous(), weight,
-                                               bias, stats, kind == "layernorm", need_w, need_b)
+    def fallback():
+        dh, dpre, dw, db = guard.reference_grads(
+            lambda *a: [_entry_reference(*a, kind, eps, grad.dtype)], [h, pre, weight, bias], [grad],
+            h.device)
+
+        def param(g: Tensor | None, p: Tensor | None, need: bool) -> Tensor:
+            return g.to(p.dtype) if p is not None and need else h.new_empty(0, dtype=torch.float32)
+        return dh.to(h.dtype), dpre.to(pre.dtype), param(dw, weight, need_w), param(db, bias, need_b)
+    return MIX_ENTRY.run(
+        lambda: _entry_kernels().mix_entry_backward(grad.contiguous(), h.contiguous(), pre.contiguous(),
+                                                    weight, bias, stats, kind == "layernorm", need_w, need_b),
+        fallback)
 
 
 @_mix_entry_backward.register_fake
-def _(grad, h, pre, weight, bias, stats, kind, need_w, need_b):
+def _(grad, h, pre, weight, bias, stats, kind, eps, need_w, need_b):
     def param_grad(p: Tensor | None, need: bool) -> Tensor:
         return torch.empty_like(p) if p is not None and need else h.new_empty(0, dtype=torch.float32)
 
@@ -175,9 +249,9 @@ def _(grad, h, pre, weight, bias, stats, kind, need_w, need_b):
 
 
 def _entry_setup(ctx, inputs, output) -> None:
-    h, pre, weight, bias, kind, _, _ = inputs
+    h, pre, weight, bias, kind, eps, _ = inputs
     ctx.save_for_backward(h, pre, weight, bias, output[1])
-    ctx.kind = kind
+    ctx.kind, ctx.eps = kind, eps
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
@@ -188,7 +262,7 @@ def _entry_grad(ctx, grad, _stats):
     h, pre, weight, bias, stats = ctx.saved_tensors
     need = ctx.needs_input_grad
     dh, dpre, dw, db = torch.ops.siamesenorm.mix_entry_backward(
-        grad, h, pre, weight, bias, stats, ctx.kind, need[2], need[3])
+        grad, h, pre, weight, bias, stats, ctx.kind, ctx.eps, need[2], need[3])
     return (dh if need[0] else None, dpre if need[1] else None,
             dw if weight is not None and need[2] else None, db if bias is not None and need[3] else None,
             None, None, None)
@@ -219,7 +293,4 @@ def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor
     pre = pre if pre.shape[:-1] == lead else pre.expand(*lead, pre.shape[-1])
     if mix_entry_kernel_runs(h, pre, kind):
         return torch.ops.siamesenorm.mix_entry(h, pre, weight, bias, kind, float(eps), dtype)[0]
-    u = (pre.unsqueeze(-1) * h).sum(-2)
-    d = (u.shape[-1],)
-    out = F.layer_norm(u, d, weight, bias, eps) if kind == "layernorm" else F.rms_norm(u, d, weight, eps)
-    return out.to(dtype)
+    return _entry_reference(h, pre, weight, bias, kind, eps, dtype)

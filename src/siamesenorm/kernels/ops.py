@@ -5,7 +5,9 @@
   exit of one sublayer (its writes into the two streams) fused with the entry of the next.
 
 Each op has a fake (so ``torch.compile`` traces it) and an autograd formula whose backward is a
-second custom op. Forward keeps only what backward needs: the tensors a norm reads and its per-row
+second custom op. Both run their kernels through a :class:`~siamesenorm.kernels.guard.KernelOp`,
+which checks them on first use and computes the PyTorch path where they fail. Forward keeps only
+what backward needs: the tensors a norm reads and its per-row
 statistics (float32 mean and rstd); normalised values and sums are recomputed in the kernel. The
 front functions run the kernels where :func:`~siamesenorm.kernels.kernels_available` says so, and
 otherwise the plain composition of PyTorch ops (``F.rms_norm``/``F.layer_norm`` and adds), which is
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import guard
 from .availability import announce_fallback, kernels_available
 
 __all__ = ["MAX_WIDTH", "add_norm", "add_rms_norm", "siamese_update_entry"]
@@ -62,11 +65,44 @@ def _check_kind(kind: str, *biases: Tensor | None) -> None:
 
 
 # ---- s = h + z; n = norm(s) --------------------------------------------------------------------------
+def _add_norm_reference(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    """``(s, n)`` by PyTorch ops, in the kernel's dtypes."""
+    s = h + z
+    return s, _norm(s, weight, bias, kind, eps).to(s.dtype)
+
+
+def _add_norm_check(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                    eps: float) -> float:
+    d, dev = h.shape[-1], h.device
+    args = guard.random_inputs(0, dev, ((4, d), h.dtype), ((4, d), z.dtype),
+                               None if weight is None else ((d,), weight.dtype),
+                               None if bias is None else ((d,), bias.dtype))
+    if args[2] is not None:
+        args[2] = 1 + 0.1 * args[2]
+    return guard.compare(lambda *a: torch.ops.siamesenorm.add_norm(*a, kind, eps)[:2],
+                         lambda *a: _add_norm_reference(*a, kind, eps), args)
+
+
+def _add_norm_example(device: torch.device, dtype: torch.dtype) -> tuple:
+    h, z, w = guard.random_inputs(1, device, ((3, 96), dtype), ((3, 96), dtype), ((96,), dtype))
+    return h, z, w, None, "rmsnorm", 1e-6
+
+
+ADD_NORM = guard.KernelOp("add_norm", _add_norm_check, _add_norm_example)
+
+
 @torch.library.custom_op("siamesenorm::add_norm", mutates_args=())
 def _add_norm(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
               eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(s, n, stats)``: ``stats`` is ``(2, rows)`` float32, the mean (0 for RMSNorm) and rstd."""
-    return _kernels().add_norm_forward(h, z, weight, bias, kind == "layernorm", eps)
+    """``(s, n, stats)``: ``stats`` is ``(2, rows)`` float32, the mean (0 for RMSNorm) and rstd
+    (zeros on the PyTorch path, whose backward does not read them)."""
+    def fallback():
+        return *_add_norm_reference(h, z, weight, bias, kind, eps), h.new_zeros((2, _rows(h)),
+                                                                                 dtype=torch.float32)
+    return ADD_NORM.run(lambda: _kernels().add_norm_forward(h, z, weight, bias, kind == "layernorm", eps),
+                        fallback, (guard.config_key(h.shape[-1], h, z, weight, bias, kind),
+                                   (h, z, weight, bias, kind, eps), h.device))
 
 
 @_add_norm.register_fake
@@ -75,16 +111,29 @@ def _(h, z, weight, bias, kind, eps):
     return s, torch.empty_like(s), h.new_empty((2, _rows(h)), dtype=torch.float32)
 
 
+def _param_grad(g: Tensor | None, p: Tensor | None, need: bool, like: Tensor) -> Tensor:
+    """A parameter's gradient as the kernels return it: in its dtype, empty float32 where none."""
+    if p is not None and need and g is not None:
+        return g.to(p.dtype)
+    return like.new_empty(0, dtype=torch.float32)
+
+
 @torch.library.custom_op("siamesenorm::add_norm_backward", mutates_args=())
 def _add_norm_backward(gs: Tensor | None, gn: Tensor, s: Tensor, weight: Tensor | None,
-                       bias: Tensor | None, stats: Tensor, kind: str, need_w: bool,
+                       bias: Tensor | None, stats: Tensor, kind: str, eps: float, need_w: bool,
                        need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(ds, dw, db)`` (``ds`` in ``s``'s dtype; ``dw``, ``db`` empty where not computed)."""
-    return _kernels().add_norm_backward(gs, gn, s, weight, bias, stats, kind == "layernorm", need_w, need_b)
+    def fallback():
+        ds, dw, db = guard.reference_grads(lambda s, w, b: [_norm(s, w, b, kind, eps)], [s, weight, bias],
+                                           [gn], s.device)
+        ds = ds if gs is None else ds + gs
+        return ds.to(s.dtype), _param_grad(dw, weight, need_w, s), _param_grad(db, bias, need_b, s)
+    return ADD_NORM.run(lambda: _kernels().add_norm_backward(gs, gn, s, weight, bias, stats,
+                                                             kind == "layernorm", need_w, need_b), fallback)
 
 
 @_add_norm_backward.register_fake
-def _(gs, gn, s, weight, bias, stats, kind, need_w, need_b):
+def _(gs, gn, s, weight, bias, stats, kind, eps, need_w, need_b):
     def grad(p: Tensor | None, need: bool) -> Tensor:
         return torch.empty_like(p) if p is not None and need else s.new_empty(0, dtype=torch.float32)
 
@@ -92,10 +141,10 @@ def _(gs, gn, s, weight, bias, stats, kind, need_w, need_b):
 
 
 def _add_norm_setup(ctx, inputs, output) -> None:
-    h, z, weight, bias, kind, _ = inputs
+    h, z, weight, bias, kind, eps = inputs
     s, _, stats = output
     ctx.save_for_backward(s, weight, bias, stats)
-    ctx.kind, ctx.dtypes = kind, (h.dtype, z.dtype)
+    ctx.kind, ctx.eps, ctx.dtypes = kind, eps, (h.dtype, z.dtype)
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
 
@@ -108,7 +157,7 @@ def _add_norm_grad(ctx, gs, gn, _):
         ds = gs
     else:
         ds, dw, db = torch.ops.siamesenorm.add_norm_backward(
-            _contiguous(gs), gn.contiguous(), s, weight, bias, stats, ctx.kind, need[2], need[3])
+            _contiguous(gs), gn.contiguous(), s, weight, bias, stats, ctx.kind, ctx.eps, need[2], need[3])
         dw = dw if weight is not None and need[2] else None
         db = db if bias is not None and need[3] else None
     if ds is None:
@@ -143,6 +192,58 @@ def add_rms_norm(h: Tensor, z: Tensor, weight: Tensor | None = None,
 
 
 # ---- SiameseNorm: the update of two streams and the entry of the next sublayer -------------------------
+def _entry_from_sums(x1: Tensor, y1: Tensor | None, xw: Tensor | None, xb: Tensor | None,
+                     yw: Tensor | None, yb: Tensor | None, iw: Tensor | None, ib: Tensor | None, kind: str,
+                     eps: float, x_mode: str, y_norm: bool, in_norm: bool) -> tuple[Tensor, Tensor]:
+    """``(x', b)`` by PyTorch ops from what the norms read (``x1``, ``y1``): the equations of
+    :func:`siamese_update_entry` after the update."""
+    xo = _norm(x1, xw, xb, kind, eps) if x_mode == "norm" else x1
+    u = x1 * xw if x_mode == "gain" else xo
+    if y_norm:
+        u = u + _norm(y1, yw, yb, kind, eps)
+    return xo, (_norm(u, iw, ib, kind, eps) if in_norm else u)
+
+
+def _entry_reference(x: Tensor, y: Tensor, o: Tensor | None, scale: float, params: list[Tensor | None],
+                     kind: str, eps: float, x_mode: str, y_norm: bool, in_norm: bool,
+                     b_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x', y1, b)`` by PyTorch ops, in the kernel's dtypes (``x'`` is ``x1`` outside "norm" mode)."""
+    if o is not None:
+        x, y = torch.add(x, o, alpha=scale), y + o
+    xo, b = _entry_from_sums(x, y, *params, kind, eps, x_mode, y_norm, in_norm)
+    return xo.to(x.dtype), y, b.to(b_dtype or torch.promote_types(x.dtype, y.dtype))
+
+
+def _entry_check(x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, eps, x_mode, y_norm, in_norm,
+                 b_dtype=None) -> float:
+    d, dev = x.shape[-1], x.device
+    spec = [None if t is None else (((4, d) if t.dim() > 1 else (d,)), t.dtype)
+            for t in (x, y, o, xw, xb, yw, yb, iw, ib)]
+    args = guard.random_inputs(0, dev, *spec)
+    for i in (3, 5, 7):         # weights (and the gain) near one
+        if args[i] is not None:
+            args[i] = 1 + 0.1 * args[i]
+    has_o = o is not None
+
+    def kernel(x, y, o, *p):
+        xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(x, y, o, scale, *p, kind, eps, x_mode, y_norm,
+                                                             in_norm, b_dtype)
+        return [t for t, keep in ((xo, x_mode == "norm" or has_o), (y1, has_o), (b, True)) if keep]
+
+    def reference(x, y, o, *p):
+        xo, y1, b = _entry_reference(x, y, o, scale, list(p), kind, eps, x_mode, y_norm, in_norm, b_dtype)
+        return [t for t, keep in ((xo, x_mode == "norm" or has_o), (y1, has_o), (b, True)) if keep]
+    return guard.compare(kernel, reference, args, guard.tolerance(args, b_dtype))
+
+
+def _entry_example(device: torch.device, dtype: torch.dtype) -> tuple:
+    x, y, o, w = guard.random_inputs(2, device, *[((3, 96), dtype)] * 3, ((96,), dtype))
+    return (x, y, o, 0.5, w, None, w, None, w, None, "rmsnorm", 1e-6, "norm", True, True, None)
+
+
+UPDATE_ENTRY = guard.KernelOp("update_entry", _entry_check, _entry_example)
+
+
 @torch.library.custom_op("siamesenorm::update_entry", mutates_args=())
 def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight: Tensor | None,
                   x_bias: Tensor | None, y_weight: Tensor | None, y_bias: Tensor | None,
@@ -151,10 +252,22 @@ def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight
                   b_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(x', y1, b, x1, stats)``: ``x'`` is empty when it is ``x`` itself (no ``o``, no X norm),
     ``y1`` without ``o``; ``x1`` (``x + scale o``) is written only with ``o`` and the X norm, for
-    backward; ``stats`` is ``(6, rows)`` float32: mean and rstd of the X, Y and input norms."""
+    backward; ``stats`` is ``(6, rows)`` float32: mean and rstd of the X, Y and input norms (zeros
+    on the PyTorch path, whose backward does not read them)."""
     params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
-    return _kernels().entry_forward(x, y, o, scale, params, kind == "layernorm", eps, x_mode, y_norm,
-                                    in_norm, b_dtype)
+    has_o = o is not None
+
+    def fallback():
+        xo, y1, b = _entry_reference(x, y, o, scale, params, kind, eps, x_mode, y_norm, in_norm, b_dtype)
+        empty = x.new_empty(0, dtype=xo.dtype)
+        return (xo if x_mode == "norm" or has_o else empty, y1 if has_o else y.new_empty(0, dtype=y1.dtype),
+                b, xo.new_empty(0) if not (has_o and x_mode == "norm") else torch.add(x, o, alpha=scale),
+                x.new_zeros((6, _rows(x)), dtype=torch.float32))
+    return UPDATE_ENTRY.run(
+        lambda: _kernels().entry_forward(x, y, o, scale, params, kind == "layernorm", eps, x_mode, y_norm,
+                                         in_norm, b_dtype), fallback,
+        (guard.config_key(x.shape[-1], x, y, o, *params, kind, x_mode, y_norm, in_norm, b_dtype),
+         (x, y, o, scale, *params, kind, eps, x_mode, y_norm, in_norm, b_dtype), x.device))
 
 
 @_update_entry.register_fake
@@ -178,18 +291,32 @@ def _update_entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor
                            y1: Tensor | None, x_weight: Tensor | None, x_bias: Tensor | None,
                            y_weight: Tensor | None, y_bias: Tensor | None,
                            in_weight: Tensor | None, in_bias: Tensor | None, stats: Tensor,
-                           has_o: bool, scale: float, kind: str, x_mode: str, y_norm: bool,
+                           has_o: bool, scale: float, kind: str, eps: float, x_mode: str, y_norm: bool,
                            in_norm: bool) -> list[Tensor]:
     """``[dx, dy, do, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib]``, the first three in ``x1``'s dtype;
     empty where there is no such gradient."""
     params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
-    return list(_kernels().entry_backward(g_xo, g_y1, g_b, x1, y1, params, stats, has_o, scale,
-                                          kind == "layernorm", x_mode, y_norm, in_norm))
+
+    def fallback():
+        dx, dy, *d_params = guard.reference_grads(
+            lambda x1, y1, *p: _entry_from_sums(x1, y1, *p, kind, eps, x_mode, y_norm, in_norm),
+            [x1, y1 if y_norm else None, *params], [g_xo, g_b], x1.device)
+        if g_y1 is not None:
+            dy = g_y1 if dy is None else dy + g_y1
+        if dy is None:
+            dy = torch.zeros_like(x1)
+        empty = x1.new_empty(0)
+        return [dx.to(x1.dtype), dy.to(x1.dtype) if y_norm or has_o else empty,
+                (scale * dx + dy).to(x1.dtype) if has_o else empty,
+                *(_param_grad(g, p, True, x1) for g, p in zip(d_params, params))]
+    return UPDATE_ENTRY.run(
+        lambda: list(_kernels().entry_backward(g_xo, g_y1, g_b, x1, y1, params, stats, has_o, scale,
+                                               kind == "layernorm", x_mode, y_norm, in_norm)), fallback)
 
 
 @_update_entry_backward.register_fake
 def _(g_xo, g_y1, g_b, x1, y1, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, stats, has_o, scale,
-      kind, x_mode, y_norm, in_norm):
+      kind, eps, x_mode, y_norm, in_norm):
     def new(full: bool) -> Tensor:
         return x1.new_empty(x1.shape if full else (0,))
 
@@ -200,14 +327,14 @@ def _(g_xo, g_y1, g_b, x1, y1, x_weight, x_bias, y_weight, y_bias, in_weight, in
 
 
 def _entry_setup(ctx, inputs, output) -> None:
-    x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, _, x_mode, y_norm, in_norm, _ = inputs
+    x, y, o, scale, xw, xb, yw, yb, iw, ib, kind, eps, x_mode, y_norm, in_norm, _ = inputs
     xo, y1, b, x1, stats = output
     has_o = o is not None
     # What the norms read: x1 = x + scale o (x itself without o), y1 = y + o (y itself).
     x1_kept = (x1 if x_mode == "norm" else xo) if has_o else x
     y1_kept = (y1 if has_o else y) if y_norm else None
     ctx.save_for_backward(x1_kept, y1_kept, xw, xb, yw, yb, iw, ib, stats)
-    ctx.flags = (has_o, scale, kind, x_mode, y_norm, in_norm)
+    ctx.flags = (has_o, scale, kind, eps, x_mode, y_norm, in_norm)
     ctx.dtypes = (x.dtype, y.dtype, None if o is None else o.dtype)
     ctx.b_meta = (b.shape, b.dtype)
     ctx.mark_non_differentiable(x1, stats)
@@ -216,7 +343,7 @@ def _entry_setup(ctx, inputs, output) -> None:
 
 def _entry_grad(ctx, g_xo, g_y1, g_b, _x1, _stats):
     x1, y1, *params, stats = ctx.saved_tensors
-    has_o, scale, kind, x_mode, y_norm, in_norm = ctx.flags
+    has_o, scale, kind, eps, x_mode, y_norm, in_norm = ctx.flags
     none = (None,) * 16
     g_xo, g_y1, g_b = _contiguous(g_xo), _contiguous(g_y1), _contiguous(g_b)
     if g_xo is None and g_y1 is None and g_b is None:
@@ -224,7 +351,7 @@ def _entry_grad(ctx, g_xo, g_y1, g_b, _x1, _stats):
     if g_b is None:
         g_b = x1.new_zeros(ctx.b_meta[0], dtype=ctx.b_meta[1])
     dx, dy, do, *d_params = torch.ops.siamesenorm.update_entry_backward(
-        g_xo, g_y1, g_b, x1, y1, *params, stats, has_o, scale, kind,
+        g_xo, g_y1, g_b, x1, y1, *params, stats, has_o, scale, kind, eps,
         x_mode, y_norm, in_norm)
     need = ctx.needs_input_grad
     x_dtype, y_dtype, o_dtype = ctx.dtypes
@@ -283,9 +410,6 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
         return (xo if x_mode == "norm" or o is not None else x), (y1 if o is not None else y), b
     if o is not None:
         x, y = torch.add(x, o, alpha=scale), y + o
-    xo = _norm(x, x_weight, x_bias, kind, eps) if x_mode == "norm" else x
-    u = x * x_weight if x_mode == "gain" else xo
-    if y_norm:
-        u = u + _norm(y, y_weight, y_bias, kind, eps)
-    b = _norm(u, in_weight, in_bias, kind, eps) if in_norm else u
+    xo, b = _entry_from_sums(x, y, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, eps, x_mode,
+                             y_norm, in_norm)
     return xo, y, (b if out_dtype is None else b.to(out_dtype))

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from . import guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_COLUMNS", "rms_project", "rms_project_kernel_runs"]
@@ -31,13 +32,40 @@ def _check(x: Tensor, w: Tensor) -> None:
                          f"not {tuple(x.shape)} and {tuple(w.shape)}")
 
 
+def _reference(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(z, rstd)`` by PyTorch ops in float32 (the product exact)."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.square().mean(-1) + eps)
+    return (x32 @ w.float()) * rstd.unsqueeze(-1), rstd
+
+
+def _check_kernels(x: Tensor, w: Tensor, eps: float, tf32: bool) -> float:
+    args = guard.random_inputs(0, x.device, ((4, x.shape[-1]), x.dtype), (tuple(w.shape), w.dtype))
+    return guard.compare(lambda *a: torch.ops.siamesenorm.rms_project(*a, eps, tf32)[:1],
+                         lambda *a: _reference(*a, eps)[:1], args,
+                         max(guard.tolerance(args), 1e-2 if tf32 else 0))
+
+
+def _example(device: torch.device, dtype: torch.dtype) -> tuple:
+    return (*guard.random_inputs(6, device, ((5, 4 * 96), dtype), ((4 * 96, 24), dtype)), 1e-6,
+            dtype != torch.float32)
+
+
+RMS_PROJECT = guard.KernelOp("rms_project", _check_kernels, _example)
+
+
 @torch.library.custom_op("siamesenorm::rms_project", mutates_args=())
 def _rms_project(x: Tensor, w: Tensor, eps: float, tf32: bool) -> tuple[Tensor, Tensor]:
     """``(z, rstd)`` in float32, ``(..., M)`` and ``(...)``; the product in TF32 or exact float32."""
     _check(x, w)
-    z, rstd = _kernels().rms_project_forward(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(),
-                                             eps, tf32)
-    return z.reshape(*x.shape[:-1], w.shape[1]), rstd.reshape(x.shape[:-1])
+
+    def kernel() -> tuple[Tensor, Tensor]:
+        z, rstd = _kernels().rms_project_forward(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(),
+                                                 eps, tf32)
+        return z.reshape(*x.shape[:-1], w.shape[1]), rstd.reshape(x.shape[:-1])
+    return RMS_PROJECT.run(kernel, lambda: _reference(x, w, eps),
+                           (guard.config_key(x.shape[-1], w.shape[1], x, w, tf32), (x, w, eps, tf32),
+                            x.device))
 
 
 @_rms_project.register_fake
@@ -48,27 +76,35 @@ def _(x, w, eps, tf32):
 
 
 @torch.library.custom_op("siamesenorm::rms_project_backward", mutates_args=())
-def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tensor, tf32: bool,
+def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tensor, eps: float, tf32: bool,
                           need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
     """``(dx, dw)`` in ``x``'s and ``w``'s dtypes, each empty where not asked for (``dw`` then
     float32, as :mod:`._triton`'s absent partial sums)."""
     k, m = w.shape
-    dx, dw = _kernels().rms_project_backward(dz.reshape(-1, m).contiguous(), x.reshape(-1, k).contiguous(),
-                                             w.contiguous(), z.reshape(-1, m).contiguous(), rstd.reshape(-1),
-                                             tf32, need_x, need_w)
-    return dx.reshape(x.shape) if need_x else dx, dw
+
+    def kernel() -> tuple[Tensor, Tensor]:
+        dx, dw = _kernels().rms_project_backward(
+            dz.reshape(-1, m).contiguous(), x.reshape(-1, k).contiguous(), w.contiguous(),
+            z.reshape(-1, m).contiguous(), rstd.reshape(-1), tf32, need_x, need_w)
+        return dx.reshape(x.shape) if need_x else dx, dw
+
+    def fallback() -> tuple[Tensor, Tensor]:
+        dx, dw = guard.reference_grads(lambda x, w: _reference(x, w, eps)[:1], [x, w], [dz], x.device)
+        return (dx.to(x.dtype) if need_x else x.new_empty(0),
+                dw.to(w.dtype) if need_w else w.new_empty(0, dtype=torch.float32))
+    return RMS_PROJECT.run(kernel, fallback)
 
 
 @_rms_project_backward.register_fake
-def _(dz, x, w, z, rstd, tf32, need_x, need_w):
+def _(dz, x, w, z, rstd, eps, tf32, need_x, need_w):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
             torch.empty_like(w) if need_w else w.new_empty(0, dtype=torch.float32))
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, w, _, tf32 = inputs
+    x, w, eps, tf32 = inputs
     ctx.save_for_backward(x, w, *output)
-    ctx.tf32 = tf32
+    ctx.eps, ctx.tf32 = eps, tf32
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
@@ -78,7 +114,7 @@ def _grad(ctx, dz, _rstd):
         return None, None, None, None
     x, w, z, rstd = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.siamesenorm.rms_project_backward(dz, x, w, z, rstd, ctx.tf32, bool(need_x),
+    dx, dw = torch.ops.siamesenorm.rms_project_backward(dz, x, w, z, rstd, ctx.eps, ctx.tf32, bool(need_x),
                                                         bool(need_w))
     return dx if need_x else None, dw if need_w else None, None, None
 

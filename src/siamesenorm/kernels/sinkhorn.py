@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..nn.sinkhorn import sinkhorn as sinkhorn_function
+from . import guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_ITERS", "MAX_N", "sinkhorn", "sinkhorn_kernel_runs"]
@@ -31,11 +32,29 @@ def _check(logits: Tensor, iters: int) -> None:
         raise ValueError(f"sinkhorn: iters must be in [0, {MAX_ITERS}], not {iters}")
 
 
+def _reference(logits: Tensor, iters: int) -> Tensor:
+    return sinkhorn_function(logits, iters).to(logits.dtype).contiguous()
+
+
+def _check_kernels(logits: Tensor, iters: int) -> float:
+    (small,) = guard.random_inputs(0, logits.device, ((4, *logits.shape[-2:]), logits.dtype))
+    return guard.compare(lambda t: [torch.ops.siamesenorm.sinkhorn(t, iters)],
+                         lambda t: [_reference(t, iters)], [small])
+
+
+def _example(device: torch.device, dtype: torch.dtype) -> tuple:
+    return guard.random_inputs(3, device, ((6, 4, 4), dtype))[0], 20
+
+
+SINKHORN = guard.KernelOp("sinkhorn", _check_kernels, _example)
+
+
 @torch.library.custom_op("siamesenorm::sinkhorn", mutates_args=())
 def _sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """The doubly stochastic matrices, contiguous, in ``logits``' dtype (float32 inside)."""
     _check(logits, iters)
-    return _kernels().sinkhorn_forward(logits, iters)
+    return SINKHORN.run(lambda: _kernels().sinkhorn_forward(logits, iters), lambda: _reference(logits, iters),
+                        (guard.config_key(logits.shape[-1], logits, iters), (logits, iters), logits.device))
 
 
 @_sinkhorn.register_fake
@@ -48,7 +67,11 @@ def _(logits, iters):
 def _sinkhorn_backward(grad: Tensor, logits: Tensor, iters: int) -> Tensor:
     """The logits' gradient (in their dtype), from the output's gradient and the logits."""
     _check(logits, iters)
-    return _kernels().sinkhorn_backward(grad, logits, iters)
+
+    def fallback() -> Tensor:
+        (d,) = guard.reference_grads(lambda t: [sinkhorn_function(t, iters)], [logits], [grad], logits.device)
+        return d.to(logits.dtype)
+    return SINKHORN.run(lambda: _kernels().sinkhorn_backward(grad, logits, iters), fallback)
 
 
 @_sinkhorn_backward.register_fake
