@@ -5,7 +5,9 @@ Every kernel reads rows of width ``D`` (contiguous, ``D <= BLOCK``, the tail mas
 float32 and writes in the output's dtype. Row statistics live in a float32 ``(k, M)`` tensor: for
 each norm its mean (zero for RMSNorm) and ``rstd``. Backward kernels walk a range of rows per
 program and write per-program partial sums of the weight and bias gradients to ``(P, D)`` float32
-buffers that the launcher sums.
+buffers that the launcher sums. A loop's trip count is a constexpr (``ROWS`` rows a program, a power
+of two; the rows past ``M`` skipped): a runtime bound in ``range`` compiles, but Triton 3.6's
+interpreter cannot turn it into a Python int.
 """
 
 import torch
@@ -83,28 +85,30 @@ def _add_norm_fwd(h_ptr, z_ptr, w_ptr, b_ptr, s_ptr, n_ptr, stats_ptr, M, D, eps
 
 
 @triton.jit
-def _add_norm_bwd(gs_ptr, gn_ptr, s_ptr, w_ptr, stats_ptr, ds_ptr, dw_ptr, db_ptr, M, D, rows,
+def _add_norm_bwd(gs_ptr, gn_ptr, s_ptr, w_ptr, stats_ptr, ds_ptr, dw_ptr, db_ptr, M, D,
                   IS_LN: tl.constexpr, HAS_GS: tl.constexpr, HAS_W: tl.constexpr, NEED_W: tl.constexpr,
-                  NEED_B: tl.constexpr, BLOCK: tl.constexpr):
+                  NEED_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     w = _param(w_ptr, cols, mask, HAS_W, 1.0)
     dw = tl.zeros((BLOCK,), tl.float32)
     db = tl.zeros((BLOCK,), tl.float32)
-    start = pid.to(tl.int64) * rows
-    for row in range(start, tl.minimum(start + rows, M)):
-        off = row * D + cols
-        shat, rstd = _recompute(_load_row(s_ptr, off, mask), mask, stats_ptr, 0, M, row, IS_LN)
-        g = _load_row(gn_ptr, off, mask)
-        ds = _norm_grad(g, shat, rstd, w, mask, D, IS_LN)
-        if HAS_GS:
-            ds += _load_row(gs_ptr, off, mask)
-        tl.store(ds_ptr + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
-        if NEED_W:
-            dw += g * shat
-        if NEED_B:
-            db += g
+    start = pid.to(tl.int64) * ROWS
+    for i in range(ROWS):
+        row = start + i
+        if row < M:
+            off = row * D + cols
+            shat, rstd = _recompute(_load_row(s_ptr, off, mask), mask, stats_ptr, 0, M, row, IS_LN)
+            g = _load_row(gn_ptr, off, mask)
+            ds = _norm_grad(g, shat, rstd, w, mask, D, IS_LN)
+            if HAS_GS:
+                ds += _load_row(gs_ptr, off, mask)
+            tl.store(ds_ptr + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+            if NEED_W:
+                dw += g * shat
+            if NEED_B:
+                db += g
     if NEED_W:
         tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=mask)
     if NEED_B:
@@ -166,12 +170,12 @@ def _entry_fwd(x_ptr, y_ptr, o_ptr, xw_ptr, xb_ptr, yw_ptr, yb_ptr, iw_ptr, ib_p
 @triton.jit
 def _entry_bwd(gxo_ptr, gy1_ptr, gb_ptr, x1_ptr, y1_ptr, xw_ptr, xb_ptr, yw_ptr, yb_ptr, iw_ptr, ib_ptr,
                stats_ptr, dx_ptr, dy_ptr, do_ptr, dxw_ptr, dxb_ptr, dyw_ptr, dyb_ptr, diw_ptr, dib_ptr,
-               M, D, rows, scale,
+               M, D, scale,
                IS_LN: tl.constexpr, X_MODE: tl.constexpr, HAS_O: tl.constexpr,
                HAS_GXO: tl.constexpr, HAS_GY1: tl.constexpr,
                HAS_XW: tl.constexpr, HAS_XB: tl.constexpr, Y_NORM: tl.constexpr, HAS_YW: tl.constexpr,
                HAS_YB: tl.constexpr, IN_NORM: tl.constexpr, HAS_IW: tl.constexpr, HAS_IB: tl.constexpr,
-               WRITE_DY: tl.constexpr, BLOCK: tl.constexpr):
+               WRITE_DY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Recomputes ``u`` from ``x1``, ``y1`` and the saved statistics, then runs the chain back:
     ``b`` -> ``u`` -> (``LN^Y(y1)``, ``r``) -> ``x1``, ``y1`` -> ``x``, ``y``, ``o``."""
     pid = tl.program_id(0)
@@ -188,60 +192,62 @@ def _entry_bwd(gxo_ptr, gy1_ptr, gb_ptr, x1_ptr, y1_ptr, xw_ptr, xb_ptr, yw_ptr,
     d_yb = tl.zeros((BLOCK,), tl.float32)
     d_iw = tl.zeros((BLOCK,), tl.float32)
     d_ib = tl.zeros((BLOCK,), tl.float32)
-    start = pid.to(tl.int64) * rows
-    for row in range(start, tl.minimum(start + rows, M)):
-        off = row * D + cols
-        x1 = _load_row(x1_ptr, off, mask)
-        if X_MODE == 0:
-            xhat, x_rstd = _recompute(x1, mask, stats_ptr, 0, M, row, IS_LN)
-            r = xhat * xw + xb
-        elif X_MODE == 1:
-            r = x1 * xw
-        else:
-            r = x1
-        u = r
-        if Y_NORM:
-            yhat, y_rstd = _recompute(_load_row(y1_ptr, off, mask), mask, stats_ptr, 2, M, row, IS_LN)
-            u += yhat * yw + yb
-        du = _load_row(gb_ptr, off, mask)
-        if IN_NORM:
-            uhat, u_rstd = _recompute(u, mask, stats_ptr, 4, M, row, IS_LN)
-            if HAS_IW:
-                d_iw += du * uhat
-            if HAS_IB:
-                d_ib += du
-            du = _norm_grad(du, uhat, u_rstd, iw, mask, D, IS_LN)
-        dy = tl.zeros((BLOCK,), tl.float32)
-        if Y_NORM:
-            if HAS_YW:
-                d_yw += du * yhat
-            if HAS_YB:
-                d_yb += du
-            dy = _norm_grad(du, yhat, y_rstd, yw, mask, D, IS_LN)
-        if HAS_GY1:
-            dy += _load_row(gy1_ptr, off, mask)
-        if X_MODE == 0:
-            if HAS_GXO:
-                du += _load_row(gxo_ptr, off, mask)
-            if HAS_XW:
-                d_xw += du * xhat
-            if HAS_XB:
-                d_xb += du
-            dx = _norm_grad(du, xhat, x_rstd, xw, mask, D, IS_LN)
-        elif X_MODE == 1:
-            d_xw += du * x1
-            dx = du * xw
-            if HAS_GXO:
-                dx += _load_row(gxo_ptr, off, mask)
-        else:
-            dx = du
-            if HAS_GXO:
-                dx += _load_row(gxo_ptr, off, mask)
-        tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if WRITE_DY:
-            tl.store(dy_ptr + off, dy.to(dy_ptr.dtype.element_ty), mask=mask)
-        if HAS_O:
-            tl.store(do_ptr + off, (scale * dx + dy).to(do_ptr.dtype.element_ty), mask=mask)
+    start = pid.to(tl.int64) * ROWS
+    for i in range(ROWS):
+        row = start + i
+        if row < M:
+            off = row * D + cols
+            x1 = _load_row(x1_ptr, off, mask)
+            if X_MODE == 0:
+                xhat, x_rstd = _recompute(x1, mask, stats_ptr, 0, M, row, IS_LN)
+                r = xhat * xw + xb
+            elif X_MODE == 1:
+                r = x1 * xw
+            else:
+                r = x1
+            u = r
+            if Y_NORM:
+                yhat, y_rstd = _recompute(_load_row(y1_ptr, off, mask), mask, stats_ptr, 2, M, row, IS_LN)
+                u += yhat * yw + yb
+            du = _load_row(gb_ptr, off, mask)
+            if IN_NORM:
+                uhat, u_rstd = _recompute(u, mask, stats_ptr, 4, M, row, IS_LN)
+                if HAS_IW:
+                    d_iw += du * uhat
+                if HAS_IB:
+                    d_ib += du
+                du = _norm_grad(du, uhat, u_rstd, iw, mask, D, IS_LN)
+            dy = tl.zeros((BLOCK,), tl.float32)
+            if Y_NORM:
+                if HAS_YW:
+                    d_yw += du * yhat
+                if HAS_YB:
+                    d_yb += du
+                dy = _norm_grad(du, yhat, y_rstd, yw, mask, D, IS_LN)
+            if HAS_GY1:
+                dy += _load_row(gy1_ptr, off, mask)
+            if X_MODE == 0:
+                if HAS_GXO:
+                    du += _load_row(gxo_ptr, off, mask)
+                if HAS_XW:
+                    d_xw += du * xhat
+                if HAS_XB:
+                    d_xb += du
+                dx = _norm_grad(du, xhat, x_rstd, xw, mask, D, IS_LN)
+            elif X_MODE == 1:
+                d_xw += du * x1
+                dx = du * xw
+                if HAS_GXO:
+                    dx += _load_row(gxo_ptr, off, mask)
+            else:
+                dx = du
+                if HAS_GXO:
+                    dx += _load_row(gxo_ptr, off, mask)
+            tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WRITE_DY:
+                tl.store(dy_ptr + off, dy.to(dy_ptr.dtype.element_ty), mask=mask)
+            if HAS_O:
+                tl.store(do_ptr + off, (scale * dx + dy).to(do_ptr.dtype.element_ty), mask=mask)
     part = pid.to(tl.int64) * D + cols
     if HAS_XW:
         tl.store(dxw_ptr + part, d_xw, mask=mask)
@@ -270,9 +276,9 @@ def _wanted(t: Tensor) -> int:
 
 
 def _programs(t: Tensor, rows: int) -> tuple[int, int]:
-    """Programs of a backward kernel and the rows each walks (:func:`_wanted` of them at most)."""
-    programs = max(1, min(rows, _wanted(t)))
-    per = triton.cdiv(rows, programs)
+    """Programs of a backward kernel and the rows each walks (:func:`_wanted` of them at most), a
+    power of two: a constexpr of the kernel, so a few compiles cover every row count."""
+    per = triton.next_power_of_2(triton.cdiv(rows, max(1, min(rows, _wanted(t)))))
     return triton.cdiv(rows, per), per
 
 
@@ -322,9 +328,9 @@ def add_norm_backward(gs: Tensor | None, gn: Tensor, s: Tensor, weight: Tensor |
         block, warps = _block(d)
         _add_norm_bwd[(programs,)](_rows(gs) if gs is not None else s, _rows(gn), s,
                                    weight if weight is not None else s, stats, ds,
-                                   dw if dw is not None else s, db if db is not None else s, m, d, per,
+                                   dw if dw is not None else s, db if db is not None else s, m, d,
                                    IS_LN=layernorm, HAS_GS=gs is not None, HAS_W=weight is not None,
-                                   NEED_W=need_w, NEED_B=need_b, BLOCK=block, num_warps=warps)
+                                   NEED_W=need_w, NEED_B=need_b, ROWS=per, BLOCK=block, num_warps=warps)
     else:
         part.zero_()
     return ds, _reduce(dw, weight, s.device), _reduce(db, bias, s.device)
@@ -393,13 +399,13 @@ def entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor, x1: Te
                                 _rows(y1) if y_norm else dx,
                                 *(p if p is not None else dx for p in params), stats,
                                 dx, dy if write_dy else dx, do if has_o else dx,
-                                *(s if s is not None else dx for s in slots), m, d, per, float(scale),
+                                *(s if s is not None else dx for s in slots), m, d, float(scale),
                                 IS_LN=layernorm, X_MODE=_X_MODES[x_mode], HAS_O=has_o,
                                 HAS_GXO=g_xo is not None, HAS_GY1=g_y1 is not None,
                                 HAS_XW=xw is not None, HAS_XB=xb is not None, Y_NORM=y_norm,
                                 HAS_YW=yw is not None, HAS_YB=yb is not None, IN_NORM=in_norm,
                                 HAS_IW=iw is not None, HAS_IB=ib is not None, WRITE_DY=write_dy,
-                                BLOCK=block, num_warps=warps)
+                                ROWS=per, BLOCK=block, num_warps=warps)
     else:
         part.zero_()
     return (dx, dy, do, *(_reduce(s, p, x1.device) for s, p in zip(slots, params)))

@@ -6,7 +6,8 @@ width ``D`` is one block (the tail masked). Forward reads each source once, with
 softmax (a running maximum rescales the sum), then applies the norm. Backward recomputes the
 logits and the mix in a first pass over the sources, then writes each source's gradient in a
 second, from ``d a_j = v_j . gx`` and ``sum_k a_k d a_k = x . gx``; ``du`` and the norm's weight
-and bias gradients are per-program partial sums, as :mod:`._triton`'s kernels write them.
+and bias gradients are per-program partial sums over ``TOKENS`` tokens (a constexpr), as
+:mod:`._triton`'s kernels write them.
 """
 
 import torch
@@ -74,9 +75,10 @@ def _depth_mix_fwd(srcs, u_ptr, w_ptr, b_ptr, out_ptr, stats_ptr, T, D, eps, nor
 
 
 @triton.jit
-def _depth_mix_bwd(g_ptr, srcs, u_ptr, w_ptr, stats_ptr, dsrcs, du_ptr, dw_ptr, db_ptr, T, D, tokens, eps,
+def _depth_mix_bwd(g_ptr, srcs, u_ptr, w_ptr, stats_ptr, dsrcs, du_ptr, dw_ptr, db_ptr, T, D, eps,
                    n: tl.constexpr, NP: tl.constexpr, NORM: tl.constexpr, IS_LN: tl.constexpr,
-                   HAS_W: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_W: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr, TOKENS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """``gx = norm'(g)``; with ``c_j = a_j (v_j . gx - x . gx) rstd_j``: ``dv_j = a_j gx + c_j u -
     c_j dot_j rstd_j^2 v_j / D`` and ``du = sum_j c_j v_j``."""
     pid = tl.program_id(0)
@@ -88,29 +90,31 @@ def _depth_mix_bwd(g_ptr, srcs, u_ptr, w_ptr, stats_ptr, dsrcs, du_ptr, dw_ptr, 
     du = tl.zeros((BLOCK,), tl.float32)
     dw = tl.zeros((BLOCK,), tl.float32)
     db = tl.zeros((BLOCK,), tl.float32)
-    start = pid.to(tl.int64) * tokens
-    for tok in range(start, tl.minimum(start + tokens, T)):
-        off = tok * D + cols
-        x, logits = _mix(srcs, u, tok, cols, mask, D, eps, n, NP)
-        weights = tl.exp(logits - tl.max(logits, axis=0))
-        weights = weights / tl.sum(weights, axis=0)
-        g = _load_row(g_ptr, off, mask)
-        if NORM:
-            xhat, rstd = _recompute(x, mask, stats_ptr, 0, T, tok, IS_LN)
-            if NEED_W:
-                dw += g * xhat
-            if NEED_B:
-                db += g
-            g = _norm_grad(g, xhat, rstd, w, mask, D, IS_LN)
-        xg = tl.sum(x * g, axis=0)
-        for j in tl.static_range(n):
-            v = _load_row(srcs[j], off, mask)
-            _, dot, r = _logit(v, u, D, eps)
-            a = tl.sum(tl.where(idx == j, weights, 0.0), axis=0)
-            c = a * (tl.sum(v * g, axis=0) - xg) * r
-            dv = a * g + c * u - (c * dot * r * r / D) * v
-            tl.store(dsrcs[j] + off, dv.to(dsrcs[j].dtype.element_ty), mask=mask)
-            du += c * v
+    start = pid.to(tl.int64) * TOKENS
+    for i in range(TOKENS):
+        tok = start + i
+        if tok < T:
+            off = tok * D + cols
+            x, logits = _mix(srcs, u, tok, cols, mask, D, eps, n, NP)
+            weights = tl.exp(logits - tl.max(logits, axis=0))
+            weights = weights / tl.sum(weights, axis=0)
+            g = _load_row(g_ptr, off, mask)
+            if NORM:
+                xhat, rstd = _recompute(x, mask, stats_ptr, 0, T, tok, IS_LN)
+                if NEED_W:
+                    dw += g * xhat
+                if NEED_B:
+                    db += g
+                g = _norm_grad(g, xhat, rstd, w, mask, D, IS_LN)
+            xg = tl.sum(x * g, axis=0)
+            for j in tl.static_range(n):
+                v = _load_row(srcs[j], off, mask)
+                _, dot, r = _logit(v, u, D, eps)
+                a = tl.sum(tl.where(idx == j, weights, 0.0), axis=0)
+                c = a * (tl.sum(v * g, axis=0) - xg) * r
+                dv = a * g + c * u - (c * dot * r * r / D) * v
+                tl.store(dsrcs[j] + off, dv.to(dsrcs[j].dtype.element_ty), mask=mask)
+                du += c * v
     part = pid.to(tl.int64) * D + cols
     tl.store(du_ptr + part, du, mask=mask)
     if NEED_W:
@@ -158,9 +162,9 @@ def depth_mix_backward(grad: Tensor, sources: list[Tensor], u: Tensor, weight: T
         _depth_mix_bwd[(programs,)](grad, tuple(sources), u, weight if weight is not None else u, stats,
                                     tuple(dsrcs), du, dw if dw is not None else u,
                                     db if db is not None else u,
-                                    tokens, d, per, eps, n, triton.next_power_of_2(n), NORM=kind != "none",
+                                    tokens, d, eps, n, triton.next_power_of_2(n), NORM=kind != "none",
                                     IS_LN=kind == "layernorm", HAS_W=weight is not None, NEED_W=need_w,
-                                    NEED_B=need_b, BLOCK=block, num_warps=warps)
+                                    NEED_B=need_b, TOKENS=per, BLOCK=block, num_warps=warps)
     else:
         part.zero_()
     return [*dsrcs, _reduce(du, u, u.device), _reduce(dw, weight, u.device), _reduce(db, bias, u.device)]

@@ -1,9 +1,10 @@
 """mHC's per-token stream work as Triton kernels (imported only where they run, as :mod:`._triton` is).
 
 A program takes one token: its ``n`` stream rows of width ``D`` as an ``(N, BLOCK)`` tile, ``N``
-the next power of two of ``n`` (padding masked, zero), walking the row in chunks of ``BLOCK``
-columns, so any width fits. The token's ``n x n`` matrix and ``n`` weights stay in registers;
-sums over the width (the gradients of the maps) accumulate in float32 across the chunks.
+the next power of two of ``n`` (padding masked, zero), walking the row in ``CHUNKS`` chunks of
+``BLOCK`` columns (a constexpr: a model's width compiles once), so any width fits. The token's
+``n x n`` matrix and ``n`` weights stay in registers; sums over the width (the gradients of the
+maps) accumulate in float32 across the chunks.
 """
 
 import torch
@@ -38,12 +39,12 @@ def _rows(ptr, tok, idx, live, cols, cmask, D, n: tl.constexpr):
 # ---- new = res h + post (x) out ----------------------------------------------------------------------
 @triton.jit
 def _mix_write_fwd(res_ptr, h_ptr, post_ptr, out_ptr, new_ptr, D, n: tl.constexpr, N: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     tok, idx, live = _token(n, N)
     res = _matrix(res_ptr, tok, idx, live, n)                                  # [j, k]
     post = tl.load(post_ptr + tok * n + idx, mask=live, other=0.0).to(tl.float32)
-    for start in range(0, D, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    for c in range(CHUNKS):
+        cols = c * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < D
         off, mask, h = _rows(h_ptr, tok, idx, live, cols, cmask, D, n)         # [k, c]
         o = tl.load(out_ptr + tok * D + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -53,15 +54,15 @@ def _mix_write_fwd(res_ptr, h_ptr, post_ptr, out_ptr, new_ptr, D, n: tl.constexp
 
 @triton.jit
 def _mix_write_bwd(g_ptr, res_ptr, h_ptr, post_ptr, out_ptr, dres_ptr, dh_ptr, dpost_ptr, dout_ptr, D,
-                   n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+                   n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     """``dh = res^T g``, ``dout = post^T g``, ``dres = g h^T``, ``dpost = g out`` (per token)."""
     tok, idx, live = _token(n, N)
     res = _matrix(res_ptr, tok, idx, live, n)
     post = tl.load(post_ptr + tok * n + idx, mask=live, other=0.0).to(tl.float32)
     dres = tl.zeros((N, N), tl.float32)
     dpost = tl.zeros((N,), tl.float32)
-    for start in range(0, D, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    for c in range(CHUNKS):
+        cols = c * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < D
         off, mask, g = _rows(g_ptr, tok, idx, live, cols, cmask, D, n)         # [j, c]
         h = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)         # [k, c]
@@ -77,11 +78,12 @@ def _mix_write_bwd(g_ptr, res_ptr, h_ptr, post_ptr, out_ptr, dres_ptr, dh_ptr, d
     tl.store(dpost_ptr + tok * n + idx, dpost.to(dpost_ptr.dtype.element_ty), mask=live)
 
 
-def _config(n: int, d: int) -> tuple[int, int]:
-    """``(N, BLOCK)``: the padded stream count and the columns of a chunk (the ``N x N x BLOCK``
-    products of a chunk about 8192 entries)."""
+def _config(n: int, d: int) -> tuple[int, int, int]:
+    """``(N, BLOCK, CHUNKS)``: the padded stream count, the columns of a chunk (the ``N x N x BLOCK``
+    products of a chunk about 8192 entries) and the chunks of a row."""
     width = triton.next_power_of_2(n)
-    return width, max(16, min(triton.next_power_of_2(max(d, 1)), 8192 // (width * width)))
+    block = max(16, min(triton.next_power_of_2(max(d, 1)), 8192 // (width * width)))
+    return width, block, triton.cdiv(d, block)
 
 
 def mix_write_forward(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
@@ -90,8 +92,8 @@ def mix_write_forward(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: 
     n, d = h.shape[-2], h.shape[-1]
     tokens = h.numel() // (n * d) if n * d else 0
     if tokens:
-        width, block = _config(n, d)
-        _mix_write_fwd[(tokens,)](res, h, post, out, new, d, n, width, block, num_warps=4)
+        width, block, chunks = _config(n, d)
+        _mix_write_fwd[(tokens,)](res, h, post, out, new, d, n, width, block, chunks, num_warps=4)
     return new
 
 
@@ -101,9 +103,9 @@ def mix_write_backward(grad: Tensor, res: Tensor, h: Tensor, post: Tensor,
     n, d = h.shape[-2], h.shape[-1]
     tokens = h.numel() // (n * d) if n * d else 0
     if tokens:
-        width, block = _config(n, d)
+        width, block, chunks = _config(n, d)
         _mix_write_bwd[(tokens,)](grad, res, h, post, out, dres, dh, dpost, dout, d, n, width, block,
-                                  num_warps=4)
+                                  chunks, num_warps=4)
     elif d == 0:                        # no columns: the sums over them are zero
         dres.zero_()
         dpost.zero_()

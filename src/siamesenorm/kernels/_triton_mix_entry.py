@@ -1,8 +1,8 @@
 """mHC's entry as Triton kernels (imported only where they run, as :mod:`._triton` is): the branch
 input ``b = norm(sum_k pre_k H_k)`` of one token per program, its row of width ``D`` one block
 (``D <= BLOCK``, the tail masked), the sum over the ``n`` streams in float32 and never stored.
-Backward walks a range of tokens per program, sums the streams again from the saved row
-statistics, and writes per-program partial sums of the norm's weight and bias gradients, as
+Backward walks ``TOKENS`` tokens per program (a constexpr), sums the streams again from the saved
+row statistics, and writes per-program partial sums of the norm's weight and bias gradients, as
 :mod:`._triton`'s kernels do (whose pieces these use).
 """
 
@@ -49,9 +49,9 @@ def _mix_entry_fwd(h_ptr, pre_ptr, w_ptr, b_ptr, out_ptr, stats_ptr, T, D, eps, 
 
 
 @triton.jit
-def _mix_entry_bwd(g_ptr, h_ptr, pre_ptr, w_ptr, stats_ptr, dh_ptr, dpre_ptr, dw_ptr, db_ptr, T, D, tokens,
+def _mix_entry_bwd(g_ptr, h_ptr, pre_ptr, w_ptr, stats_ptr, dh_ptr, dpre_ptr, dw_ptr, db_ptr, T, D,
                    n: tl.constexpr, IS_LN: tl.constexpr, HAS_W: tl.constexpr, NEED_W: tl.constexpr,
-                   NEED_B: tl.constexpr, BLOCK: tl.constexpr):
+                   NEED_B: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
     """``du = norm'(g)``, ``dH_k = pre_k du``, ``dpre_k = <H_k, du>``; weight and bias gradients as
     per-program partial sums."""
     pid = tl.program_id(0)
@@ -60,22 +60,24 @@ def _mix_entry_bwd(g_ptr, h_ptr, pre_ptr, w_ptr, stats_ptr, dh_ptr, dpre_ptr, dw
     w = _param(w_ptr, cols, mask, HAS_W, 1.0)
     dw = tl.zeros((BLOCK,), tl.float32)
     db = tl.zeros((BLOCK,), tl.float32)
-    start = pid.to(tl.int64) * tokens
-    for tok in range(start, tl.minimum(start + tokens, T)):
-        u = _collapse(h_ptr, pre_ptr, tok, cols, mask, D, n)
-        uhat, rstd = _recompute(u, mask, stats_ptr, 0, T, tok, IS_LN)
-        g = _load_row(g_ptr, tok * D + cols, mask)
-        du = _norm_grad(g, uhat, rstd, w, mask, D, IS_LN)
-        for k in tl.static_range(n):
-            off = (tok * n + k) * D + cols
-            p = tl.load(pre_ptr + tok * n + k).to(tl.float32)
-            tl.store(dh_ptr + off, (p * du).to(dh_ptr.dtype.element_ty), mask=mask)
-            dp = tl.sum(_load_row(h_ptr, off, mask) * du, axis=0)
-            tl.store(dpre_ptr + tok * n + k, dp.to(dpre_ptr.dtype.element_ty))
-        if NEED_W:
-            dw += g * uhat
-        if NEED_B:
-            db += g
+    start = pid.to(tl.int64) * TOKENS
+    for i in range(TOKENS):
+        tok = start + i
+        if tok < T:
+            u = _collapse(h_ptr, pre_ptr, tok, cols, mask, D, n)
+            uhat, rstd = _recompute(u, mask, stats_ptr, 0, T, tok, IS_LN)
+            g = _load_row(g_ptr, tok * D + cols, mask)
+            du = _norm_grad(g, uhat, rstd, w, mask, D, IS_LN)
+            for k in tl.static_range(n):
+                off = (tok * n + k) * D + cols
+                p = tl.load(pre_ptr + tok * n + k).to(tl.float32)
+                tl.store(dh_ptr + off, (p * du).to(dh_ptr.dtype.element_ty), mask=mask)
+                dp = tl.sum(_load_row(h_ptr, off, mask) * du, axis=0)
+                tl.store(dpre_ptr + tok * n + k, dp.to(dpre_ptr.dtype.element_ty))
+            if NEED_W:
+                dw += g * uhat
+            if NEED_B:
+                db += g
     if NEED_W:
         tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=mask)
     if NEED_B:
@@ -111,9 +113,9 @@ def mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | No
     if tokens:
         block, warps = _block(d)
         _mix_entry_bwd[(programs,)](grad, h, pre, weight if weight is not None else h, stats, dh, dpre,
-                                    dw if dw is not None else h, db if db is not None else h, tokens, d, per,
-                                    n, IS_LN=layernorm, HAS_W=weight is not None, NEED_W=need_w,
-                                    NEED_B=need_b, BLOCK=block, num_warps=warps)
+                                    dw if dw is not None else h, db if db is not None else h, tokens, d, n,
+                                    IS_LN=layernorm, HAS_W=weight is not None, NEED_W=need_w,
+                                    NEED_B=need_b, TOKENS=per, BLOCK=block, num_warps=warps)
     else:
         part.zero_()
     return dh, dpre, _reduce(dw, weight, h.device), _reduce(db, bias, h.device)

@@ -1,12 +1,13 @@
 """The RMS-normalised projection ``z = rstd(x) (x @ w)`` as Triton kernels (imported only where
 they run, as :mod:`._triton` is).
 
-Forward: one program per block of rows walks the width in tiles, accumulating the rows' sums of
+Forward: one program per block of rows walks the width in ``K_TILES`` tiles, accumulating the rows' sums of
 squares and their product with ``w`` (``tl.dot``) together, so ``x`` is read once and its
 normalised copy never exists. Backward: a grid of (width tiles) x (row splits); each program
 writes its tile of ``dx = rstd (dz w^T) - (rstd^2 / K) (dz . z) x`` and accumulates its tile of
-``dw = x^T (rstd dz)`` over its rows, a per-split partial sum added after. ``dz . z`` is a row's
-own ``M`` numbers, so no program needs another's result.
+``dw = x^T (rstd dz)`` over its ``STEPS`` blocks of rows, a per-split partial sum added after.
+``dz . z`` is a row's own ``M`` numbers, so no program needs another's result. Trip counts are
+constexprs (``K_TILES`` fixed by the model, ``STEPS`` a power of two), as :mod:`._triton` explains.
 """
 
 import torch
@@ -28,15 +29,15 @@ def _dot(a, b, acc, TF32: tl.constexpr):
 
 @triton.jit
 def _rms_project_fwd(x_ptr, w_ptr, z_ptr, r_ptr, T, K, M, eps, TF32: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, K_TILES: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     cols = tl.arange(0, BLOCK_M)
     cmask = cols < M
     acc = tl.zeros((BLOCK_T, BLOCK_M), tl.float32)
     sq = tl.zeros((BLOCK_T,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for kt in range(K_TILES):
+        ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
@@ -51,9 +52,9 @@ def _rms_project_fwd(x_ptr, w_ptr, z_ptr, r_ptr, T, K, M, eps, TF32: tl.constexp
 
 
 @triton.jit
-def _rms_project_bwd(dz_ptr, x_ptr, w_ptr, z_ptr, r_ptr, dx_ptr, dw_ptr, T, K, M, per,
+def _rms_project_bwd(dz_ptr, x_ptr, w_ptr, z_ptr, r_ptr, dx_ptr, dw_ptr, T, K, M,
                      NEED_X: tl.constexpr, NEED_W: tl.constexpr, TF32: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = ks < K
     split = tl.program_id(1).to(tl.int64)
@@ -62,9 +63,9 @@ def _rms_project_bwd(dz_ptr, x_ptr, w_ptr, z_ptr, r_ptr, dx_ptr, dw_ptr, T, K, M
     w = tl.load(w_ptr + ks[:, None] * M + cols[None, :], mask=kmask[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_K, BLOCK_M), tl.float32)
-    start = split * per
-    for t0 in range(start, tl.minimum(start + per, T), BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
+    start = split * (STEPS * BLOCK_T)
+    for step in range(STEPS):                 # the rows past ``T`` (a last split's) are masked
+        rows = start + step * BLOCK_T + tl.arange(0, BLOCK_T)
         rmask = rows < T
         zmask = rmask[:, None] & cmask[None, :]
         dz = tl.load(dz_ptr + rows[:, None] * M + cols[None, :], mask=zmask, other=0.0).to(tl.float32)
@@ -97,7 +98,7 @@ def rms_project_forward(x: Tensor, w: Tensor, eps: float, tf32: bool) -> tuple[T
     if t:
         bt, bk, bm = _blocks(m)
         _rms_project_fwd[(triton.cdiv(t, bt),)](x, w, z, rstd, t, k, m, eps, tf32, BLOCK_T=bt, BLOCK_K=bk,
-                                                 BLOCK_M=bm, num_warps=4)
+                                                 BLOCK_M=bm, K_TILES=triton.cdiv(k, bk), num_warps=4)
     return z, rstd
 
 
@@ -110,12 +111,12 @@ def rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Tens
     tiles = triton.cdiv(k, bk)
     blocks = max(1, triton.cdiv(t, bt))
     splits = max(1, min(blocks, triton.cdiv(_wanted(x), tiles)))
-    per = triton.cdiv(blocks, splits) * bt                      # rows a split walks
-    splits = triton.cdiv(blocks * bt, per)
+    steps = triton.next_power_of_2(triton.cdiv(blocks, splits))   # blocks of rows a split walks
+    splits = triton.cdiv(blocks, steps)
     make = torch.empty if t else torch.zeros         # every program writes its whole tile
     part = make((splits, k, m) if need_w else (0,), dtype=torch.float32, device=x.device)
     if t and (need_x or need_w):
-        _rms_project_bwd[(tiles, splits)](dz, x, w, z, rstd, dx, part if need_w else z, t, k, m, per,
+        _rms_project_bwd[(tiles, splits)](dz, x, w, z, rstd, dx, part if need_w else z, t, k, m,
                                           NEED_X=need_x, NEED_W=need_w, TF32=tf32, BLOCK_T=bt,
-                                          BLOCK_K=bk, BLOCK_M=bm, num_warps=4)
+                                          BLOCK_K=bk, BLOCK_M=bm, STEPS=steps, num_warps=4)
     return dx, _reduce(part if need_w else None, w, w.device)

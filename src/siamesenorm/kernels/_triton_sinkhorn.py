@@ -2,8 +2,8 @@
 
 A program takes ``BLOCK_T`` tokens' ``n x n`` matrices as one ``(BLOCK_T, N, N)`` tile, ``N`` the
 next power of two, the padding masked. The padded rows and columns (and the tokens past the end)
-hold zeros and divide by 1, so they never reach a real entry. Forward runs the iterations in a
-loop; backward runs them again unrolled (``ITERS`` is a constexpr), keeps each step's sums in
+hold zeros and divide by 1, so they never reach a real entry. Forward runs the ``ITERS``
+iterations (a constexpr) in a loop; backward runs them again unrolled, keeps each step's sums in
 registers and walks the steps in reverse: ``y = m / s`` along an axis has
 ``dm = (dy - sum(dy * y)) / s`` and ``m = y * s``.
 """
@@ -49,10 +49,11 @@ def _unscale(g, y, s, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_fwd(x_ptr, y_ptr, T, iters, n: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr):
+def _sinkhorn_fwd(x_ptr, y_ptr, T, n: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                  ITERS: tl.constexpr):
     off, mask, live, lines = _tile(T, n, N, BLOCK_T)
     m = _start(x_ptr, off, mask, live)
-    for _ in range(iters):
+    for _ in range(ITERS):
         m = _rescale(m, lines, 2)[0]
         m = _rescale(m, lines, 1)[0]
     tl.store(y_ptr + off, m.to(y_ptr.dtype.element_ty), mask=mask)
@@ -88,7 +89,7 @@ def sinkhorn_forward(logits: Tensor, iters: int) -> Tensor:
     tokens = x.numel() // (n * n) if n else 0
     if tokens:
         width, block = _config(n)
-        _sinkhorn_fwd[(triton.cdiv(tokens, block),)](x, y, tokens, iters, n, width, block, num_warps=4)
+        _sinkhorn_fwd[(triton.cdiv(tokens, block),)](x, y, tokens, n, width, block, iters, num_warps=4)
     return y
 
 
