@@ -183,16 +183,18 @@ def one_notice(err: str, op: str, reason: str) -> None:
 def test_a_kernel_that_cannot_launch_turns_its_op_off_with_one_line(op, failure, ops, monkeypatch, capsys):
     """The first use checks the kernel, which raises: the op is off for the process, said in one
     line (the op, Triton's and torch's versions, the reason, how to silence it), and this call and
-    the next give the PyTorch path's values and gradients."""
+    the next give the PyTorch path's values and gradients; the kernel is not tried again."""
     want = plain(op, monkeypatch)
-    patch_launcher(monkeypatch, op, 1, raising(FAILURES[failure]))
+    calls = patch_launcher(monkeypatch, op, 1, raising(FAILURES[failure]))
     got = outputs_and_grads(op)
+    tried = len(calls)
     reason = f"its first-use check failed: {type(FAILURES[failure]()).__name__}"
     one_notice(capsys.readouterr().err, op, reason)
     assert_equal_results(got, want)
     assert not ops[op].on and all(other.on for name, other in ops.items() if name != op)
     assert_equal_results(outputs_and_grads(op), want)
     assert capsys.readouterr().err == ""                # said once
+    assert len(calls) == tried                          # and not tried again
 
 
 @pytest.mark.parametrize("op", list(OPS))

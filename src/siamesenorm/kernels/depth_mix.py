@@ -180,7 +180,7 @@ def depth_mix_kernel_runs(sources: tuple[Tensor, ...], u: Tensor, kind: str) -> 
             and 0 < first.shape[-1] <= MAX_WIDTH and type(u) in (Tensor, Parameter) and u.dtype in _DTYPES
             and all(type(v) is Tensor and v.dtype in _DTYPES and v.shape == first.shape for v in sources)):
         return False
-    return kernels_run_on(first)
+    return DEPTH_MIX.on and kernels_run_on(first)
 
 
 def fused_depth_mix(sources: tuple[Tensor, ...], u: Tensor, weight: Tensor | None = None,

@@ -135,7 +135,7 @@ def mix_write_kernel_runs(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> 
     if not (all(type(t) is Tensor and t.dtype in _DTYPES for t in ts) and h.dim() >= 2
             and 0 < h.shape[-2] <= MAX_N and h.shape[-1] > 0):
         return False
-    return kernels_run_on(h)
+    return MIX_WRITE.on and kernels_run_on(h)
 
 
 def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -277,7 +277,7 @@ def mix_entry_kernel_runs(h: Tensor, pre: Tensor, kind: str) -> bool:
     if not (kind in _KINDS and all(type(t) is Tensor and t.dtype in _DTYPES for t in (h, pre))
             and h.dim() >= 2 and 0 < h.shape[-2] <= MAX_N and 0 < h.shape[-1] <= MAX_WIDTH):
         return False
-    return kernels_run_on(h)
+    return MIX_ENTRY.on and kernels_run_on(h)
 
 
 def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,

@@ -34,7 +34,9 @@ def _kernels():
     return _triton
 
 
-def _use_kernels(t: Tensor) -> bool:
+def _use_kernels(t: Tensor, op: guard.KernelOp) -> bool:
+    if not op.on:                       # turned off by a failure (said then): the PyTorch path
+        return False
     if kernels_available(t):
         return 0 < t.shape[-1] <= MAX_WIDTH
     if t.device.type != "meta" and not torch.compiler.is_compiling():
@@ -178,7 +180,7 @@ def add_norm(h: Tensor, z: Tensor, weight: Tensor | None = None, bias: Tensor | 
     _check_kind(kind, bias)
     if h.shape != z.shape:
         raise ValueError(f"add_norm: h and z differ in shape: {tuple(h.shape)} and {tuple(z.shape)}")
-    if _use_kernels(h):
+    if _use_kernels(h, ADD_NORM):
         s, n, _ = torch.ops.siamesenorm.add_norm(h, z, weight, bias, kind, float(eps))
         return s, n
     s = h + z
@@ -403,7 +405,7 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     for name, t in (("y", y), ("o", o)):
         if t is not None and t.shape != x.shape:
             raise ValueError(f"siamese_update_entry: {name} has shape {tuple(t.shape)}, x {tuple(x.shape)}")
-    if _use_kernels(x):
+    if _use_kernels(x, UPDATE_ENTRY):
         xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(
             x, y if y is not None else x, o, float(scale), x_weight, x_bias, y_weight, y_bias, in_weight,
             in_bias, kind, float(eps), x_mode, y_norm, in_norm, out_dtype)

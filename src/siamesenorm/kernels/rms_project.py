@@ -131,7 +131,7 @@ def rms_project_kernel_runs(x: Tensor, w: Tensor) -> bool:
             and x.dim() >= 1 and w.dim() == 2 and w.shape[0] == x.shape[-1] > 0
             and 0 < w.shape[1] <= MAX_COLUMNS):
         return False
-    return kernels_run_on(x)
+    return RMS_PROJECT.on and kernels_run_on(x)
 
 
 def rms_project(x: Tensor, w: Tensor, eps: float, dot: torch.dtype | None = None) -> Tensor:

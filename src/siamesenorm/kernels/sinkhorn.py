@@ -104,7 +104,7 @@ def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
     if not (type(logits) is Tensor and logits.dtype in _DTYPES and logits.dim() >= 2
             and logits.shape[-1] == logits.shape[-2] <= MAX_N and 0 <= iters <= MAX_ITERS):
         return False
-    return kernels_run_on(logits)
+    return SINKHORN.on and kernels_run_on(logits)
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
