@@ -11,7 +11,8 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["TRITON_RANGE", "announce_fallback", "kernels_available", "kernels_run_on", "kernels_switched_on",
+__all__ = ["TRITON_RANGE", "announce_fallback", "kernels_available", "kernels_available_on", "kernels_run_on",
+           "kernels_switched_on",
            "triton_installed", "triton_supported", "triton_version"]
 
 # The Triton releases the kernels are tested under: both ends in CI (the interpreter), and on a GPU
@@ -70,11 +71,16 @@ def kernels_available(t: Tensor) -> bool:
     """Triton is installed in a supported version (:data:`TRITON_RANGE`), ``SIAMESENORM_KERNELS``
     is not ``0``, and ``t`` is on CUDA, or on the CPU with ``TRITON_INTERPRET=1`` (Triton's
     interpreter, for tests)."""
+    return kernels_available_on(t.device)
+
+
+def kernels_available_on(device: torch.device) -> bool:
+    """:func:`kernels_available` for a tensor on ``device``."""
     if not (_TRITON and kernels_switched_on() and triton_supported()):
         return False
-    if t.is_cuda:
+    if device.type == "cuda":
         return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def kernels_run_on(t: Tensor) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from . import guard
+from . import arguments, guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_SOURCES", "MAX_WIDTH", "depth_mix_kernel_runs", "fused_depth_mix"]
@@ -31,23 +31,34 @@ def _kernels():
     return _triton_depth_mix
 
 
-def _check(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
-    if not 0 < len(sources) <= MAX_SOURCES:
-        raise ValueError(f"depth_mix: 1 to {MAX_SOURCES} sources, not {len(sources)}")
+def _check(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+           limit: bool = True) -> None:
+    """The arguments' types and shapes; ``limit``: the kernel's (at most ``MAX_SOURCES`` sources
+    and a width of ``MAX_WIDTH``) too."""
+    most = MAX_SOURCES if limit else float("inf")
+    if not isinstance(sources, (list, tuple)) or not 0 < len(sources) <= most:
+        count = len(sources) if isinstance(sources, (list, tuple)) else type(sources).__name__
+        allowed = f"1 to {MAX_SOURCES}" if limit else "one or more"
+        raise ValueError(f"depth_mix: {allowed} sources, not {count}")
+    for i, v in enumerate(sources):
+        arguments.tensor("depth_mix", f"sources[{i}]", v)
     shape = sources[0].shape
-    if len(shape) == 0 or not 0 < shape[-1] <= MAX_WIDTH:
-        raise ValueError(f"depth_mix: sources must be (..., d) with 0 < d <= {MAX_WIDTH}, not {tuple(shape)}")
+    if not 0 < shape[-1] <= (MAX_WIDTH if limit else shape[-1]):
+        bound = f"0 < d <= {MAX_WIDTH}" if limit else "d > 0"
+        raise ValueError(f"depth_mix: sources must be (..., d) with {bound}, not {tuple(shape)}")
     if any(v.shape != shape for v in sources):
         raise ValueError(f"depth_mix: the sources differ in shape: {[tuple(v.shape) for v in sources]}")
-    if any(not v.is_floating_point() for v in sources):
-        raise ValueError("depth_mix: the sources must be floating point")
+    arguments.tensor("depth_mix", "u", u)
     for name, t in (("u", u), ("weight", weight), ("bias", bias)):
-        if t is not None and t.shape != shape[-1:]:
-            raise ValueError(f"depth_mix: {name} must have shape {tuple(shape[-1:])}, not {tuple(t.shape)}")
+        arguments.param("depth_mix", name, t, shape[-1])
     if kind not in _KINDS:
         raise ValueError(f"depth_mix: norm kind must be one of {_KINDS}, not {kind!r}")
     if kind != "layernorm" and bias is not None or kind == "none" and weight is not None:
         raise ValueError(f"depth_mix: norm kind {kind!r} takes no {'bias' if bias is not None else 'weight'}")
+
+
+def _one_stride(*params: Tensor | None) -> list[Tensor | None]:
+    return [None if p is None else p.contiguous() for p in params]
 
 
 def _stats_shape(sources: list[Tensor], kind: str) -> tuple[int, ...]:
@@ -100,8 +111,8 @@ def _depth_mix(sources: list[Tensor], u: Tensor, weight: Tensor | None, bias: Te
     backward does not read them). ``eps``: the key norm's."""
     _check(sources, u, weight, bias, kind)
     return DEPTH_MIX.run(
-        lambda: _kernels().depth_mix_forward([v.contiguous() for v in sources], u.contiguous(), weight, bias,
-                                             kind, eps, norm_eps, dtype),
+        lambda: _kernels().depth_mix_forward([v.contiguous() for v in sources], u.contiguous(),
+                                             *_one_stride(weight, bias), kind, eps, norm_eps, dtype),
         lambda: (_reference(sources, u, weight, bias, kind, eps, norm_eps, dtype).contiguous(),
                  u.new_zeros(_stats_shape(sources, kind), dtype=torch.float32)),
         (guard.config_key(u.shape[-1], sources, u, weight, bias, kind, dtype),
@@ -134,8 +145,9 @@ def _depth_mix_backward(grad: Tensor, sources: list[Tensor], u: Tensor, weight: 
                 param(db, bias, need_b)]
     return DEPTH_MIX.run(
         lambda: _kernels().depth_mix_backward(grad.contiguous(), [v.contiguous() for v in sources],
-                                              u.contiguous(), weight, bias, stats, kind, eps, need_w, need_b),
-        fallback)
+                                              u.contiguous(), *_one_stride(weight, bias), stats, kind, eps,
+                                              need_w, need_b),
+        fallback, device=u.device)
 
 
 @_depth_mix_backward.register_fake
@@ -189,11 +201,12 @@ def fused_depth_mix(sources: tuple[Tensor, ...], u: Tensor, weight: Tensor | Non
     """``norm(sum_j softmax_j(u . v_j / rms(v_j)) v_j)`` over the sources ``v_j`` (``rms`` with
     ``eps``; ``kind`` the norm, ``"none"`` for none, with ``norm_eps``), in ``dtype`` (default: the
     sources' promoted dtype): the kernel where :func:`depth_mix_kernel_runs`, else plain ops."""
+    _check(sources, u, weight, bias, kind, limit=False)
     if dtype is None:
         dtype = sources[0].dtype
         for v in sources[1:]:
             dtype = torch.promote_types(dtype, v.dtype)
-    if depth_mix_kernel_runs(sources, u, kind):
+    if depth_mix_kernel_runs(sources, u, kind) and arguments.kernel_dtypes(weight, bias):
         return torch.ops.siamesenorm.depth_mix(list(sources), u, weight, bias, kind, float(eps),
                                                float(norm_eps), dtype)[0]
     return _reference(list(sources), u, weight, bias, kind, eps, norm_eps, dtype)

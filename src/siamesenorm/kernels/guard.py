@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .availability import kernels_switched_on, triton_version
+from .availability import kernels_available_on, kernels_switched_on, triton_version
 
 __all__ = ["KernelCheck", "KernelMismatch", "KernelOp", "kernel_ops", "self_check"]
 
@@ -223,13 +223,17 @@ class KernelOp:
                 self._pending.discard(key)
 
     def run(self, kernel: Callable[[], Any], fallback: Callable[[], Any],
-            check: tuple[tuple, tuple, torch.device] | None = None) -> Any:
-        """``kernel()``, or ``fallback()`` (the PyTorch path) when the op is off or the kernel raises
-        (which turns it off). ``check``: ``(key, forward arguments, device)`` of a forward op,
-        checked first where ``key`` was not (a backward op's kernels are checked with its forward's).
-        Inside a check, the kernel alone."""
+            check: tuple[tuple, tuple, torch.device] | None = None,
+            device: torch.device | None = None) -> Any:
+        """``kernel()``, or ``fallback()`` (the PyTorch path) when the op is off, the kernels cannot
+        run on the device (an op called directly on the CPU, say) or the kernel raises (which turns
+        the op off). ``check``: ``(key, forward arguments, device)`` of a forward op, checked first
+        where ``key`` was not (a backward op's kernels are checked with its forward's; it gives
+        ``device``). Inside a check, the kernel alone."""
         if _checking() or check is not None and check[0] in self._pending:
             return kernel()         # the check's own calls (its backward may run in another thread)
+        if not kernels_available_on(check[2] if check is not None else device):
+            return fallback()
         if self.off_reason is None and check is not None and check[0] not in self._checked:
             self.check(*check)
         if self.off_reason is not None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.mixing import mix_and_write
-from . import guard
+from . import arguments, guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_N", "mix_entry", "mix_entry_kernel_runs", "mix_write", "mix_write_kernel_runs"]
@@ -41,17 +41,31 @@ def _entry_kernels():
     return _triton_mix_entry
 
 
-def _check(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> None:
-    if h.dim() < 2 or not 0 < h.shape[-2] <= MAX_N or h.shape[-1] == 0:
-        raise ValueError(f"mix_write: h must be (..., n, d) with 0 < n <= {MAX_N} and d > 0, "
-                         f"not {tuple(h.shape)}")
-    lead, (n, d) = h.shape[:-2], h.shape[-2:]
-    for name, t, shape in (("res", res, (*lead, n, n)), ("post", post, (*lead, n)), ("out", out, (*lead, d))):
-        if t.shape != shape:
-            raise ValueError(f"mix_write: {name} must have shape {tuple(shape)}, not {tuple(t.shape)}")
-    for t in (res, h, post, out):
-        if not t.is_floating_point():
-            raise ValueError(f"mix_write: the inputs must be floating point, not {t.dtype}")
+def _check(res: Tensor, h: Tensor, post: Tensor, out: Tensor, lead: bool = True, limit: bool = True) -> None:
+    """The four's dtypes and shapes; ``lead``: their leading shapes too (else only the trailing
+    ones: the front broadcasts them after); ``limit``: at most ``MAX_N`` streams (the kernel's)."""
+    for name, t, dims in (("res", res, 2), ("h", h, 2), ("post", post, 1), ("out", out, 1)):
+        arguments.tensor("mix_write", name, t, dims)
+    n, d = h.shape[-2:]
+    if not 0 < n <= (MAX_N if limit else n) or d == 0:
+        raise ValueError(f"mix_write: h must be (..., n, d) with 0 < n{f' <= {MAX_N}' if limit else ''} and "
+                         f"d > 0, not {tuple(h.shape)}")
+    first = h.shape[:-2] if lead else ()
+    for name, t, shape in (("res", res, (*first, n, n)), ("post", post, (*first, n)),
+                           ("out", out, (*first, d))):
+        if (t.shape if lead else t.shape[t.dim() - len(shape):]) != shape:
+            want = str(tuple(shape)) if lead else "(..., " + ", ".join(map(str, shape)) + ")"
+            raise ValueError(f"mix_write: {name} must have shape {want}, not {tuple(t.shape)}")
+
+
+def _broadcast(op: str, *pairs: tuple[Tensor, int]) -> list[Tensor]:
+    """The tensors expanded to one leading shape (each keeps its last ``k`` dimensions)."""
+    try:
+        lead = torch.broadcast_shapes(*(t.shape[:t.dim() - k] for t, k in pairs))
+    except RuntimeError:
+        raise ValueError(f"{op}: the leading shapes do not broadcast: "
+                         f"{[tuple(t.shape[:t.dim() - k]) for t, k in pairs]}") from None
+    return [t if t.shape[:t.dim() - k] == lead else t.expand(*lead, *t.shape[t.dim() - k:]) for t, k in pairs]
 
 
 def _write_reference(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
@@ -102,7 +116,8 @@ def _mix_write_backward(grad: Tensor, res: Tensor, h: Tensor, post: Tensor,
                                       [grad], h.device)
         return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
     tensors = (grad, res, h, post, out)
-    return MIX_WRITE.run(lambda: _kernels().mix_write_backward(*(t.contiguous() for t in tensors)), fallback)
+    return MIX_WRITE.run(lambda: _kernels().mix_write_backward(*(t.contiguous() for t in tensors)), fallback,
+                         device=h.device)
 
 
 @_mix_write_backward.register_fake
@@ -143,31 +158,35 @@ def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dt
     (..., n, d), ``post`` (..., n), ``out`` (..., d), leading shapes broadcast; the result in
     ``dtype`` (default: the four's promoted dtype). The kernel where :func:`mix_write_kernel_runs`,
     else :func:`siamesenorm.nn.mixing.mix_and_write` (one autograd node)."""
+    _check(res, h, post, out, lead=False, limit=False)
     if dtype is None:
         dtype = torch.promote_types(torch.promote_types(res.dtype, h.dtype),
                                     torch.promote_types(post.dtype, out.dtype))
-    lead = torch.broadcast_shapes(res.shape[:-2], h.shape[:-2], post.shape[:-1], out.shape[:-1])
-    res, h, post, out = (t if t.shape[:t.dim() - k] == lead else t.expand(*lead, *t.shape[t.dim() - k:])
-                         for t, k in ((res, 2), (h, 2), (post, 1), (out, 1)))
+    res, h, post, out = _broadcast("mix_write", (res, 2), (h, 2), (post, 1), (out, 1))
     if mix_write_kernel_runs(res, h, post, out):
         return torch.ops.siamesenorm.mix_write(res, h, post, out, dtype)
     return _write_reference(res, h, post, out, dtype)
 
 
 # ---- b = norm(sum_k pre_k H_k) -----------------------------------------------------------------------
-def _check_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
-    if h.dim() < 2 or not 0 < h.shape[-2] <= MAX_N or not 0 < h.shape[-1] <= MAX_WIDTH:
-        raise ValueError(f"mix_entry: h must be (..., n, d) with 0 < n <= {MAX_N} and 0 < d <= {MAX_WIDTH}, "
-                         f"not {tuple(h.shape)}")
-    if pre.shape != h.shape[:-1]:
-        raise ValueError(f"mix_entry: pre must have shape {tuple(h.shape[:-1])}, not {tuple(pre.shape)}")
+def _check_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                 lead: bool = True, limit: bool = True) -> None:
+    """As :func:`_check` for :func:`mix_entry`'s arguments, and the norm's ``kind``, weight and bias."""
     if kind not in _KINDS:
         raise ValueError(f"mix_entry: norm kind must be one of {_KINDS}, not {kind!r}")
     if kind == "rmsnorm" and bias is not None:
         raise ValueError("mix_entry: RMSNorm has no bias")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and p.shape != h.shape[-1:]:
-            raise ValueError(f"mix_entry: {name} must have shape {tuple(h.shape[-1:])}, not {tuple(p.shape)}")
+    arguments.tensor("mix_entry", "h", h, 2)
+    arguments.tensor("mix_entry", "pre", pre, 1)
+    n, d = h.shape[-2:]
+    if not (0 < n <= (MAX_N if limit else n) and 0 < d <= (MAX_WIDTH if limit else d)):
+        bounds = f"0 < n <= {MAX_N} and 0 < d <= {MAX_WIDTH}" if limit else "n > 0 and d > 0"
+        raise ValueError(f"mix_entry: h must be (..., n, d) with {bounds}, not {tuple(h.shape)}")
+    if (pre.shape if lead else pre.shape[-1:]) != (h.shape[:-1] if lead else (n,)):
+        want = tuple(h.shape[:-1]) if lead else f"(..., {n})"
+        raise ValueError(f"mix_entry: pre must have shape {want}, not {tuple(pre.shape)}")
+    arguments.param("mix_entry", "weight", weight, d)
+    arguments.param("mix_entry", "bias", bias, d)
 
 
 def _entry_reference(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
@@ -205,8 +224,9 @@ def _mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None, bias: Tensor | Non
     """``(b, stats)``: the branch input in ``dtype`` and ``(2, tokens)`` float32 row statistics
     (mean, 0 for RMSNorm, and rstd; zeros on the PyTorch path, whose backward does not read them)."""
     _check_entry(h, pre, weight, bias, kind)
+    params = [None if p is None else p.contiguous() for p in (weight, bias)]     # one stride
     return MIX_ENTRY.run(
-        lambda: _entry_kernels().mix_entry_forward(h.contiguous(), pre.contiguous(), weight, bias,
+        lambda: _entry_kernels().mix_entry_forward(h.contiguous(), pre.contiguous(), *params,
                                                    kind == "layernorm", eps, dtype),
         lambda: (_entry_reference(h, pre, weight, bias, kind, eps, dtype).contiguous(),
                  h.new_zeros((2, pre.numel() // pre.shape[-1]), dtype=torch.float32)),
@@ -226,6 +246,8 @@ def _mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | N
                         stats: Tensor, kind: str, eps: float, need_w: bool,
                         need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dh, dpre, dw, db)`` in their inputs' dtypes (``dw``, ``db`` empty where not computed)."""
+    params = [None if p is None else p.contiguous() for p in (weight, bias)]
+
     def fallback():
         dh, dpre, dw, db = guard.reference_grads(
             lambda *a: [_entry_reference(*a, kind, eps, grad.dtype)], [h, pre, weight, bias], [grad],
@@ -236,8 +258,8 @@ def _mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | N
         return dh.to(h.dtype), dpre.to(pre.dtype), param(dw, weight, need_w), param(db, bias, need_b)
     return MIX_ENTRY.run(
         lambda: _entry_kernels().mix_entry_backward(grad.contiguous(), h.contiguous(), pre.contiguous(),
-                                                    weight, bias, stats, kind == "layernorm", need_w, need_b),
-        fallback)
+                                                    *params, stats, kind == "layernorm", need_w, need_b),
+        fallback, device=h.device)
 
 
 @_mix_entry_backward.register_fake
@@ -286,11 +308,10 @@ def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor
     broadcast; ``kind`` ``"rmsnorm"`` (weight optional) or ``"layernorm"`` (weight and bias
     optional); the result in ``dtype`` (default: ``h``'s and ``pre``'s promoted dtype). The kernel
     (float32 inside, the sum never stored) where :func:`mix_entry_kernel_runs`, else PyTorch ops."""
+    _check_entry(h, pre, weight, bias, kind, lead=False, limit=False)
     if dtype is None:
         dtype = torch.promote_types(h.dtype, pre.dtype)
-    lead = torch.broadcast_shapes(h.shape[:-2], pre.shape[:-1])
-    h = h if h.shape[:-2] == lead else h.expand(*lead, *h.shape[-2:])
-    pre = pre if pre.shape[:-1] == lead else pre.expand(*lead, pre.shape[-1])
-    if mix_entry_kernel_runs(h, pre, kind):
+    h, pre = _broadcast("mix_entry", (h, 2), (pre, 1))
+    if mix_entry_kernel_runs(h, pre, kind) and arguments.kernel_dtypes(weight, bias):
         return torch.ops.siamesenorm.mix_entry(h, pre, weight, bias, kind, float(eps), dtype)[0]
     return _entry_reference(h, pre, weight, bias, kind, eps, dtype)

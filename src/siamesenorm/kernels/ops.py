@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import guard
+from . import arguments, guard
 from .availability import announce_fallback, kernels_available
 
 __all__ = ["MAX_WIDTH", "add_norm", "add_rms_norm", "siamese_update_entry"]
@@ -34,8 +34,9 @@ def _kernels():
     return _triton
 
 
-def _use_kernels(t: Tensor, op: guard.KernelOp) -> bool:
-    if not op.on:                       # turned off by a failure (said then): the PyTorch path
+def _use_kernels(t: Tensor, op: guard.KernelOp, *others: Tensor | None) -> bool:
+    """The kernels for ``t`` (and ``others``: their dtypes too); float64 takes the PyTorch path."""
+    if not op.on or not arguments.kernel_dtypes(t, *others):   # off after a failure (said then)
         return False
     if kernels_available(t):
         return 0 < t.shape[-1] <= MAX_WIDTH
@@ -64,6 +65,21 @@ def _check_kind(kind: str, *biases: Tensor | None) -> None:
         raise ValueError(f"norm kind must be one of {_KINDS}, not {kind!r}")
     if kind == "rmsnorm" and any(b is not None for b in biases):
         raise ValueError("RMSNorm has no bias")
+
+
+def _param_contiguous(p: Tensor | None) -> Tensor | None:
+    """A weight or bias as the kernels read it (one stride)."""
+    return None if p is None else p.contiguous()
+
+
+def _check_add_norm(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
+    _check_kind(kind, bias)
+    arguments.tensor("add_norm", "h", h)
+    arguments.tensor("add_norm", "z", z)
+    if h.shape != z.shape:
+        raise ValueError(f"add_norm: h and z differ in shape: {tuple(h.shape)} and {tuple(z.shape)}")
+    arguments.param("add_norm", "weight", weight, h.shape[-1])
+    arguments.param("add_norm", "bias", bias, h.shape[-1])
 
 
 # ---- s = h + z; n = norm(s) --------------------------------------------------------------------------
@@ -99,6 +115,9 @@ def _add_norm(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, 
               eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(s, n, stats)``: ``stats`` is ``(2, rows)`` float32, the mean (0 for RMSNorm) and rstd
     (zeros on the PyTorch path, whose backward does not read them)."""
+    _check_add_norm(h, z, weight, bias, kind)
+    weight, bias = _param_contiguous(weight), _param_contiguous(bias)
+
     def fallback():
         return *_add_norm_reference(h, z, weight, bias, kind, eps), h.new_zeros((2, _rows(h)),
                                                                                  dtype=torch.float32)
@@ -109,6 +128,7 @@ def _add_norm(h: Tensor, z: Tensor, weight: Tensor | None, bias: Tensor | None, 
 
 @_add_norm.register_fake
 def _(h, z, weight, bias, kind, eps):
+    _check_add_norm(h, z, weight, bias, kind)
     s = h.new_empty(h.shape, dtype=torch.promote_types(h.dtype, z.dtype))
     return s, torch.empty_like(s), h.new_empty((2, _rows(h)), dtype=torch.float32)
 
@@ -125,13 +145,16 @@ def _add_norm_backward(gs: Tensor | None, gn: Tensor, s: Tensor, weight: Tensor 
                        bias: Tensor | None, stats: Tensor, kind: str, eps: float, need_w: bool,
                        need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(ds, dw, db)`` (``ds`` in ``s``'s dtype; ``dw``, ``db`` empty where not computed)."""
+    weight, bias = _param_contiguous(weight), _param_contiguous(bias)
+
     def fallback():
         ds, dw, db = guard.reference_grads(lambda s, w, b: [_norm(s, w, b, kind, eps)], [s, weight, bias],
                                            [gn], s.device)
         ds = ds if gs is None else ds + gs
         return ds.to(s.dtype), _param_grad(dw, weight, need_w, s), _param_grad(db, bias, need_b, s)
     return ADD_NORM.run(lambda: _kernels().add_norm_backward(gs, gn, s, weight, bias, stats,
-                                                             kind == "layernorm", need_w, need_b), fallback)
+                                                             kind == "layernorm", need_w, need_b), fallback,
+                        device=s.device)
 
 
 @_add_norm_backward.register_fake
@@ -177,10 +200,8 @@ def add_norm(h: Tensor, z: Tensor, weight: Tensor | None = None, bias: Tensor | 
     ``"rmsnorm"``, weight optional, or ``"layernorm"``, weight and bias optional). ``s`` and ``n``
     have the dtype of ``h + z``; the kernel computes in float32 and keeps ``s`` and the row
     statistics for backward."""
-    _check_kind(kind, bias)
-    if h.shape != z.shape:
-        raise ValueError(f"add_norm: h and z differ in shape: {tuple(h.shape)} and {tuple(z.shape)}")
-    if _use_kernels(h, ADD_NORM):
+    _check_add_norm(h, z, weight, bias, kind)
+    if _use_kernels(h, ADD_NORM, z, weight, bias):
         s, n, _ = torch.ops.siamesenorm.add_norm(h, z, weight, bias, kind, float(eps))
         return s, n
     s = h + z
@@ -194,6 +215,32 @@ def add_rms_norm(h: Tensor, z: Tensor, weight: Tensor | None = None,
 
 
 # ---- SiameseNorm: the update of two streams and the entry of the next sublayer -------------------------
+def _check_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None, xw: Tensor | None, xb: Tensor | None,
+                        yw: Tensor | None, yb: Tensor | None, iw: Tensor | None, ib: Tensor | None, kind: str,
+                        x_mode: str, y_norm: bool, in_norm: bool) -> None:
+    op = "siamese_update_entry"
+    _check_kind(kind, xb, yb, ib)
+    if x_mode not in _X_MODES:
+        raise ValueError(f"x_mode must be one of {_X_MODES}, not {x_mode!r}")
+    if x_mode == "gain" and (xw is None or xb is not None):
+        raise ValueError('x_mode "gain" takes x_weight (the gain) and no x_bias')
+    if x_mode == "none" and (xw is not None or xb is not None):
+        raise ValueError('x_mode "none" takes no x_weight or x_bias')
+    if not y_norm and (yw is not None or yb is not None):
+        raise ValueError("y_weight and y_bias need y_norm")
+    if not in_norm and (iw is not None or ib is not None):
+        raise ValueError("in_weight and in_bias need in_norm")
+    if y is None and (y_norm or o is not None):
+        raise ValueError("y is needed with y_norm or o")
+    arguments.tensor(op, "x", x)
+    for name, t in (("y", y), ("o", o)):
+        if t is not None and arguments.tensor(op, name, t).shape != x.shape:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, x {tuple(x.shape)}")
+    for name, p in (("x_weight", xw), ("x_bias", xb), ("y_weight", yw), ("y_bias", yb), ("in_weight", iw),
+                    ("in_bias", ib)):
+        arguments.param(op, name, p, x.shape[-1])
+
+
 def _entry_from_sums(x1: Tensor, y1: Tensor | None, xw: Tensor | None, xb: Tensor | None,
                      yw: Tensor | None, yb: Tensor | None, iw: Tensor | None, ib: Tensor | None, kind: str,
                      eps: float, x_mode: str, y_norm: bool, in_norm: bool) -> tuple[Tensor, Tensor]:
@@ -256,7 +303,9 @@ def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight
     ``y1`` without ``o``; ``x1`` (``x + scale o``) is written only with ``o`` and the X norm, for
     backward; ``stats`` is ``(6, rows)`` float32: mean and rstd of the X, Y and input norms (zeros
     on the PyTorch path, whose backward does not read them)."""
-    params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
+    _check_update_entry(x, y, o, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, x_mode, y_norm,
+                        in_norm)
+    params = [_param_contiguous(p) for p in (x_weight, x_bias, y_weight, y_bias, in_weight, in_bias)]
     has_o = o is not None
 
     def fallback():
@@ -275,6 +324,8 @@ def _update_entry(x: Tensor, y: Tensor, o: Tensor | None, scale: float, x_weight
 @_update_entry.register_fake
 def _(x, y, o, scale, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, eps, x_mode, y_norm,
       in_norm, b_dtype=None):
+    _check_update_entry(x, y, o, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, x_mode, y_norm,
+                        in_norm)
     has_o = o is not None
     x_dtype = x.dtype if o is None else torch.promote_types(x.dtype, o.dtype)
     y_dtype = y.dtype if o is None else torch.promote_types(y.dtype, o.dtype)
@@ -297,7 +348,7 @@ def _update_entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor
                            in_norm: bool) -> list[Tensor]:
     """``[dx, dy, do, d_xw, d_xb, d_yw, d_yb, d_iw, d_ib]``, the first three in ``x1``'s dtype;
     empty where there is no such gradient."""
-    params = [x_weight, x_bias, y_weight, y_bias, in_weight, in_bias]
+    params = [_param_contiguous(p) for p in (x_weight, x_bias, y_weight, y_bias, in_weight, in_bias)]
 
     def fallback():
         dx, dy, *d_params = guard.reference_grads(
@@ -313,7 +364,8 @@ def _update_entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor
                 *(_param_grad(g, p, True, x1) for g, p in zip(d_params, params))]
     return UPDATE_ENTRY.run(
         lambda: list(_kernels().entry_backward(g_xo, g_y1, g_b, x1, y1, params, stats, has_o, scale,
-                                               kind == "layernorm", x_mode, y_norm, in_norm)), fallback)
+                                               kind == "layernorm", x_mode, y_norm, in_norm)), fallback,
+        device=x1.device)
 
 
 @_update_entry_backward.register_fake
@@ -389,29 +441,20 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     ``x1`` (``x`` without ``o``), ``y1`` and the saved row statistics. ``out_dtype``: the dtype
     ``b`` is written in (the next matrix product's, under autocast), if not the streams'.
     """
-    _check_kind(kind, x_bias, y_bias, in_bias)
-    if x_mode not in _X_MODES:
-        raise ValueError(f"x_mode must be one of {_X_MODES}, not {x_mode!r}")
-    if x_mode == "gain" and (x_weight is None or x_bias is not None):
-        raise ValueError('x_mode "gain" takes x_weight (the gain) and no x_bias')
-    if x_mode == "none" and (x_weight is not None or x_bias is not None):
-        raise ValueError('x_mode "none" takes no x_weight or x_bias')
-    if not y_norm and (y_weight is not None or y_bias is not None):
-        raise ValueError("y_weight and y_bias need y_norm")
-    if not in_norm and (in_weight is not None or in_bias is not None):
-        raise ValueError("in_weight and in_bias need in_norm")
-    if y is None and (y_norm or o is not None):
-        raise ValueError("y is needed with y_norm or o")
-    for name, t in (("y", y), ("o", o)):
-        if t is not None and t.shape != x.shape:
-            raise ValueError(f"siamese_update_entry: {name} has shape {tuple(t.shape)}, x {tuple(x.shape)}")
-    if _use_kernels(x, UPDATE_ENTRY):
-        xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(
+    _check_update_entry(x, y, o, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, x_mode, y_norm,
+                        in_norm)
+    if isinstance(scale, Tensor) and scale.dim() != 0:
+        raise ValueError(f"siamese_update_entry: scale must be a number or a 0-dim tensor, not shape "
+                         f"{tuple(scale.shape)}")
+    params = (x_weight, x_bias, y_weight, y_bias, in_weight, in_bias)
+    if not isinstance(scale, Tensor) and _use_kernels(x, UPDATE_ENTRY, y, o, *params):   # a tensor scale:
+        xo, y1, b, _, _ = torch.ops.siamesenorm.update_entry(                            # its gradient
+
             x, y if y is not None else x, o, float(scale), x_weight, x_bias, y_weight, y_bias, in_weight,
             in_bias, kind, float(eps), x_mode, y_norm, in_norm, out_dtype)
         return (xo if x_mode == "norm" or o is not None else x), (y1 if o is not None else y), b
     if o is not None:
-        x, y = torch.add(x, o, alpha=scale), y + o
+        x, y = (x + scale * o if isinstance(scale, Tensor) else torch.add(x, o, alpha=scale)), y + o
     xo, b = _entry_from_sums(x, y, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, eps, x_mode,
                              y_norm, in_norm)
     return xo, y, (b if out_dtype is None else b.to(out_dtype))

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from . import guard
+from . import arguments, guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_COLUMNS", "rms_project", "rms_project_kernel_runs"]
@@ -92,7 +92,7 @@ def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Ten
         dx, dw = guard.reference_grads(lambda x, w: _reference(x, w, eps)[:1], [x, w], [dz], x.device)
         return (dx.to(x.dtype) if need_x else x.new_empty(0),
                 dw.to(w.dtype) if need_w else w.new_empty(0, dtype=torch.float32))
-    return RMS_PROJECT.run(kernel, fallback)
+    return RMS_PROJECT.run(kernel, fallback, device=x.device)
 
 
 @_rms_project_backward.register_fake
@@ -140,6 +140,11 @@ def rms_project(x: Tensor, w: Tensor, eps: float, dot: torch.dtype | None = None
     pass autocast's under autocast, whose casts a custom op does not see). The kernel where
     :func:`rms_project_kernel_runs`, in float32 inside, its product exact for ``dot`` float32 and
     in TF32 (more precise than bf16 or fp16) otherwise; else plain ops."""
+    arguments.tensor("rms_project", "x", x)
+    arguments.tensor("rms_project", "w", w, 2)
+    if w.dim() != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_project: w must be ({x.shape[-1]}, M) for x of shape {tuple(x.shape)}, "
+                         f"not {tuple(w.shape)}")
     if dot is None:
         dot = torch.promote_types(x.dtype, w.dtype)
     if rms_project_kernel_runs(x, w) and dot != torch.float64:

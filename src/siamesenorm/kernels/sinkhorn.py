@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..nn.sinkhorn import sinkhorn as sinkhorn_function
-from . import guard
+from . import arguments, guard
 from .availability import kernels_run_on
 
 __all__ = ["MAX_ITERS", "MAX_N", "sinkhorn", "sinkhorn_kernel_runs"]
@@ -71,7 +71,8 @@ def _sinkhorn_backward(grad: Tensor, logits: Tensor, iters: int) -> Tensor:
     def fallback() -> Tensor:
         (d,) = guard.reference_grads(lambda t: [sinkhorn_function(t, iters)], [logits], [grad], logits.device)
         return d.to(logits.dtype)
-    return SINKHORN.run(lambda: _kernels().sinkhorn_backward(grad, logits, iters), fallback)
+    return SINKHORN.run(lambda: _kernels().sinkhorn_backward(grad, logits, iters), fallback,
+                        device=logits.device)
 
 
 @_sinkhorn_backward.register_fake
@@ -107,10 +108,19 @@ def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
     return SINKHORN.on and kernels_run_on(logits)
 
 
+def _check_arguments(logits: Tensor, iters: int) -> None:
+    arguments.tensor("sinkhorn", "logits", logits, 2)
+    if logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn: logits must be (..., n, n), not {tuple(logits.shape)}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"sinkhorn: iters must be an int >= 0, not {iters!r}")
+
+
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """``exp(logits)`` over the last two axes (``(..., n, n)``) with rows then columns rescaled to
     sum 1, ``iters`` times, and the exact gradient of those iterations: the kernel where
     :func:`sinkhorn_kernel_runs`, else :func:`siamesenorm.nn.sinkhorn.sinkhorn`."""
+    _check_arguments(logits, iters)
     if sinkhorn_kernel_runs(logits, iters):
         return torch.ops.siamesenorm.sinkhorn(logits, iters)
     return sinkhorn_function(logits, iters)
