@@ -11,9 +11,9 @@ from triton_interpreter import (
     CUDA,
     DEVICE,
     collect,
+    every_kernel_module_interpreted,
     fresh_process_test,
     import_triton,
-    interpreted,
     interpreter,  # noqa: F401  (the autouse fixture)
 )
 
@@ -22,9 +22,7 @@ triton = import_triton()
 from siamesenorm import kernels  # noqa: E402
 from siamesenorm.kernels import guard  # noqa: E402
 
-IN_PROCESS = CUDA or all(interpreted(f"siamesenorm.kernels.{module}", kernel) for module, kernel in (
-    ("_triton", "_add_norm_fwd"), ("_triton_mix_entry", "_mix_entry_fwd"),
-    ("_triton_depth_mix", "_depth_mix_fwd")))
+IN_PROCESS = CUDA or every_kernel_module_interpreted()
 test_in_fresh_process = fresh_process_test(__file__)
 
 

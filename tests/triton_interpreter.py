@@ -92,6 +92,16 @@ def _patch_language_once_per_launch() -> None:
     cls.__call__, cls._patched_once = __call__, True
 
 
+KERNEL_MODULES = {"_triton": "_add_norm_fwd", "_triton_sinkhorn": "_sinkhorn_fwd",
+                  "_triton_mix": "_mix_write_fwd", "_triton_mix_entry": "_mix_entry_fwd",
+                  "_triton_rms_project": "_rms_project_fwd", "_triton_depth_mix": "_depth_mix_fwd"}
+
+
+def every_kernel_module_interpreted() -> bool:
+    """:func:`interpreted` for each of siamesenorm's kernel modules (a test file using them all)."""
+    return all(interpreted(f"siamesenorm.kernels.{m}", kernel) for m, kernel in KERNEL_MODULES.items())
+
+
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
     """TRITON_INTERPRET=1 around each test without CUDA (import it into a kernel test module); and
