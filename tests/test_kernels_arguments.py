@@ -79,6 +79,14 @@ CALLS = {   # op: a call of its front function taking keyword overrides
     ("sinkhorn", "iters", -1, ValueError, "iters must be an int >= 0"),
     ("rms_project", "w", t(8, 5), ValueError, r"w must be \(16, M\)"),
     ("rms_project", "x", torch.tensor(1.0), ValueError, "x must have at least 1 dimension"),
+    ("add_norm", "eps", -1e-6, ValueError, "add_norm: eps must be a finite number >= 0, not -1e-06"),
+    ("update_entry", "eps", float("nan"), ValueError, "eps must be a finite number >= 0"),
+    ("mix_entry", "eps", float("inf"), ValueError, "eps must be a finite number >= 0"),
+    ("depth_mix", "norm_eps", -1.0, ValueError, "norm_eps must be a finite number >= 0"),
+    ("rms_project", "eps", "1e-6", ValueError, "eps must be a finite number >= 0"),
+    ("update_entry", "out_dtype", torch.int8, TypeError, "out_dtype must be a floating-point dtype"),
+    ("mix_write", "dtype", torch.int32, TypeError, "dtype must be a floating-point dtype"),
+    ("depth_mix", "dtype", torch.bool, TypeError, "dtype must be a floating-point dtype"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument(op, arg, value, error, message, path):
     with pytest.raises(error, match=message):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KERNEL_DTYPES", "kernel_dtypes", "param", "tensor"]
+__all__ = ["KERNEL_DTYPES", "eps", "floating_dtype", "kernel_dtypes", "param", "tensor"]
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # float64 keeps its precision in PyTorch
 
@@ -31,6 +31,18 @@ def param(op: str, name: str, p: Tensor | None, width: int) -> None:
     tensor(op, name, p)
     if tuple(p.shape) != (width,):
         raise ValueError(f"{op}: {name} must have shape ({width},), not {tuple(p.shape)}")
+
+
+def eps(op: str, name: str, value: object) -> None:
+    """A norm's epsilon: a finite number >= 0 (a negative one makes rstd NaN where a row is flat)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, not {value!r}")
+
+
+def floating_dtype(op: str, name: str, dtype: object) -> None:
+    """An output dtype: None or a floating-point dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{op}: {name} must be a floating-point dtype, not {dtype!r}")
 
 
 def kernel_dtypes(*ts: Tensor | None) -> bool:

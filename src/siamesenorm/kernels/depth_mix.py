@@ -202,6 +202,9 @@ def fused_depth_mix(sources: tuple[Tensor, ...], u: Tensor, weight: Tensor | Non
     ``eps``; ``kind`` the norm, ``"none"`` for none, with ``norm_eps``), in ``dtype`` (default: the
     sources' promoted dtype): the kernel where :func:`depth_mix_kernel_runs`, else plain ops."""
     _check(sources, u, weight, bias, kind, limit=False)
+    arguments.eps("depth_mix", "eps", eps)
+    arguments.eps("depth_mix", "norm_eps", norm_eps)
+    arguments.floating_dtype("depth_mix", "dtype", dtype)
     if dtype is None:
         dtype = sources[0].dtype
         for v in sources[1:]:

@@ -159,6 +159,7 @@ def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dt
     ``dtype`` (default: the four's promoted dtype). The kernel where :func:`mix_write_kernel_runs`,
     else :func:`siamesenorm.nn.mixing.mix_and_write` (one autograd node)."""
     _check(res, h, post, out, lead=False, limit=False)
+    arguments.floating_dtype("mix_write", "dtype", dtype)
     if dtype is None:
         dtype = torch.promote_types(torch.promote_types(res.dtype, h.dtype),
                                     torch.promote_types(post.dtype, out.dtype))
@@ -309,6 +310,8 @@ def mix_entry(h: Tensor, pre: Tensor, weight: Tensor | None = None, bias: Tensor
     optional); the result in ``dtype`` (default: ``h``'s and ``pre``'s promoted dtype). The kernel
     (float32 inside, the sum never stored) where :func:`mix_entry_kernel_runs`, else PyTorch ops."""
     _check_entry(h, pre, weight, bias, kind, lead=False, limit=False)
+    arguments.eps("mix_entry", "eps", eps)
+    arguments.floating_dtype("mix_entry", "dtype", dtype)
     if dtype is None:
         dtype = torch.promote_types(h.dtype, pre.dtype)
     h, pre = _broadcast("mix_entry", (h, 2), (pre, 1))

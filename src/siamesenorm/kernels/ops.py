@@ -201,6 +201,7 @@ def add_norm(h: Tensor, z: Tensor, weight: Tensor | None = None, bias: Tensor | 
     have the dtype of ``h + z``; the kernel computes in float32 and keeps ``s`` and the row
     statistics for backward."""
     _check_add_norm(h, z, weight, bias, kind)
+    arguments.eps("add_norm", "eps", eps)
     if _use_kernels(h, ADD_NORM, z, weight, bias):
         s, n, _ = torch.ops.siamesenorm.add_norm(h, z, weight, bias, kind, float(eps))
         return s, n
@@ -443,6 +444,8 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
     """
     _check_update_entry(x, y, o, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, x_mode, y_norm,
                         in_norm)
+    arguments.eps("siamese_update_entry", "eps", eps)
+    arguments.floating_dtype("siamese_update_entry", "out_dtype", out_dtype)
     if isinstance(scale, Tensor) and scale.dim() != 0:
         raise ValueError(f"siamese_update_entry: scale must be a number or a 0-dim tensor, not shape "
                          f"{tuple(scale.shape)}")

@@ -145,6 +145,8 @@ def rms_project(x: Tensor, w: Tensor, eps: float, dot: torch.dtype | None = None
     if w.dim() != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_project: w must be ({x.shape[-1]}, M) for x of shape {tuple(x.shape)}, "
                          f"not {tuple(w.shape)}")
+    arguments.eps("rms_project", "eps", eps)
+    arguments.floating_dtype("rms_project", "dot", dot)
     if dot is None:
         dot = torch.promote_types(x.dtype, w.dtype)
     if rms_project_kernel_runs(x, w) and dot != torch.float64:
