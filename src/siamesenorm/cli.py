@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import RankFailed, Terminated, UserError, environment_problem
+from .errors import RankFailed, Terminated, UserError, environment_problem, one_line
 
 DEFAULT_PRESET = "default"  # configs/default.yaml: the README's main job, and train's preset
 
@@ -87,7 +87,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (and exit status 2, as argparse does)."""
 
     def error(self, message: str):  # type: ignore[override]
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
 
@@ -503,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RankFailed as err:
-        print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)
+        print(f"siamesenorm {args.command}: error: {one_line(str(err))}", file=sys.stderr)
         return 1
     except Terminated:
         print(f"siamesenorm {args.command}: terminated (SIGTERM)", file=sys.stderr)
@@ -517,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = environment_problem(err)
         if problem is None:
             raise
-        print(f"siamesenorm {args.command}: error: {problem}", file=sys.stderr)
+        print(f"siamesenorm {args.command}: error: {one_line(problem)}", file=sys.stderr)
         return 2
 
 

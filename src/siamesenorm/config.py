@@ -96,9 +96,10 @@ class TrainConfig:
                      "stall_steps"):
             if getattr(self, name) <= 0:
                 raise UserError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise UserError(f"train.{name} must not be negative, got {getattr(self, name)}")
+        for name in ("warmup", "weight_decay", "grad_clip"):     # NaN is neither: refused too
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UserError(f"train.{name} must not be negative, and be finite, got "
+                                f"{getattr(self, name)}")
         if not 0 < self.lr < math.inf:
             raise UserError(f"train.lr must be a positive finite number, got {self.lr}")
         for i, beta in enumerate(self.betas):
@@ -107,8 +108,9 @@ class TrainConfig:
                                   "rates, e.g. train.betas=[0.9,0.95])")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.divergence_factor > 1:
-            raise UserError(f"train.divergence_factor must be above 1, got {self.divergence_factor}")
+        if not 1 < self.divergence_factor < math.inf:
+            raise UserError(f"train.divergence_factor must be a finite number above 1, got "
+                            f"{self.divergence_factor}")
         if self.log_every is not None and self.log_every < 0:
             raise UserError(f"train.log_every must not be negative (0: only the final line; null: "
                               f"at most 100 lines per run), got {self.log_every}")
@@ -293,26 +295,51 @@ def _build(cls: type, raw: dict, base: Any = None) -> Any:
 # a RecursionError near a thousand.
 MAX_YAML_DEPTH = 64
 
+# How much YAML's aliases (*name) may add to a text, counted as nodes plus the characters of its
+# scalars: a preset that repeats a base variant a few times adds hundreds. Aliases of aliases
+# multiply (ten of ten of ten ...: the "billion laughs"), and PyYAML shares what they name, so an
+# 800-byte preset holds a value whose text is gigabytes: refused before it is built.
+MAX_ALIAS_EXPANSION = 100_000
+
 
 def _refuse_deep_or_cyclic(text: str, where: str) -> None:
     """Walk the events of ``text`` (PyYAML's parser is a state machine, not recursive) and refuse
-    nesting deeper than :data:`MAX_YAML_DEPTH`, and an alias inside the node its anchor names (a
-    structure that contains itself, which no configuration value can be)."""
-    depth, open_anchors = 0, []
+    nesting deeper than :data:`MAX_YAML_DEPTH`, an alias inside the node its anchor names (a
+    structure that contains itself, which no configuration value can be), and aliases that expand
+    to more than :data:`MAX_ALIAS_EXPANSION` (each counts the size of the node it names)."""
+    depth, open_nodes = 0, []           # open collections: [anchor, size so far]
+    sizes: dict[str, int] = {}          # anchor -> the size of the node it names, aliases expanded
+    expanded = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
-            open_anchors.append(event.anchor)
+            open_nodes.append([event.anchor, 1])
             if depth > MAX_YAML_DEPTH:
                 line = event.start_mark.line + 1
                 raise UserError(f"{where} nests mappings or lists more than {MAX_YAML_DEPTH} levels "
                                   f"deep (line {line}); no configuration needs that many")
-        elif isinstance(event, yaml.CollectionEndEvent):
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
-            open_anchors.pop()
-        elif isinstance(event, yaml.AliasEvent) and event.anchor in open_anchors:
-            raise UserError(f"{where}: the alias *{event.anchor} (line {event.start_mark.line + 1}) "
-                              f"is inside the node &{event.anchor} names; a value cannot contain itself")
+            anchor, size = open_nodes.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1 + len(event.value)
+        elif isinstance(event, yaml.AliasEvent):
+            if any(event.anchor == a for a, _ in open_nodes):
+                raise UserError(f"{where}: the alias *{event.anchor} (line {event.start_mark.line + 1}) "
+                                  f"is inside the node &{event.anchor} names; a value cannot contain itself")
+            anchor, size = None, sizes.get(event.anchor, 1)
+            expanded += size
+            if expanded > MAX_ALIAS_EXPANSION:
+                raise UserError(f"{where}: its aliases expand to more than {MAX_ALIAS_EXPANSION:,} "
+                                f"nodes and characters (*{event.anchor}, line {event.start_mark.line + 1}:"
+                                " aliases of aliases multiply); write the values out, or use fewer aliases")
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        if open_nodes:
+            open_nodes[-1][1] += size
 
 
 def load_yaml(text: str, where: str, path: str = "") -> Any:

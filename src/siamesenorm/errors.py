@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import errno
 
+# The longest message a UserError keeps: a line a person reads (the longest the library writes,
+# an unknown key with the keys known beside it, is some 400 characters). A value given by mistake
+# or on purpose can be megabytes: its message keeps its start (which key) and end (how to fix it).
+MAX_MESSAGE_CHARS = 500
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` cut to at most ``limit`` characters: its start and end with the characters
+    between them left out and counted."""
+    if len(message) <= limit:
+        return message
+    tail = limit // 4
+    head = limit - tail - 48        # 48: room for the note, however many are left out
+    left_out = len(message) - head - tail
+    return f"{message[:head]} ...({left_out:,} characters left out)... {message[-tail:]}"
+
 
 class UserError(ValueError):
     """Something the user gave that cannot be used: a bad configuration value, a damaged or unsafe
-    checkpoint, data that changed under a run, a folder that holds something else."""
+    checkpoint, data that changed under a run, a folder that holds something else. Its message is
+    bounded here, once, for every error (:func:`one_line`): whatever value it shows."""
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(one_line(message) if isinstance(message, str) else message, *args)
 
 
 ConfigError = UserError     # its name before issue 35; kept for code that catches it

@@ -53,11 +53,38 @@ UNSUPPORTED = (
 )
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:       # an integer too large for a float
+        return False
+
+
 def _positive_int(name: str, value: Any, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise UserError(f"LMConfig.{name} must be a positive integer, got {value!r}")
+
+
+# Upper bounds of the model's scales: past them a model builds with infinite weights (a value above
+# float32's 3.4e38 is infinite when stored) or computes infinities in its first step. Each is far
+# beyond what any recipe uses (shown beside it).
+MAX_INIT_STD = 1.0                # GPT-2's 0.02; from 1 on, every layer multiplies by sqrt(dim)
+MAX_EMBED_SCALE = 1e4             # the DyT paper's sqrt(dim): 64 at dim 4096
+MAX_VALUE_RESIDUAL_WEIGHT = 100.0  # ResFormer's 0.5 and 0.5
+MAX_LOSS_WEIGHT = 100.0           # OLMoE's 0.01 and 0.001 on its load-balancing and z-losses
+
+
+def _number(key: str, value: Any, low: float, high: float, *, low_open: bool = True,
+            what: str = "") -> None:
+    """Refuse ``value`` for ``model.<key>`` unless it is a finite number above ``low`` (or equal
+    to it, when not ``low_open``) and at most ``high``; ``what`` says what the bound protects."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
+            or not (low < value if low_open else low <= value) or not value <= high:
+        above = f"{'>' if low_open else '>='} {low:g}"
+        raise UserError(f"model.{key} must be a finite number {above} and at most {high:g}{what}, "
+                        f"got {value!r}")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -106,10 +133,8 @@ class MoEConfig:
             raise UserError("model.moe.shared_hidden must be 0 (none) or a positive integer, got "
                               f"{self.shared_hidden!r}")
         for name in ("aux_loss", "z_loss"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0:
-                raise UserError(f"model.moe.{name} must be a finite number >= 0, got {value!r}")
+            _number(f"moe.{name}", getattr(self, name), 0, MAX_LOSS_WEIGHT, low_open=False,
+                    what=" (a weight on the training loss; OLMoE's are 0.01 and 0.001)")
 
     def expert_hidden(self, dim: int) -> int:
         return max(1, dim // 2) if self.hidden is None else self.hidden
@@ -198,10 +223,13 @@ class LMConfig:
         _choice("mlp", self.mlp, MLP_KINDS)
         _choice("norm", self.norm, NORM_KINDS)
         _choice("init", self.init, INIT_KINDS)
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise UserError(f"LMConfig.{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
+                    or not value > 0:
+                raise UserError(f"model.{name} must be a positive finite number, got {value!r}")
+        _number("init_std", self.init_std, 0, MAX_INIT_STD,
+                what=" (the weights' standard deviation; GPT-2's is 0.02)")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise UserError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
@@ -253,9 +281,8 @@ class LMConfig:
             raise UserError(f"model.value_residual_mix: unknown value {self.value_residual_mix!r}; choose "
                               f"one of {', '.join(VALUE_RESIDUAL_MIXES)}")
         for name in ("value_residual_own", "value_residual_first"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UserError(f"model.{name} must be a finite number, got {value!r}")
+            _number(name, getattr(self, name), -MAX_VALUE_RESIDUAL_WEIGHT, MAX_VALUE_RESIDUAL_WEIGHT,
+                    low_open=False, what=" (a weight on a layer's values; the paper's is 0.5)")
         if not self.value_residual:
             changed = [name for name in ("value_residual_mix", "value_residual_own", "value_residual_first")
                        if getattr(self, name) != self.__dataclass_fields__[name].default]
@@ -272,10 +299,13 @@ class LMConfig:
     def _check_embed_scale(self) -> None:
         value = self.embed_scale
         if value is None or value == "sqrt_dim":
-            pass
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
                 or not value > 0:
             raise UserError(f"model.embed_scale must be a positive number, sqrt_dim or null, got {value!r}")
+        if value > MAX_EMBED_SCALE:
+            raise UserError(f"model.embed_scale must be at most {MAX_EMBED_SCALE:g} (the start of the "
+                            f"embedding's scale; the DyT paper's is sqrt(dim): sqrt_dim), got {value!r}")
 
     def check_host(self, host: str) -> None:
         """Refuse, in one line, the first value the model on ``host`` (a key of :data:`HOSTS`)

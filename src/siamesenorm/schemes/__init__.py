@@ -8,7 +8,7 @@ its options once, in its ``options`` table, and describes it once, in its docstr
     class Scaled(ResidualScheme):
         # docstring: h <- h + gain * F_i(LN_i(h)), the option gain scaling every branch
         name = "scaled"
-        options = {"gain": Option(1.0, Number(low=0))}
+        options = {"gain": Option(1.0, Number(low=0, high=10))}   # a float: bounded, finite
 
         def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
             super().__init__(dim, n_layers, **kwargs)   # checks the options, sets self.gain

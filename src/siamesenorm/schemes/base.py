@@ -78,10 +78,21 @@ class Flag:
         return value
 
 
+def is_finite(value: Any) -> bool:
+    """Whether the number ``value`` is finite as a float: not NaN, not infinite, and not an
+    integer too large for a float (``10**400``)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class Number:
     """A number (an integer with ``integer=True``; not a bool) in ``[low, high]``; ``None`` too when
-    ``optional``."""
+    ``optional``. A number that is not an integer is always finite (never NaN nor infinite), and
+    its ``high`` is declared: the largest value with which the scheme's model stays finite, at
+    least (a test builds every scheme at each of its bounds)."""
 
     low: float | None = None
     high: float | None = None
@@ -95,14 +106,25 @@ class Number:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise UserError(f"scheme {scheme!r}: option {option} must be "
                               f"{'an integer' if self.integer else 'a number'}, got {value!r}")
+        if not self.integer and not is_finite(value):
+            raise UserError(f"scheme {scheme!r}: option {option} must be a finite number, got {value!r}")
         low, high = self.low, self.high
         if (low is not None and value < low) or (high is not None and value > high):
-            rng = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            rng = f"[{'-inf' if low is None else format(low, 'g')}, " \
+                  f"{'inf' if high is None else format(high, 'g')}]"
             raise UserError(f"scheme {scheme!r}: option {option}={value!r} is outside {rng}")
         return value
 
 
 OptionCheck = Callable[[str, str, Any], Any]
+
+# The largest weight a scheme's option may put on the skip path (Keel's and DeepNorm's alpha: the
+# papers' are 2L and (2L)^(1/4)): the post-norm after it squares the stream, and from 1e19 on that
+# is infinite in float32 and bfloat16.
+MAX_SKIP_WEIGHT = 1e6
+# The largest gain an option may put on the initialisation of the branch weights (DeepNorm's beta,
+# (8L)^(-1/4) in the paper): a SwiGLU's three weights raise it to the third power.
+MAX_BRANCH_GAIN = 10.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +193,8 @@ class ResidualScheme(nn.Module, ABC):
         if norm not in NORM_KINDS:
             raise UserError(f"scheme {self.name!r}: unknown norm {norm!r}; "
                               f"choose one of {', '.join(NORM_KINDS)}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not is_finite(eps) \
+                or not eps > 0:
             raise UserError(f"scheme {self.name!r}: eps must be a positive finite number, got {eps!r}")
         values = {k: o.check(self.name, k, options[k]) if k in options else o.default
                   for k, o in declared.items()}
@@ -317,6 +340,9 @@ def _declare_signature_options(cls: type[ResidualScheme]) -> None:
 
 
 def _unchecked(scheme: str, option: str, value: Any) -> Any:
+    """An option without a declared check: any value, but a float is finite (never NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"scheme {scheme!r}: option {option} must be a finite number, got {value!r}")
     return value
 
 

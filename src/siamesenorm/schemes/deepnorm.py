@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Branch, Number, OneOf, Option, ResidualScheme, SchemeRequirements, register_scheme
+from .base import (
+    MAX_BRANCH_GAIN,
+    MAX_SKIP_WEIGHT,
+    Branch,
+    Number,
+    OneOf,
+    Option,
+    ResidualScheme,
+    SchemeRequirements,
+    register_scheme,
+)
 
 
 @register_scheme
@@ -27,8 +37,8 @@ class DeepNorm(ResidualScheme):
     summary = "h = LN(alpha*h + F(h)), Xavier init x beta"
     paper = "Wang et al. 2022, arXiv 2203.00555"
     options = {"arch": Option("decoder", OneOf(("decoder", "encoder"))),
-               "alpha": Option(None, Number(low=0, optional=True)),
-               "beta": Option(None, Number(low=0, optional=True))}
+               "alpha": Option(None, Number(low=0, high=MAX_SKIP_WEIGHT, optional=True)),
+               "beta": Option(None, Number(low=0, high=MAX_BRANCH_GAIN, optional=True))}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:
         super().__init__(dim, n_layers, **kwargs)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from torch import Tensor
 
 from ..nn.fused import stream_entry
-from .base import Branch, Number, Option, ResidualScheme, register_scheme
+from .base import MAX_SKIP_WEIGHT, Branch, Number, Option, ResidualScheme, register_scheme
 
 
 @register_scheme
@@ -33,7 +33,7 @@ class Keel(ResidualScheme):
     role_norm_names = ("pre_norm", "final_norm")
     summary = "h = LN(alpha*h + F(LN(h))), alpha = 2*n_layers"
     paper = "Chen, Wei et al. 2026, arXiv 2601.19895"
-    options = {"alpha": Option(None, Number(low=0, optional=True)),
+    options = {"alpha": Option(None, Number(low=0, high=MAX_SKIP_WEIGHT, optional=True)),
                "final_norm": replace(ResidualScheme.options["final_norm"], default=False)}
 
     def __init__(self, dim: int, n_layers: int, **kwargs) -> None:

@@ -33,11 +33,57 @@ def tag(key: str, evaluated: Iterable[str] = ()) -> str:
 
 
 def check_loggers(loggers: Iterable[str]) -> None:
-    """Refuse, before anything is written, a logger whose package is missing (W&B; TensorBoard is
-    skipped quietly when absent, being on by default)."""
-    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
-        raise UserError("train.loggers names wandb, which is not installed: pip install "
-                        "'siamesenorm[wandb]' (or drop it from train.loggers)")
+    """Refuse, before anything is written, a logger that cannot start: W&B not installed, or its
+    settings from the environment (``WANDB_MODE``, ``WANDB_BASE_URL``, ...) refused by W&B;
+    TensorBoard installed but failing to import. TensorBoard not installed at all is skipped
+    quietly, being on by default."""
+    loggers = tuple(loggers)
+    if "wandb" in loggers:
+        if importlib.util.find_spec("wandb") is None:
+            raise UserError("train.loggers names wandb, which is not installed: pip install "
+                            "'siamesenorm[wandb]' (or drop it from train.loggers)")
+        problem = _wandb_settings_problem()
+        if problem is not None:
+            raise UserError(f"train.loggers names wandb, which cannot start: {problem}; fix it, or "
+                            "drop wandb from train.loggers")
+    if "tensorboard" in loggers and importlib.util.find_spec("tensorboard") is not None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except Exception as error:
+            raise UserError("train.loggers names tensorboard, which is installed but cannot be "
+                            f"imported ({_first_line(error)}); repair it (pip install -U tensorboard), "
+                            "or drop it from train.loggers (train.loggers=[])") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _wandb_settings_problem() -> str | None:
+    """What W&B says of its settings from the environment, in one line (``None``: nothing): what
+    ``wandb.init`` reads first, checked here without starting anything or reaching the network."""
+    try:
+        import wandb
+
+        settings = wandb.Settings()
+        update = getattr(settings, "update_from_env_vars", None)    # W&B's own reader, if it has one
+        if update is not None:
+            update(dict(os.environ))
+    except Exception as error:
+        details = getattr(error, "errors", None)     # pydantic's ValidationError: which setting
+        try:
+            first = details()[0] if callable(details) else None
+        except Exception:
+            first = None
+        if not isinstance(first, dict):
+            return _first_line(error)
+        value = first.get("input")
+        names = [k for k, v in os.environ.items() if k.startswith("WANDB_") and v == value]
+        name = names[0] if names else ".".join(map(str, first.get("loc", ()))) or "a setting"
+        secret = any(word in name.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
+        return f"{name}{'' if secret else f'={value!r}'}: {first.get('msg', _first_line(error))}"
+    return None
 
 
 def _tensorboard(log_dir: Path, purge_step: int | None):
@@ -50,7 +96,8 @@ def _tensorboard(log_dir: Path, purge_step: int | None):
 
 def _wandb(run_dir: Path, resume: bool):
     """A W&B run for ``run_dir`` (its files under ``run_dir/wandb``), with the run's
-    ``config.yaml`` as its config; a resumed run continues the W&B run it started."""
+    ``config.yaml`` as its config; a resumed run continues the W&B run it started. W&B failing to
+    start (:func:`check_loggers` has checked its settings; the network, a login) is one line."""
     import wandb
 
     folder = inner_folder(run_dir / "wandb")
@@ -61,8 +108,13 @@ def _wandb(run_dir: Path, resume: bool):
         write_text(id_file, run_id + "\n")
     config_file = RunDir(run_dir).config
     config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "siamesenorm"), name=run_dir.name,
-                      id=run_id, resume="allow", dir=str(run_dir), config=config)
+    try:
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "siamesenorm"), name=run_dir.name,
+                          id=run_id, resume="allow", dir=str(run_dir), config=config)
+    except Exception as error:
+        raise UserError(f"train.loggers names wandb, which could not start ({_first_line(error)}); "
+                        "fix it (wandb login, or WANDB_MODE=offline), or drop wandb from "
+                        "train.loggers") from None
 
 
 class MetricsLog:
@@ -85,10 +137,19 @@ class MetricsLog:
         # the loggers' folders first: one refused (a link) leaves metrics.jsonl as it was
         self._tb = _tensorboard(layout.tensorboard, None if keep_until is None else keep_until + 1) \
             if "tensorboard" in loggers else None
-        self._file = open_jsonl(self.path, keep_until)
+        self._wandb = None
+        try:
+            if "wandb" in loggers:
+                self._wandb = _wandb(Path(run_dir), keep_until is not None)
+            self._file = open_jsonl(self.path, keep_until)
+        except BaseException:       # the loggers started so far are closed, not left running
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+            raise
         self._lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         self._size = sum(len(line.encode("utf-8")) for line in self._lines)
-        self._wandb = _wandb(Path(run_dir), keep_until is not None) if "wandb" in loggers else None
 
     def _check(self) -> None:
         """Rewrite the file from the rows held here when it is gone, replaced or shorter than
