@@ -279,12 +279,20 @@ def test_refusals_are_one_line_and_leave_nothing(runs, tmp_path, capsys, monkeyp
         ["file", "no_ckpt", "vit"]
 
 
-def test_a_non_empty_folder_needs_force_which_replaces_it_whole(runs, tmp_path, capsys, monkeypatch):
+def test_a_non_empty_folder_needs_force_which_replaces_only_our_own(runs, tmp_path, capsys, monkeypatch):
+    """A folder holding a file we did not write is never replaced, --force or not (issue 48); one
+    we wrote is, with --force, whole, and a failure half-way leaves it as it was."""
     out = tmp_path / "model"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     _refused(capsys, str(runs["bytes"]), "--format", "hf", "--out", str(out), fragment="--force")
+    _refused(capsys, str(runs["bytes"]), "--format", "hf", "--out", str(out), "--force",
+             fragment="did not write (mine.txt)")
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    (out / "mine.txt").unlink()
+    assert _cli("export", str(runs["bytes"]), "--format", "hf", "--out", str(out)) == 0
+    first = sorted(p.name for p in out.iterdir())
+    _refused(capsys, str(runs["bytes"]), "--format", "hf", "--out", str(out), fragment="--force")
 
     def broken(folder, *args):                    # a failure half-way through the writing
         (folder / "config.json").write_text("{}")
@@ -292,13 +300,13 @@ def test_a_non_empty_folder_needs_force_which_replaces_it_whole(runs, tmp_path, 
 
     monkeypatch.setattr(hx, "_write_folder", broken)
     assert _cli("export", str(runs["bytes"]), "--format", "hf", "--out", str(out), "--force") == 2
-    assert [p.name for p in out.iterdir()] == ["mine.txt"] and len(list(tmp_path.iterdir())) == 1
+    assert sorted(p.name for p in out.iterdir()) == first and len(list(tmp_path.iterdir())) == 1
     monkeypatch.undo()
     capsys.readouterr()
     assert _cli("export", str(runs["bytes"]), "--format", "hf", "--out", str(out), "--force") == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"{out}: ") and "41,120 parameters, step 4" in line and "\n" not in line
-    assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
     assert len(list(tmp_path.iterdir())) == 1                        # no temporary or old folder left
 
 

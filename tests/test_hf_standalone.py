@@ -212,8 +212,12 @@ def test_hf_save_refusals_are_one_line_and_leave_the_folder(saved, tmp_path):
     with pytest.raises(UserError, match="upload_folder"):
         model.save_pretrained(tmp_path / "c", push_to_hub=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
-    H.save(model, tmp_path / "full", force=True)
-    assert not (tmp_path / "full" / "mine.txt").exists() and (tmp_path / "full" / "config.json").is_file()
+    with pytest.raises(UserError, match="did not write"):        # never what we did not write
+        H.save(model, tmp_path / "full", force=True)
+    (tmp_path / "full" / "mine.txt").unlink()
+    H.save(model, tmp_path / "full")
+    H.save(model, tmp_path / "full", force=True)                 # our own folder: replaced
+    assert (tmp_path / "full" / "config.json").is_file()
 
 
 def test_an_adapted_model_is_named_by_its_folder_never_by_its_source(tmp_path):

@@ -28,7 +28,8 @@ __all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "Siam
            "adapt", "adapt_from_pretrained", "save"]
 
 if _MISSING is None:
-    from .adapted import adapt, adapt_from_pretrained, adapted_class, capture_outputs
+    from .adapted import adapt, adapted_class, capture_outputs
+    from .loading import adapt_from_pretrained
     from .modeling import (
         MODEL_TYPE,
         SiameseNormCausalLMOutput,

@@ -11,7 +11,8 @@ family's kind, and one in a model norm's role starts as a copy of it (``scheme.r
 ``adapt(model, "pre")`` computes what ``model`` computes. ``scheme.requires`` is honoured (QKV-norm;
 DeepNorm's init, fresh models only). Hidden states: one per block boundary, a multi-stream scheme's
 exit applied there. ``save_pretrained`` records the scheme in ``config.siamesenorm``; load it with
-:func:`adapt_from_pretrained`. Parameter names and the rest: docs/own_model.md. Needs transformers 5.
+:func:`~.loading.adapt_from_pretrained`. Parameter names and the rest: docs/own_model.md. Needs
+transformers 5.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 try:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -39,11 +40,11 @@ from ..nn.attention import HEAD_NORMED, HeadNormedAttention, head_norm, head_nor
 from ..nn.legacy import LegacyStateNames
 from ..nn.norms import LayerNorm
 from ..schemes.base import ResidualScheme, build_scheme
-from .common import BaseConfig, SchemeCheckpointing, cache_keyword, load_legacy_names
+from .common import BaseConfig, SchemeCheckpointing, cache_keyword, derive_buffers, load_legacy_names
 from .families import FAMILIES, Family
 from .standalone import SavesItsCode, family_of, scheme_config_class, to_scheme_config
 
-__all__ = ["adapt", "adapt_from_pretrained", "adapted_class"]
+__all__ = ["adapt", "adapted_class"]
 
 # the cache's keyword in a call (the masks', the attention's)
 _CACHE_ARG = cache_keyword(create_causal_mask) if capture_outputs is not None else "past_key_values"
@@ -212,6 +213,13 @@ class _SchemeModel:
         self.layer_types = _layer_types(self.family, config)
         self.gradient_checkpointing = False
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The family's initialisation, and the buffers no state dict holds derived again
+        (:func:`~.common.derive_buffers`: ``from_pretrained`` leaves them empty)."""
+        derive_buffers(module)
+        super()._init_weights(module)
+
     def _masks(self, attention_mask: Any, inputs_embeds: Tensor, cache: Any,
                position_ids: Tensor) -> dict[str, Any]:
         if isinstance(attention_mask, dict):            # prepared already (by generate)
@@ -354,6 +362,11 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
             honour_requirements(_branch_weights(stack.sublayers), scheme.requires)
         load_legacy_names(self)               # folders of an earlier layout load (QKV-norm)
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        derive_buffers(module)              # as _SchemeModel's
+        super()._init_weights(module)
+
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
         """``PreTrainedModel.resize_token_embeddings``, on an embedding and a head of this model's
         own: it resizes them in place, and the model adapted from keeps its own (unresized)."""
@@ -479,20 +492,3 @@ def _checkpointing(model: nn.Module) -> bool:
     """Whether activation checkpointing is on anywhere in ``model`` (transformers' own test, without
     its deprecated property's warning)."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
-def adapt_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
-    """The adapted model that ``save_pretrained`` wrote to ``path`` (its configuration records the
-    family and the scheme); ``kwargs`` go to the class's ``from_pretrained`` (``dtype``, ...)."""
-    _need_transformers5()
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
-    if getattr(config, "siamesenorm", None) is None:
-        raise UserError(f"{path}: not saved from siamesenorm.hf.adapt (its config has no "
-                          f"'siamesenorm' entry); load it with its family's from_pretrained and "
-                          f"call siamesenorm.hf.adapt on it")
-    spec = _spec_of(config)
-    # the scheme's checks (bounds included) before anything is built or read
-    build_scheme(spec["scheme"], config.hidden_size, config.num_hidden_layers, device="meta",
-                 **spec["scheme_options"])
-    config = to_scheme_config(config)           # a folder of siamesenorm 0.1 has its family's type
-    return adapted_class(config.model_type).from_pretrained(path, config=config, **kwargs)

@@ -5,7 +5,8 @@
 - :func:`cache_keyword`: this transformers' name for the KV cache, in a call or an output;
 - :class:`SchemeCheckpointing`: transformers' activation checkpointing as ours, one scheme step at
   a time;
-- :func:`load_legacy_names`: folders saved with an earlier layout's state names load.
+- :func:`load_legacy_names`: folders saved with an earlier layout's state names load;
+- :func:`derive_buffers`: the constant buffers no state dict holds, derived again on loading.
 
 This file uses only relative imports of the package and ``transformers``: the exported modelling
 code (:mod:`.export`) ships it with :mod:`.modeling` and :mod:`.adapted`.
@@ -23,9 +24,12 @@ try:                                    # transformers 5 names it PreTrainedConf
 except ImportError:                     # pragma: no cover - transformers 4
     from transformers import PretrainedConfig as BaseConfig
 
-from ..models.checkpointing import set_scheme_checkpointing
+from torch import nn
 
-__all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword", "load_legacy_names"]
+from ..models.checkpointing import set_scheme_checkpointing
+from ..nn.rope import RotaryEmbedding
+
+__all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword", "derive_buffers", "load_legacy_names"]
 
 
 def cache_keyword(obj: Any) -> str:
@@ -56,6 +60,19 @@ class SchemeCheckpointing:
                              f"must be 1")
         set_scheme_checkpointing(self.scheme, "sublayer" if enable else "none")
         self.get_submodule(self._checkpointing_flag).gradient_checkpointing = enable
+
+
+def derive_buffers(module: nn.Module) -> None:
+    """Fill ``module``'s constant buffers (RoPE's tables, mHC-lite's permutation matrices), which
+    are derived, not saved: ``from_pretrained`` builds the model on the meta device, gives such
+    buffers empty storage and calls the model's ``_init_weights`` on each module that holds one
+    (and on no module whose parameters it loaded); our models' ``_init_weights`` call this. A
+    module says how by its ``reset_buffers()``; RoPE's ``reset_parameters`` computes only its tables."""
+    if isinstance(module, RotaryEmbedding):
+        module.reset_parameters()
+    reset = getattr(module, "reset_buffers", None)
+    if callable(reset):
+        reset()
 
 
 def load_legacy_names(model: Any) -> None:

@@ -8,8 +8,9 @@ merge-free byte-level BPE with the same ids; the end and padding token is the NU
 (:mod:`.vendoring`): it vendors :mod:`siamesenorm.hf.modeling` (a family run's: its adapted
 class, :mod:`.standalone`) and its relative imports, so that siamesenorm need not be installed
 where it loads, and an installed one is never touched. The folder is written
-under a temporary name and renamed at the end (``--force`` replaces one only then). What each file
-holds and why: docs/own_model.md, "The exported folder".
+under a temporary name and renamed at the end (:mod:`.folder`: ``--force`` replaces only a model
+folder siamesenorm wrote, and only then). What each file holds and why: docs/own_model.md, "The
+exported folder".
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import UserError
-from ..rundir import RunDir, as_created, check_out_dir, library_os_error
+from ..rundir import RunDir, check_out_dir
 from ..shapes import read_summary
 from ..tasks.finished import open_trained
 from ..tasks.registry import TASKS, get_task, saved_config
+from .folder import check_model_folder, writing_model_folder
 from .standalone import MODELING_FILE
 from .vendoring import modeling_source
 
@@ -47,8 +47,8 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     ``None`` for a run on token files, which gets no tokenizer).
 
     A folder that is not a run, a run that is not a language model, a run without a checkpoint and
-    an ``out`` that is a file, or a non-empty folder without ``force``, are refused
-    (:class:`UserError`) before anything is written."""
+    an ``out`` that may not be written (:func:`_check_out`) are refused (:class:`UserError`)
+    before anything is written."""
     run_dir, out = Path(run_dir), Path(out)
     cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
     if not get_task(cfg.task).exports_hf:
@@ -61,62 +61,25 @@ def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> d
     summary = read_summary(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
     info = {"folder": str(out), "parameters": sum(p.numel() for p in model.parameters()),
             "step": step, "tokenizer": tokenizer.kind if tokenizer is not None else None}
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+    with writing_model_folder(out, force=force, written_by="export --format hf") as tmp:
         (_write_family_folder if cfg.model.family else _write_folder)(tmp, model, cfg, tokenizer)
         (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
-        for path in tmp.rglob("*"):     # safetensors writes its weights owner-only (0600)
-            as_created(path)
-        _move_into_place(tmp, out)
-    except Exception as error:      # a full or read-only disk under transformers' or tokenizers'
-        found = library_os_error(error, out)        # writers: their OSError, naming --out
-        if found is not None:
-            raise found from None
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
-    """Refuse an ``--out`` that is a file, a non-empty folder (unless ``force``), a folder inside
-    the run or one that holds the run or the current folder (it is replaced by a rename;
-    ``--force`` deletes it), whether it exists yet or not, links resolved."""
+    """Refuse an ``--out`` inside the run or holding it (whether it exists yet or not, links
+    resolved), then every folder :func:`~.folder.check_model_folder` refuses: a file, the current
+    or the home folder or one holding either, the root folder, a non-empty folder unless
+    ``force``, and one holding anything siamesenorm did not write."""
     check_out_dir(out)
     target, run = out.resolve(), run_dir.resolve()
     if run in target.parents:
         raise UserError(f"--out {out} lies inside the run {run_dir} (its files would be replaced); "
                           "write the model folder outside the run")
-    for inside, what in ((run_dir, f"the run {run_dir}"), (Path.cwd(), "the current folder")):
-        if (out.exists() or inside == run_dir) and \
-                (target == inside.resolve() or target in inside.resolve().parents):
-            raise UserError(f"--out {out} holds {what}; choose another folder")
-    if not out.exists():
-        return
-    if any(out.iterdir()) and not force:
-        raise UserError(f"--out {out} is a folder that is not empty; add --force to replace it, or "
-                          "choose another folder")
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished folder ``tmp`` to ``out``; an existing ``out`` is moved aside first and
-    deleted only once the new one is in place (put back if the rename fails)."""
-    if not out.exists() or not any(out.iterdir()):
-        os.replace(tmp, out)            # an empty folder is replaced by the rename itself
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    if target == run or target in run.parents:
+        raise UserError(f"--out {out} holds the run {run_dir}; choose another folder")
+    check_model_folder(out, force=force)
 
 
 def _run_tokenizer(run_dir: Path):

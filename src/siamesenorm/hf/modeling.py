@@ -33,8 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig, MoEConfig
 from ..models.stack import hidden_at
-from ..nn.rope import RotaryEmbedding
-from .common import BaseConfig, SchemeCheckpointing, cache_keyword
+from .common import BaseConfig, SchemeCheckpointing, cache_keyword, derive_buffers
 
 MODEL_TYPE = "siamesenorm"
 _CACHE_FIELD = cache_keyword(CausalLMOutputWithPast)       # the output's cache field
@@ -134,12 +133,13 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Our initialisation (``LMConfig.init``) for a whole model; RoPE's tables (buffers, not
-        saved) for a model whose weights are loaded."""
+        """Our initialisation (``LMConfig.init``) for a whole model; the buffers no state dict
+        holds (RoPE's tables, mHC-lite's permutations: :func:`~.common.derive_buffers`) for a model
+        whose weights are loaded."""
         if isinstance(module, LanguageModel):
             module.reset_parameters()
-        elif isinstance(module, RotaryEmbedding):
-            module.reset_parameters()
+        else:
+            derive_buffers(module)
 
 
 class SiameseNormForCausalLM(SchemeCheckpointing, SiameseNormPreTrainedModel, GenerationMixin):

@@ -5,20 +5,19 @@ The folder holds what ``model.save_pretrained`` writes (config.json under the mo
 ``siamesenorm_<family>`` with its ``auto_map``, the weights, generation_config.json,
 ``modeling_siamesenorm.py``; :mod:`.standalone`), the tokenizer's files when one is given, and a
 model card ``README.md``. It is written under a temporary name and renamed at the end; a folder
-that is not empty is replaced only with ``force=True``.
+that is not empty is replaced only with ``force=True``, and only one siamesenorm wrote (:mod:`.folder`).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import UserError
-from ..rundir import check_out_dir, library_os_error
+from .folder import writing_model_folder
 from .standalone import MODELING_FILE, SavesItsCode, family_of
 
 __all__ = ["save"]
@@ -29,13 +28,25 @@ def save(model: Any, folder: str | os.PathLike, tokenizer: Any = None, *, force:
     as the folder ``folder``, which then loads with ``AutoModelForCausalLM.from_pretrained(folder,
     trust_remote_code=True)`` where siamesenorm is not installed; returns the folder. The model
     takes the folder's path as its name (a PEFT adapter made on it later points there).
+    ``force=True`` replaces a folder that is not empty, but only one siamesenorm wrote
+    (:mod:`.folder`); a link to a folder is followed.
 
     Raises:
+        TypeError: ``folder`` not a path, ``force`` not a bool.
         UserError: ``model`` not adapted (a PEFT model: merge or save the adapter), a tokenizer
-            without ``save_pretrained``, ``folder`` a file, or not empty without ``force``.
+            without ``save_pretrained``; ``folder`` empty, a file, not empty without ``force``,
+            holding anything siamesenorm did not write, the current or the home folder or one
+            holding either, the root folder or a mount point. Nothing is written then.
     """
-    from .export import _move_into_place, _quiet_progress
+    from .export import _quiet_progress
 
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"siamesenorm.hf.save: folder must be a path (str or os.PathLike), got "
+                        f"{type(folder).__name__}")
+    if not isinstance(force, bool):
+        raise TypeError(f"siamesenorm.hf.save: force must be True or False, got {force!r}")
+    if not os.fspath(folder).strip():
+        raise UserError(f"siamesenorm.hf.save: folder is empty ({os.fspath(folder)!r}); give a path")
     if not isinstance(model, SavesItsCode):
         hint = ("merge its adapter first (merge_and_unload()), or save the adapter with its own "
                 "save_pretrained" if hasattr(model, "peft_config") else "build it with siamesenorm.hf.adapt")
@@ -45,27 +56,13 @@ def save(model: Any, folder: str | os.PathLike, tokenizer: Any = None, *, force:
         raise UserError(f"siamesenorm.hf.save: tokenizer must be a transformers tokenizer; got "
                         f"{type(tokenizer).__name__}")
     out = Path(folder)
-    check_out_dir(out, "folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"folder {out} is not empty; pass force=True to replace it, or choose another")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+    with writing_model_folder(out, force=force, written_by="siamesenorm.hf.save", flag="folder",
+                              force_flag="force=True") as tmp:
         with _quiet_progress():
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(model, out.name, tokenizer is not None), encoding="utf-8")
-        _move_into_place(tmp, out)
-    except Exception as error:      # a full or read-only disk under transformers' writers
-        found = library_os_error(error, out)
-        if found is not None:
-            raise found from None
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     model.name_or_path = model.config.name_or_path = str(out)
     return out
 

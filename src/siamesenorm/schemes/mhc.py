@@ -147,7 +147,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         self.b_pre = nn.Parameter(torch.empty(s, n, **kw))
         self.b_post = nn.Parameter(torch.empty(s, n, **kw))
         self.b_res = nn.Parameter(torch.empty(s, n_res, **kw) if lite else torch.empty(s, n, n, **kw))
-        if lite:    # constant 0/1 matrices, rebuilt by reset_parameters (not in the state dict)
+        if lite:    # constant 0/1 matrices, not in the state dict: reset_buffers derives them
             self.register_buffer("permutations", torch.empty(n_res, n * n, **kw), persistent=False)
         if deepseek:
             self.head_norm = RMSNorm(n * dim, self.eps, affine=False, **kw)
@@ -164,8 +164,19 @@ class ManifoldHyperConnections(MultiStreamScheme):
                             f"n_streams <= {MAX_LITE_STREAMS} (n_streams={n} needs {math.factorial(n)}); "
                             f"use fewer streams or mixing='sinkhorn'")
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Derive the constant buffers (``mixing="lite"``: the permutation matrices) again, the
+        parameters left as they are: for a model materialised from the meta device, or loaded by
+        transformers' ``from_pretrained``, which leaves unsaved buffers empty
+        (:func:`siamesenorm.hf.common.derive_buffers`)."""
+        if self.mixing == "lite":
+            p = self.permutations
+            p.copy_(permutation_matrices(self.n_streams, p.device, p.dtype))
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
+        self.reset_buffers()
         n = self.n_streams
         with torch.no_grad():
             for p in (self.phi_pre, self.phi_post, self.phi_res, self.b_post):
@@ -176,7 +187,6 @@ class ManifoldHyperConnections(MultiStreamScheme):
             for i in range(self.n_sublayers):
                 self.b_pre[i, i % n] = 2.0
             if self.mixing == "lite":
-                self.permutations.copy_(permutation_matrices(n, self.b_res.device, self.b_res.dtype))
                 self.b_res.fill_(-8.0)
                 self.b_res[:, 0] = 0.0                                 # the identity
             else:
