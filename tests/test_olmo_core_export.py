@@ -305,7 +305,7 @@ def test_a_tied_model_saved_without_a_trainer(tmp_path):
     assert (got - want).abs().max() <= 1e-5
 
 
-def test_an_olmo2_shaped_users_model_without_a_data_loader_imports_and_exports(tmp_path, capsys):
+def test_an_olmo2_shaped_users_model_without_a_data_loader_imports_and_exports(tmp_path, capsys, monkeypatch):
     """A user's OLMo2-shaped config (QK-norm over all heads, a head_dim of its own) under
     SiameseNorm, saved with no trainer and no data loader: the import's summary.json is one
     ``read_summary`` takes (tokens seen: null), ``export --format hf`` of the run and
@@ -350,3 +350,11 @@ def test_an_olmo2_shaped_users_model_without_a_data_loader_imports_and_exports(t
             assert (got.eval()(ids).logits - want).abs().max() <= 1e-5, folder
     with pytest.raises(UserError, match="not empty"):
         save_hf_model(direct, model, config)
+    assert save_hf_model(direct, model, config, max_seq_len=16, overwrite=True) == direct   # ours: replaced
+    (direct / "mine.txt").write_text("keep")
+    with pytest.raises(UserError, match="did not write"):       # never what we did not write (issue 48)
+        save_hf_model(direct, model, config, overwrite=True)
+    monkeypatch.chdir(direct)
+    with pytest.raises(UserError, match="current folder"):
+        save_hf_model(direct.parent, model, config, overwrite=True)
+    assert (direct / "mine.txt").read_text() == "keep"

@@ -32,9 +32,9 @@ from typing import Any, TextIO
 
 from .errors import ENVIRONMENT_ERRNOS, UserError
 
-__all__ = ["MARKER_NAME", "RunDir", "as_created", "check_out_dir", "inner_folder", "library_os_error",
-           "open_jsonl", "plain", "read_json", "read_jsonl", "replacing", "save_figure", "write_json",
-           "write_text"]
+__all__ = ["LATER_DATA_ENTRIES", "MARKER_NAME", "MAX_JSON_DEPTH", "RunDir", "as_created", "check_out_dir",
+           "fill_unrecorded", "inner_folder", "library_os_error", "open_jsonl", "plain", "read_json",
+           "read_jsonl", "replacing", "save_figure", "write_json", "write_text"]
 
 MARKER_NAME = ".siamesenorm-run.json"
 _LOCK_NAME = ".siamesenorm.lock"        # siamesenorm.locks.LOCK_NAME (which imports this module's peers)
@@ -117,8 +117,9 @@ class RunDir:
 
     # ---- whether it holds a run ------------------------------------------------------------------
     def holds_run(self) -> bool:
-        """Whether a run was started here: it has ``metrics.jsonl`` or ``checkpoints/``."""
-        return self.metrics.exists() or self.checkpoints.exists()
+        """Whether a run was started here: it has ``metrics.jsonl`` or a ``checkpoints/`` that is
+        not empty (an empty one, or a link to an empty folder, waits for a run's checkpoints)."""
+        return self.metrics.exists() or (self.checkpoints.exists() and not self._empty_checkpoints())
 
     def has_checkpoints(self) -> bool:
         """Whether a checkpoint was ever completed here: ``checkpoints/last``, a kept
@@ -150,11 +151,23 @@ class RunDir:
         return self.marked() and not self.has_checkpoints() and not self.summary.exists()
 
     def _foreign(self) -> list[str]:
-        """The names in the folder besides its lock (``[]``: missing or empty)."""
+        """The names in the folder besides its lock and an empty ``checkpoints/`` (``[]``: missing
+        or empty). An empty ``checkpoints/``, or a link there to an empty folder on another disk
+        (docs/security.md), is where a new run's checkpoints are to go, not a run."""
         try:
-            return sorted(p.name for p in self.path.iterdir() if p.name != _LOCK_NAME)
+            names = sorted(p.name for p in self.path.iterdir() if p.name != _LOCK_NAME)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        if self.checkpoints.name in names and self._empty_checkpoints():
+            names.remove(self.checkpoints.name)
+        return names
+
+    def _empty_checkpoints(self) -> bool:
+        """Whether ``checkpoints/`` is a folder, or a link to one, that holds nothing."""
+        try:
+            return self.checkpoints.is_dir() and not any(self.checkpoints.iterdir())
+        except OSError:
+            return False
 
     def refuse_existing_run(self, restart: bool = False) -> None:
         """The check of a fresh run (:class:`UserError`, one line): the folder must be missing,
@@ -264,6 +277,33 @@ class RunDir:
             record = {}
         done = record.get("extensions") if isinstance(record.get("extensions"), list) else []
         write_json(self.marker, {**record, "extensions": [*done, entry]})
+
+
+# Entries of a data record (RunDir.recorded_data) that older versions did not write: the content
+# hash of a token-file corpus. Missing from a run's record they are unknown, not a change of data.
+LATER_DATA_ENTRIES = (("fingerprint", "sha256"), ("fingerprint", "val_sha256"))
+
+
+def fill_unrecorded(before: Any, now: Any) -> tuple[Any, list[str]]:
+    """``before`` (the data record a run started with) with each of :data:`LATER_DATA_ENTRIES` it
+    lacks and ``now`` has taken from ``now``, and their dotted names (``data.fingerprint.sha256``):
+    a resumed run compares what both records hold, and says which entries were unknown. Every
+    other entry, and a record that is not a mapping, is left as it is."""
+    filled, unknown = before, []
+    for path in LATER_DATA_ENTRIES:
+        theirs, mine = now, filled
+        for key in path[:-1]:
+            theirs = theirs.get(key) if isinstance(theirs, dict) else None
+            mine = mine.get(key) if isinstance(mine, dict) else None
+        if isinstance(theirs, dict) and isinstance(mine, dict) and path[-1] in theirs \
+                and path[-1] not in mine:
+            filled = json.loads(json.dumps(filled))         # a copy: the caller's record untouched
+            target = filled
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = theirs[path[-1]]
+            unknown.append(".".join(("data", *path)))
+    return filled, unknown
 
 
 def inner_folder(path: str | os.PathLike) -> Path:
@@ -474,17 +514,47 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(plain(obj), indent=2, allow_nan=False) + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON document in ``path``; a file that is not valid UTF-8 JSON (cut short, overwritten)
-    is a :class:`UserError` naming it, one line."""
+# How deeply a JSON document that siamesenorm reads may nest objects and arrays: the files it reads
+# (summaries, markers, OLMo-core's config.json) nest fewer than ten levels; the readers after
+# json.loads (OLMo-core's from_dict, the allow-list walk) recurse, and fail near a thousand.
+# The bound of a YAML preset (config.MAX_YAML_DEPTH), which this module cannot import.
+MAX_JSON_DEPTH = 64
+
+
+def _json_depth(obj: Any) -> int:
+    """How deeply ``obj`` nests dicts and lists (0 for a scalar), walked without recursion."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                todo += [(v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)]
+    return deepest
+
+
+def read_json(path: str | os.PathLike, *, max_bytes: int | None = None) -> Any:
+    """The JSON document in ``path``; a file that is not valid UTF-8 JSON (cut short, overwritten),
+    nests objects and arrays more than :data:`MAX_JSON_DEPTH` levels, or (``max_bytes``) is larger
+    than that is a :class:`UserError` naming it, one line."""
     path = Path(path)
     try:
+        if max_bytes is not None and (size := path.stat().st_size) > max_bytes:
+            raise UserError(f"{path} is {size:,} bytes, more than the {max_bytes:,} this file can "
+                            "hold (at most that is read): is this the right file?")
         data = path.read_bytes()
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     try:
-        return json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        obj = None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         why = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
         raise UserError(f"{path} is damaged (not valid JSON: {why}); delete it or restore it "
                           "from a copy") from None
+    else:
+        if _json_depth(obj) <= MAX_JSON_DEPTH:
+            return obj
+    raise UserError(f"{path} nests objects or arrays more than {MAX_JSON_DEPTH} levels deep; no file "
+                    "siamesenorm reads needs that many: is this the right file?")

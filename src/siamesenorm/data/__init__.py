@@ -43,6 +43,7 @@ from .text import (
     load_corpus,
     load_tokenizer,
     make_problems,
+    names_token_files,
     read_token_file,
     split_text,
     split_tokens,
@@ -56,6 +57,6 @@ __all__ = ["TOKENIZER_KINDS", "ArithmeticProblem", "BPETokenizer", "BatchSampler
            "ImageAugment", "ImageBatchSampler", "ImageSet", "Tokenizer", "build_tokenizer",
            "check_corpus_options", "check_image_options", "evaluate_arithmetic", "image_validation_batches",
            "import_tokenizers", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_images",
-           "load_tokenizer", "make_problems", "read_token_file", "split_images", "split_text",
-           "split_tokens", "stratified_split_indices", "to_model_range", "train_text", "train_val_tokens",
-           "validation_batches", "write_shard"]
+           "load_tokenizer", "make_problems", "names_token_files", "read_token_file", "split_images",
+           "split_text", "split_tokens", "stratified_split_indices", "to_model_range", "train_text",
+           "train_val_tokens", "validation_batches", "write_shard"]

@@ -80,14 +80,18 @@ class Worker:
         self.errors = Path(tempfile.mkdtemp(prefix="siamesenorm-run-"))
         argv = [sys.executable, "-m", "siamesenorm.tasks.worker", str(self.run_dir),
                 *(["--resume"] if self.resume else [])]
-        if self.data is not None:   # in this process's own folder (mode 0700), as a pipe would
-            handed = self.errors / DATA_FILE
-            handed.write_bytes(self.data)
-            argv += ["--data", str(handed)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=worker_env(self.threads, self.device, self.errors),
-                                     pass_fds=() if self.lock_fd is None else (self.lock_fd,))
+        try:
+            if self.data is not None:   # in this process's own folder (mode 0700), as a pipe would
+                handed = self.errors / DATA_FILE
+                handed.write_bytes(self.data)
+                argv += ["--data", str(handed)]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=worker_env(self.threads, self.device, self.errors),
+                                         pass_fds=() if self.lock_fd is None else (self.lock_fd,))
+        except BaseException:       # no worker (a full disk, no such interpreter): no folder either
+            shutil.rmtree(self.errors, ignore_errors=True)
+            raise
         self.reader = threading.Thread(target=self._pass_through, name=f"log {self.name}", daemon=True)
         self.reader.start()
 
@@ -114,7 +118,8 @@ class Worker:
 
     def finish(self) -> tuple[int, Failure | None]:
         """Wait for the process and its output; its exit status and, when it reported one, its
-        failure (the folder with a crash's traceback is kept, otherwise removed)."""
+        failure. The worker's folder is removed unless it keeps a crash's traceback: a worker
+        killed from outside (SIGKILL, out of memory) left nothing in it worth keeping."""
         code = self.proc.wait()
         self.reader.join()
         self.proc.stdout.close()
@@ -124,9 +129,16 @@ class Worker:
         if failure is None and code not in (0, 130, 143) and not stopped:
             failure = Failure(f"its process {describe_death(code)} and reported nothing (killed from "
                               "outside, out of memory, or a crash below Python)")
-        if failure is None or failure.user:
+        if failure is None or failure.user or not _holds_files(self.errors):
             shutil.rmtree(self.errors, ignore_errors=True)
         return code, failure
+
+
+def _holds_files(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError:
+        return False
 
 
 def read_failure(folder: Path) -> Failure | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..nn.carrier import LayerCarrier
@@ -136,8 +137,57 @@ class ResidualStack(nn.Module):
         return scheme.exit(state)
 
     def forward(self, h: Tensor, **kwargs: Any) -> Tensor:
-        """:meth:`run`."""
-        return self.run(h, **kwargs)
+        """:meth:`run`. Run eagerly (not compiled), a sublayer of another width than the scheme's
+        is named in a ``ValueError`` (both widths) instead of failing deep in torch."""
+        if torch.compiler.is_compiling():
+            return self.run(h, **kwargs)
+        wrap = _width_checked(self.scheme.dim, self.sublayers, kwargs.pop("wrap", None))
+        return self.run(h, **kwargs, wrap=wrap)
+
+
+# ---- sublayers of another width ------------------------------------------------------------------
+def _first_linear_width(sub: Any) -> tuple[str, int] | None:
+    """The name (``""``: ``sub`` itself) and input width of the first ``nn.Linear`` in ``sub``, which
+    takes the sublayer's input in most blocks (attention's q projection, an MLP's first). Widths are named
+    at the first call, not at construction: what a module of a user's feeds its layers is known
+    only when it runs."""
+    if not isinstance(sub, nn.Module):
+        return None
+    for name, module in sub.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, nn.LazyLinear):
+            return name, module.in_features
+    return None
+
+
+def _width_checked(dim: int, sublayers: nn.ModuleList, wrap: Wrap | None) -> Wrap:
+    """A ``wrap`` (around ``wrap``, when given) whose branches name a sublayer of another width
+    than the scheme's ``dim``: one that fails on its input when its first ``nn.Linear`` takes
+    another width, or that returns another width than it was given. Any other failure is
+    raised as it is."""
+    def wrapped(i: int, branch: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        inner = branch if wrap is None else wrap(i, branch)
+        sub = sublayers[i]
+        sub = sub.fn if isinstance(sub, _Function) else sub
+
+        def call(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            try:
+                out = inner(x, *args, **kwargs)
+            except (RuntimeError, ValueError) as error:
+                first = _first_linear_width(sub)
+                if first is not None and first[1] != x.shape[-1]:
+                    where = f" (its first Linear, {first[0]!r})" if first[0] else ""
+                    raise ValueError(
+                        f"ResidualStack: sublayers[{i}] ({type(sub).__name__}) takes width "
+                        f"{first[1]}{where}, but the scheme gives it width {x.shape[-1]} (dim={dim}); "
+                        "build the sublayers and the scheme for one width") from error
+                raise
+            if isinstance(out, Tensor) and out.shape[-1] != x.shape[-1]:
+                raise ValueError(f"ResidualStack: sublayers[{i}] ({type(sub).__name__}) returned width "
+                                 f"{out.shape[-1]} for an input of width {x.shape[-1]} (dim={dim}); a "
+                                 "sublayer's update has the width of its input")
+            return out
+        return call
+    return wrapped
 
 
 def hidden_at(scheme: ResidualScheme, state: Any) -> Tensor:

@@ -201,6 +201,8 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
     SwiGLU size gives ``mlp_hidden=None``, and so does a model with no dense block; experts of the
     default hidden size (``dim // 2``) give ``moe.hidden=None``; kv heads left unset stay unset, and
     so does a head size of ``d_model // n_heads``."""
+    if isinstance(config, SchemeTransformerConfig):
+        config.check_sizes()        # before its blocks are resolved: n_layers of them
     block, ff, moe = _split_blocks(config)
     att = block.sequence_mixer
     if not isinstance(att, AttentionConfig):

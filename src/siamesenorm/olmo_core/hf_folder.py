@@ -10,13 +10,11 @@ trust_remote_code=True)`` loads without siamesenorm.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from olmo_core.distributed.utils import get_full_tensor
 
-from ..errors import UserError
 from ..models.lm import LanguageModel
 from .convert import lm_config, to_siamesenorm_state_dict
 from .model import SchemeTransformer, SchemeTransformerConfig
@@ -29,26 +27,19 @@ def save_hf_model(save_dir: str | os.PathLike, model: SchemeTransformer, config:
     """Write ``model`` (built from ``config``; FSDP/TP DTensors are gathered) as a Hugging Face
     folder ``save_dir``, with a transformers ``tokenizer`` when given (its end token becomes the
     model's). What :func:`~.convert.lm_config` cannot express is refused in one line, before
-    anything is written; a non-empty ``save_dir`` is refused unless ``overwrite``."""
+    anything is written; a non-empty ``save_dir`` is refused unless ``overwrite``, which replaces
+    only a folder siamesenorm wrote (never ``/``, home, the current folder or one holding it:
+    :func:`siamesenorm.hf.folder.check_model_folder`)."""
     from ..hf.export import write_model_folder
+    from ..hf.folder import check_model_folder, writing_model_folder
 
-    out = Path(save_dir)
-    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
-        raise UserError(f"{out} is a file or a folder that is not empty; choose another folder, or "
-                        "pass overwrite=True")
+    names = {"force": overwrite, "flag": "save_dir", "force_flag": "overwrite=True"}
+    check_model_folder(save_dir, **names)
     cfg = lm_config(config, max_seq_len=max_seq_len)
     state = {k: get_full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
     weight = state["embeddings.weight"]
     lm = LanguageModel(cfg, dtype=weight.dtype)
     lm.load_state_dict(to_siamesenorm_state_dict(state, tie_embeddings=config.tie_word_embeddings))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with writing_model_folder(save_dir, written_by="olmo_core.save_hf_model", **names) as tmp:
         write_model_folder(tmp, lm.eval(), cfg, tokenizer)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(save_dir)

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_m
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
 from ..errors import UserError
+from ..models.config_checks import MAX_EXPERTS, buildable, positive_int
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..schemes import ResidualScheme, build_scheme
 from .views import SchemeBlockView, like_a_block_output
@@ -327,6 +328,30 @@ class SchemeBlockConfig(TransformerBlockConfig):
         return self.num_params(d_model) - inactive
 
 
+def _check_block_sizes(owner: str, block: Any) -> None:
+    """The sizes of one block config (see :meth:`SchemeTransformerConfig.check_sizes`); what is not
+    a block config is left to the checks that refuse it by kind."""
+    mixer = getattr(block, "sequence_mixer", None)
+    if isinstance(mixer, AttentionConfig):
+        positive_int(f"{owner}.sequence_mixer", "n_heads", mixer.n_heads)
+        for name in ("n_kv_heads", "head_dim"):
+            if getattr(mixer, name) is not None:
+                positive_int(f"{owner}.sequence_mixer", name, getattr(mixer, name))
+    ff = getattr(block, "feed_forward", None)
+    if isinstance(ff, FeedForwardConfig):
+        positive_int(f"{owner}.feed_forward", "hidden_size", ff.hidden_size)
+    moe = getattr(block, "feed_forward_moe", None)
+    if moe is not None:
+        where = f"{owner}.feed_forward_moe"
+        for name in ("num_experts", "hidden_size"):
+            positive_int(where, name, getattr(moe, name, None))
+        if moe.num_experts > MAX_EXPERTS:
+            raise UserError(f"{where}.num_experts={moe.num_experts:,} is beyond what this library builds "
+                            f"(at most {MAX_EXPERTS:,} per layer; the largest published mixtures have a "
+                            "few hundred)")
+        positive_int(f"{where}.router", "top_k", getattr(getattr(moe, "router", None), "top_k", None))
+
+
 def _scheme_block_configs(n_layers: int, block: Any, block_overrides: dict | None,
                           block_pattern: list | None, scheme: ResidualScheme,
                           norm: str, norm_eps: float) -> dict[int, SchemeBlockConfig]:
@@ -597,7 +622,32 @@ class SchemeTransformerConfig(TransformerConfig):
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
 
+    def check_sizes(self, owner: str = "config") -> None:
+        """Refuse, in one line and before anything is built, sizes our ``LMConfig`` refuses: a
+        width, vocabulary, depth, head count, head size, hidden size, expert count or top-k that
+        is not a positive integer, more than :data:`~siamesenorm.models.config_checks.MAX_LAYERS`
+        blocks or :data:`~siamesenorm.models.config_checks.MAX_EXPERTS` experts, a block override
+        outside the depth. ``owner`` names the config in the message. What a config read from a
+        file (``import-olmo-core``'s config.json) says is checked here before OLMo-core resolves
+        its blocks (a list of ``n_layers`` configs: a billion never finishes)."""
+        for name in ("d_model", "vocab_size", "n_layers"):
+            positive_int(owner, name, getattr(self, name))
+        buildable(owner, self.n_layers, 0)
+        overrides = self.block_overrides or {}
+        if not isinstance(overrides, dict):
+            raise UserError(f"{owner}.block_overrides must map block indices to block configs, got "
+                            f"{type(overrides).__name__}")
+        blocks = [("block", self.block)]
+        for i, block in overrides.items():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers:
+                raise UserError(f"{owner}.block_overrides names block {i!r}, not one of the "
+                                f"{self.n_layers} blocks (0 to {self.n_layers - 1})")
+            blocks.append((f"block_overrides[{i}]", block))
+        for where, block in blocks:
+            _check_block_sizes(f"{owner}.{where}", block)
+
     def _scheme_on_meta(self) -> ResidualScheme:
+        self.check_sizes()
         refuse_dyt(self.norm)
         return build_scheme(self.scheme, self.d_model, self.n_layers, norm=self.norm,
                             eps=self.norm_eps, device="meta", **self.scheme_options)

@@ -24,7 +24,7 @@ import torch
 from ..errors import UserError
 from ..rundir import check_out_dir, write_json
 from ..train.checkpoint import read_dcp_metadata
-from ..train.checkpoint.safe import _refuse_unsafe, problem
+from ..train.checkpoint.safe import load_weights_only
 
 __all__ = ["MARKER", "check_save_folder", "mark", "safe_loading", "verify_checkpoint"]
 
@@ -103,7 +103,7 @@ def verify_checkpoint(folder: Path) -> Path | None:
     states = sorted((ckpt / "train").glob("rank*.pt"))
     for state in states:
         with torch.serialization.safe_globals(_rng_globals()):
-            _weights_only(state, lambda f: torch.load(f, map_location="cpu", weights_only=True), state)
+            load_weights_only(state, state)
     dcp = ckpt / "model_and_optim"
     if not (dcp / ".metadata").is_file() and not states:
         dcp = ckpt                          # a model-only checkpoint: .metadata at its top
@@ -119,21 +119,11 @@ def verify_checkpoint(folder: Path) -> Path | None:
                     raise UserError(f"cannot read checkpoint {where}: {error.strerror or error}") from None
             record = io.BufferedReader(_Slice(files[info.relative_path], info.offset, info.length))
             with torch.serialization.skip_data():   # the pickle, not the tensors' bytes
-                _weights_only(where, lambda f: torch.load(f, map_location="cpu", weights_only=True), record)
+                load_weights_only(record, where)
     finally:
         for f in files.values():
             f.close()
     return ckpt
-
-
-def _weights_only(where: Path, load, source) -> None:
-    try:
-        load(source)
-    except UserError:
-        raise
-    except Exception as error:
-        _refuse_unsafe(error, where)
-        raise UserError(f"cannot read checkpoint {where}: {problem(error)}") from None
 
 
 class _Slice(io.RawIOBase):

@@ -47,6 +47,9 @@ _STEP = re.compile(r"step(\d+)")
 _MODEL_CLASS = "siamesenorm.olmo_core.model.SchemeTransformerConfig"
 _CLASS_FIELD = "_CLASS_"
 _CONFIG_PACKAGES = ("olmo_core.nn.", "siamesenorm.olmo_core.")
+# The most of config.json that is read: OLMo-core's is a few KiB, or a few MiB when its dataset
+# lists thousands of token files.
+MAX_CONFIG_BYTES = 64 << 20
 # OLMo-core's metric names -> ours (metrics.jsonl)
 _METRICS = {"train/CE loss": "loss", "optim/LR (group 0)": "lr", "optim/total grad norm": "grad_norm"}
 
@@ -96,7 +99,7 @@ def find_checkpoint(path: str | os.PathLike) -> OLMoCoreCheckpoint:
     if not config_file.is_file():
         raise UserError(f"{path} has no config.json, so its model cannot be rebuilt (OLMo-core's "
                           "ConfigSaverCallback writes it)")
-    config = read_json(config_file)
+    config = read_json(config_file, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise UserError(f"{config_file} has no model configuration (a 'model' object)")
     return OLMoCoreCheckpoint(path, int(m[1]), config)
@@ -148,9 +151,14 @@ def model_config(ckpt: OLMoCoreCheckpoint):
     try:
         config = SchemeTransformerConfig.from_dict(json.loads(json.dumps(model)))
     except Exception as error:
-        raise UserError(f"cannot read the model of {ckpt.folder / 'config.json'}: {error}") from None
+        why = " ".join(str(error).split())          # OLMo-core's message spans lines
+        raise UserError(f"cannot read the model of {ckpt.folder / 'config.json'}: {why}") from None
     if not isinstance(config, SchemeTransformerConfig):
         raise UserError(f"the model of {ckpt.folder / 'config.json'} does not read as {_MODEL_CLASS}")
+    try:        # before anything resolves its blocks or builds: the bounds of our own configs
+        config.check_sizes("model")
+    except UserError as error:
+        raise UserError(f"{ckpt.folder / 'config.json'}: {error}") from None
     return config
 
 
@@ -217,6 +225,12 @@ def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig
         model = lm_config(config, max_seq_len=seq_len, **options)
     except NotImplementedError as error:
         raise UserError(f"the checkpoint's model has no LanguageModel counterpart: {error}") from None
+    except UserError as error:
+        raise UserError(f"{ckpt.folder / 'config.json'}: {error}") from None
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as error:
+        # from_dict checks no types: a string where a number belongs fails in the mapping
+        raise UserError(f"cannot read the model of {ckpt.folder / 'config.json'}: "
+                        f"{type(error).__name__}: {error}") from None
     train, microbatch = _train_config(ckpt, seq_len)
     seed = config.init_seed if isinstance(config.init_seed, int) and config.init_seed >= 0 else 0
     corpus = UNSET_CORPUS if data is None else _absolute(data)
@@ -257,10 +271,8 @@ def check_data(cfg: LMRunConfig, run_dir: Path) -> None:
 MODEL_PREFIX = "model."
 
 
-def read_model_tensors(folder: str | os.PathLike) -> dict[str, Tensor]:
-    """The full tensors of the model saved in ``folder`` (OLMo-core's ``model_and_optim/``), by the
-    model's own parameter names, on the CPU in their saved dtype; the optimizer is not read."""
-    folder = Path(folder)
+def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """The model's tensor entries of the checkpoint ``folder``'s metadata, by parameter name."""
     entries = {key[len(MODEL_PREFIX):]: entry for key, entry in
                read_dcp_metadata(folder).state_dict_metadata.items() if key.startswith(MODEL_PREFIX)}
     odd = next((name for name, e in entries.items() if not isinstance(e, TensorStorageMetadata)), None)
@@ -270,10 +282,54 @@ def read_model_tensors(folder: str | os.PathLike) -> dict[str, Tensor]:
     if not entries:
         raise UserError(f"{folder} holds no model tensors ({MODEL_PREFIX}* entries): it is not an "
                           "OLMo-core model_and_optim checkpoint")
+    return entries
+
+
+def _entry_bytes(entries: dict[str, TensorStorageMetadata]) -> int:
+    """The bytes of the full tensors ``entries`` describe (sizes read from the file: any size)."""
+    return sum(math.prod(e.size) * e.properties.dtype.itemsize for e in entries.values())
+
+
+def _refuse_beyond_memory(need: int, detail: str) -> None:
+    """The memory bound of ``train`` (:func:`siamesenorm.tasks.dryrun.refuse_beyond_memory`) on
+    what the import holds at once, ``need`` bytes, before any of it is allocated."""
+    from ..devices import machine_memory
+    from ..tasks.dryrun import refuse_beyond_memory
+
+    cpu = torch.device("cpu")
+    available = machine_memory(cpu)
+    if available is not None:
+        refuse_beyond_memory(need, available, cpu, detail, fix="import it on a machine with more memory, "
+                             "or check the sizes in the checkpoint's config.json and .metadata")
+
+
+def read_model_tensors(folder: str | os.PathLike) -> dict[str, Tensor]:
+    """The full tensors of the model saved in ``folder`` (OLMo-core's ``model_and_optim/``), by the
+    model's own parameter names, on the CPU in their saved dtype; the optimizer is not read.
+    Tensors whose sizes (in ``.metadata``) could not fit this machine's memory are refused before
+    any is allocated."""
+    folder = Path(folder)
+    entries = _model_entries(folder)
+    size = _entry_bytes(entries)
+    _refuse_beyond_memory(size, f"the {len(entries)} model tensors that {folder / '.metadata'} describes")
     state = {MODEL_PREFIX + name: torch.empty(tuple(e.size), dtype=e.properties.dtype)
              for name, e in entries.items()}
     read_dcp(folder, state)
     return {key[len(MODEL_PREFIX):]: tensor for key, tensor in state.items()}
+
+
+def check_memory(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig) -> None:
+    """Refuse, before anything is read or built, an import whose model (float32, with its rotary
+    tables) and the checkpoint's tensors could not fit this machine's memory by far: the sizes
+    come from config.json and ``.metadata``, which may say anything."""
+    from ..tasks.dryrun import memory_floor
+
+    floor = memory_floor(cfg)
+    saved = _entry_bytes(_model_entries(ckpt.model_and_optim))
+    need = 4 * floor["parameters"] + floor["buffers"] + saved
+    _refuse_beyond_memory(need, f"{floor['parameters']:.3g} parameters as float32, "
+                                f"{floor['buffers'] / 2**30:,.1f} GiB of rotary tables and the checkpoint's "
+                                f"{saved / 2**30:,.1f} GiB of model tensors")
 
 
 def trained_model(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, tie_embeddings: bool) -> LanguageModel:
@@ -369,6 +425,7 @@ def import_olmo_core(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     _check_out(out)
     ckpt = find_checkpoint(checkpoint)
     cfg = run_config(ckpt, data)
+    check_memory(ckpt, cfg)
     tied = cfg.model.tie_embeddings
     target = Path(os.path.abspath(out))         # "." and "run/" have a name and a parent this way
     target.parent.mkdir(parents=True, exist_ok=True)

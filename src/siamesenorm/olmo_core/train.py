@@ -529,10 +529,12 @@ def train(args: argparse.Namespace, shape: RunShape) -> None:
     if not args.save_folder:
         raise UsageError("--save-folder is required (where OLMo-core writes its checkpoints)")
     default_dp(args, world)
+    from ..rundir import check_out_dir
     from .save_folder import check_save_folder, mark, safe_loading, verify_checkpoint
     from .token_data import check_token_files
     folder = Path(args.save_folder)
     check_save_folder(folder, args.adopt_save_folder, own_work_dir=args.work_dir is not None)
+    check_out_dir(Path(args.work_dir or folder / "work"), "--work-dir")     # before the marker is written
     check_token_files(_data_paths(args.data), args.data_dtype, shape.model.vocab_size, shape.seq_len,
                       shape.global_batch)
     verify_checkpoint(folder)           # what OLMo-core resumes from, before it reads it

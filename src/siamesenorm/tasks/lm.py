@@ -32,6 +32,7 @@ from ..data import (
     check_corpus_options,
     load_corpus,
     load_tokenizer,
+    names_token_files,
     train_val_tokens,
     validation_batches,
 )
@@ -54,7 +55,7 @@ class DataConfig:
 
     corpus: str = "pystdlib"
     corpus_options: dict[str, Any] = field(default_factory=dict)  # keyword options of its loader
-    tokenizer: str = "bytes"           # "bytes" or "bpe"
+    tokenizer: str = "bytes"           # "bytes" or "bpe"; "ids" for .bin token files (set for them)
     vocab_size: int = 1024             # BPE only
     max_bytes: int = 8_000_000         # pystdlib only
     val_fraction: float = 0.1
@@ -64,7 +65,7 @@ class DataConfig:
     eval_problems: int = 200           # arithmetic only: held-out problems answered at each evaluation
 
     def __post_init__(self) -> None:
-        if self.tokenizer not in ("bytes", "bpe"):
+        if self.tokenizer not in ("bytes", "bpe", "ids"):
             raise UserError(f"data.tokenizer: unknown value {self.tokenizer!r}; choose bytes or bpe")
         for name in ("vocab_size", "max_bytes", "batch_size", "seq_len", "val_batches", "eval_problems"):
             if getattr(self, name) <= 0:
@@ -89,6 +90,14 @@ class LMRunConfig:
         check_seed(self.seed)
         if self.data.corpus != UNSET_CORPUS:  # unset: refused when the data is loaded (_load_corpus)
             check_corpus_options(self.data.corpus, self.data.corpus_options)
+        # .bin token files are read as the ids they hold, whatever a preset says of tokenizers: the
+        # configuration (and config.yaml) says so, rather than name a tokenizer the run never used
+        tokens = names_token_files(self.data.corpus)
+        if tokens and self.data.tokenizer != "ids":
+            object.__setattr__(self, "data", dataclasses.replace(self.data, tokenizer="ids"))
+        elif not tokens and self.data.tokenizer == "ids":
+            raise UserError(f"data.tokenizer=ids is for a corpus of .bin token files, not "
+                            f"data.corpus={self.data.corpus}; choose bytes or bpe")
         if self.model.family:
             from ..hf.families import check_family  # siamesenorm.hf for a family run only
 

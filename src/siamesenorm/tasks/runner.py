@@ -35,7 +35,7 @@ from ..models.checkpointing import set_activation_checkpointing
 from ..parallel import World, init_world, leave_world, on_main, parallel_mode
 from ..parallel.env import local_world_size
 from ..parallel.launch import launch
-from ..rundir import RunDir, check_out_dir, plain, write_text
+from ..rundir import RunDir, check_out_dir, fill_unrecorded, plain, write_text
 from ..shapes import read_summary
 from ..train import train
 from ..train.metrics import check_loggers
@@ -131,8 +131,14 @@ class Run:
             if world.main and self.folder.marked():
                 self.folder.record_data(now)
             return info
-        before = self.folder.recorded_data()
+        before, unknown = fill_unrecorded(self.folder.recorded_data(), now)
         history = self.folder.data_history()
+        if unknown and world.main:
+            print(f"note: {self.run_dir}: its data record, from an older siamesenorm, has no "
+                  f"{', '.join(unknown)}; taken as unknown, the rest of the record is compared",
+                  file=sys.stderr, flush=True)
+            if before == now and self.folder.marked():
+                self.folder.record_data(now)        # known from now on
         if before is not None and before != now:
             if not self.allow_data_change:
                 raise UserError(f"cannot resume {self.run_dir}: its data changed since the run "

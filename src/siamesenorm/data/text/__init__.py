@@ -8,7 +8,7 @@ from ...errors import UserError
 from .arithmetic import ArithmeticProblem, load_arithmetic, make_problems
 from .arithmetic_eval import evaluate_arithmetic, lm_answer_fn
 from .batches import BatchSampler, validation_batches
-from .corpora import check_corpus_options, load_corpus
+from .corpora import check_corpus_options, load_corpus, names_token_files
 from .corpus import Corpus
 from .splits import split_text, split_tokens, train_text, train_val_tokens
 from .tokenfiles import read_token_file, write_shard
@@ -17,8 +17,8 @@ from .tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, import_tokenizer
 __all__ = ["TOKENIZER_KINDS", "ArithmeticProblem", "BPETokenizer", "BatchSampler", "ByteTokenizer", "Corpus",
            "Tokenizer", "build_tokenizer", "check_corpus_options", "evaluate_arithmetic",
            "import_tokenizers", "lm_answer_fn", "load_arithmetic", "load_corpus", "load_tokenizer",
-           "make_problems", "read_token_file", "split_text", "split_tokens", "train_text",
-           "train_val_tokens", "validation_batches", "write_shard"]
+           "make_problems", "names_token_files", "read_token_file", "split_text", "split_tokens",
+           "train_text", "train_val_tokens", "validation_batches", "write_shard"]
 
 TOKENIZER_KINDS = ("bytes", "bpe")
 

@@ -25,7 +25,7 @@ from .pystdlib import load_pystdlib
 from .textfiles import folder_files, load_text_files
 from .tokenfiles import load_token_files
 
-__all__ = ["check_corpus_options", "load_corpus", "resolve_paths"]
+__all__ = ["check_corpus_options", "load_corpus", "names_token_files", "resolve_paths"]
 
 _GLOB_CHARS = set("*?[")
 
@@ -152,6 +152,17 @@ def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus
     if loader is load_arithmetic:       # its counts too: a generated corpus is made in memory
         check_arithmetic_options(**options)
     return loader, takes_spec
+
+
+def names_token_files(spec: str) -> bool:
+    """Whether ``spec`` names ``.bin`` token files (read as the ids they hold, with no tokenizer);
+    False for anything else, a spec naming no files yet included (its loading refuses it)."""
+    if not isinstance(spec, str) or _loader(spec)[0] is not _load_path:
+        return False
+    try:
+        return resolve_paths(spec)[1]
+    except UserError:
+        return False
 
 
 def load_corpus(spec: str, **options) -> Corpus:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...errors import UserError
-from .safe import UnsafeCheckpoint, _refuse_unsafe, problem, read_dcp_metadata
+from .safe import UnsafeCheckpoint, load_weights_only, problem, read_dcp_metadata
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -63,11 +63,7 @@ class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         info = self.reader.verified.storage_data.get(read_item.storage_index)
         where = Path(self.reader.path) / getattr(info, "relative_path", "?")
-        try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
-        except Exception as error:
-            _refuse_unsafe(error, where)
-            raise UserError(f"cannot read checkpoint {where}: {problem(error)}") from None
+        obj = load_weights_only(value, where)
         plain = io.BytesIO()        # handed on as torch's planner takes it: as bytes it unpickles
         torch.save(obj, plain)
         plain.seek(0)

@@ -15,7 +15,7 @@ from .aliases import _bare, _expected, _is_sharded, upgrade_legacy_names
 from .atomic import _recover, verify_checksums
 from .dcp import read_dcp
 from .names import DCP_DIR, FORMAT, MODEL_FILE, SHARDED_FORMAT, STATE_FILE
-from .safe import _refuse_unsafe, problem
+from .safe import load_weights_only, problem
 
 
 def layout(path: str | os.PathLike) -> str | None:
@@ -59,11 +59,7 @@ def read_state(file: Path, format: int = FORMAT) -> dict:
     """The training state file of a checkpoint of ``format`` (1 holds the optimizer, 2 does not),
     read with ``torch.load(weights_only=True)``: tensors and plain values only; a file that names
     anything else (a planted ``__reduce__``) is refused (:class:`UnsafeCheckpoint`) unexecuted."""
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:
-        _refuse_unsafe(error, file)
-        raise UserError(f"cannot read checkpoint {file}: {problem(error)}") from None
+    state = load_weights_only(file, file)
     if not isinstance(state, dict) or state.get("format") != format \
             or not isinstance(state.get("extra"), dict) or (format == FORMAT and "optimizer" not in state):
         raise UserError(f"cannot read checkpoint {file}: not a siamesenorm training state "

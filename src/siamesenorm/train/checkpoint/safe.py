@@ -19,13 +19,36 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
 
+_WEIGHTS_ONLY_REASON = "WeightsUnpickler error:"
+
+
 def problem(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    """``error`` in one line of at most 200 characters: its first line; for torch's weights-only
+    refusal, the reason it gives after ``WeightsUnpickler error:`` (on lines of its own)."""
+    whole = str(error)
+    text = whole.strip().splitlines()
     line = text[0] if text else type(error).__name__
-    if isinstance(error, pickle.UnpicklingError):     # torch's weights-only refusal: the reason line
-        line = next((x.strip() for x in text if "WeightsUnpickler error" in x or "Unsupported" in x
-                     or "truncated" in x), line).removeprefix("WeightsUnpickler error: ")
+    if isinstance(error, pickle.UnpicklingError) and _WEIGHTS_ONLY_REASON in whole:
+        reason = whole.split(_WEIGHTS_ONLY_REASON, 1)[1].split("Check the documentation", 1)[0]
+        reason = " ".join(reason.split()) or "refused by torch.load(weights_only=True)"
+        line = f"not a file of tensors and plain values that torch.save wrote ({reason})"
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+def load_weights_only(source, where: Path | str):
+    """``torch.load(source, weights_only=True)`` on the CPU: what a checkpoint's pickled state is
+    read with. A file naming a Python object is an :class:`UnsafeCheckpoint`; any other failure
+    (damaged, not torch's) a :class:`UserError` naming ``where``, one line; torch's warning about
+    a pickle protocol other than its own is not shown (the refusal says what is wrong)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as error:
+        _refuse_unsafe(error, where)
+        raise UserError(f"cannot read checkpoint {where}: {problem(error)}") from None
 
 
 class UnsafeCheckpoint(UserError):
@@ -149,7 +172,7 @@ def _metadata_problem(md) -> str | None:
             if not isinstance(props, m.TensorProperties) or not isinstance(getattr(props, "dtype", None),
                                                                            torch.dtype):
                 return f"{key}: no dtype"
-            if not isinstance(size, torch.Size) or not isinstance(chunks, list) \
+            if not isinstance(size, torch.Size) or not isinstance(chunks, list) or any(d < 0 for d in size) \
                     or not all(_chunk_fits(c, len(size)) for c in chunks):
                 return f"{key}: a malformed tensor entry"
         elif not isinstance(entry, m.BytesStorageMetadata):
