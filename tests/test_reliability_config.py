@@ -6,6 +6,7 @@ run claims its folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -309,3 +310,16 @@ def test_tensorboard_not_installed_is_still_skipped_quietly(tmp_path, monkeypatc
     res = cli_in_process("train", "tiny", "train.steps=1", "--out", str(tmp_path / "run"))
     assert res.returncode == 0, res.stderr
     assert (Path(tmp_path) / "run" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, -1.0])
+@pytest.mark.parametrize("name", ["norm_eps", "init_std", "mlp_ratio"])
+def test_vit_and_dit_configs_refuse_non_finite_numbers(name, value):
+    """ViT's and DiT's positive numbers refuse NaN and inf as the language model's do."""
+    from siamesenorm.models.dit_config import DiTConfig
+    from siamesenorm.models.vit_config import ViTConfig
+
+    for cls in (ViTConfig, DiTConfig):
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            with pytest.raises(UserError, match=f"{name} must be a positive number"):
+                cls(**{name: value})

@@ -18,8 +18,9 @@ def positive_int(owner: str, name: str, value: Any) -> None:
 
 
 def positive_number(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise UserError(f"{owner}.{name} must be a positive number, got {value!r}")
+    """A finite number above 0 (NaN and inf refused: issue 48)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise UserError(f"{owner}.{name} must be a positive number, and finite, got {value!r}")
 
 
 def probability(owner: str, name: str, value: Any) -> None:
