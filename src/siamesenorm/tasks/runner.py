@@ -118,6 +118,20 @@ class Run:
                     self.folder.clear_run_files()
             yield
 
+    def refuse_changed_data(self, info: dict) -> None:
+        """Refuse (writing nothing) to resume on data that differs from the record the run started
+        with, unless ``allow_data_change``: before a resume's changes are written."""
+        now = info.get("data")
+        if not self.resume or self.allow_data_change or now is None:
+            return
+        now = json.loads(json.dumps(plain(now)))
+        before, _ = fill_unrecorded(self.folder.recorded_data(), now)
+        if before is not None and before != now:
+            raise UserError(f"cannot resume {self.run_dir}: its data changed since the run "
+                            f"started ({_difference(before, now)}); restore the data it "
+                            "trained on, or add --allow-data-change to go on with the new "
+                            "data (both records are kept)")
+
     def check_data(self, info: dict, world: World) -> dict:
         """``info`` for the summary, after comparing a resumed run's data record with the one it
         started with (its marker's, else its summary's): a change is refused (every rank alike),
@@ -140,11 +154,7 @@ class Run:
             if before == now and self.folder.marked():
                 self.folder.record_data(now)        # known from now on
         if before is not None and before != now:
-            if not self.allow_data_change:
-                raise UserError(f"cannot resume {self.run_dir}: its data changed since the run "
-                                  f"started ({_difference(before, now)}); restore the data it "
-                                  "trained on, or add --allow-data-change to go on with the new "
-                                  "data (both records are kept)")
+            self.refuse_changed_data(info)
             if world.main:
                 print(f"warning: {self.run_dir}: the data changed since the run started "
                       f"({_difference(before, now)}); going on with the new data "
@@ -249,7 +259,8 @@ def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: b
             def claim_and_prepare():
                 held.enter_context(run.claimed())
                 prepared = run.prepare(cfg, data)
-                if changes:                 # once its data has loaded
+                if changes:                 # once its data has loaded, and was found the same
+                    run.refuse_changed_data(prepared[1].info(prepared[0]))
                     run.record_extension(old, prepared[0], changes)
                 return prepared
 
