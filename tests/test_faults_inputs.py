@@ -477,8 +477,9 @@ def test_every_reader_of_our_json_states_a_shape():
         # the shape checker, and the raw readers it builds on (rundir: read_json, read_jsonl, and
         # the run marker's readers, which take a non-object as no record)
         "shapes.py": 2, "rundir.py": None,
-        # a JSON round trip of the data record just built (runner's data-change check)
-        "tasks/runner.py": 1,
+        # a JSON round trip of the data record just built (runner's data-change checks: before a
+        # resume's changes are written, and when it trains)
+        "tasks/runner.py": 2,
         # OLMo-core's config.json and metrics: isinstance checks of every field read
         "olmo_core/to_run.py": 4,
         # checked: read_json's result compared as a whole (experiment.json), or with EXPERIMENT_ROWS
@@ -499,6 +500,11 @@ def test_every_reader_of_our_json_states_a_shape():
         "analysis/report_section.py": 1,
         # tokenizer_config.json that transformers has just written into our temporary folder
         "hf/export.py": 1,
+        # adapt_from_pretrained: config.json must be an object, every size checked (check_sizes);
+        # the index's weight_map must map names to file names of the folder (issue 48)
+        "hf/loading.py": 2,
+        # a model folder's marker: an object whose "files" is a list of strings, else no marker
+        "hf/folder.py": 1,
     }
     pattern = re.compile(r"\bjson\.loads?\(|\bread_json\(|\bread_jsonl\(")
     found = {}
