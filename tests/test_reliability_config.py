@@ -323,3 +323,14 @@ def test_vit_and_dit_configs_refuse_non_finite_numbers(name, value):
         if name in {f.name for f in dataclasses.fields(cls)}:
             with pytest.raises(UserError, match=f"{name} must be a positive number"):
                 cls(**{name: value})
+
+
+def test_max_seq_len_is_bounded_also_when_read_from_a_file():
+    """The RoPE tables are built to max_seq_len: a config.json (our HF folder's) naming a billion
+    positions is refused in one line, as the CLI's is."""
+    from siamesenorm.models import LMConfig
+    from siamesenorm.models.config_checks import MAX_SEQ_LEN
+
+    LMConfig(max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(UserError, match="max_seq_len=1,000,000,000 is beyond what this library builds"):
+        LMConfig(max_seq_len=10**9)
