@@ -264,6 +264,20 @@ def test_resume_refuses_a_corpus_rewritten_with_as_many_tokens(tmp_path):
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_a_resume_over_two_processes_refuses_changed_data_before_writing(tmp_path, monkeypatch):
+    """--nproc's launcher compares the data before it records a resume's changes."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    corpus = token_file(tmp_path / "tokens.bin", seed=0)
+    run = tmp_path / "run"
+    res = cli_in_process("train", "tiny", *TWO, f"data.corpus={corpus}", "--out", str(run))
+    assert res.returncode == 0, res.stderr
+    token_file(corpus, seed=1)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    one_line(cli_in_process("train", "--resume", "--out", str(run), "--nproc", "2", "train.steps=4"),
+             f"cannot resume {run}: its data changed")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_a_run_recorded_without_the_hash_still_resumes_with_a_note(tmp_path):
     corpus = token_file(tmp_path / "tokens.bin", seed=0)
     run = tmp_path / "run"

@@ -282,7 +282,7 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
     prepares the folder, then torchrun's launcher (:func:`siamesenorm.parallel.launch`) starts the
     ranks on it (:mod:`.worker`); returns rank 0's summary. A failure in any process is one line
     (UserError or RankFailed) after all have stopped."""
-    run = Run(run_dir, resume=resume, command=command, restart=restart)
+    run = Run(run_dir, resume=resume, command=command, restart=restart, allow_data_change=allow_data_change)
     with run.claimed():
         if resume:
             old = run.saved_config()
@@ -292,7 +292,11 @@ def launch_task(cfg: Any, run_dir: str | Path, *, nproc: int, resume: bool = Fal
         check_loggers(cfg.train.loggers)
         if not resume:
             run.prepare(cfg)
-        elif changes:
+        elif changes:               # refused on changed data before the change is written
+            if not allow_data_change:
+                task = get_task(cfg.task)
+                data = task.load_data(cfg, run.run_dir, True)
+                run.refuse_changed_data(data.info(task.fit(cfg, data)))
             run.record_extension(old, cfg, changes)
         flags = [*(["--resume"] if resume else []), *(["--allow-data-change"] if allow_data_change else [])]
         launch(nproc, ["-m", "siamesenorm.tasks.worker", str(run.run_dir), *flags], what=f"run {run_dir}")
