@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -334,3 +335,18 @@ def test_max_seq_len_is_bounded_also_when_read_from_a_file():
     LMConfig(max_seq_len=MAX_SEQ_LEN)
     with pytest.raises(UserError, match="max_seq_len=1,000,000,000 is beyond what this library builds"):
         LMConfig(max_seq_len=10**9)
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"initializer_range": math.nan}, "model.family_options.initializer_range"),
+    ({"rms_norm_eps": math.inf}, "model.family_options.rms_norm_eps"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -math.inf}},
+     "model.family_options.rope_parameters.rope_theta")])
+def test_family_options_refuse_non_finite_numbers(options, key):
+    pytest.importorskip("transformers")
+    from siamesenorm.hf.families import check_family
+
+    with pytest.raises(UserError, match=f"{re.escape(key)}=.* must be a finite number"):
+        check_family("llama", options)
+    check_family("llama", {"rms_norm_eps": 1e-6,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})

@@ -12,6 +12,7 @@ what a configuration is checked with.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -88,6 +89,18 @@ FAMILIES: dict[str, Family] = {
 FAMILY_NAMES = tuple(FAMILIES)      # what model.family may name
 
 
+def _refuse_non_finite(value: object, key: str) -> None:
+    """No NaN or infinity anywhere in a family's options (rope_theta, eps, scaling factors...)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{key}={value} must be a finite number")
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _refuse_non_finite(item, f"{key}.{name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_non_finite(item, f"{key}[{i}]")
+
+
 def check_family(family: str, options: dict) -> None:
     """A configuration's ``model.family`` and ``model.family_options``: a known family, transformers
     5 installed, and options that are fields of the family's configuration (one-line errors)."""
@@ -105,3 +118,4 @@ def check_family(family: str, options: dict) -> None:
     unknown = sorted(set(options) - accepted - {"self", "kwargs"})
     if unknown:
         raise UserError(f"model.family_options.{unknown[0]}: {cls.__name__} has no field {unknown[0]!r}")
+    _refuse_non_finite(options, "model.family_options")
