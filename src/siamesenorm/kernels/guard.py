@@ -11,8 +11,9 @@ mode and inside compiled graphs alike, since the choice is made where the op run
 is re-raised: the PyTorch path would need the memory too.
 
 The check runs in a thread of its own: inside an op's implementation autograd is switched off for
-the calling thread, and the check needs it (so does a backward op's PyTorch path, which
-differentiates the reference forward).
+the calling thread, and the check needs it (not inside a backward pass, whose device thread that
+thread's backward would wait on: there the check waits for the next call). A backward op's
+PyTorch path differentiates the reference forward with ``torch.func.vjp`` in its own thread.
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ class KernelOp:
                 return None
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None                 # nothing else may launch while a CUDA graph records
+            if torch._C._current_graph_task_id() != -1:
+                return None                 # inside a backward pass (a recomputed forward): later
             self._pending.add(key)
 
         try:
@@ -289,24 +292,29 @@ def self_check(device: str | torch.device,
 
 
 def reference_grads(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor | None],
-                    cotangents: Sequence[Tensor | None], device: torch.device) -> list[Tensor | None]:
+                    cotangents: Sequence[Tensor | None],
+                    device: torch.device | None = None) -> list[Tensor | None]:
     """The PyTorch path of a backward op: the gradients of ``fn(*inputs)``'s outputs under
     ``cotangents`` (None: that output has none) with respect to each floating-point tensor of
-    ``inputs`` (zeros where unused; None for None and other inputs), by autograd in a thread."""
-    def run() -> list[Tensor | None]:
-        leaves = [t if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-        pairs = [(o, c) for o, c in zip(fn(*leaves), cotangents) if c is not None]
-        wrt = [t for t in leaves if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c.to(o.dtype) for o, c in pairs],
-                                         allow_unused=True))
-        out: list[Tensor | None] = []
-        for t in leaves:
-            g = next(grads) if t is not None and t.requires_grad else None
-            if g is None and t is not None and t.requires_grad:
-                g = torch.zeros_like(t)
-            out.append(g if g is None or g._base is None else g.clone())    # an op's outputs never alias
-        return out
-    return in_thread(run, device)
+    ``inputs`` (None for None and other inputs). By ``torch.func.vjp`` in this thread: inside an
+    op autograd is off, and a backward op may run on autograd's own device thread, which a second
+    thread's backward would wait on. ``fn`` uses plain differentiable ops (no ``autograd.Function``
+    without ``setup_context``)."""
+    where = [i for i, t in enumerate(inputs) if t is not None and t.is_floating_point()]
+
+    def function(*xs: Tensor) -> tuple[Tensor, ...]:
+        full = list(inputs)
+        for i, x in zip(where, xs):
+            full[i] = x
+        return tuple(fn(*full))
+
+    outputs, vjp = torch.func.vjp(function, *(inputs[i].detach() for i in where))
+    grads = vjp(tuple(torch.zeros_like(o) if c is None else c.to(o.dtype)
+                      for o, c in zip(outputs, cotangents)))
+    out: list[Tensor | None] = [None] * len(inputs)
+    for i, g in zip(where, grads):
+        out[i] = g if g._base is None else g.clone()            # an op's outputs never alias
+    return out
 
 
 def random_inputs(seed: int, device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype] | None,

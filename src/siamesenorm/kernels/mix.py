@@ -68,6 +68,14 @@ def _broadcast(op: str, *pairs: tuple[Tensor, int]) -> list[Tensor]:
     return [t if t.shape[:t.dim() - k] == lead else t.expand(*lead, *t.shape[t.dim() - k:]) for t, k in pairs]
 
 
+def _write_plain(res: Tensor, h: Tensor, post: Tensor, out: Tensor) -> list[Tensor]:
+    """``res @ h + post (x) out`` in plain differentiable ops (for ``torch.func``), promoted dtype."""
+    dtype = torch.promote_types(torch.promote_types(res.dtype, h.dtype), torch.promote_types(post.dtype,
+                                                                                          out.dtype))
+    res, h, post, out = (t.to(dtype) for t in (res, h, post, out))
+    return [res @ h + post.unsqueeze(-1) * out.unsqueeze(-2)]
+
+
 def _write_reference(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     return mix_and_write(res.transpose(-1, -2), h, post, out).to(dtype)
 
@@ -112,8 +120,7 @@ def _mix_write_backward(grad: Tensor, res: Tensor, h: Tensor, post: Tensor,
     """``(dres, dh, dpost, dout)``, each in its input's dtype."""
     def fallback():
         inputs = [res, h, post, out]
-        grads = guard.reference_grads(lambda r, *rest: [mix_and_write(r.transpose(-1, -2), *rest)], inputs,
-                                      [grad], h.device)
+        grads = guard.reference_grads(_write_plain, inputs, [grad], h.device)
         return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
     tensors = (grad, res, h, post, out)
     return MIX_WRITE.run(lambda: _kernels().mix_write_backward(*(t.contiguous() for t in tensors)), fallback,

@@ -32,6 +32,16 @@ def _check(logits: Tensor, iters: int) -> None:
         raise ValueError(f"sinkhorn: iters must be in [0, {MAX_ITERS}], not {iters}")
 
 
+def _iterations(logits: Tensor, iters: int) -> Tensor:
+    """The iterations written out in plain differentiable ops, in float32 (or float64) inside."""
+    m = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    m = torch.exp(m - m.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
 def _reference(logits: Tensor, iters: int) -> Tensor:
     return sinkhorn_function(logits, iters).to(logits.dtype).contiguous()
 
@@ -69,7 +79,7 @@ def _sinkhorn_backward(grad: Tensor, logits: Tensor, iters: int) -> Tensor:
     _check(logits, iters)
 
     def fallback() -> Tensor:
-        (d,) = guard.reference_grads(lambda t: [sinkhorn_function(t, iters)], [logits], [grad], logits.device)
+        (d,) = guard.reference_grads(lambda t: [_iterations(t, iters)], [logits], [grad], logits.device)
         return d.to(logits.dtype)
     return SINKHORN.run(lambda: _kernels().sinkhorn_backward(grad, logits, iters), fallback,
                         device=logits.device)
