@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..errors import UserError
+from ..models.config_checks import MAX_SEQ_LEN
 from ..models.lm import LanguageModel
 from ..models.lm_config import LMConfig, MoEConfig
 from ..models.stack import hidden_at
@@ -64,6 +66,9 @@ class SiameseNormConfig(BaseConfig):
         values["moe"] = dict(values["moe"] or {})
         values["scheme_options"] = dict(values["scheme_options"] or {})
         _lm_config(values)                           # refuse what LMConfig refuses, now
+        if isinstance(values["max_seq_len"], int) and values["max_seq_len"] > MAX_SEQ_LEN:
+            raise UserError(f"max_seq_len={values['max_seq_len']:,} is beyond what this library "
+                            f"builds (at most {MAX_SEQ_LEN:,} positions: the RoPE tables are built to it)")
         for name, value in values.items():
             setattr(self, name, value)
         self.use_cache = use_cache

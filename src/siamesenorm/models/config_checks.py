@@ -73,7 +73,8 @@ MAX_LAYERS = 1024
 MAX_PARAMETERS = 10**15
 MAX_EXPERTS = 1024
 MAX_EXPERT_LAYERS = 1 << 16      # MoE layers x experts: the MoE forward runs each expert in turn
-MAX_SEQ_LEN = 1 << 22            # 4M positions: the longest contexts served; RoPE's tables are built to it
+MAX_SEQ_LEN = 1 << 22            # 4M positions, a Hugging Face config.json's bound (RoPE's tables are
+                                 # built to it); runs are bounded by their memory estimate instead
 
 
 def buildable(owner: str, n_layers: int, parameters: int) -> None:

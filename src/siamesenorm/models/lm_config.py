@@ -11,7 +11,7 @@ from ..nn.depth_attention import check_depth_attention, depth_stride
 from ..nn.mlp import MLP_KINDS, default_mlp_hidden
 from ..nn.norms import NORM_KINDS
 from ..nn.value_residual import VALUE_RESIDUAL_MIXES
-from .config_checks import MAX_EXPERT_LAYERS, MAX_EXPERTS, MAX_SEQ_LEN, buildable, linear
+from .config_checks import MAX_EXPERT_LAYERS, MAX_EXPERTS, buildable, linear
 
 INIT_KINDS = ("normal", "mitchell")
 
@@ -208,9 +208,6 @@ class LMConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             _positive_int(name, getattr(self, name))
-        if self.max_seq_len > MAX_SEQ_LEN:     # its RoPE tables are built to it, from a file too
-            raise UserError(f"LMConfig.max_seq_len={self.max_seq_len:,} is beyond what this library "
-                            f"builds (at most {MAX_SEQ_LEN:,} positions)")
         _positive_int("n_kv_heads", self.n_kv_heads, optional=True)
         _positive_int("mlp_hidden", self.mlp_hidden, optional=True)
         _positive_int("head_size", self.head_size, optional=True)
