@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -54,7 +55,11 @@ def triton_version() -> str | None:
 
 def triton_supported(version: str | None = None) -> bool:
     """Whether ``version`` (default: the installed one) lies in :data:`TRITON_RANGE`."""
-    version = _VERSION if version is None else version
+    return _supported(_VERSION if version is None else version)
+
+
+@functools.lru_cache(maxsize=8)
+def _supported(version: str | None) -> bool:      # once a version: kernels_available runs per op call
     match = re.match(r"(\d+)\.(\d+)", version or "")
     if match is None:
         return False

@@ -137,7 +137,7 @@ def _depth_mix_backward(grad: Tensor, sources: list[Tensor], u: Tensor, weight: 
     def fallback() -> list[Tensor]:
         *dv, du, dw, db = guard.reference_grads(
             lambda *a: [_reference(list(a[:n]), *a[n:], kind, eps, norm_eps, grad.dtype)],
-            [*sources, u, weight, bias], [grad], u.device)
+            [*sources, u, weight, bias], [grad])
 
         def param(g: Tensor | None, p: Tensor | None, need: bool) -> Tensor:
             return g.to(p.dtype) if p is not None and need else u.new_empty(0, dtype=torch.float32)

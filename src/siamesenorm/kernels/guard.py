@@ -137,7 +137,7 @@ def compare(kernel: Callable[..., Sequence[Tensor]], reference: Callable[..., Se
         inputs = [leaves(a) for a in args]
         outputs = list(fn(*inputs))
         runs.append((inputs, outputs))
-    (k_in, k_out), (r_in, r_out) = runs
+    r_in, r_out = runs[1]
     gen = torch.Generator(device=r_out[0].device).manual_seed(seed + 1)
     cotangents = [torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32) for o in r_out]
     found = []
@@ -292,8 +292,7 @@ def self_check(device: str | torch.device,
 
 
 def reference_grads(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor | None],
-                    cotangents: Sequence[Tensor | None],
-                    device: torch.device | None = None) -> list[Tensor | None]:
+                    cotangents: Sequence[Tensor | None]) -> list[Tensor | None]:
     """The PyTorch path of a backward op: the gradients of ``fn(*inputs)``'s outputs under
     ``cotangents`` (None: that output has none) with respect to each floating-point tensor of
     ``inputs`` (None for None and other inputs). By ``torch.func.vjp`` in this thread: inside an

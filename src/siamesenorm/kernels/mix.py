@@ -120,7 +120,7 @@ def _mix_write_backward(grad: Tensor, res: Tensor, h: Tensor, post: Tensor,
     """``(dres, dh, dpost, dout)``, each in its input's dtype."""
     def fallback():
         inputs = [res, h, post, out]
-        grads = guard.reference_grads(_write_plain, inputs, [grad], h.device)
+        grads = guard.reference_grads(_write_plain, inputs, [grad])
         return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
     tensors = (grad, res, h, post, out)
     return MIX_WRITE.run(lambda: _kernels().mix_write_backward(*(t.contiguous() for t in tensors)), fallback,
@@ -258,8 +258,7 @@ def _mix_entry_backward(grad: Tensor, h: Tensor, pre: Tensor, weight: Tensor | N
 
     def fallback():
         dh, dpre, dw, db = guard.reference_grads(
-            lambda *a: [_entry_reference(*a, kind, eps, grad.dtype)], [h, pre, weight, bias], [grad],
-            h.device)
+            lambda *a: [_entry_reference(*a, kind, eps, grad.dtype)], [h, pre, weight, bias], [grad])
 
         def param(g: Tensor | None, p: Tensor | None, need: bool) -> Tensor:
             return g.to(p.dtype) if p is not None and need else h.new_empty(0, dtype=torch.float32)

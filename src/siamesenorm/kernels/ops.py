@@ -149,7 +149,7 @@ def _add_norm_backward(gs: Tensor | None, gn: Tensor, s: Tensor, weight: Tensor 
 
     def fallback():
         ds, dw, db = guard.reference_grads(lambda s, w, b: [_norm(s, w, b, kind, eps)], [s, weight, bias],
-                                           [gn], s.device)
+                                           [gn])
         ds = ds if gs is None else ds + gs
         return ds.to(s.dtype), _param_grad(dw, weight, need_w, s), _param_grad(db, bias, need_b, s)
     return ADD_NORM.run(lambda: _kernels().add_norm_backward(gs, gn, s, weight, bias, stats,
@@ -354,7 +354,7 @@ def _update_entry_backward(g_xo: Tensor | None, g_y1: Tensor | None, g_b: Tensor
     def fallback():
         dx, dy, *d_params = guard.reference_grads(
             lambda x1, y1, *p: _entry_from_sums(x1, y1, *p, kind, eps, x_mode, y_norm, in_norm),
-            [x1, y1 if y_norm else None, *params], [g_xo, g_b], x1.device)
+            [x1, y1 if y_norm else None, *params], [g_xo, g_b])
         if g_y1 is not None:
             dy = g_y1 if dy is None else dy + g_y1
         if dy is None:

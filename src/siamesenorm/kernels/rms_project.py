@@ -89,7 +89,7 @@ def _rms_project_backward(dz: Tensor, x: Tensor, w: Tensor, z: Tensor, rstd: Ten
         return dx.reshape(x.shape) if need_x else dx, dw
 
     def fallback() -> tuple[Tensor, Tensor]:
-        dx, dw = guard.reference_grads(lambda x, w: _reference(x, w, eps)[:1], [x, w], [dz], x.device)
+        dx, dw = guard.reference_grads(lambda x, w: _reference(x, w, eps)[:1], [x, w], [dz])
         return (dx.to(x.dtype) if need_x else x.new_empty(0),
                 dw.to(w.dtype) if need_w else w.new_empty(0, dtype=torch.float32))
     return RMS_PROJECT.run(kernel, fallback, device=x.device)

@@ -79,7 +79,7 @@ def _sinkhorn_backward(grad: Tensor, logits: Tensor, iters: int) -> Tensor:
     _check(logits, iters)
 
     def fallback() -> Tensor:
-        (d,) = guard.reference_grads(lambda t: [_iterations(t, iters)], [logits], [grad], logits.device)
+        (d,) = guard.reference_grads(lambda t: [_iterations(t, iters)], [logits], [grad])
         return d.to(logits.dtype)
     return SINKHORN.run(lambda: _kernels().sinkhorn_backward(grad, logits, iters), fallback,
                         device=logits.device)
