@@ -2,12 +2,12 @@
 
 Our cases (``pre``, both SiameseNorm forms, hyper-connections, mHC, both Attention Residuals,
 value residuals, and ``siamese-kernels`` and ``pre-kernels``: SiameseNorm and Pre-Norm with their
-fused Triton kernels in the compiled graph, ``kernels_in_compiled_graphs``, against Inductor's own
+fused Triton kernels in the compiled graph (``use_path(..., compiled_graphs=True)``) against Inductor's own
 fusion in ``siamese`` and ``pre``) run the training step of our trainer, from its own parts:
 ``ForwardBackward`` (the same forward under bf16 autocast through ``torch.compile``, and
 ``loss.backward``), ``clip_gradients`` at 1.0, ``build_optimizer``'s AdamW (fused on CUDA) over
 float32 master weights, ``zero_grad``. The
-OLMo-core cases build OLMo-1B as ``python -m siamesenorm.olmo_core.train olmo-1b --compile`` does
+OLMo-core cases build OLMo-1B as ``siamesenorm olmo-core train olmo-1b --compile`` does
 (its parser, preset and ``train_module_config``) and step it as OLMo-core's ``train_batch`` and
 ``optim_step`` do, without a ``Trainer`` (no LR schedule; the clip is ours, the same two calls).
 Every case sees the same random batch.
@@ -69,8 +69,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import siamesenorm
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
-from siamesenorm.nn.fused import kernels_in_compiled_graphs
 from siamesenorm.parallel import autocast_for
 from siamesenorm.train.forward import ForwardBackward
 from siamesenorm.train.optim import build_optimizer, clip_gradients
@@ -86,7 +86,7 @@ OURS: dict[str, tuple[str, dict, dict]] = {
     "attn_res": ("attn_res", {}, {}),
     "attn_res-block4": ("attn_res", {"block_size": 4}, {}),     # as the topologies-gpu preset
     "pre-value_residual": ("pre", {}, {"value_residual": True}),
-    # SiameseNorm with its fused Triton kernel in the compiled graph (kernels_in_compiled_graphs):
+    # SiameseNorm with its fused Triton kernel in the compiled graph (use_path(..., compiled_graphs=True)):
     # the kernel against Inductor's own fusion of the same work
     "siamese-kernels": ("siamese", {"form": "post_pre"}, {}),
     "pre-kernels": ("pre", {}, {}),          # Pre-Norm's fused add + norm, the same way
@@ -183,7 +183,7 @@ class OurCase:
 
     def step(self) -> torch.Tensor:
         """One training step; returns its (detached) loss."""
-        with kernels_in_compiled_graphs(self.name in COMPILED_KERNELS):     # read when traced
+        with use_path("kernels", compiled_graphs=self.name in COMPILED_KERNELS):     # read when traced
             loss = self.forward(self.x, self.y, 1, self.autocast)
         clip_gradients(self.params, 1.0)
         self.optimizer.step()
@@ -212,15 +212,18 @@ class OlmoCase:
     """OLMo-core's train module of the entry's config, stepped as its ``train_batch`` does."""
 
     def __init__(self, name: str, size: Size, device: torch.device, args: argparse.Namespace) -> None:
+        from siamesenorm.cli import build_parser
+        from siamesenorm.commands.olmo_train import resolve
         from siamesenorm.olmo_core import train as entry
 
         scheme, options = OLMO[name]
-        argv = [size.olmo, "--scheme", scheme, "--precision", run_precision(args.precision, device)]
+        argv = ["olmo-core", "train", size.olmo, "--scheme", scheme,
+                "--precision", run_precision(args.precision, device)]
         argv += ["--scheme-options", options] if options else []
         argv += ["--global-batch", str(size.olmo_batch)] if size.olmo_batch else []
         argv += [] if args.no_compile else ["--compile"]
-        cli = entry.parser().parse_args(argv)
-        shape = entry.resolve(cli)
+        cli = build_parser().parse_args(argv)
+        shape = resolve(cli)
         module = entry.train_module_config(cli, shape, 1, "none", cli.precision, device.type == "cuda")
         # no Trainer here: no LR schedule, and the clip is done in step()
         module = dataclasses.replace(module, scheduler=None, max_grad_norm=None)
@@ -516,8 +519,8 @@ def header(size_name: str, size: Size, device: torch.device, args, peak, olmo: b
              f"- measured: medians over up to {args.steps} rounds after {args.warmup} warm-up step(s) a case "
              "(compilation happens there), cases interleaved round by round"]
     if olmo:
-        from siamesenorm.olmo_core.train import CONFIGS
-        shape = CONFIGS[size.olmo]()
+        from siamesenorm.commands.olmo_train import config_shape
+        shape = config_shape(size.olmo)
         m, batch = shape.model, size.olmo_batch or shape.global_batch
         lines.append(f"- OLMo-core `{size.olmo}` through siamesenorm.olmo_core: {m.n_layers} layers x "
                      f"{m.dim}, {m.n_heads} heads, SwiGLU {m.hidden_dim}, vocab {m.vocab_size}, QK-norm, "

@@ -15,7 +15,7 @@ norm (and on the same path):
 - on CUDA, ``peak MiB``: the peak memory of one step (``max_memory_allocated``) over what was
   allocated before its forward (parameters and optimizer state: gradients are released first).
 
-``--reference`` also builds every scheme on the plain path (``reference_path()``: modules composed
+``--reference`` also builds every scheme on the plain path (``use_path("reference")``: modules composed
 as written, not the memory-lean functions) and interleaves its steps with the lean ones; rows are
 labelled ``lean`` / ``plain`` and the lean rows gain ``saved / plain``, the before/after of the
 lean path. All models of one size and norm are alive together: at size 512 about 0.4 GB each
@@ -51,9 +51,9 @@ import time
 
 import torch
 
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig, MoEConfig
 from siamesenorm.models.checkpointing import saved_activation_bytes
-from siamesenorm.nn.fused import reference_path
 from siamesenorm.nn.norms import NORM_KINDS
 from siamesenorm.schemes import list_schemes
 
@@ -107,7 +107,7 @@ def measure(size: str, norm: str, specs: list[str], args, device: torch.device) 
     """Saved bytes, step times (and on CUDA peak memory) of every scheme at one size and norm."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    paths = (False, True) if args.reference else (False,)          # reference_path(enabled)
+    paths = (False, True) if args.reference else (False,)          # the reference path?
     keys = [(spec, ref) for spec in specs for ref in paths]
     models = {key: build(key[0], size, norm, device) for key in keys}
     x = batch_for(size, device)
@@ -116,7 +116,7 @@ def measure(size: str, norm: str, specs: list[str], args, device: torch.device) 
     def step(key) -> tuple[float, int]:
         """One training step: its time, and (CUDA) its peak bytes over those allocated before."""
         model, opt = models[key]
-        with reference_path(key[1]):
+        with use_path("reference" if key[1] else "kernels"):
             opt.zero_grad(set_to_none=True)
             sync()
             before = 0
@@ -135,7 +135,7 @@ def measure(size: str, norm: str, specs: list[str], args, device: torch.device) 
     saved, peak = {}, {}
     for key in keys:
         model = models[key][0]
-        with reference_path(key[1]):
+        with use_path("reference" if key[1] else "kernels"):
             saved[key] = saved_activation_bytes(lambda m=model: m(inputs, targets).loss)
         if cuda:
             step(key)                               # first step creates the AdamW state
@@ -219,7 +219,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--reference", action="store_true",
-                   help="also measure the plain path (reference_path()), interleaved")
+                   help="also measure the plain path (use_path('reference')), interleaved")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="also write the tables to FILE as Markdown")
     p.add_argument("--moe", default=None, metavar="E,K",

@@ -17,8 +17,8 @@ import torch
 
 import siamesenorm as sn
 from helpers import cli_in_process, make_branches, randomize_, run_scheme
+from siamesenorm.compute import use_path
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
-from siamesenorm.nn.fused import reference_path
 
 F64 = torch.float64
 DIM, LAYERS, EPS = 8, 3, 1e-3          # 6 sublayers
@@ -106,7 +106,7 @@ def test_values_and_gradients_equal_the_papers_equations(block_size, norm, lean)
     scheme = build(block_size, norm)
     randomize_(scheme, scale=0.5)                       # non-zero pseudo-queries: non-uniform mixes
     h, fs = tokens(), make_branches(scheme.n_sublayers, DIM)
-    with reference_path(not lean):
+    with use_path("reference" if not lean else "kernels"):
         ours, ours_grads = values_and_grads(scheme, lambda: run_scheme(scheme, h, fs), h)
     ref, ref_grads = values_and_grads(scheme, lambda: paper_forward(scheme, h, fs, block_size)[0], h)
     torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-10)
@@ -290,7 +290,7 @@ def test_the_lean_depth_mix_equals_the_composed_one_and_passes_gradcheck(gain):
         mp.setattr(_DepthMix, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
         lean, lean_grads = values_and_grads_of(lambda: depth_mix(sources, query, key_gain, EPS), inputs)
     assert calls                                                # the lean function ran
-    with reference_path():
+    with use_path("reference"):
         plain, plain_grads = values_and_grads_of(lambda: depth_mix(sources, query, key_gain, EPS), inputs)
     expected = attend(sources, query, key_gain if gain else torch.ones(DIM, dtype=F64))
     torch.testing.assert_close(lean, expected, atol=1e-12, rtol=1e-12)

@@ -20,9 +20,10 @@ import torch._dynamo as dynamo
 from torch import Tensor
 from torch._dynamo.utils import counters
 
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.models.checkpointing import set_activation_checkpointing
-from siamesenorm.nn.fused import fused_enabled, lean_path, reference_path
+from siamesenorm.nn.fused import fused_enabled
 from siamesenorm.schemes import list_schemes
 
 # mHC's Sinkhorn iterations unroll in the graph; 2 keep tracing short (the code path is the same:
@@ -121,11 +122,11 @@ def test_the_lean_path_is_off_while_compiling():
 
 
 def _one_graph(case, layers: int) -> None:
-    """The lean path (the default, whatever ``SIAMESENORM_FUSED`` says); the reference path:
+    """The lean path (the default, whatever ``SIAMESENORM_PATH`` says); the reference path:
     :func:`test_the_reference_path_compiles_as_one_graph`."""
     model = _model(*case, layers=layers)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
-    with lean_path():
+    with use_path("kernels"):
         _steps(model, compiled)
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -143,7 +144,7 @@ def test_each_option_s_training_step_is_one_graph(case, strict_dynamo):
 def test_the_reference_path_compiles_as_one_graph(strict_dynamo):
     """As the lean path does (every case above, siamese-form=hybrid_pre's among them)."""
     model = _model("siamese", {"form": "hybrid_pre"}, {}, "none", layers=4)
-    with reference_path():
+    with use_path("reference"):
         _steps(model, torch.compile(model, backend="eager", fullgraph=True))
     assert counters["stats"]["unique_graphs"] == 1
 

@@ -279,8 +279,8 @@ def test_the_vision_presets_take_it(preset: str) -> None:
 @pytest.mark.parametrize("groups,per_group,sources,dtype", [
     (2, 3, 2, F64), (4, 1, 1, F64), (1, 4, 3, F64), (2, 2, 2, torch.bfloat16)])
 def test_the_lean_mix_equals_the_plain_one_in_values_and_gradients(groups, per_group, sources, dtype):
+    from siamesenorm.compute import use_path
     from siamesenorm.nn.depth_attention import depth_mix
-    from siamesenorm.nn.fused import reference_path
 
     g = torch.Generator().manual_seed(groups * 10 + sources)
     shape = (2, groups, 7, 8)
@@ -291,7 +291,7 @@ def test_the_lean_mix_equals_the_plain_one_in_values_and_gradients(groups, per_g
     def run(plain: bool):
         leaves = [t.to(dtype).requires_grad_() for t in made]
         q, k, v, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
-        with reference_path(plain):
+        with use_path("reference" if plain else "kernels"):
             out = depth_mix(q, k, v, rest[:sources], rest[sources:])
         return out, torch.autograd.grad(out, leaves, grad)
 
@@ -308,15 +308,15 @@ def test_the_lean_path_keeps_about_what_pre_norm_keeps(qk_norm: bool) -> None:
     keeps stacked copies of the keys and values (+21-24% at this size); the lean one keeps its
     inputs, which attention keeps or recomputes anyway, but for each layer's unmixed values (one
     tensor of the values' size a layer, +5%), the depth weights and the source layers' keys."""
+    from siamesenorm.compute import use_path
     from siamesenorm.models.checkpointing import saved_activation_bytes
-    from siamesenorm.nn.fused import reference_path
 
     def saved(depth: bool, plain: bool = False) -> int:
         cfg = LMConfig(vocab_size=256, dim=256, n_layers=12, n_heads=4, max_seq_len=256,
                        qk_norm=qk_norm, depth_attention=depth)
         model = LanguageModel(cfg, device="meta")
         x = torch.zeros(8, 257, dtype=torch.long, device="meta")
-        with reference_path(plain):
+        with use_path("reference" if plain else "kernels"):
             return saved_activation_bytes(lambda: model(x[:, :-1], x[:, 1:]).loss)
 
     pre = saved(False)

@@ -15,9 +15,10 @@ import torch
 
 import siamesenorm as sn
 from helpers import cli_in_process
+from siamesenorm.compute import use_path
 from siamesenorm.errors import ConfigError, UserError
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
-from siamesenorm.nn.fused import norm_value, reference_path, stream_entry
+from siamesenorm.nn.fused import norm_value, stream_entry
 from siamesenorm.nn.norms import Derf, build_norm
 
 F64 = torch.float64
@@ -48,7 +49,7 @@ def test_derf_equals_the_paper_formula_in_values_and_gradients(path, affine):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(3, 5, 6, generator=g, dtype=F64) * 2).requires_grad_()
     up = torch.randn(3, 5, 6, generator=g, dtype=F64)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         out = norm(x)
     params = [norm.alpha, norm.shift] + ([norm.weight, norm.bias] if affine else [])
     got = torch.autograd.grad(out, [x, *params], up)
@@ -78,7 +79,8 @@ def test_lean_derf_passes_gradcheck_and_keeps_only_its_input():
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
             return t
 
-        with reference_path(path == "reference"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (use_path("reference" if path == "reference" else "kernels"),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             norm(torch.randn(8, 16, 4, dtype=F64, requires_grad=True))
         return sum(n for n in seen.values() if n >= 8 * 16 * 4)  # tensors of the input's size
 
@@ -130,7 +132,7 @@ def test_the_lean_stream_entry_equals_the_modules(with_x_norm):
         leaves += list(x_norm.parameters())
     results = []
     for ref in (False, True):
-        with reference_path(ref):
+        with use_path("reference" if ref else "kernels"):
             xo, b = stream_entry(x, y, x_norm=x_norm if with_x_norm else None, y_norm=y_norm,
                                  in_norm=in_norm)
         loss = (xo * ups[0]).sum() + (b * ups[1]).sum()
@@ -229,7 +231,7 @@ def test_lean_and_reference_paths_agree_in_a_language_model(scheme):
     grads = []
     for path in ("lean", "reference"):
         model.zero_grad()
-        with reference_path(path == "reference"):
+        with use_path("reference" if path == "reference" else "kernels"):
             loss = model(ids, ids).loss
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))

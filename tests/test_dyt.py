@@ -15,9 +15,10 @@ import torch
 
 import siamesenorm as sn
 from helpers import cli_in_process
+from siamesenorm.compute import use_path
 from siamesenorm.errors import ConfigError
 from siamesenorm.models import DiT, DiTConfig, LanguageModel, LMConfig, VisionTransformer, ViTConfig
-from siamesenorm.nn.fused import norm_value, reference_path
+from siamesenorm.nn.fused import norm_value
 from siamesenorm.nn.norms import DyT, build_norm, llm_dyt_alpha0
 
 F64 = torch.float64
@@ -48,7 +49,7 @@ def test_dyt_equals_the_paper_formula_in_values_and_gradients(path, affine):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(3, 5, 6, generator=g, dtype=F64) * 2).requires_grad_()
     up = torch.randn(3, 5, 6, generator=g, dtype=F64)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         out = norm(x)
     params = [norm.alpha] + ([norm.weight, norm.bias] if affine else [])
     got = torch.autograd.grad(out, [x, *params], up)
@@ -76,7 +77,8 @@ def test_lean_dyt_passes_gradcheck_and_keeps_only_its_input():
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
             return t
 
-        with reference_path(path == "reference"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (use_path("reference" if path == "reference" else "kernels"),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             norm(torch.randn(8, 16, 4, dtype=F64, requires_grad=True))
         return sum(n for n in seen.values() if n >= 8 * 16 * 4)  # tensors of the input's size
 
@@ -189,7 +191,7 @@ def test_lean_and_reference_paths_agree_in_a_language_model(scheme):
     grads = []
     for path in ("lean", "reference"):
         model.zero_grad()
-        with reference_path(path == "reference"):
+        with use_path("reference" if path == "reference" else "kernels"):
             loss = model(ids, ids).loss
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))

@@ -17,7 +17,7 @@ import torch
 
 import siamesenorm as sn
 from helpers import make_branches, randomize_
-from siamesenorm.nn.fused import reference_path
+from siamesenorm.compute import use_path
 from siamesenorm.schemes import check_scheme_options
 
 F64 = torch.float64
@@ -27,7 +27,7 @@ TOL = {"atol": 1e-6, "rtol": 1e-6}
 
 @pytest.fixture(autouse=True, params=["lean", "reference"])
 def compute_path(request):
-    with reference_path(request.param == "reference"):
+    with use_path("reference" if request.param == "reference" else "kernels"):
         yield
 
 

@@ -19,9 +19,10 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.nn import fused
-from siamesenorm.nn.fused import reference_path, rms_norm, stream_entry
+from siamesenorm.nn.fused import rms_norm, stream_entry
 from siamesenorm.nn.norms import build_norm
 from siamesenorm.schemes import build_scheme
 
@@ -140,7 +141,7 @@ def test_siamese_lean_equals_reference_for_every_option(form, input_norm, depth_
     cotangent = rand(2, 3, DIM, seed=3, requires_grad=False)
 
     out, counts, grads = drive(scheme, branches, h, cotangent)
-    with reference_path():
+    with use_path("reference"):
         ref_out, ref_counts, ref_grads = drive(scheme, branches, h, cotangent)
 
     # the lean path is taken: one StreamEntry per entry with a norm of Y or of the sum, one
@@ -173,7 +174,7 @@ def test_language_model_lean_equals_reference(scheme, options, norm):
     results = {}
     for path in ("lean", "reference"):
         model.zero_grad(set_to_none=True)
-        with reference_path(path == "reference"):
+        with use_path("reference" if path == "reference" else "kernels"):
             loss = model(tokens[:, :-1], tokens[:, 1:]).loss
         names = {type(n).__name__ for n in graph_nodes(loss)}
         loss.backward()
@@ -250,7 +251,7 @@ def test_stream_entry_gradcheck(x_kind, with_y, with_in, kind, affine, same):
 
     xo, b = fn(*inputs)
     assert count_nodes("StreamEntry", xo, b) == 1  # gradcheck below checks the lean Function
-    with reference_path():
+    with use_path("reference"):
         ref_xo, ref_b = fn(*inputs)
     assert count_nodes("StreamEntry", ref_xo, ref_b) == 0
     torch.testing.assert_close(xo, ref_xo, rtol=0, atol=1e-13)
@@ -264,7 +265,7 @@ def test_stream_entry_gain_form_returns_the_same_x_out_on_both_paths():
     spec, _ = _entry_setup("x_gain", True, False, "rmsnorm", True)
     x, y = rand(*SHAPE, seed=40), rand(*SHAPE, seed=41)
     xo, _ = stream_entry(x, y, **spec)
-    with reference_path():
+    with use_path("reference"):
         ref_xo, _ = stream_entry(x, y, **spec)
     torch.testing.assert_close(ref_xo, x, rtol=0, atol=0)
     torch.testing.assert_close(xo, ref_xo, rtol=0, atol=1e-13)
@@ -286,7 +287,7 @@ def test_stream_entry_partial_requires_grad(x_kind, kind, which):
     wanted = [t for t in (x, y, *params) if t.requires_grad]
     results = []
     for ref in (False, True):
-        with reference_path(ref):
+        with use_path("reference" if ref else "kernels"):
             xo, b = stream_entry(x, y, **spec)
         assert count_nodes("StreamEntry", xo, b) == (0 if ref else 1)
         loss = (b * cot_b).sum() + (xo * cot_x).sum()
@@ -309,7 +310,7 @@ def test_stream_entry_with_one_output_unused(x_kind, with_in, kind, used):
     x, y = rand(*SHAPE, seed=20), rand(*SHAPE, seed=21)
     results = []
     for ref in (False, True):
-        with reference_path(ref):
+        with use_path("reference" if ref else "kernels"):
             xo, b = stream_entry(x, y, **spec)
         target = xo if used == "x_out" else b
         results.append(torch.autograd.grad(target.square().sum(), [x, y, *params],
@@ -346,7 +347,7 @@ def test_stream_entry_under_cpu_autocast_matches_reference(x_kind, with_y, with_
     y = rand(4, 6, SHAPE[-1], seed=27, dtype=torch.float32)
     results = []
     for ref in (False, True):
-        with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_path("reference" if ref else "kernels"), torch.autocast("cpu", dtype=torch.bfloat16):
             xo, b = stream_entry(x, y, **spec)
         assert count_nodes("StreamEntry", xo, b) == (0 if ref else 1)
         loss = b.square().sum() + (xo * 0.7).sum()
@@ -367,7 +368,7 @@ def test_rms_norm_under_cpu_autocast_matches_reference(with_weight):
     w = rand(16, seed=29, dtype=torch.float32) if with_weight else None
     outs = []
     for ref in (False, True):
-        with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_path("reference" if ref else "kernels"), torch.autocast("cpu", dtype=torch.bfloat16):
             out = rms_norm(x, w, EPS)
         assert count_nodes("_RMSNorm", out) == (0 if ref else 1)
         outs.append(out)
@@ -384,7 +385,7 @@ def test_siamese_scheme_under_cpu_autocast_matches_reference(form, norm):
     h = rand(4, 6, 16, seed=31, dtype=torch.float32)
     outs = []
     for ref in (False, True):
-        with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_path("reference" if ref else "kernels"), torch.autocast("cpu", dtype=torch.bfloat16):
             state = scheme.enter(h)
             for i in range(scheme.n_sublayers):
                 state = scheme.step(state, i, lambda u, i=i: torch.tanh(u * (0.5 + 0.1 * i)))
@@ -405,7 +406,7 @@ def test_stream_entry_bf16_inputs_under_cpu_autocast_same_dtype(kind):
     y = rand(*SHAPE, seed=33, dtype=torch.bfloat16)
     dtypes = []
     for ref in (False, True):
-        with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_path("reference" if ref else "kernels"), torch.autocast("cpu", dtype=torch.bfloat16):
             dtypes.append(tuple(t.dtype for t in stream_entry(x, y, **spec)))
     # the plain composition on CPU; DyT's tanh(alpha x) * w with float32 alpha and w promotes
     want = torch.float32 if kind == "dyt" else torch.bfloat16
@@ -447,7 +448,7 @@ def test_no_gradient_wanted_takes_the_plain_path(form, norm, how, lean_calls):
     h = rand(2, 3, DIM, seed=35)
     lean = _siamese_out(scheme, h)  # the spy sees the lean path when a gradient is wanted
     assert lean_calls["entry"] > 0 and count_nodes("StreamEntry", lean) > 0
-    with reference_path():
+    with use_path("reference"):
         ref = _siamese_out(scheme, h)
     lean_calls.update(entry=0, rms=0)
     if how == "no_grad":
@@ -467,7 +468,7 @@ def test_rms_norm_without_gradient_is_plain(how, lean_calls):
     x, w = rand(*SHAPE, seed=36), rand(SHAPE[-1], seed=37)
     lean = rms_norm(x, w, EPS)
     assert lean_calls["rms"] == 1
-    with reference_path():
+    with use_path("reference"):
         ref = rms_norm(x, w, EPS)
     if how == "no_grad":
         with torch.no_grad():
@@ -520,7 +521,7 @@ def _step_saved(scheme, i, norm, batch, seq, dim):
               for p in [*scheme.parameters(), *branch.parameters()]}
     saved = {}
     for path in ("lean", "reference"):
-        with reference_path(path == "reference"):
+        with use_path("reference" if path == "reference" else "kernels"):
             saved[path] = saved_storages(lambda: scheme.step((x, y), i, branch), params)
     return x, y, branch.inputs[0], saved
 
@@ -560,19 +561,20 @@ def test_siamese_hybrid_attention_step_keeps_streams_branch_input_and_one_norm(n
 def test_environment_variable_turns_the_lean_path_off():
     code = (
         "import torch\n"
-        "from siamesenorm.nn.fused import fused_enabled, lean_path\n"
+        "from siamesenorm.compute import use_path\n"
+        "from siamesenorm.nn.fused import fused_enabled\n"
         "from siamesenorm.schemes import build_scheme\n"
         "s = build_scheme('siamese', 4, 1)\n"
         "def lean():\n"
         "    h = torch.randn(2, 4, requires_grad=True)\n"
         "    out = s.exit(s.step(s.enter(h), 0, torch.tanh))\n"
         "    return 'StreamEntry' in type(out.grad_fn).__name__\n"
-        "with lean_path():\n"
+        "with use_path('lean'):\n"
         "    forced = lean()\n"
         "print(fused_enabled(), lean(), forced)\n")
-    env = dict(os.environ, SIAMESENORM_FUSED="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, SIAMESENORM_PATH="reference", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    # off for the process; lean_path() turns it back on, which shows the check works
+    # off for the process; use_path("lean") turns it back on, which shows the check works
     assert out.stdout.split() == ["False", "False", "True"]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import siamesenorm as sn
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
-from siamesenorm.nn.fused import reference_path
 
 F64 = torch.float64
 DIM, EPS = 8, 1e-3
@@ -25,7 +25,7 @@ TOL = {"atol": 1e-10, "rtol": 1e-10}
 
 @pytest.fixture(autouse=True, params=["lean", "reference"])
 def compute_path(request):
-    with reference_path(request.param == "reference"):
+    with use_path("reference" if request.param == "reference" else "kernels"):
         yield
 
 
@@ -156,7 +156,7 @@ def _state_gradients(name, n_layers=64, **options):
     states, state = [], s.enter(h)
     # The plain path: there the branch input LN^pre(h) is computed from the stream h; the lean
     # entry returns both from the sum before LN^post, so h's gradient would miss the branch's part.
-    with reference_path():
+    with use_path("reference"):
         for i, (w, v, b) in enumerate(fs):
             stream = s.streams(state)["h"]
             stream.retain_grad()

@@ -30,7 +30,7 @@ test_in_fresh_process = fresh_process_test(__file__)
 def path(request, monkeypatch):
     """Each test on both paths: the kernels (interpreted on the CPU), and the PyTorch path."""
     if request.param == "pytorch":
-        monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+        monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     return request.param
 
 

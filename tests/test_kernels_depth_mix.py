@@ -150,7 +150,7 @@ def test_keeps_the_sources_u_and_row_statistics():
 
 
 def test_pytorch_path_and_bad_arguments(monkeypatch):
-    """float64, more than 32 sources and DyT take the PyTorch path, as does SIAMESENORM_KERNELS=0;
+    """float64, more than 32 sources and DyT take the PyTorch path, as does SIAMESENORM_PATH=lean;
     the op refuses what it cannot take."""
     sources = tuple(torch.randn(3, 6, device=DEVICE) for _ in range(2))
     u = torch.randn(6, device=DEVICE)
@@ -158,7 +158,7 @@ def test_pytorch_path_and_bad_arguments(monkeypatch):
     assert not depth_mix_kernel_runs(tuple(v.double() for v in sources), u, "none")
     assert not depth_mix_kernel_runs(sources * 17, u, "none")
     assert not depth_mix_kernel_runs(sources, u, "dyt")
-    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     assert not depth_mix_kernel_runs(sources, u, "none")
     got = fused_depth_mix(sources, u, kind="rmsnorm", eps=KEY_EPS, norm_eps=NORM_EPS)
     want = ref_mix([v.double() for v in sources], u.double(), 1.0, None, None, "rmsnorm")
@@ -213,8 +213,8 @@ def test_attn_res_with_the_kernel_equals_attn_res_without(layers, block_size, pa
     """An AttnRes language model (full form, 4 sublayers; one block of 2, whose partial sum is a
     source of the exit) whose every mix runs the kernel (lean path; compiled) has the loss and
     gradients of the reference path without kernels."""
+    from siamesenorm.compute import use_path
     from siamesenorm.models import LanguageModel, LMConfig
-    from siamesenorm.nn.fused import reference_path
 
     kernel_module = importlib.import_module("siamesenorm.kernels.depth_mix")
     without_first_use_checks(monkeypatch)
@@ -240,12 +240,12 @@ def test_attn_res_with_the_kernel_equals_attn_res_without(layers, block_size, pa
         torch._dynamo.reset()
         got = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
     else:
-        with reference_path(path == "reference"):
+        with use_path("reference" if path == "reference" else "kernels"):
             got = loss_and_grads(model)
     mixes = 2 * layers                   # the entries of sublayers 1.. and the exit
     assert len(calls) == 2 * mixes, "the kernel did not run forward and backward in each mix"
-    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
-    with reference_path():
+    monkeypatch.setenv("SIAMESENORM_PATH", "lean")
+    with use_path("reference"):
         want = loss_and_grads(model)
     assert len(calls) == 2 * mixes
     for a, b in zip(got, want, strict=True):

@@ -109,7 +109,7 @@ def outputs_and_grads(op: str) -> list[torch.Tensor]:
 def plain(op: str, monkeypatch) -> list[torch.Tensor]:
     """The same through the PyTorch path (kernels switched off)."""
     with monkeypatch.context() as m:
-        m.setenv("SIAMESENORM_KERNELS", "0")
+        m.setenv("SIAMESENORM_PATH", "lean")
         return outputs_and_grads(op)
 
 
@@ -171,7 +171,7 @@ def one_notice(err: str, op: str, reason: str) -> None:
     version = re.escape(availability.triton_version())
     assert re.fullmatch(rf"siamesenorm: the {op} kernel is off for this run \(Triton {version}, torch "
                         rf"{re.escape(torch.__version__)}\): .*{reason}.*; running the PyTorch path instead "
-                        rf"\(SIAMESENORM_KERNELS=0 silences this\)", lines[0]), lines[0]
+                        rf"\(SIAMESENORM_PATH=lean silences this\)", lines[0]), lines[0]
 
 
 # ---- a launch that raises -----------------------------------------------------------------------------
@@ -285,8 +285,8 @@ def test_self_check_reports_every_op_and_keeps_their_state(ops, monkeypatch):
 
 
 def test_turned_off_and_switched_off_say_nothing(ops, monkeypatch, capsys):
-    """With SIAMESENORM_KERNELS=0 nothing is said when an op goes off."""
-    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    """With SIAMESENORM_PATH=lean nothing is said when an op goes off."""
+    monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     ops["mix_entry"].turn_off("a test")
     assert capsys.readouterr().err == "" and not ops["mix_entry"].on
 

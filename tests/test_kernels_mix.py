@@ -270,17 +270,17 @@ def test_compile_traces_one_call():
 # ---- dispatch --------------------------------------------------------------------------------------
 def test_pytorch_path_where_the_kernel_does_not_run(monkeypatch):
     """float64 and more than 8 streams take the autograd function; so does the CPU without the
-    interpreter, and SIAMESENORM_KERNELS=0."""
-    from siamesenorm.nn.mixing import mix_and_write
+    interpreter, and SIAMESENORM_PATH=lean."""
+    from siamesenorm.functional.mixing import mix_and_write
 
     for lead, n, dt in (((3,), 4, torch.float64), ((3,), 9, torch.float32)):
         _, ins = inputs(lead, n, 6, (dt,) * 4)
         assert not mix_write_kernel_runs(*ins)
         torch.testing.assert_close(mix_write(*ins), mix_and_write(ins[0].transpose(-1, -2), *ins[1:]))
     _, ins = inputs((3,), 4, 6, (torch.float32,) * 4)
-    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     assert not mix_write_kernel_runs(*ins)
-    monkeypatch.delenv("SIAMESENORM_KERNELS")
+    monkeypatch.delenv("SIAMESENORM_PATH")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert mix_write_kernel_runs(*ins) == CUDA
 
@@ -300,11 +300,10 @@ def test_bad_arguments():
 @pytest.mark.parametrize("path, mixing", [("lean", "sinkhorn"), ("compiled", "sinkhorn"),
                                           ("lean", "deepseek_v4"), ("reference", "lite"), ("lean", "lite")])
 def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
-    """An mHC language model whose entries and stream writes run the kernels (lean path, reference
-    path, and compiled; every ``mixing``; RMSNorm and LayerNorm), and whose maps' projection runs
-    siamesenorm::rms_project where the lean maps are taken (lean and compiled: 24, 24 and 12
-    columns, DeepSeek-V4's in float32), has the loss and gradients of the reference path without
-    kernels."""
+    """An mHC language model whose entries and stream writes run the kernels (lean path and
+    compiled; every ``mixing``; RMSNorm and LayerNorm), and whose maps' projection runs
+    siamesenorm::rms_project (24, 24 and 12 columns, DeepSeek-V4's in float32), has the loss and
+    gradients of the reference path, which runs no kernel."""
     without_first_use_checks(monkeypatch)
     calls = []
     for module, name in (("mix", "_kernels"), ("mix", "_entry_kernels"), ("rms_project", "_kernels")):
@@ -315,13 +314,13 @@ def test_mhc_with_the_kernel_equals_mhc_without(path, mixing, monkeypatch):
                    n_streams=3 if mixing == "lite" else 4)
     x = torch.randint(0, 32, (2, 4), device=DEVICE)
     got = loss_and_grads(model, x, path)
-    projections = [] if path == "reference" else ["rms_project_kernels"] * 8
-    assert sorted(calls) == ["mix_entry_kernels"] * 8 + ["mix_kernels"] * 8 + projections, \
+    expected = ["mix_entry_kernels"] * 8 + ["mix_kernels"] * 8 + ["rms_project_kernels"] * 8
+    assert sorted(calls) == ([] if path == "reference" else expected), \
         "the kernels did not run forward and backward in each sublayer"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
-        monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+        monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     runs = len(calls)
     want = loss_and_grads(model, x, "reference")
     assert len(calls) == runs
@@ -333,7 +332,7 @@ def test_mhc_under_autocast_keeps_each_paths_dtype(monkeypatch):
     """Under bf16 autocast the kernels write the branch input and the state in the dtypes of the ops
     they stand for (the reference path's bf16 products; the lean path's), to bf16 rounding."""
     import siamesenorm as sn
-    from siamesenorm.nn.fused import reference_path
+    from siamesenorm.compute import use_path
 
     torch.manual_seed(1)
     scheme = sn.build_scheme("mhc", 16, 1, n_streams=4).to(DEVICE)
@@ -341,9 +340,9 @@ def test_mhc_under_autocast_keeps_each_paths_dtype(monkeypatch):
     h = torch.randn(2, 5, 16, device=DEVICE)
     results = {}
     for kernels in (True, False):
-        monkeypatch.setenv("SIAMESENORM_KERNELS", "1" if kernels else "0")
+        monkeypatch.setenv("SIAMESENORM_PATH", "kernels" if kernels else "lean")
         for ref in (True, False):
-            with reference_path(ref), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            with use_path("reference" if ref else "kernels"), torch.autocast(DEVICE, dtype=torch.bfloat16):
                 state = scheme.step(scheme.step(scheme.enter(h), 0, branch), 1, branch)
             results[kernels, ref] = state
     for ref in (True, False):

@@ -142,7 +142,7 @@ def test_compile_traces_one_call():
 # ---- dispatch and arguments -------------------------------------------------------------------------
 def test_pytorch_path_where_the_kernel_does_not_run(monkeypatch):
     """float64 and more than 256 columns take plain ops, with the same value; so do the CPU
-    without the interpreter and SIAMESENORM_KERNELS=0."""
+    without the interpreter and SIAMESENORM_PATH=lean."""
     gen = torch.Generator().manual_seed(7)
     for dt, m in ((torch.float64, 5), (torch.float32, MAX_COLUMNS + 1)):
         x = torch.randn(4, 12, generator=gen, dtype=dt).to(DEVICE)
@@ -153,9 +153,9 @@ def test_pytorch_path_where_the_kernel_does_not_run(monkeypatch):
         torch.testing.assert_close(z.cpu().double(), ref(x.cpu().double(), w.cpu().double()), rtol=1e-5,
                                    atol=1e-5)
     x, w = torch.randn(4, 12, device=DEVICE), torch.randn(12, 3, device=DEVICE)
-    monkeypatch.setenv("SIAMESENORM_KERNELS", "0")
+    monkeypatch.setenv("SIAMESENORM_PATH", "lean")
     assert not rms_project_kernel_runs(x, w)
-    monkeypatch.delenv("SIAMESENORM_KERNELS")
+    monkeypatch.delenv("SIAMESENORM_PATH")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert rms_project_kernel_runs(x, w) == CUDA
 

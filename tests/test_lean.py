@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
 from siamesenorm.models.checkpointing import saved_activation_bytes
 from siamesenorm.nn.fused import (
     fused_enabled,
-    reference_path,
     rms_norm,
     stream_entry,
     stream_update,
@@ -83,7 +83,7 @@ def test_siamese_lean_equals_reference_for_every_option(form, input_norm, depth_
     branches = nn.ModuleList(nn.Linear(8, 8, dtype=F64) for _ in range(4))
     h = torch.randn(3, 5, 8, dtype=F64, requires_grad=True)
     out, grads = _run(scheme, branches, h)
-    with reference_path():
+    with use_path("reference"):
         ref_out, ref_grads = _run(scheme, branches, h)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
     for g, r in zip(grads, ref_grads, strict=True):
@@ -98,7 +98,7 @@ def test_lean_path_is_taken_and_reference_path_is_plain() -> None:
     out = scheme.exit(scheme.step(scheme.enter(h), 0, torch.tanh))
     assert "_StreamEntryBackward" in _graph_names(out)
     assert "_StreamUpdateBackward" in _graph_names(out)
-    with reference_path():
+    with use_path("reference"):
         plain = scheme.exit(scheme.step(scheme.enter(h), 0, torch.tanh))
     assert not {"_StreamEntryBackward", "_StreamUpdateBackward"} & _graph_names(plain)
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_language_model_lean_equals_reference(scheme, options, norm) -> None:
     results = []
     for ref in (False, True):
         model.zero_grad(set_to_none=True)
-        with reference_path(ref):
+        with use_path("reference" if ref else "kernels"):
             loss = model(x[:, :-1], x[:, 1:]).loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
@@ -208,7 +208,7 @@ def test_siamese_step_keeps_only_streams_branch_input_and_row_statistics(norm) -
     expected = 3 * residual + 3 * stats_per_norm * rows * 4
     lean = _hooked_bytes(lambda: scheme.step((x, y), 1, branch), params)
     assert lean == expected
-    with reference_path():
+    with use_path("reference"):
         plain = _hooked_bytes(lambda: scheme.step((x, y), 1, branch), params)
     assert plain >= lean + residual                    # the sum feeding LN^in, at least
 
@@ -247,7 +247,7 @@ def _saved_on_meta(name: str, options: tuple, norm: str, ref: bool) -> int:
                    scheme=name, scheme_options=dict(options), norm=norm)
     model = LanguageModel(cfg, device="meta")
     x = torch.zeros(8, 257, dtype=torch.long, device="meta")
-    with reference_path(ref):
+    with use_path("reference" if ref else "kernels"):
         return saved_activation_bytes(lambda: model(x[:, :-1], x[:, 1:]).loss)
 
 
@@ -258,7 +258,7 @@ def test_qkv_norm_outputs_are_recomputed_not_kept() -> None:
     model = LanguageModel(cfg)
     x = torch.randint(0, 32, (2, 17))
     lean = saved_activation_bytes(lambda: model(x[:, :-1], x[:, 1:]).loss)
-    with reference_path():
+    with use_path("reference"):
         plain = saved_activation_bytes(lambda: model(x[:, :-1], x[:, 1:]).loss)
     # q, k and v after their norms: three (2 x 16 x 32) float32 tensors per attention sublayer
     assert plain - lean >= 2 * 3 * (2 * 16 * 32 * 4)
@@ -268,7 +268,7 @@ def test_qkv_norm_outputs_are_recomputed_not_kept() -> None:
 def test_environment_variable_turns_the_lean_path_off() -> None:
     code = "from siamesenorm.nn.fused import fused_enabled; print(fused_enabled())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"SIAMESENORM_FUSED": "0", "PATH": ""})
+                         env={"SIAMESENORM_PATH": "reference", "PATH": ""})
     assert out.stdout.strip() == "False"
     assert fused_enabled()
 
@@ -283,7 +283,7 @@ def test_autocast_lean_matches_reference() -> None:
     x = torch.randint(0, 32, (2, 17))
     losses = []
     for ref in (False, True):
-        with reference_path(ref), torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_path("reference" if ref else "kernels"), torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x[:, :-1], x[:, 1:])
         losses.append(out.loss)
     assert losses[0].dtype == losses[1].dtype
@@ -301,7 +301,7 @@ def test_torch_compile_runs_the_lean_path() -> None:
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    with reference_path():
+    with use_path("reference"):
         ref = model(x[:, :-1], x[:, 1:]).loss
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)

@@ -9,9 +9,9 @@ import torch
 
 import siamesenorm as sn
 from helpers import make_branches, randomize_
-from siamesenorm.nn.fused import reference_path
-from siamesenorm.nn.mixing import mix_and_write, stream_mix
-from siamesenorm.nn.sinkhorn import sinkhorn
+from siamesenorm.compute import use_path
+from siamesenorm.functional.mixing import mix_and_write, stream_mix
+from siamesenorm.functional.sinkhorn import sinkhorn
 
 F64 = torch.float64
 DIM, LAYERS, EPS = 8, 2, 1e-3
@@ -62,7 +62,7 @@ def test_mhc_equals_the_paper_values_and_gradients(n, iters, kind, path):
         s.alpha_res.fill_(0.9)
     h = torch.randn(2, 3, DIM, dtype=F64, generator=torch.Generator().manual_seed(3)).requires_grad_()
     branches = make_branches(2 * LAYERS, DIM, seed=9)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         state = s.enter(h)
         for i, branch in enumerate(branches):
             state = s.step(state, i, branch)

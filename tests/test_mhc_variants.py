@@ -14,8 +14,8 @@ import torch
 
 import siamesenorm as sn
 from helpers import cli_in_process, make_branches, randomize_
+from siamesenorm.compute import use_path
 from siamesenorm.models import LanguageModel, LMConfig
-from siamesenorm.nn.fused import reference_path
 
 F64 = torch.float64
 DIM, LAYERS, EPS, MIX_EPS = 8, 2, 1e-3, 1e-4
@@ -95,7 +95,7 @@ def test_deepseek_v4_equals_its_equations(n, iters, path):
     assert s.stream_norm[0].weight is None and s.head_norm.weight is None
     h = torch.randn(2, 3, DIM, dtype=F64, generator=torch.Generator().manual_seed(3)).requires_grad_()
     branches = make_branches(2 * LAYERS, DIM, seed=9)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         got = run(s, h, branches)
     assert_values_and_gradients(s, h, branches, got, ref_deepseek(s, h, branches, n, iters))
 
@@ -149,7 +149,7 @@ def test_deepseek_v4_maps_and_stream_update_equal_transformers(deepseek_modules,
     state = torch.randn(2, 5, config.hc_mult, DIM, generator=torch.Generator().manual_seed(1))
     branch = torch.nn.Linear(DIM, DIM)
     tol = {"atol": 1e-6, "rtol": 1e-6}
-    with torch.no_grad(), reference_path(path == "reference"):
+    with torch.no_grad(), use_path("reference" if path == "reference" else "kernels"):
         for i, hc in enumerate(hcs):
             post, comb, collapsed = hc(state)
             pre, our_post, res = s.maps(state, i)
@@ -215,7 +215,7 @@ def test_lite_equals_its_equations(n, path):
     assert s.phi_res.shape == (S, n * DIM, math.factorial(n)) and s.b_res.shape == (S, math.factorial(n))
     h = torch.randn(2, 3, DIM, dtype=F64, generator=torch.Generator().manual_seed(3)).requires_grad_()
     branches = make_branches(S, DIM, seed=9)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         got = run(s, h, branches)
     assert_values_and_gradients(s, h, branches, got, ref_lite(s, h, branches, n))
 

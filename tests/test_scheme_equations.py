@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import siamesenorm
-from siamesenorm.nn.fused import reference_path
+from siamesenorm.compute import use_path
 from siamesenorm.schemes import build_scheme, list_schemes
 
 F64 = torch.float64
@@ -28,13 +28,13 @@ NORMS = ["layernorm", "rmsnorm", "dyt", "derf"]
 
 @pytest.fixture(autouse=True, params=["lean", "reference", "compiled"])
 def compute_path(request, monkeypatch):
-    """Every test runs three times: on the memory-lean path (forced on, whatever SIAMESENORM_FUSED
+    """Every test runs three times: on the memory-lean path (forced on, whatever SIAMESENORM_PATH
     says), on the reference path, the plain composition of modules (siamesenorm.nn.fused), and on
     what a graph being compiled computes (``torch.compiler.is_compiling()`` true: where a scheme
     rewrites its formulation for Inductor, mHC's and hyper-connections' maps)."""
     if request.param == "compiled":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with reference_path(request.param == "reference"):
+    with use_path("reference" if request.param == "reference" else "kernels"):
         yield request.param
 
 

@@ -176,15 +176,16 @@ def mhc_lm(norm: str = "rmsnorm", **options) -> torch.nn.Module:
 
 
 def loss_and_grads(model: torch.nn.Module, x: torch.Tensor, path: str) -> list[torch.Tensor]:
-    """The loss on tokens ``x`` and the parameters' gradients, on the ``"lean"`` or ``"reference"``
-    path, or ``"compiled"`` (one graph, ``aot_eager``: the path compiled graphs take)."""
-    from siamesenorm.nn.fused import reference_path
+    """The loss on tokens ``x`` and the parameters' gradients, on the ``"lean"`` path (with the
+    kernels where they run) or the ``"reference"`` path (no kernels), or ``"compiled"`` (one graph,
+    ``aot_eager``)."""
+    from siamesenorm.compute import use_path
 
     step = model
     if path == "compiled":
         torch._dynamo.reset()
         step = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with reference_path(path == "reference"):
+    with use_path("reference" if path == "reference" else "kernels"):
         loss = step(x[:, :-1], x[:, 1:]).loss
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     return [loss, *(g for g in grads if g is not None)]

@@ -1,17 +1,15 @@
-"""Fused Triton kernels registered as ``torch.library`` custom ops, with a PyTorch fallback.
+"""Fused Triton kernels as ``torch.library`` custom ops, with the PyTorch path as fallback.
 
-The kernels run on CUDA with Triton installed, and on the CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, for tests). Elsewhere the front functions compute the same math as plain
-PyTorch ops and say so once on stderr (mHC's :func:`sinkhorn` and :func:`mix_write` say so only on
-CUDA without Triton). ``SIAMESENORM_KERNELS=0`` turns every kernel off. Triton is imported only when
-a kernel first runs. Each op checks its kernels against the PyTorch path on first use, and a kernel
-that fails turns its op off with one line (:mod:`.guard`); :func:`self_check` runs every check.
+They run where :func:`.availability.kernels_run_on` says (CUDA, or the CPU under Triton's
+interpreter for tests; ``SIAMESENORM_PATH=lean`` turns them off). Each op checks its kernels on
+first use and turns itself off with one line where they fail (:mod:`.guard`).
 """
 
 from .availability import (
     TRITON_RANGE,
     announce_fallback,
     kernels_available,
+    kernels_run_on,
     kernels_switched_on,
     triton_installed,
     triton_supported,
@@ -25,7 +23,7 @@ from .rms_project import rms_project, rms_project_kernel_runs
 from .sinkhorn import sinkhorn, sinkhorn_kernel_runs
 
 __all__ = ["MAX_WIDTH", "TRITON_RANGE", "KernelCheck", "add_norm", "add_rms_norm", "announce_fallback",
-           "depth_mix_kernel_runs", "fused_depth_mix", "kernel_ops", "kernels_available",
+           "depth_mix_kernel_runs", "fused_depth_mix", "kernel_ops", "kernels_available", "kernels_run_on",
            "kernels_switched_on", "mix_entry", "mix_entry_kernel_runs", "mix_write", "mix_write_kernel_runs",
            "rms_project", "rms_project_kernel_runs", "self_check", "siamese_update_entry", "sinkhorn",
            "sinkhorn_kernel_runs", "triton_installed", "triton_supported", "triton_version"]

@@ -12,6 +12,8 @@ import sys
 import torch
 from torch import Tensor
 
+from ..compute import compute_path
+
 __all__ = ["TRITON_RANGE", "announce_fallback", "kernels_available", "kernels_available_on", "kernels_run_on",
            "kernels_switched_on",
            "triton_installed", "triton_supported", "triton_version"]
@@ -68,32 +70,35 @@ def _supported(version: str | None) -> bool:      # once a version: kernels_avai
 
 
 def kernels_switched_on() -> bool:
-    """``SIAMESENORM_KERNELS`` is not ``0`` (read at each call, so a process can turn them off)."""
-    return os.environ.get("SIAMESENORM_KERNELS", "1").strip().lower() not in ("0", "false", "no")
-
-
-def kernels_available(t: Tensor) -> bool:
-    """Triton is installed in a supported version (:data:`TRITON_RANGE`), ``SIAMESENORM_KERNELS``
-    is not ``0``, and ``t`` is on CUDA, or on the CPU with ``TRITON_INTERPRET=1`` (Triton's
-    interpreter, for tests)."""
-    return kernels_available_on(t.device)
+    """The compute path is ``kernels`` (:func:`siamesenorm.compute.compute_path`)."""
+    return compute_path() == "kernels"
 
 
 def kernels_available_on(device: torch.device) -> bool:
-    """:func:`kernels_available` for a tensor on ``device``."""
-    if not (_TRITON and kernels_switched_on() and triton_supported()):
+    """Triton is installed in a supported version (:data:`TRITON_RANGE`), the path is ``kernels``,
+    and ``device`` is CUDA, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
+    return _TRITON and triton_supported() and kernels_switched_on() and _kernel_device(device)
+
+
+def _kernel_device(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def kernels_available(t: Tensor) -> bool:
+    return kernels_available_on(t.device)
+
+
+def kernels_run_on(*tensors: Tensor | None) -> bool:
+    """The one rule: the kernels run on ``tensors`` (``None`` skipped) where the path is ``kernels``
+    and they are plain tensors (no DTensor or other subclass) on a device of
+    :func:`kernels_available_on`. Where Triton is missing or unsupported on such a device, says so
+    once. An op's own shape and dtype checks come on top."""
+    given = [t for t in tensors if t is not None]
+    if not given or any(type(t) is not Tensor for t in given):
         return False
-    if device.type == "cuda":
+    if kernels_available(given[0]):
         return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def kernels_run_on(t: Tensor) -> bool:
-    """:func:`kernels_available` for ``t``; where not, on CUDA outside a traced graph, say so once
-    (:func:`announce_fallback`). An op's own shape and dtype checks come first."""
-    if kernels_available(t):
-        return True
-    if t.is_cuda and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _kernel_device(given[0].device):
         announce_fallback()
     return False
 
@@ -108,7 +113,7 @@ def _why_not() -> str:
 def announce_fallback() -> None:
     """Say once per process, on stderr, that the PyTorch path runs in place of the kernels."""
     global _announced
-    if _announced or not kernels_switched_on():     # switched off on purpose: nothing to say
+    if _announced or not kernels_switched_on():     # another path chosen: nothing to say
         return
     _announced = True
     print(f"siamesenorm: {_why_not()}; running the PyTorch path", file=sys.stderr)

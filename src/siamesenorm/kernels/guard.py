@@ -182,7 +182,7 @@ class KernelOp:
         return self.off_reason is None
 
     def turn_off(self, reason: str) -> None:
-        """Off for this process, said once on stderr (unless ``SIAMESENORM_KERNELS=0``)."""
+        """Off for this process, said once on stderr (unless another path was chosen)."""
         with _lock:
             if self.off_reason is not None:
                 return
@@ -190,7 +190,7 @@ class KernelOp:
         if kernels_switched_on():
             print(f"siamesenorm: the {self.name} kernel is off for this run (Triton {triton_version()}, "
                   f"torch {torch.__version__}): {reason}; running the PyTorch path instead "
-                  f"(SIAMESENORM_KERNELS=0 silences this)", file=sys.stderr, flush=True)
+                  f"(SIAMESENORM_PATH=lean silences this)", file=sys.stderr, flush=True)
 
     def reset(self) -> None:
         """On and unchecked again (for tests)."""
@@ -279,7 +279,8 @@ def self_check(device: str | torch.device,
             probe = torch.empty(0, device=device)
             if not kernels_available(probe):
                 results.append(KernelCheck(name, dtype, False, "the kernels cannot run here (Triton, "
-                                           "CUDA or TRITON_INTERPRET=1 missing, or SIAMESENORM_KERNELS=0)",
+                                           "CUDA or TRITON_INTERPRET=1 missing, or another "
+                                           "SIAMESENORM_PATH)",
                                            0.0, float("nan")))
                 continue
             try:

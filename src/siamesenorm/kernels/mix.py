@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..nn.mixing import mix_and_write
+from ..functional.mixing import mix_and_write
 from . import arguments, guard
 from .availability import kernels_run_on
 
@@ -164,7 +164,7 @@ def mix_write(res: Tensor, h: Tensor, post: Tensor, out: Tensor, dtype: torch.dt
     """``res @ h + post[..., None] * out[..., None, :]`` per token: ``res`` (..., n, n), ``h``
     (..., n, d), ``post`` (..., n), ``out`` (..., d), leading shapes broadcast; the result in
     ``dtype`` (default: the four's promoted dtype). The kernel where :func:`mix_write_kernel_runs`,
-    else :func:`siamesenorm.nn.mixing.mix_and_write` (one autograd node)."""
+    else :func:`siamesenorm.functional.mixing.mix_and_write` (one autograd node)."""
     _check(res, h, post, out, lead=False, limit=False)
     arguments.floating_dtype("mix_write", "dtype", dtype)
     if dtype is None:

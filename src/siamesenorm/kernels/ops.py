@@ -9,7 +9,7 @@ second custom op. Both run their kernels through a :class:`~siamesenorm.kernels.
 which checks them on first use and computes the PyTorch path where they fail. Forward keeps only
 what backward needs: the tensors a norm reads and its per-row
 statistics (float32 mean and rstd); normalised values and sums are recomputed in the kernel. The
-front functions run the kernels where :func:`~siamesenorm.kernels.kernels_available` says so, and
+front functions run the kernels where :func:`~siamesenorm.kernels.availability.kernels_run_on` says so, and
 otherwise the plain composition of PyTorch ops (``F.rms_norm``/``F.layer_norm`` and adds), which is
 the reference.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import arguments, guard
-from .availability import announce_fallback, kernels_available
+from .availability import kernels_run_on
 
 __all__ = ["MAX_WIDTH", "add_norm", "add_rms_norm", "siamese_update_entry"]
 
@@ -36,13 +36,8 @@ def _kernels():
 
 def _use_kernels(t: Tensor, op: guard.KernelOp, *others: Tensor | None) -> bool:
     """The kernels for ``t`` (and ``others``: their dtypes too); float64 takes the PyTorch path."""
-    if not op.on or not arguments.kernel_dtypes(t, *others):   # off after a failure (said then)
-        return False
-    if kernels_available(t):
-        return 0 < t.shape[-1] <= MAX_WIDTH
-    if t.device.type != "meta" and not torch.compiler.is_compiling():
-        announce_fallback()
-    return False
+    return (op.on and arguments.kernel_dtypes(t, *others) and 0 < t.shape[-1] <= MAX_WIDTH
+            and kernels_run_on(t))
 
 
 def _norm(t: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float) -> Tensor:

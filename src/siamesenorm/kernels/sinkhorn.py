@@ -1,13 +1,13 @@
 """Sinkhorn-Knopp as one Triton kernel each way (``siamesenorm::sinkhorn``), for mHC's residual
 maps (arXiv 2512.24880): every iteration of a token's ``n x n`` matrix in registers, where the
 plain iterations are ``4 * iters`` kernels. Forward keeps only the logits; backward runs the
-iterations again and differentiates them by hand, as :mod:`siamesenorm.nn.sinkhorn` does.
+iterations again and differentiates them by hand, as :mod:`siamesenorm.functional.sinkhorn` does.
 """
 
 import torch
 from torch import Tensor
 
-from ..nn.sinkhorn import sinkhorn as sinkhorn_function
+from ..functional.sinkhorn import sinkhorn as sinkhorn_function
 from . import arguments, guard
 from .availability import kernels_run_on
 
@@ -129,7 +129,7 @@ def _check_arguments(logits: Tensor, iters: int) -> None:
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """``exp(logits)`` over the last two axes (``(..., n, n)``) with rows then columns rescaled to
     sum 1, ``iters`` times, and the exact gradient of those iterations: the kernel where
-    :func:`sinkhorn_kernel_runs`, else :func:`siamesenorm.nn.sinkhorn.sinkhorn`."""
+    :func:`sinkhorn_kernel_runs`, else :func:`siamesenorm.functional.sinkhorn.sinkhorn`."""
     _check_arguments(logits, iters)
     if sinkhorn_kernel_runs(logits, iters):
         return torch.ops.siamesenorm.sinkhorn(logits, iters)

@@ -1,26 +1,15 @@
-"""Memory-lean norms: what a norm keeps for backward is its input and per-row statistics, nothing more.
+"""Memory-lean norms: what a norm keeps for backward is its input and per-row statistics.
 
-A normalised tensor can always be recomputed from its input and row statistics; each function here
-is an ordinary :class:`torch.autograd.Function` built on that (the lean path, docs/performance.md):
-:func:`rms_norm` (PyTorch's CPU ``F.rms_norm`` keeps the normalised tensor too; CUDA uses PyTorch's
-fused kernel), :func:`stream_entry` (SiameseNorm's sublayer entry: the two stream norms, their sum
-and the branch norm, recomputing the sum, which separate modules would keep), :func:`dyt` (DyT,
-arXiv 2503.10622, recomputing the tanh), :func:`derf` (Derf, arXiv 2512.10938, recomputing the
-erf), :func:`recomputed_inputs` (drops chosen saved tensors,
-e.g. attention's normalised q, k, v, and recomputes them), and on CUDA with Triton the fused
-kernels behind :func:`stream_entry`, :func:`stream_update_entry` and :func:`add_then_norm`
-(``SIAMESENORM_KERNELS=0`` turns them off). The plain composition of modules is the reference: the
-functions fall back to it without gradients, under ``torch.compile``, inside :func:`reference_path`
-and with ``SIAMESENORM_FUSED=0``. Under autocast the norms compute as PyTorch's do: float32 on CUDA,
-the input's dtype on the CPU (float32 inside the kernel for half inputs).
+Each function here computes the plain composition of modules (the reference) with an autograd
+function that recomputes the normalised tensor in backward (the lean path), and, where the Triton
+kernels run, one fused kernel each way (:func:`siamesenorm.compute.use_path` chooses;
+docs/performance.md). Under autocast the norms compute as PyTorch's do.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +18,17 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
 
+from ..compute import compiled_graph_kernels, lean_on
+
 try:
-    from ..kernels import add_norm, announce_fallback, kernels_available, siamese_update_entry
+    from ..kernels import add_norm, siamese_update_entry
+    from ..kernels.availability import kernels_run_on
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
-    add_norm = announce_fallback = kernels_available = siamese_update_entry = None
+    add_norm = siamese_update_entry = kernels_run_on = None
 
 __all__ = ["add_then_norm", "defers_add", "defers_update", "derf", "dyt", "fused_enabled",
-           "kernels_in_compiled_graphs", "lean_region", "norm_value", "recomputed_inputs",
-           "reference_path", "rms_norm", "stream_entry", "stream_update", "stream_update_entry"]
+           "lean_region", "norm_value", "recomputed_inputs", "rms_norm", "stream_entry",
+           "stream_update", "stream_update_entry"]
 
 _aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -44,60 +36,17 @@ _LOW = (torch.float16, torch.bfloat16)
 POINTWISE_KINDS = ("dyt", "derf")
 
 
-class _Switch(threading.local):
-    enabled = os.environ.get("SIAMESENORM_FUSED", "1").strip().lower() not in ("0", "false", "no")
-    compiled_kernels = False       # kernels_in_compiled_graphs
-
-
-_switch = _Switch()
-
-
 def fused_enabled() -> bool:
-    """Whether the lean path is on in this thread (default: on unless ``SIAMESENORM_FUSED=0``).
-
-    Off while ``torch.compile`` traces: there the plain composition runs on every device, and
-    Inductor fuses it and chooses what to keep and recompute itself, which moves fewer bytes than
-    tracing the lean functions (``benchmarks/traffic.py``; docs/performance.md)."""
-    return _switch.enabled and not torch.compiler.is_compiling()
+    """Whether the lean functions run here (:func:`siamesenorm.compute.lean_on`)."""
+    return lean_on()
 
 
-@contextmanager
-def reference_path(enabled: bool = True) -> Iterator[None]:
-    """Within the block, every model computes the plain composition of modules (the reference);
-    with ``enabled=False`` the lean path instead (:func:`lean_path`), whatever the default."""
-    before = _switch.enabled
-    _switch.enabled = not enabled
-    try:
-        yield
-    finally:
-        _switch.enabled = before
-
-
-def lean_path() -> AbstractContextManager[None]:
-    """Within the block, the lean path runs, whatever the default (``SIAMESENORM_FUSED``)."""
-    return reference_path(False)
-
-
-@contextmanager
-def kernels_in_compiled_graphs(enabled: bool = True) -> Iterator[None]:
-    """Graphs that ``torch.compile`` traces within the block call SiameseNorm's fused Triton kernel
-    (the stream writes fused into the next entry) where it runs, instead of leaving that work to
-    Inductor (the default: on the CPU the two move the same bytes, the kernel in half the kernels;
-    docs/performance.md). Read when a graph is traced: compile inside the block."""
-    before = _switch.compiled_kernels
-    _switch.compiled_kernels = enabled
-    try:
-        yield
-    finally:
-        _switch.compiled_kernels = before
-
-
-def _kernels_here() -> bool:
-    """Whether the fused Triton kernels may run here: in eager mode off the reference path, and
-    in a graph being traced under :func:`kernels_in_compiled_graphs`."""
-    if torch.compiler.is_compiling():
-        return _switch.compiled_kernels
-    return _switch.enabled
+def _kernels_run_on(*tensors: Tensor | None) -> bool:
+    """The kernels of the stream ops run here; a graph being traced leaves that work to Inductor
+    (it moves the same bytes) unless ``use_path("kernels", compiled_graphs=True)``."""
+    if torch.compiler.is_compiling() and not compiled_graph_kernels():
+        return False
+    return kernels_run_on is not None and kernels_run_on(*tensors)
 
 
 def _wants_grad(*tensors: Tensor | None) -> bool:
@@ -529,8 +478,7 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
         params.append(x_gain)
     one_norm = len(kinds) == 1 and len(eps) == 1 and (y_norm is not None or in_norm is not None)
     spec = _entry_spec(kinds, eps, x_norm, x_gain, y_norm, in_norm) if one_norm else None
-    if (spec is not None and spec.norm.kind not in POINTWISE_KINDS and _kernels_here()
-            and _kernels_run_on(x, y)):
+    if spec is not None and spec.norm.kind not in POINTWISE_KINDS and _kernels_run_on(x, y):
         xo, _, b = _kernel_entry(spec, x, y, x_norm, x_gain, y_norm, in_norm)
         return xo, b
     if spec is None or not (fused_enabled() and _wants_grad(x, y, *params)):
@@ -550,25 +498,6 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
 
 
 # ---- the fused Triton kernel of the entry (siamesenorm.kernels), on CUDA ---------------------------
-def _kernel_device(t: Tensor) -> bool:
-    """Whether ``t``'s device is one the entry runs its Triton kernel on (CUDA; tests add the CPU
-    under Triton's interpreter)."""
-    return t.is_cuda
-
-
-def _kernels_run_on(x: Tensor, y: Tensor | None) -> bool:
-    """The entry's Triton kernel runs: a plain CUDA tensor (no DTensor or other subclass), Triton
-    installed, ``SIAMESENORM_KERNELS`` not 0 (:func:`siamesenorm.kernels.kernels_available`); on
-    CUDA without Triton, says so once."""
-    if kernels_available is None or not (_kernel_device(x) and type(x) is Tensor
-                                         and (y is None or type(y) is Tensor)):
-        return False
-    if kernels_available(x):
-        return True
-    announce_fallback()
-    return False
-
-
 def _kernel_entry(spec: _EntrySpec, x: Tensor, y: Tensor | None, x_norm, x_gain, y_norm, in_norm,
                   out: Tensor | None = None, c: float = 1.0) -> tuple[Tensor, Tensor | None, Tensor]:
     """``(x', y1, b)``: :func:`stream_entry` (with ``out``: after the stream writes of
@@ -595,12 +524,10 @@ def _entry_spec(kinds: set, eps: set, x_norm, x_gain, y_norm, in_norm) -> _Entry
 
 
 def defers_update(x: Tensor, y: Tensor | None, norm_kind: str) -> bool:
-    """Whether a two-stream scheme (norms of ``norm_kind``) should hand its sublayer's stream
-    writes to the next entry, :func:`stream_update_entry`, which fuses them into its Triton kernel:
-    where that kernel runs (CUDA with Triton, plain tensors; eager mode, or a compiled graph under
-    :func:`kernels_in_compiled_graphs`), with RMSNorm or LayerNorm, and float32 streams under
-    autocast (the kernel then writes them in float32, as :func:`stream_update` would)."""
-    return (y is not None and norm_kind not in POINTWISE_KINDS and _kernels_here() and _kernels_run_on(x, y)
+    """Whether a sublayer's writes into two streams should wait for the next entry,
+    :func:`stream_update_entry`, whose Triton kernel fuses them: where the kernels run, with RMSNorm
+    or LayerNorm, and float32 streams under autocast (the kernel writes them in float32)."""
+    return (y is not None and norm_kind not in POINTWISE_KINDS and _kernels_run_on(x, y)
             and not (_autocast_on(x) and (x.dtype in _LOW or y.dtype in _LOW)))
 
 
@@ -622,11 +549,9 @@ def stream_update_entry(x: Tensor, y: Tensor, out: Tensor, c: float, *, x_norm: 
 
 
 def defers_add(h: Tensor, norm_kind: str) -> bool:
-    """Whether a Pre-Norm sublayer (norms of ``norm_kind``) should hand its residual add to the
-    next norm, :func:`add_then_norm`, which fuses both into one Triton kernel: where that kernel
-    runs (as :func:`defers_update`), with RMSNorm or LayerNorm, and a float32 stream under autocast
-    (whose norm PyTorch returns in float32, as the kernel does then)."""
-    return (norm_kind not in POINTWISE_KINDS and _kernels_here() and _kernels_run_on(h, None)
+    """Whether a residual add should wait for the next norm, :func:`add_then_norm`, whose Triton
+    kernel fuses both: as :func:`defers_update`, for one stream."""
+    return (norm_kind not in POINTWISE_KINDS and _kernels_run_on(h)
             and not (_autocast_on(h) and h.dtype in _LOW))
 
 

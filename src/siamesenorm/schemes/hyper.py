@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..functional.mixing import stream_mix
 from ..nn.fused import fused_enabled, lean_region
-from ..nn.mixing import stream_mix
 from ..nn.norms import build_norm, normed_product
 from .base import Branch, Flag, Number, Option, ResidualScheme, register_scheme
 
@@ -21,9 +21,7 @@ MAX_STREAMS = 16
 
 
 class MultiStreamScheme(ResidualScheme):
-    """Shared by hyper and mhc: ``n_streams`` copies of the embedding on entry, a state of shape
-    ``(..., n, d)``, and ``final_norm`` of the streams' sum on exit (the bare sum with
-    ``final_norm=False``)."""
+    """Base of hyper and mhc: state ``(..., n, d)``, n copies of h on entry, their sum on exit."""
 
     n_streams: int
     final_norm: nn.Module | None
@@ -41,24 +39,11 @@ class MultiStreamScheme(ResidualScheme):
 
 @register_scheme
 class HyperConnections(MultiStreamScheme):
-    r"""Hyper-connections (Zhu et al., ICLR 2025, arXiv 2409.19606; Algorithm 2 of its Appendix J) and,
-    with ``fracs=m``, Frac-Connections (Zhu et al. 2025, arXiv 2503.14125).
+    """Hyper-connections (Zhu et al., ICLR 2025, arXiv 2409.19606; Algorithm 2 of Appendix J) and,
+    with ``fracs=m``, Frac-Connections (arXiv 2503.14125).
 
-    The state is ``H`` of shape ``(..., k, w)``: ``n = n_streams`` copies of the embedding (``k = n,
-    w = d``), or with ``fracs=m`` its ``m`` fractions (``H = Reshape(h, (m, d/m))``, ``n_streams=1``).
-    Sublayer ``i`` owns ``A = [A_m | A_r]`` (``k x (c+k)``, ``c = 1`` input row, or ``c = m`` with
-    fractions) and ``B`` (``k``)::
-
-        mix = A^T H                         # (c+k) rows: mix[:c] is the sublayer input
-        H'  = B (.) F_i(LN_i(Cat(mix[:c]))) + mix[c:]     # F's output as (c, w), row j times B_j
-        out = LN_final(sum_k H_k)           # LN_final(Cat(H)) with fractions
-
-    Static init: ``A_m = e_{i mod n}`` (fractions: ``Gamma = A_m = I_m``), ``A_r = I``, ``B = 1``
-    (Pre-Norm on n copies; with fractions exactly Pre-Norm). Dynamic (``dynamic=True``):
-    ``A = A_static + s_a * tanh(LN(H) W_a)``, ``B = B_static + s_b * tanh(LN(H) W_b)``, the norm
-    over each row of ``H``, ``W = 0`` and ``s = 0.01`` at init. The SiameseNorm paper compares with
-    HC 2xDHC (``n_streams=2``). Parameter names and head options: docs/schemes.md.
-    """
+    ``mix = A^T H; H' = B (.) F_i(LN_i(mix[:c])) + mix[c:]``; ``out = LN_final(sum_k H_k)``, ``A`` and
+    ``B`` static plus, with ``dynamic``, ``tanh`` of projections of ``LN(H)`` (docs/schemes.md)."""
 
     name = "hyper"
     role_norm_names = ("norm", "final_norm")
@@ -145,7 +130,7 @@ class HyperConnections(MultiStreamScheme):
         return alpha, beta
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The branch input ``LN_i(Cat(mix[:c]))``, ``B`` and the carried rows ``mix[c:]``."""
+        """The branch input, ``B`` and the carried rows ``mix[c:]``."""
         alpha, beta = self.connections(state, i)
         if fused_enabled() and alpha.dim() > 2:                  # one matrix per token
             mix = stream_mix(alpha, state)                        # (..., c+k, w)

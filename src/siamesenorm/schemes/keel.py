@@ -7,27 +7,17 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from ..nn.fused import stream_entry
 from .base import MAX_SKIP_WEIGHT, Branch, Number, Option, ResidualScheme, register_scheme
+from .fusion import NormThenNorm, fuses
 
 
 @register_scheme
+@fuses(NormThenNorm(pre="pre_norm", post="post_norm", skip="alpha"))
 class Keel(ResidualScheme):
-    """Keel (Chen, Wei et al. 2026, ByteDance Seed, "Post-LayerNorm Is Back", arXiv 2601.19895).
+    """Keel (Chen, Wei et al. 2026, "Post-LayerNorm Is Back", arXiv 2601.19895).
 
-    Post-Norm whose skip is scaled by ``alpha`` and whose branch reads a normalised stream::
-
-        h <- LN^post_i(alpha * h + F_i(LN^pre_i(h)))
-
-    ``alpha=None`` (default) is the paper's ``alpha = L``, the number of sublayers
-    (``2 * n_layers``); a number overrides it. The skip carries ``alpha``-times the weight of the
-    branch, so the gradient through ``LN^post`` reaches the first sublayers almost undamped; the
-    stream stays normalised as in Post-Norm. The last ``LN^post`` already normalises the output, so
-    as in ``post`` there is no final norm unless ``final_norm=True``. ``LN^pre`` feeds the branch
-    alone (``branch_affine``). Parameters: ``post_norm[i]``, ``pre_norm[i]`` (and ``final_norm``).
-    The equation and ``alpha = L`` come from summaries of the paper (its method section was not
-    available to us); docs/schemes.md says what is and is not confirmed.
-    """
+    ``h <- LN^post_i(alpha * h + F_i(LN^pre_i(h)))``, ``alpha`` by default ``L = 2 * n_layers``; no
+    final norm by default. The equation comes from summaries of the paper (docs/schemes.md)."""
 
     name = "keel"
     role_norm_names = ("pre_norm", "final_norm")
@@ -43,22 +33,11 @@ class Keel(ResidualScheme):
         self.post_norm = self.make_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
 
-    def step(self, state: Tensor | tuple, i: int, branch: Branch) -> Tensor | tuple:
-        # state: h, or (h, LN^pre_i(h)): the previous sublayer's LN^post and this one's LN^pre ran
-        # as one lean entry (nn.fused.stream_entry), which keeps their input alone. Only from a
-        # block's attention to its MLP: a block's norms are its own (OLMo-core's blocks, FSDP units).
-        h, normed = state if isinstance(state, tuple) else (state, self.pre_norm[i](state))
-        s = self.alpha * h + branch(normed)
-        if self.is_attention(i):
-            return stream_entry(s, x_norm=self.post_norm[i], in_norm=self.pre_norm[i + 1])
-        return self.post_norm[i](s)
+    def step(self, h: Tensor, i: int, branch: Branch) -> Tensor:
+        return self.post_norm[i](self.alpha * h + branch(self.pre_norm[i](h)))
 
-    def exit(self, state: Tensor | tuple) -> Tensor:
-        h = state[0] if isinstance(state, tuple) else state
+    def exit(self, h: Tensor) -> Tensor:
         return h if self.final_norm is None else self.final_norm(h)
-
-    def streams(self, state: Tensor | tuple) -> dict[str, Tensor]:
-        return {"h": state[0] if isinstance(state, tuple) else state}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, alpha={self.alpha:.4g}"

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..functional.mixing import mix_and_write
 from ..nn.fused import _autocast_on, fused_enabled, recomputed_inputs
-from ..nn.mixing import mix_and_write
 from ..nn.norms import RMSNorm
 from .base import Branch, Number, OneOf, Option, register_scheme
 from .hyper import MAX_STREAMS, MultiStreamScheme
@@ -26,7 +26,7 @@ try:
     from ..kernels.sinkhorn import sinkhorn as sinkhorn_function
     from ..kernels.sinkhorn import sinkhorn_kernel_runs
 except ImportError:     # the exported modelling code (siamesenorm.hf.export) carries no kernels
-    from ..nn.sinkhorn import sinkhorn as sinkhorn_function
+    from ..functional.sinkhorn import sinkhorn as sinkhorn_function
 
     def sinkhorn_kernel_runs(logits: Tensor, iters: int) -> bool:
         return False
@@ -45,8 +45,7 @@ except ImportError:     # the exported modelling code (siamesenorm.hf.export) ca
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Sinkhorn-Knopp: ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters`` times
-    (the reference), or its Triton kernel where that runs (also under ``torch.compile``: one call
-    in place of ``4 * iters`` kernels); the lean path runs :func:`siamesenorm.kernels.sinkhorn`."""
+    (a Triton kernel where it runs)."""
     if sinkhorn_kernel_runs(logits, iters):
         return torch.ops.siamesenorm.sinkhorn(logits, iters)
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
@@ -61,9 +60,7 @@ MAX_LITE_STREAMS = 5
 
 
 def deepseek_v4_sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """DeepSeek-V4's residual mix ``C`` from ``logits`` (..., n, n): a softmax over the last axis
-    plus ``eps``, the columns rescaled (``C / (colsum + eps)``), then ``iters - 1`` times the rows
-    and the columns the same way (as transformers' ``DeepseekV4HyperConnection`` computes it)."""
+    """DeepSeek-V4's mix ``C`` (..., n, n), as transformers' ``DeepseekV4HyperConnection`` has it."""
     m = torch.softmax(logits, -1) + eps
     m = m / (m.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -73,52 +70,19 @@ def deepseek_v4_sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
 
 
 def permutation_matrices(n: int, device=None, dtype=None) -> Tensor:
-    """The ``n!`` permutation matrices of order ``n``, flattened: (n!, n*n), the identity first;
-    row ``r`` is ``P_r`` with ``P_r[j, k] = 1`` where ``k = perm_r(j)``."""
+    """The ``n!`` permutation matrices as (n!, n*n), the identity first; ``P_r[j, perm_r(j)] = 1``."""
     index = torch.tensor(list(itertools.permutations(range(n))), device=device)
     return torch.eye(n, device=device, dtype=dtype)[index].flatten(-2)
 
 
 @register_scheme
 class ManifoldHyperConnections(MultiStreamScheme):
-    r"""Manifold-constrained hyper-connections, mHC (DeepSeek-AI, arXiv 2512.24880).
+    """Manifold-constrained hyper-connections, mHC (DeepSeek-AI, arXiv 2512.24880).
 
-    ``x_{l+1} = H^res x_l + H^post^T F(H^pre x_l)`` over ``n = n_streams`` streams, the three maps
-    computed from the normalised flattened state ``x' = RMSNorm(vec(x_l))``::
-
-        H^pre  = sigmoid(a_pre * x' phi_pre + b_pre)          (1 x n)
-        H^post = 2 sigmoid(a_post * x' phi_post + b_post)     (1 x n)
-        H^res  = SinkhornKnopp(a_res * mat(x' phi_res) + b_res)   (n x n, doubly stochastic)
-
-    with ``sinkhorn_iters`` Sinkhorn-Knopp iterations. The sublayer is Pre-Norm: ``F(LN(H^pre x))``;
-    the output is ``LN_final(sum_k H_k)``. Initialisation (ours; the paper's exact values were not
-    available): ``phi = 0``, ``a = 0.01``,
-    ``b_pre`` = +2 on stream ``i mod n`` and -2 elsewhere (breaks the symmetry between streams, as
-    HC's ``e_{i mod n}`` does), ``b_post = 0`` (``H^post = 1``), ``b_res`` = 4 on the diagonal
-    (near-identity mixing). Parameters: ``norm[i]``, ``stream_norm[i]``, ``phi_pre``,
-    ``phi_post``, ``phi_res``, ``alpha_pre``, ``alpha_post``, ``alpha_res``, ``b_pre``,
-    ``b_post``, ``b_res``, ``final_norm``. ``branch_affine=False`` makes ``norm[i]`` non-affine
-    (``stream_norm`` feeds the maps and stays affine); ``final_norm=False``: exit returns
-    ``sum_k H_k``.
-
-    ``mixing`` picks how ``H^res`` is made (``"sinkhorn"``, the default, above):
-
-    - ``"deepseek_v4"``: DeepSeek-V4's released form (transformers' ``DeepseekV4HyperConnection``
-      and ``DeepseekV4HyperHead``), for a user of that model: ``H^pre = sigmoid(..) + mix_eps``,
-      ``C = softmax_row(logits) + mix_eps``, columns then ``sinkhorn_iters - 1`` times rows and
-      columns divided by their sum plus ``mix_eps``, and ``H^res = C^T`` (DeepSeek writes
-      ``C^T H``). ``stream_norm`` is RMSNorm without weight, the maps are computed in float32
-      (float64 stays float64; autocast off), and exit mixes the streams by a head of its own,
-      ``final_norm(sum_k p_k H_k)`` with ``p = sigmoid(head_alpha * (RMSNorm(vec H) head_phi) +
-      head_b) + mix_eps`` (``head_phi = 0``, ``head_alpha = 0.01``, ``head_b = 0`` at init: ours).
-    - ``"lite"``: mHC-lite (Yang and Gao, arXiv 2601.05732): ``H^res = sum_r a_r P_r`` over all
-      ``n!`` permutation matrices ``P_r`` with ``a = softmax(alpha_res * x' phi_res + b_res)``,
-      exactly doubly stochastic with no iteration (Birkhoff-von Neumann); ``phi_res`` is
-      ``(n*d, n!)``, ``b_res`` ``(n!,)`` = 0 on the identity and -8 elsewhere (the official
-      code's init), ``n_streams`` at most 5. ``H^pre`` and ``H^post`` as above. Not confirmed
-      from the paper's text: the equations follow the official code; its norm and ``pre``/``post``
-      init differ from ours (docs/schemes.md).
-    """
+    ``x_{l+1} = H^res x_l + H^post^T F(LN(H^pre x_l))`` over ``n_streams`` streams, the maps computed
+    from ``RMSNorm(vec(x_l))``; ``H^res`` is made doubly stochastic by ``sinkhorn_iters`` Sinkhorn-Knopp
+    steps. ``mixing="deepseek_v4"`` is DeepSeek-V4's released form, ``"lite"`` mHC-lite
+    (arXiv 2601.05732); equations and initialisation: docs/schemes.md."""
 
     name = "mhc"
     role_norm_names = ("norm", "final_norm")
@@ -166,10 +130,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Derive the constant buffers (``mixing="lite"``: the permutation matrices) again, the
-        parameters left as they are: for a model materialised from the meta device, or loaded by
-        transformers' ``from_pretrained``, which leaves unsaved buffers empty
-        (:func:`siamesenorm.hf.common.derive_buffers`)."""
+        """Derive the constant buffers again, the parameters unchanged (after the meta device, or
+        transformers' ``from_pretrained``, which leaves unsaved buffers empty)."""
         if self.mixing == "lite":
             p = self.permutations
             p.copy_(permutation_matrices(self.n_streams, p.device, p.dtype))
@@ -203,8 +165,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return pre + self.mix_eps if self.mixing == "deepseek_v4" else pre
 
     def _res(self, z: Tensor, i: int, iterate) -> Tensor:
-        """``H^res`` (..., n, n) from ``z = alpha_res * x' phi_res`` (without ``b_res``);
-        ``iterate`` runs Sinkhorn-Knopp for the default mixing."""
+        """``H^res`` (..., n, n) from ``z = alpha_res * x' phi_res`` (without ``b_res``)."""
         n = self.n_streams
         if self.mixing == "lite":       # sum_r a_r P_r, elementwise: exact under autocast too
             coeff = torch.softmax(z + self.b_res[i], -1)
@@ -215,8 +176,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return iterate(logits, self.sinkhorn_iters)
 
     def _in_map_precision(self, fn, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``fn(state, i)``; with ``mixing="deepseek_v4"`` in float32 at least (autocast off, the
-        parameters cast), ``H^pre`` kept so, ``H^post`` and ``H^res`` in the state's dtype."""
+        """``fn(state, i)``; for ``deepseek_v4`` in float32 at least, ``H^post`` and ``H^res`` cast back to
+        the state's dtype."""
         if self.mixing != "deepseek_v4":
             return fn(state, i)
         work = torch.promote_types(state.dtype, torch.float32)
@@ -234,9 +195,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return total if self.final_norm is None else self.final_norm(total)
 
     def maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i. A graph
-        being compiled takes :meth:`fast_maps`' formulation with plain ops (the normalised state
-        never written, one projection): Inductor's step moves 22% fewer bytes so (docs/performance.md)."""
+        """``H^pre`` (..., n), ``H^post`` (..., n) and ``H^res`` (..., n, n) of sublayer i."""
         if torch.compiler.is_compiling():
             return self._in_map_precision(partial(self._fast_maps, iterate=sinkhorn), state, i)
         return self._in_map_precision(self._maps, state, i)
@@ -252,10 +211,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return pre, post, self._res(z, i, sinkhorn)
 
     def fast_maps(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`maps` computed faster: the three projections as one matmul with the stream
-        norm's weight folded in (``x' phi = rstd * (vec(x) (w * phi))``, so ``x'`` is never
-        formed; one Triton kernel each way where it runs, :func:`siamesenorm.kernels.rms_project`),
-        and Sinkhorn as one Triton kernel or autograd function (:func:`siamesenorm.kernels.sinkhorn`)."""
+        """:meth:`maps` with the three projections as one matmul (the stream norm's weight folded in) and
+        Sinkhorn as one kernel or autograd function."""
         return self._in_map_precision(self._fast_maps, state, i)
 
     def _fast_maps(self, state: Tensor, i: int, work: torch.dtype | None = None,
@@ -286,10 +243,8 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return pre, post, self._res(scaled(2 * n, None, self.alpha_res[i]), i, iterate)
 
     def _kernel_entry(self, state: Tensor, pre: Tensor, i: int, reference: bool) -> Tensor | None:
-        """``LN_i(sum_k pre_k H_k)`` as one Triton kernel each way where it runs (else ``None``),
-        written in the dtype of the PyTorch ops it stands for: the norm's input's (the reference
-        path's product ``pre @ H`` under autocast: autocast's; else the state's), float32 where
-        CUDA's autocast runs the norms in float32."""
+        """``LN_i(sum_k pre_k H_k)`` by one Triton kernel where it runs (else ``None``), in the dtype the
+        PyTorch ops would give."""
         norm = self.norm[i]
         kind = getattr(norm, "kind", None)
         if not mix_entry_kernel_runs(state, pre, kind):
@@ -306,7 +261,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
                          dtype=dtype)
 
     def _entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res`` (reference)."""
+        """The branch input ``LN_i(sum_k pre_k H_k)``, ``H^post`` and ``H^res``."""
         pre, post, res = self.maps(state, i)
         inp = self._kernel_entry(state, pre, i, reference=True)
         if inp is not None:
@@ -318,8 +273,7 @@ class ManifoldHyperConnections(MultiStreamScheme):
         return self.norm[i](inp), post, res
 
     def _fast_entry(self, state: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`_entry` from :meth:`fast_maps`; the norm's input is not kept but recomputed from
-        ``pre`` and ``H`` in backward (the maps' per-token outputs are kept instead)."""
+        """:meth:`_entry` from :meth:`fast_maps`, the norm's input recomputed in backward."""
         pre, post, res = self.fast_maps(state, i)
         inp = self._kernel_entry(state, pre, i, reference=False)
         if inp is not None:

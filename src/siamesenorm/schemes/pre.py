@@ -6,11 +6,12 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from ..nn.fused import add_then_norm, defers_add
 from .base import Branch, ResidualScheme, register_scheme
+from .fusion import AddThenNorm, fuses
 
 
 @register_scheme
+@fuses(AddThenNorm(entry="pre_norm", exit="final_norm"))
 class PreNorm(ResidualScheme):
     """Pre-Norm (Xiong et al. 2020, arXiv 2002.04745; GPT-2).
 
@@ -30,23 +31,11 @@ class PreNorm(ResidualScheme):
         self.pre_norm = self.make_branch_norms(self.n_sublayers)
         self.final_norm = self.make_final_norm()
 
-    def step(self, state: Tensor | tuple, i: int, branch: Branch) -> Tensor | tuple:
-        # state: h, or (h, O): the previous sublayer's add h += O left to this norm, which runs
-        # both in one fused kernel (nn.fused.defers_add)
-        if isinstance(state, tuple):
-            h, normed = add_then_norm(*state, self.pre_norm[i])
-        else:
-            h, normed = state, self.pre_norm[i](state)
-        out = branch(normed)
-        return (h, out) if defers_add(h, self.norm_kind) else h + out
+    def step(self, h: Tensor, i: int, branch: Branch) -> Tensor:
+        return h + branch(self.pre_norm[i](h))
 
-    def exit(self, state: Tensor | tuple) -> Tensor:
-        if isinstance(state, tuple):
-            return add_then_norm(*state, self.final_norm)[1]
-        return state if self.final_norm is None else self.final_norm(state)
-
-    def streams(self, state: Tensor | tuple) -> dict[str, Tensor]:
-        return {"h": state[0] + state[1] if isinstance(state, tuple) else state}
+    def exit(self, h: Tensor) -> Tensor:
+        return h if self.final_norm is None else self.final_norm(h)
 
 
 @register_scheme

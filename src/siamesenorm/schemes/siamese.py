@@ -7,8 +7,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import defers_update, stream_entry, stream_update, stream_update_entry
+from ..nn.fused import stream_entry, stream_update
 from .base import Branch, Flag, OneOf, Option, ResidualScheme, SchemeRequirements, register_scheme
+from .fusion import UpdateThenEntry, fuses
 
 FORMS = ("post_pre", "hybrid_pre")
 MERGES = ("normed_sum", "sum")
@@ -16,6 +17,7 @@ TOPOLOGIES = ("siamese", "single", "resi_dual")
 
 
 @register_scheme
+@fuses(UpdateThenEntry(entry="entry_norms", scale="scale", exit="exit_norms"))
 class SiameseNorm(ResidualScheme):
     r"""SiameseNorm (Li et al., ICML 2026, arXiv 2602.08064).
 
@@ -83,43 +85,34 @@ class SiameseNorm(ResidualScheme):
     def enter(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         return h, (None if self.topology == "single" else h)
 
-    def step(self, state: tuple, i: int, branch: Branch) -> tuple:
-        # state: (X, Y), or (X, Y, O, c): the previous sublayer's writes X += O / c, Y += O left to
-        # this entry, which runs them in its fused kernel (nn.fused.defers_update)
-        x, y, *pending = state
+    def entry_norms(self, i: int) -> dict[str, nn.Module | Tensor | None]:
+        """The norms of sublayer ``i``'s entry, as :func:`~siamesenorm.nn.fused.stream_entry` takes them."""
         y_norm = None if self.pre_norm is None else self.pre_norm[i]
         if self.form == "hybrid_pre" and self.is_attention(i):
-            # A = Attn(X * gamma_b + LN^Y(Y)); X is not normalised before attention.
-            norms = {"x_gain": self.x_gain[self.block_of(i)], "y_norm": y_norm}
-        else:
-            # X = LN^X(X); u = LN^in(X + LN^Y(Y)) (post_pre: every sublayer; hybrid_pre: the FFN).
-            k = i if self.form == "post_pre" else self.block_of(i)
-            norms = {"x_norm": self.post_norm[k], "y_norm": y_norm,
-                     "in_norm": None if self.input_norm is None else self.input_norm[k]}
-        if pending:
-            x, y, u = stream_update_entry(x, y, *pending, **norms)
-        else:
-            x, u = stream_entry(x, y, **norms)
-        out, c = branch(u), self.scale(i)
-        if defers_update(x, y, self.norm_kind):
-            return x, y, out, c
+            return {"x_gain": self.x_gain[self.block_of(i)], "y_norm": y_norm}
+        k = i if self.form == "post_pre" else self.block_of(i)
+        return {"x_norm": self.post_norm[k], "y_norm": y_norm,
+                "in_norm": None if self.input_norm is None else self.input_norm[k]}
+
+    def exit_norms(self) -> dict[str, nn.Module | None]:
+        return {"x_norm": self.merge_norm_x, "y_norm": self.merge_norm_y, "in_norm": self.final_norm}
+
+    def step(self, state: tuple, i: int, branch: Branch) -> tuple:
+        x, y = state
+        # X = LN^X(X); u = LN^in(X + LN^Y(Y))   (hybrid_pre's attention: u = X * gamma_b + LN^Y(Y))
+        x, u = stream_entry(x, y, **self.entry_norms(i))
         # X += O / c_b; Y += O
-        return stream_update(x, y, out, c)
+        return stream_update(x, y, branch(u), self.scale(i))
 
     def exit(self, state: tuple) -> Tensor:
-        x, y, *pending = state
+        x, y = state
         if y is None:
             return self.merge_norm_x(x)
-        # LN(LN_a(X) + LN_b(Y)), or LN_a(X) + LN_b(Y) without the outer norm.
-        norms = {"x_norm": self.merge_norm_x, "y_norm": self.merge_norm_y, "in_norm": self.final_norm}
-        if pending:
-            return stream_update_entry(x, y, *pending, **norms)[2]
-        return stream_entry(x, y, **norms)[1]
+        # LN(LN_a(X) + LN_b(Y)), or LN_a(X) + LN_b(Y) without the outer norm
+        return stream_entry(x, y, **self.exit_norms())[1]
 
     def streams(self, state: tuple) -> dict[str, Tensor]:
-        x, y, *pending = state
-        if pending:
-            x, y = stream_update(x, y, *pending)
+        x, y = state
         return {"x": x} if y is None else {"x": x, "y": y}
 
     def extra_repr(self) -> str:
