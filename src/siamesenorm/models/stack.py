@@ -1,15 +1,4 @@
-"""The residual loop, once: a scheme's ``enter``, its ``step`` over every sublayer, its ``exit``.
-
-:class:`ResidualStack` is what every model of the package runs (the language model, the ViT and the
-DiT subclass it) and what anyone can put around their own blocks::
-
-    stack = ResidualStack("siamese", [attn_0, mlp_0, attn_1, mlp_1], dim=512)
-    h = stack(x)                          # (batch, tokens, dim) in and out
-
-The sublayers are bare: an attention and an MLP (or an MoE) alternating, each mapping a normalised
-``(..., dim)`` tensor to its update, with no norm and no residual add of its own; the scheme puts
-every norm and every add around them.
-"""
+"""The residual loop, once: a scheme's ``enter``, its ``step`` over every sublayer, its ``exit``."""
 
 from __future__ import annotations
 
@@ -22,6 +11,7 @@ from torch import Tensor, nn
 
 from ..nn.carrier import LayerCarrier
 from ..schemes.base import SUBLAYERS_PER_BLOCK, ResidualScheme, build_scheme
+from ..schemes.fusion import settled
 from .checkpointing import carrying_step, set_scheme_checkpointing
 
 __all__ = ["ResidualStack", "hidden_at"]
@@ -30,7 +20,7 @@ Wrap = Callable[[int, Callable[..., Tensor]], Callable[[Tensor], Tensor]]
 
 
 class _Function(nn.Module):
-    """A plain callable as a sublayer module (it holds no parameters of its own)."""
+    """A plain callable as a sublayer module."""
 
     def __init__(self, fn: Callable[..., Tensor]) -> None:
         super().__init__()
@@ -41,24 +31,11 @@ class _Function(nn.Module):
 
 
 class ResidualStack(nn.Module):
-    """A residual scheme around a list of bare sublayers.
+    """A residual scheme around bare sublayers, attention at even indices and MLP at odd ones.
 
-    Args:
-        scheme: a :class:`~siamesenorm.schemes.ResidualScheme` (its ``n_layers`` blocks take two
-            sublayers each), or a scheme's name, built with ``dim`` (required then), ``norm``,
-            ``eps`` and ``options`` for ``len(sublayers) // 2`` blocks.
-        sublayers: modules or callables, attention at even indices and MLP at odd ones.
-        checkpointing: ``none``, ``sublayer`` or ``selective``: activation checkpointing of each
-            step (see :mod:`~siamesenorm.models.checkpointing`).
-
-    A scheme may ask for something the sublayers must do (``scheme.requires``): HybridNorm and
-    SiameseNorm's ``hybrid_pre`` form need attention that normalises q, k and v per head on the
-    blocks in ``requires.qkv_norm_blocks``. The package's models honour it; attention of your own
-    must do it itself.
-
-    The models of the package subclass it: they build ``scheme`` and ``sublayers`` in their own
-    order (``ResidualStack()`` with no arguments) and call :meth:`run` from their ``forward``.
-    """
+    ``scheme`` is a built scheme or a name, built with ``dim`` (required then), ``norm``, ``eps`` and
+    ``options``. Attention of your own must honour ``scheme.requires`` (QKV-norm). The package's
+    models subclass it (``ResidualStack()``, no arguments) and call :meth:`run`."""
 
     def __init__(self, scheme: ResidualScheme | str | None = None,
                  sublayers: Sequence[nn.Module | Callable[..., Tensor]] | None = None, *,
@@ -97,22 +74,16 @@ class ResidualStack(nn.Module):
         self.set_checkpointing(checkpointing)
 
     def set_checkpointing(self, mode: str) -> None:
-        """Activation checkpointing of every step from now on (``none`` turns it off)."""
+        """Activation checkpointing of every step from now on: ``none``, ``sublayer`` or ``selective``."""
         set_scheme_checkpointing(self.scheme, mode)
 
     def run(self, h: Tensor, *, attention_kwargs: dict[str, Any] | None = None,
             wrap: Wrap | None = None, states: list | None = None) -> Tensor:
-        """The loop: ``state = scheme.enter(h)``, ``state = scheme.step(state, i, branch_i)`` for
-        every sublayer, then ``scheme.exit(state)``, the hidden state for a head.
+        """``scheme.exit`` after ``scheme.step`` over every sublayer from ``scheme.enter(h)``.
 
-        ``attention_kwargs`` go to every attention sublayer (a mask, a KV cache, positions). Those that
-        are a :class:`~siamesenorm.nn.carrier.LayerCarrier` reach it as keyword arguments of the
-        branch call (:func:`~.checkpointing.carrying_step`), so a branch that ``wrap`` makes must
-        pass keyword arguments on to its sublayer.
-        ``wrap(i, sublayer) -> branch`` makes the branch of sublayer ``i`` (called in order, once
-        per sublayer: DiT's conditioning, stochastic depth). ``states`` receives the state after
-        ``enter`` and after every block.
-        """
+        ``attention_kwargs`` go to every attention sublayer, carriers as keyword arguments of the branch
+        call (so a branch ``wrap(i, sublayer)`` makes must pass keywords on). ``states`` receives the
+        state after ``enter`` and after every block."""
         scheme = self.scheme
         if h.shape[-1] != scheme.dim:
             raise ValueError(f"ResidualStack: the input's last dimension is {h.shape[-1]}, the scheme's "
@@ -137,8 +108,7 @@ class ResidualStack(nn.Module):
         return scheme.exit(state)
 
     def forward(self, h: Tensor, **kwargs: Any) -> Tensor:
-        """:meth:`run`. Run eagerly (not compiled), a sublayer of another width than the scheme's
-        is named in a ``ValueError`` (both widths) instead of failing deep in torch."""
+        """:meth:`run`; eagerly, a sublayer of another width is named in a ``ValueError``."""
         if torch.compiler.is_compiling():
             return self.run(h, **kwargs)
         wrap = _width_checked(self.scheme.dim, self.sublayers, kwargs.pop("wrap", None))
@@ -147,10 +117,7 @@ class ResidualStack(nn.Module):
 
 # ---- sublayers of another width ------------------------------------------------------------------
 def _first_linear_width(sub: Any) -> tuple[str, int] | None:
-    """The name (``""``: ``sub`` itself) and input width of the first ``nn.Linear`` in ``sub``, which
-    takes the sublayer's input in most blocks (attention's q projection, an MLP's first). Widths are named
-    at the first call, not at construction: what a module of a user's feeds its layers is known
-    only when it runs."""
+    """The name (``""``: ``sub`` itself) and input width of the first ``nn.Linear`` in ``sub``."""
     if not isinstance(sub, nn.Module):
         return None
     for name, module in sub.named_modules():
@@ -160,10 +127,7 @@ def _first_linear_width(sub: Any) -> tuple[str, int] | None:
 
 
 def _width_checked(dim: int, sublayers: nn.ModuleList, wrap: Wrap | None) -> Wrap:
-    """A ``wrap`` (around ``wrap``, when given) whose branches name a sublayer of another width
-    than the scheme's ``dim``: one that fails on its input when its first ``nn.Linear`` takes
-    another width, or that returns another width than it was given. Any other failure is
-    raised as it is."""
+    """A ``wrap`` (around ``wrap``) whose branches name a sublayer of another width in a ``ValueError``."""
     def wrapped(i: int, branch: Callable[..., Tensor]) -> Callable[..., Tensor]:
         inner = branch if wrap is None else wrap(i, branch)
         sub = sublayers[i]
@@ -191,8 +155,8 @@ def _width_checked(dim: int, sublayers: nn.ModuleList, wrap: Wrap | None) -> Wra
 
 
 def hidden_at(scheme: ResidualScheme, state: Any) -> Tensor:
-    """One tensor for the state at a block boundary (a model's ``hidden_states``): the stream of a
-    one-stream scheme, else the scheme's exit applied there (SiameseNorm's merge)."""
+    """The state at a block boundary as one tensor: a one-stream scheme's stream, else the scheme's exit."""
+    state = settled(scheme, state)
     streams = scheme.streams(state)
     if len(streams) == 1:
         (only,) = streams.values()

@@ -27,7 +27,7 @@ from ..nn.fused import (
 )
 
 __all__ = ["AddThenNorm", "NormThenNorm", "PendingAdd", "PendingNorm", "PendingUpdate",
-           "UpdateThenEntry", "fuses"]
+           "UpdateThenEntry", "fuses", "settled"]
 
 
 class PendingAdd(NamedTuple):
@@ -135,6 +135,12 @@ class NormThenNorm:
 
     def settle(self, state: PendingNorm) -> Tensor:
         return state.h
+
+
+def settled(scheme: Any, state: Any) -> Any:
+    """``state`` with any pending write done: the state the scheme's own equations hold."""
+    spec = getattr(type(scheme), "fusion", None)
+    return spec.settle(state) if spec is not None and isinstance(state, spec.pending) else state
 
 
 _EQUATIONS = ("enter", "step", "exit", "streams")
