@@ -1,14 +1,9 @@
-"""Sinkhorn-Knopp over many small matrices at once (mHC's residual maps, arXiv 2512.24880), as one
-autograd function.
+"""Sinkhorn-Knopp over many small matrices at once (mHC's residual maps, arXiv 2512.24880).
 
 ``sinkhorn(logits, iters)`` is ``exp(logits)`` with rows then columns rescaled to sum 1, ``iters``
-times: the same iterations as written, with the exact gradient of those iterations (not of their
-limit). It runs with the tokens on the last axis, ``(n, n, tokens)``, where a row or column sum is a
-sum of n contiguous vectors (about 9x faster on the CPU than ``(tokens, n, n)``), records no autograd
-graph for the ``2 * iters`` steps and keeps only ``exp(logits)``. Backward runs the iterations again
-and differentiates them by hand from the result and the sums it divided by: a step ``y = m / s``
-with ``s`` the sum of ``m`` along an axis has ``dm = (dy - sum(dy * y)) / s`` along that axis, and
-``m = y * s`` recovers its input.
+times, with the exact gradient of those iterations. One autograd function that keeps only
+``exp(logits)``; backward runs the iterations again: ``y = m / s`` along an axis has
+``dm = (dy - sum(dy * y)) / s`` and ``m = y * s``.
 """
 
 from __future__ import annotations

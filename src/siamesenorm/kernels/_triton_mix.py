@@ -1,10 +1,7 @@
-"""mHC's per-token stream work as Triton kernels (imported only where they run, as :mod:`._triton` is).
+"""mHC's per-token stream work as Triton kernels (imported only where they run).
 
-A program takes one token: its ``n`` stream rows of width ``D`` as an ``(N, BLOCK)`` tile, ``N``
-the next power of two of ``n`` (padding masked, zero), walking the row in ``CHUNKS`` chunks of
-``BLOCK`` columns (a constexpr: a model's width compiles once), so any width fits. The token's
-``n x n`` matrix and ``n`` weights stay in registers; sums over the width (the gradients of the
-maps) accumulate in float32 across the chunks.
+A program takes one token's ``n`` stream rows as an ``(N, BLOCK)`` tile and walks the width in
+``CHUNKS`` chunks; sums over the width accumulate in float32.
 """
 
 import torch

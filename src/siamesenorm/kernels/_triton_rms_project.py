@@ -1,13 +1,8 @@
 """The RMS-normalised projection ``z = rstd(x) (x @ w)`` as Triton kernels (imported only where
-they run, as :mod:`._triton` is).
+they run).
 
-Forward: one program per block of rows walks the width in ``K_TILES`` tiles, accumulating the rows' sums of
-squares and their product with ``w`` (``tl.dot``) together, so ``x`` is read once and its
-normalised copy never exists. Backward: a grid of (width tiles) x (row splits); each program
-writes its tile of ``dx = rstd (dz w^T) - (rstd^2 / K) (dz . z) x`` and accumulates its tile of
-``dw = x^T (rstd dz)`` over its ``STEPS`` blocks of rows, a per-split partial sum added after.
-``dz . z`` is a row's own ``M`` numbers, so no program needs another's result. Trip counts are
-constexprs (``K_TILES`` fixed by the model, ``STEPS`` a power of two), as :mod:`._triton` explains.
+Backward: ``dx = rstd (dz w^T) - (rstd^2 / K) (dz . z) x`` per width tile, and ``dw = x^T (rstd
+dz)`` as per-split partial sums added after. Trip counts are constexprs.
 """
 
 import torch

@@ -1,11 +1,8 @@
-"""Sinkhorn-Knopp's Triton kernels (imported only where they run, as :mod:`._triton` is).
+"""Sinkhorn-Knopp's Triton kernels (imported only where they run).
 
-A program takes ``BLOCK_T`` tokens' ``n x n`` matrices as one ``(BLOCK_T, N, N)`` tile, ``N`` the
-next power of two, the padding masked. The padded rows and columns (and the tokens past the end)
-hold zeros and divide by 1, so they never reach a real entry. Forward runs the ``ITERS``
-iterations (a constexpr) in a loop; backward runs them again unrolled, keeps each step's sums in
-registers and walks the steps in reverse: ``y = m / s`` along an axis has
-``dm = (dy - sum(dy * y)) / s`` and ``m = y * s``.
+A program takes ``BLOCK_T`` tokens' ``n x n`` matrices as one padded ``(BLOCK_T, N, N)`` tile.
+Backward runs the ``ITERS`` iterations again and walks them in reverse: ``y = m / s`` along an
+axis has ``dm = (dy - sum(dy * y)) / s`` and ``m = y * s``.
 """
 
 import torch

@@ -2,13 +2,8 @@
 
     x = sum_j softmax_j(u . RMSNorm(v_j)) v_j;   out = norm(x)   (optional RMSNorm or LayerNorm)
 
-with ``u = key_gain * query`` (so the key norm's gain folds into the query). Forward reads each
-source once and writes ``out`` and, with a norm, its float32 row statistics; it keeps only the
-sources (the scheme's state, alive anyway), ``u`` and those statistics. Backward reads the
-gradient and the sources, recomputes the mix, and writes each source's gradient, ``du`` and the
-norm's weight and bias gradients (per-program partial sums, summed after). The sources are passed
-as a tuple of pointers, never stacked. Up to 32 sources and a width of 65536; beyond, and for
-float64, the PyTorch path (:func:`siamesenorm.nn.depth_mix.depth_mix`) runs.
+with ``u = key_gain * query``. Keeps only the sources, ``u`` and the norm's row statistics. Up to
+32 sources and a width of 65536; beyond, and for float64, the PyTorch path runs.
 """
 
 import torch

@@ -1,19 +1,10 @@
 """A kernel never ends a run: first-use checks, and the PyTorch path when a kernel fails.
 
-Every op's implementation runs through :meth:`KernelOp.run`. The first time the op runs in a
-process for a configuration (device, dtypes, width and flags: what its kernels compile for), it
-first runs its kernels on a few random rows of that configuration, forward and backward, and
-compares values and gradients with the PyTorch path (the check: one tiny launch each way). A check
-that fails, or a launch that raises later (the driver, a compile or ``ptxas`` error,
-``OutOfResources``, an instruction the device lacks), turns the op off for the process with one
-line on stderr, and the call, and every later one, computes the PyTorch path instead: in eager
-mode and inside compiled graphs alike, since the choice is made where the op runs. Out of memory
-is re-raised: the PyTorch path would need the memory too.
-
-The check runs in a thread of its own: inside an op's implementation autograd is switched off for
-the calling thread, and the check needs it (not inside a backward pass, whose device thread that
-thread's backward would wait on: there the check waits for the next call). A backward op's
-PyTorch path differentiates the reference forward with ``torch.func.vjp`` in its own thread.
+The first call of an op for a configuration checks its kernels against the PyTorch path on a few
+random rows, forward and backward, in a thread of its own (autograd is off inside an op). A failed
+check, or a launch that raises later, turns the op off for the process with one line on stderr;
+that call and every later one compute the PyTorch path. Out of memory is re-raised.
+docs/performance.md, "Kernels that never end a run".
 """
 
 from __future__ import annotations
@@ -110,11 +101,9 @@ def tolerance(*things: Any) -> float:
 
 def compare(kernel: Callable[..., Sequence[Tensor]], reference: Callable[..., Sequence[Tensor]],
             args: Sequence[Any], tol: float | None = None, seed: int = 0) -> float:
-    """Run ``kernel(*args)`` and ``reference(*args)`` (each returns the outputs to compare), and
-    the gradients of every floating-point tensor in ``args`` (lists of tensors included) under one
-    random cotangent; raise :class:`KernelMismatch` where one differs by more than ``tol`` (default:
-    by the inputs' dtypes) times (1 + its largest reference magnitude). Returns the largest such
-    relative error."""
+    """Run ``kernel`` and ``reference`` on ``args`` and the gradients of their floating-point
+    tensors under one random cotangent; raise :class:`KernelMismatch` where one differs by more
+    than ``tol`` times (1 + its largest reference magnitude). Returns the largest such error."""
     tol = tolerance(args) if tol is None else tol
 
     def leaves(a: Any) -> Any:
@@ -162,12 +151,9 @@ def compare(kernel: Callable[..., Sequence[Tensor]], reference: Callable[..., Se
 
 
 class KernelOp:
-    """One fused op's guard: its check, its state in this process, and the fallback to PyTorch.
-
-    ``check(*op_args)`` runs the kernels against the PyTorch path on small inputs of the
-    configuration of ``op_args`` (the op's forward arguments) and returns the largest relative
-    error, raising where they differ; ``example(device, dtype)`` gives forward arguments of a
-    representative configuration (for :func:`self_check`)."""
+    """One fused op's guard: its check (``check(*op_args)``: the largest relative error, raising
+    where the kernels differ), its state in this process, and the fallback to PyTorch.
+    ``example(device, dtype)`` gives forward arguments for :func:`self_check`."""
 
     def __init__(self, name: str, check: Callable[..., float],
                  example: Callable[[torch.device, torch.dtype], tuple]):
@@ -228,11 +214,9 @@ class KernelOp:
     def run(self, kernel: Callable[[], Any], fallback: Callable[[], Any],
             check: tuple[tuple, tuple, torch.device] | None = None,
             device: torch.device | None = None) -> Any:
-        """``kernel()``, or ``fallback()`` (the PyTorch path) when the op is off, the kernels cannot
-        run on the device (an op called directly on the CPU, say) or the kernel raises (which turns
-        the op off). ``check``: ``(key, forward arguments, device)`` of a forward op, checked first
-        where ``key`` was not (a backward op's kernels are checked with its forward's; it gives
-        ``device``). Inside a check, the kernel alone."""
+        """``kernel()``, or ``fallback()`` where the op is off, the device runs no kernels or the
+        kernel raises (which turns the op off). ``check``: ``(key, forward arguments, device)``,
+        checked first where ``key`` was not."""
         if _checking() or check is not None and check[0] in self._pending:
             return kernel()         # the check's own calls (its backward may run in another thread)
         if not kernels_available_on(check[2] if check is not None else device):
@@ -267,9 +251,8 @@ def kernel_ops() -> dict[str, KernelOp]:
 
 def self_check(device: str | torch.device,
                dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> list[KernelCheck]:
-    """Each fused op's first-use check on ``device`` for each dtype, on a representative
-    configuration, reported rather than raised (the ops' state in this process is left as it was).
-    On the CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    """Each op's first-use check on ``device`` per dtype, reported rather than raised (the ops'
+    state is left as it was)."""
     from .availability import kernels_available
     device = torch.device(device)
     results = []
@@ -294,12 +277,9 @@ def self_check(device: str | torch.device,
 
 def reference_grads(fn: Callable[..., Sequence[Tensor]], inputs: Sequence[Tensor | None],
                     cotangents: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """The PyTorch path of a backward op: the gradients of ``fn(*inputs)``'s outputs under
-    ``cotangents`` (None: that output has none) with respect to each floating-point tensor of
-    ``inputs`` (None for None and other inputs). By ``torch.func.vjp`` in this thread: inside an
-    op autograd is off, and a backward op may run on autograd's own device thread, which a second
-    thread's backward would wait on. ``fn`` uses plain differentiable ops (no ``autograd.Function``
-    without ``setup_context``)."""
+    """A backward op's PyTorch path: the gradients of ``fn(*inputs)`` under ``cotangents`` with
+    respect to each floating-point tensor of ``inputs`` (``None`` elsewhere), by
+    ``torch.func.vjp`` in this thread (a backward op may run on autograd's device thread)."""
     where = [i for i, t in enumerate(inputs) if t is not None and t.is_floating_point()]
 
     def function(*xs: Tensor) -> tuple[Tensor, ...]:

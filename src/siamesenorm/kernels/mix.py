@@ -4,15 +4,7 @@ mix and write (``siamesenorm::mix_write``) and the entry (``siamesenorm::mix_ent
     H_new[j] = sum_k res[j, k] H[k] + post[j] out        (per token: H^res H + H^post^T F)
     b        = norm(sum_k pre[k] H[k])                   (the branch input: LN(H^pre H))
 
-Forward reads the state, the branch output and the token's maps once and writes the new state;
-backward reads the gradient, the state and the branch output once and writes the gradients of all
-four (``dH = res^T g``, ``dout = sum_j post[j] g[j]``, ``dres = g H^T`` and ``dpost = g out``, the
-last two summed over the width in registers). Where plain ops take a matrix product, a multiply,
-an add and, backward, a product and two reductions apiece. The entry reads the state once and
-writes the branch input, keeping only the norm's row statistics; backward sums the streams again.
-The RMSNorm of the flattened state that feeds the maps stays with PyTorch (or Inductor): its one
-statistic per token only scales the maps' projection, a matrix product that reads the state anyway,
-and the maps' small per-token functions differ with ``mixing``.
+Each reads the state once each way; the entry keeps only the norm's row statistics.
 """
 
 import torch

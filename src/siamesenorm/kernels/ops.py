@@ -1,17 +1,11 @@
 """The fused ops as ``torch.library`` custom ops (``siamesenorm::...``) and their front functions.
 
 - :func:`add_norm`: Pre-Norm's residual add and the next norm, ``s = h + z; n = norm(s)``.
-- :func:`siamese_update_entry`: SiameseNorm's work between two matmuls (arXiv 2602.08064): the
-  exit of one sublayer (its writes into the two streams) fused with the entry of the next.
+- :func:`siamese_update_entry`: SiameseNorm's stream writes fused with the next entry
+  (arXiv 2602.08064).
 
-Each op has a fake (so ``torch.compile`` traces it) and an autograd formula whose backward is a
-second custom op. Both run their kernels through a :class:`~siamesenorm.kernels.guard.KernelOp`,
-which checks them on first use and computes the PyTorch path where they fail. Forward keeps only
-what backward needs: the tensors a norm reads and its per-row
-statistics (float32 mean and rstd); normalised values and sums are recomputed in the kernel. The
-front functions run the kernels where :func:`~siamesenorm.kernels.availability.kernels_run_on` says so, and
-otherwise the plain composition of PyTorch ops (``F.rms_norm``/``F.layer_norm`` and adds), which is
-the reference.
+Each op has a fake (for ``torch.compile``) and a backward op; both run through a
+:class:`~.guard.KernelOp`. Forward keeps the tensors a norm reads and its row statistics.
 """
 
 
@@ -430,12 +424,8 @@ def siamese_update_entry(x: Tensor, y: Tensor | None, o: Tensor | None = None, s
         u      = r + LN^Y(y1)                (r without y_norm)
         b      = LN^in(u)                    (u without in_norm)
 
-    All norms share ``kind`` and ``eps``; each weight and bias is optional (RMSNorm: no bias); in
-    "gain" mode ``x_weight`` is the gain gamma. Without ``o``, ``y1`` is ``y`` itself (``None`` if
-    ``y`` is) and, unless the X stream is normalised, ``x'`` is ``x`` itself. With the kernels the
-    sum ``u`` stays in float32 inside one kernel and is never stored: backward recomputes it from
-    ``x1`` (``x`` without ``o``), ``y1`` and the saved row statistics. ``out_dtype``: the dtype
-    ``b`` is written in (the next matrix product's, under autocast), if not the streams'.
+    All norms share ``kind`` and ``eps``; weights and biases are optional. ``u`` is never stored:
+    backward recomputes it. ``out_dtype``: the dtype of ``b``, if not the streams'.
     """
     _check_update_entry(x, y, o, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, kind, x_mode, y_norm,
                         in_norm)

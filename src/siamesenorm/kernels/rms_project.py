@@ -1,11 +1,6 @@
-"""The RMS-normalised projection ``z = rstd(x) (x @ w)``, ``rstd(x) = 1 / sqrt(mean(x^2) + eps)``,
-as one Triton kernel each way (``siamesenorm::rms_project``): mHC's maps (arXiv 2512.24880)
-project the RMSNorm of the flattened streams, ``RMSNorm(vec H) phi``, with the norm's gain folded
-into ``phi``. A token's row is read once forward, its statistic and its product with ``w`` taken
-together, and ``x``'s normalised copy is never written; backward reads ``x`` once more and writes
-``dx`` and the per-split partial sums of ``dw``. Keeps ``x`` (the scheme's state, alive anyway),
-``w``, and the per-token ``z`` and ``rstd``. ``w`` may have up to 256 columns (mHC-lite's
-``2n + n!`` at ``n = 5`` is 130); beyond, and for float64, plain PyTorch ops run.
+"""The RMS-normalised projection ``z = rstd(x) (x @ w)`` as one Triton kernel each way
+(``siamesenorm::rms_project``): mHC's maps (arXiv 2512.24880) project ``RMSNorm(vec H) phi``.
+``x`` is read once forward and its normalised copy never written; ``w`` has up to 256 columns.
 """
 
 import torch

@@ -1,23 +1,11 @@
 """Softmax attention over depth with RMSNorm keys (Attention Residuals, arXiv 2603.15031), lean.
 
-:func:`depth_mix` computes ``sum_j a_j v_j`` with ``a = softmax_j(w . RMSNorm(v_j))`` over sources
-``v_j`` of shape ``(..., d)``, then optionally a norm of it (a sublayer's input norm). The reference
-path composes modules (stack, norm, product, softmax, weighted sum, norm). The lean path is one
-autograd function that keeps only the sources (alive anyway: they are the scheme's state), the
-query and, with a LayerNorm or RMSNorm, the norm's row statistics; backward recomputes the logits,
-the weights and the mix once and applies the analytic gradients. It uses ``w . (g * v r) = r (v .
-(g * w))`` with ``r = 1 / sqrt(mean(v^2) + eps)``, so the normalised keys are never written, and
-works source by source (each pass over one source stays in cache; a stacked copy costs more than
-it saves on the CPU). Half inputs are mixed in float32. A DyT or Derf norm, or any norm under autocast,
-runs after the lean mix inside :func:`~siamesenorm.nn.fused.lean_region` instead.
-
-Where the Triton kernels run (:func:`~siamesenorm.kernels.availability.kernels_run_on`: CUDA with
-Triton), the mix and a RMSNorm or LayerNorm after it are one kernel each way instead
-(``siamesenorm::depth_mix``, :mod:`siamesenorm.kernels.depth_mix`), on every path: eager (lean or
-reference) and under ``torch.compile``, as mHC's ops are. The rule is mHC's, not SiameseNorm's
-(whose op enters compiled graphs only on request): there the op and Inductor's fusion moved the
-same bytes; here a compiled training step moves 747 MiB with Inductor's fusion of the reference
-and 281 with the op (CPU count, 8 sublayers; benchmarks/traffic.py, docs/performance.md).
+:func:`depth_mix` computes ``sum_j a_j v_j`` with ``a = softmax_j(w . RMSNorm(v_j))``, then
+optionally a norm. The lean path is one autograd function that keeps only the sources, the query
+and the norm's row statistics, using ``w . (g * v r) = r (v . (g * w))`` so the normalised keys
+are never written. Where the kernels run, the mix and its norm are one Triton kernel each way, in
+eager mode and under ``torch.compile`` (there it moves fewer bytes than Inductor's fusion;
+docs/performance.md).
 """
 
 from __future__ import annotations

@@ -104,11 +104,9 @@ def _rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
 
 def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
                   needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of input and weight. With ``x^ = x rstd`` and ``h = g w``:
-    ``dx = rstd (h - x^ mean(h x^))`` and ``dw = sum_rows g x^``. On the CPU this is LayerNorm's
-    fused backward kernel run with a mean of zero (whose ``x^`` is then RMSNorm's), which computes
-    ``rstd (h - mean(h) - x^ mean(h x^))`` and the same ``dw``; adding back ``rstd mean(h)`` (one
-    matrix-vector product) gives RMSNorm's ``dx`` in about half the time of separate kernels."""
+    """Gradients of input and weight: ``dx = rstd (h - x^ mean(h x^))`` with ``x^ = x rstd``, ``h =
+    g w``. On the CPU, LayerNorm's fused backward with a zero mean plus ``rstd mean(h)``: about
+    half the time of separate kernels."""
     if x.is_cuda:
         return _aten._fused_rms_norm_backward(g, x, [x.shape[-1]], rstd, weight,
                                               [needs[0], needs[1] and weight is not None])
@@ -128,9 +126,8 @@ def _rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None,
 
 @dataclass(frozen=True)
 class _Norm:
-    """One norm of a fused function: its kind and epsilon (the parameters travel as tensors:
-    ``w``, ``b``, and DyT's ``a``, its alpha, or Derf's ``a = (alpha, shift)``). DyT and Derf have
-    no row statistics: backward reads their input."""
+    """One norm of a fused function: kind and epsilon (DyT's ``a`` is its alpha, Derf's
+    ``(alpha, shift)``; these have no row statistics)."""
 
     kind: str
     eps: float
@@ -362,10 +359,8 @@ class _EntrySpec:
 
 def _entry_forward(spec: _EntrySpec, x: Tensor, y: Tensor | None, xw, xb, yw, yb, saved: tuple = (),
            xa: Tensor | None = None, ya: Tensor | None = None):
-    """``x'`` (``LN^X(x)``, ``x * gamma`` or ``x``), ``u = x' + LN^Y(y)`` (or ``x'``) and the
-    row statistics of ``LN^X`` and ``LN^Y`` (empty where there is no such norm, and for DyT).
-    ``saved``: those statistics from the forward, which spare RMSNorm's reductions when backward
-    recomputes. ``xa``, ``ya``: DyT's alphas."""
+    """``x'``, ``u = x' + LN^Y(y)`` and the row statistics of ``LN^X`` and ``LN^Y`` (``saved``:
+    those of the forward, reused when backward recomputes)."""
     n, xs, ys = spec.norm, (), ()
     rms = n.kind == "rmsnorm" and not x.is_cuda
     if saved and rms:
@@ -397,11 +392,8 @@ def _of(need: dict[str, bool], *names: str) -> tuple[bool, ...]:
 
 class _StreamEntry(Function):
     """``x' = LN^X(x)`` (or ``x * gamma``), ``u = x' + LN^Y(y)``, ``b = LN^in(u)``; returns
-    ``(x', b)`` when the X stream is normalised, ``(b,)`` otherwise. Saves ``x``, ``y`` and row
-    statistics; with ``LN^in``, backward recomputes ``x'``, ``LN^Y(y)`` and ``u`` (and with them
-    the statistics of ``LN^X`` and ``LN^Y``, so only those of ``LN^in`` are saved). With DyT
-    (``xa``, ``ya``, ``ia``: the alphas; Derf's ``(alpha, shift)``) there are no statistics: it
-    keeps ``x`` and ``y``."""
+    ``(x', b)``, or ``(b,)`` when X is not normalised. Keeps ``x``, ``y`` and ``LN^in``'s row
+    statistics; backward recomputes the rest."""
 
     @staticmethod
     def forward(ctx, spec: _EntrySpec, x, y, xw, xb, yw, yb, iw, ib, xa, ya, ia):
@@ -463,11 +455,8 @@ def stream_entry(x: Tensor, y: Tensor | None = None, *, x_norm: nn.Module | None
         u  = r + y_norm(y)          (r = x', or x * x_gain; r alone without y_norm)
         b  = in_norm(u)             (or u without in_norm)
 
-    Returns ``(x', b)``: the X stream after the entry and the branch input (the gain only scales
-    what the branch reads, HybridNorm-style). With gradients on and the lean path active, it runs
-    as one function that keeps only ``x``, ``y`` and the norms' row statistics (``u`` is
-    recomputed in backward); the result is the plain composition's, which it computes otherwise.
-    """
+    Returns ``(x', b)``. On the lean path one function that keeps only ``x``, ``y`` and row
+    statistics."""
     if x_norm is not None and x_gain is not None:
         raise ValueError("stream_entry takes x_norm or x_gain, not both")
     norms = [m for m in (x_norm, y_norm, in_norm) if m is not None]
@@ -573,12 +562,9 @@ def _outer_hooks() -> bool:
 
 
 def lean_region(fn: Callable[..., object], *args: object) -> object:
-    """``fn(*args)``, keeping for backward only the tensors among ``args`` (and what ``fn``'s
-    outputs are saved as by later ops): everything ``fn`` computes is recomputed in backward
-    (a non-reentrant checkpoint of ``fn``). For the cheap element-wise and small-matrix work
-    around a sublayer (hyper-connections' width connections and input norm). Runs ``fn`` plainly
-    where no gradient is needed, on the reference path, under an outer checkpoint, and under
-    ``torch.compile`` (whose partitioner chooses what to keep and recompute itself)."""
+    """``fn(*args)`` as a non-reentrant checkpoint: backward keeps only ``args`` and recomputes the
+    rest (cheap work around a sublayer). Plain where no gradient is needed, on the reference path,
+    under an outer checkpoint and under ``torch.compile``."""
     if (torch.compiler.is_compiling() or not (fused_enabled() and torch.is_grad_enabled())
             or _outer_hooks()):
         return fn(*args)
@@ -612,13 +598,9 @@ def stream_update(x: Tensor, y: Tensor | None, out: Tensor, c: float) -> tuple:
 # ---- dropping saved tensors that can be recomputed -------------------------------------------------
 @contextmanager
 def recomputed_inputs(recipes: dict[int, Callable[[], Tensor]]) -> Iterator[None]:
-    """Within the block, a tensor an op saves for backward whose ``id`` is a key of ``recipes`` is
-    not kept: backward gets ``recipes[id]()`` instead, which must recompute it exactly (same ops on
-    tensors kept anyway). Any other saved tensor is kept as usual.
-
-    Does nothing (every tensor is kept) under an outer ``saved_tensors_hooks`` (activation
-    checkpointing, CPU offloading) or ``torch.compile``, which manage saved tensors themselves.
-    """
+    """Within the block, a saved tensor whose ``id`` is a key of ``recipes`` is dropped and
+    recomputed by ``recipes[id]()`` in backward (which must give it exactly). Does nothing under
+    an outer ``saved_tensors_hooks`` or ``torch.compile``."""
     if not recipes or torch.compiler.is_compiling() or _outer_hooks():
         yield
         return

@@ -42,11 +42,7 @@ class PreNorm(ResidualScheme):
 class PostNorm(ResidualScheme):
     """Post-Norm (Vaswani et al. 2017, arXiv 1706.03762).
 
-    ``h <- LN_i(h + F_i(h))``; the output of the last sublayer is already normalised, so there is
-    no final norm unless ``final_norm=True`` (so, unlike the other schemes, ``final_norm`` is off
-    by default and exit returns the stream). Bounded hidden states, but the gradient reaching the
-    first layers decays with depth. No norm feeds a branch alone, so ``branch_affine`` changes
-    nothing. Parameters: ``post_norm[i]`` (and ``final_norm``).
+    ``h <- LN_i(h + F_i(h))``; no final norm unless ``final_norm=True``.
     """
 
     name = "post"
