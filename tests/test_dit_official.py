@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import siamesenorm as sn
-import siamesenorm.schemes.pre as pre_scheme
 from siamesenorm.diffusion import create_diffusion, training_losses
 from siamesenorm.diffusion.likelihood import mean_flat
 from siamesenorm.diffusion.objective import vb_terms
 from siamesenorm.models import DiT, DiT_models, DiTConfig
 from siamesenorm.models.dit import TimestepEmbedder, modulate
 from siamesenorm.models.dit_official import OfficialDiT
+from siamesenorm.schemes import fusion
 from vision_ref import randomize
 
 F64 = torch.float64
@@ -589,13 +589,14 @@ def test_code_written_against_the_official_modules_computes_the_official_functio
 def test_a_block_given_a_tensor_returns_one_where_the_scheme_defers_its_add(monkeypatch):
     """Where fused kernels run (CUDA), Pre-Norm leaves each residual add to the next norm (a tuple
     state); ``block(x, c)`` still returns the official ``x``."""
-    monkeypatch.setattr(pre_scheme, "defers_add", lambda *args: True)
+    monkeypatch.setattr(fusion, "defers_add", lambda *args: True)
     sd = random_official(tiny_layout(), seed=8)
     model = OfficialDiT(scheme="pre", **TINY, dtype=F64).eval()
     model.load_state_dict(sd)
     x, t, y = inputs(2, 3, 8, 5)
     with torch.no_grad():
-        assert isinstance(model.scheme.step(torch.zeros(1, 2, 32, dtype=F64), 0, torch.sin), tuple)
+        assert isinstance(model.scheme.step(torch.zeros(1, 2, 32, dtype=F64), 0, torch.sin),
+                          fusion.PendingAdd)
         c = model.t_embedder(t) + model.y_embedder(y, False)
         h = model.x_embedder(x) + model.pos_embed
         for block in model.blocks:
