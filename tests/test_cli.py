@@ -34,7 +34,7 @@ run = cli_in_process
 def test_help_lists_the_subcommands():
     out = run_process("--help")
     assert out.returncode == 0
-    assert "schemes" in out.stdout and "demo" in out.stdout
+    assert "schemes" in out.stdout and "demo" in out.stdout and "olmo-core" in out.stdout
 
 
 def _arguments(parser=None, command: str = "siamesenorm"):
@@ -116,6 +116,38 @@ def test_train_and_compare_without_a_preset_use_the_same_one():
     """``train`` with no preset trained the built-in 6 x 256 model, ``compare`` the default preset."""
     out = run("train", "--dry-run")
     assert out.returncode == 0 and out.stdout.startswith("dry run of default: task lm, pre, 12 layers x 64")
+
+
+def test_without_a_preset_a_task_starts_from_the_preset_its_registry_entry_names(monkeypatch):
+    import dataclasses
+
+    from siamesenorm.cli import DEFAULT_PRESET, _preset_or_default
+    from siamesenorm.tasks.registry import DEFAULT_TASK, TASKS
+
+    assert TASKS[DEFAULT_TASK].default_preset == DEFAULT_PRESET        # the help texts' name
+    assert _preset_or_default(None, []) == DEFAULT_PRESET
+    assert _preset_or_default(None, ["task=vit"]) is None              # the config class's defaults
+    assert _preset_or_default("tiny", ["task=vit"]) == "tiny"
+    monkeypatch.setitem(TASKS, "vit", dataclasses.replace(TASKS["vit"], default_preset="vit-digits"))
+    assert _preset_or_default(None, ["model.n_layers=2", "task=vit"]) == "vit-digits"
+    for value, shown in (("nope", "'nope'"), ("[1]", "[1]")):
+        out = run("train", "--dry-run", f"task={value}")
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            f"siamesenorm train: error: task: unknown value {shown}; choose one of lm, vit, dit"]
+
+
+def test_olmo_core_train_says_in_one_line_what_it_needs(monkeypatch):
+    import importlib.util
+
+    out = run("olmo-core")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "ACTION" in out.stderr
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_core"
+                        else found(name, *a))
+    out = run("olmo-core", "train", "tiny", "--dry-run")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "siamesenorm olmo-core train: error: olmo-core train trains with OLMo-core: "
+        "pip install 'siamesenorm[olmo]'"]
 
 
 def test_schemes_table_lists_every_scheme_with_its_paper():

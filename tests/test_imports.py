@@ -1,9 +1,9 @@
-"""The package's import graph has no circles, and its layers point down.
+"""The package's import graph has no circles (its layers: tests/test_layering.py).
 
 Every ``import`` in ``src/siamesenorm`` counts, wherever it stands: at the top of a module, inside
-a function, or under ``if TYPE_CHECKING:``. ``from pkg import name`` is an edge to the module
-``pkg.name`` when there is one, else to ``pkg`` (its ``__init__``); importing a module is not an
-edge to its parent packages.
+a function, or under ``if TYPE_CHECKING:``; not under ``if __name__ == "__main__":`` (never run on
+import). ``from pkg import name`` is an edge to the module ``pkg.name`` when there is one, else to
+``pkg`` (its ``__init__``); importing a module is not an edge to its parent packages.
 """
 
 from __future__ import annotations
@@ -32,13 +32,22 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _run_on_import(node: ast.AST):
+    """``node`` and every node below it but those under ``if __name__ == "__main__":``."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not (isinstance(child, ast.If) and isinstance(child.test, ast.Compare)
+                and isinstance(child.test.left, ast.Name) and child.test.left.id == "__name__"):
+            yield from _run_on_import(child)
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Each module of the package in ``root`` -> the modules of the package it imports."""
     modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _run_on_import(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -94,11 +103,12 @@ def test_the_graph_reads_every_kind_of_import(tmp_path):
         "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.d import X\n",
         "sub/__init__.py": "from .. import a\n",
         "sub/d.py": "import pkg.b\nfrom ..sub import e\n",
-        "sub/e.py": "",
+        "sub/e.py": "if __name__ == '__main__':\n    from pkg import a\n",   # a program's, not an edge
     }
     for name, text in files.items():
         (pkg / name).write_text(text)
     graph = import_graph(pkg)
+    assert graph["pkg.sub.e"] == set()
     assert graph["pkg.a"] == {"pkg.b", "pkg.c"}          # from .b import name; from . import module
     assert graph["pkg.b"] == {"pkg.sub.d"}               # inside a function
     assert graph["pkg.c"] == {"pkg.sub.d"}               # under TYPE_CHECKING, absolute
@@ -112,39 +122,4 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-# The layers, lowest first: a module may import its own layer and the ones below, never above.
-LAYERS = [
-    {"errors", "devices", "rundir", "locks", "shapes", "streams"},
-    {"nn", "data", "kernels"},
-    {"schemes", "config"},
-    {"models"},
-    # hf's decoder families with any scheme: below the tasks, which build them (model.family)
-    {"diffusion", "eval", "hf.families", "hf.common", "hf.adapted", "hf.family_lm", "hf.standalone",
-     "hf.vendoring"},
-    {"analysis"},               # a library below the tasks and the engine
-    {"parallel"},               # processes, sharding and sharded checkpoints (torch.distributed)
-    {"train"},
-    {"tasks"},
-    {"run", "experiments", "demo", "hf", "olmo_core"},   # integrations: transformers, OLMo-core
-    {"cli", "__main__"},
-]
-
-
-def _layer(module: str) -> int:
-    """The layer of ``module``: the one naming its subpackage or module (``hf.adapted``), else the
-    one naming its top-level package (``hf``)."""
-    parts = module.split(".")[1:] or ["__init__"]
-    for name in (".".join(parts[:2]), parts[0]):
-        for i, names in enumerate(LAYERS):
-            if name in names:
-                return i
-    return -1
-
-
-def test_every_package_sits_in_a_layer_and_imports_only_downwards():
-    graph = import_graph()
-    unplaced = sorted({m.split(".")[1] for m in graph if "." in m and _layer(m) < 0})
-    assert not unplaced, f"add these to LAYERS: {unplaced}"
-    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() if "." in m for t in ts
-                    if "." in t and _layer(t) > _layer(m))
-    assert not upward, upward
+# The layers and the cycles between packages: tests/test_layering.py.

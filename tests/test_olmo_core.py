@@ -1,7 +1,7 @@
 """The OLMo-core integration (``siamesenorm.olmo_core``): every scheme as an OLMo-core Transformer
 gives our LanguageModel's logits with the mapped weights, the parameter map round-trips, a tiny
-model trains with OLMo-core's optimizer and train module, and the training entry trains under
-FSDP and under tensor parallelism over 2 processes (gloo, ``torchrun``) as one process does.
+model trains with OLMo-core's optimizer and train module, and ``siamesenorm olmo-core train`` trains
+under FSDP and under tensor parallelism over 2 processes (gloo, ``torchrun``) as one process does.
 FSDP, DDP, TP and CP of the train module itself: tests/test_olmo_core_parallel.py.
 """
 
@@ -469,8 +469,20 @@ def test_olmo_cores_activation_checkpointing_carries_the_state():
         assert losses(TransformerActivationCheckpointingConfig(mode=mode)) == want, mode
 
 
-# ---- the training entry point (siamesenorm.olmo_core.train) ----------------------------------
+# ---- the training command: siamesenorm olmo-core train ----------------------------------------
 TRAIN_STEPS = 4
+# python's arguments for the command: its name, and the old module path that forwards to it
+ENTRY = {"command": ["-m", "siamesenorm", "olmo-core", "train"],
+         "alias": ["-m", "siamesenorm.olmo_core.train"]}
+
+
+def olmo_train(argv: list[str]) -> int:
+    """``siamesenorm olmo-core train ARGV`` in this process: its exit status (2 for a usage error)."""
+    from siamesenorm.cli import main
+    try:
+        return main(["olmo-core", "train", *argv])
+    except SystemExit as done:          # argparse's usage errors
+        return done.code
 
 
 def _entry_env() -> dict:
@@ -478,10 +490,11 @@ def _entry_env() -> dict:
         [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
 
 
-def _entry(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+def _entry(args: list[str], nproc: int = 1, name: str = "command") -> subprocess.CompletedProcess:
+    """The command in a process of its own, or under torchrun in ``nproc`` (as ``train`` runs)."""
     launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                     str(nproc)]
-    cmd = [sys.executable, *launch, "-m", "siamesenorm.olmo_core.train", *args]
+    cmd = [sys.executable, *launch, *ENTRY[name], *args]
     return subprocess.run(cmd, env=_entry_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -504,9 +517,11 @@ def token_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process_run(token_files, tmp_path_factory):
+    """One process through the old module path: the runs of the command below match it."""
     save = tmp_path_factory.mktemp("run1") / "run"
     proc = _entry(["tiny", "--data", str(token_files / "*.npy"), "--save-folder", str(save),
-                   "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1"])
+                   "--steps", str(TRAIN_STEPS), "--metrics-interval", "1", "--lr", "1e-2", "--warmup", "1"],
+                  name="alias")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return save
 
@@ -575,17 +590,16 @@ def test_the_entry_trains_with_tensor_parallelism_as_one_process(token_files, on
 
 
 def test_dry_run_of_olmo_1b_needs_no_data(capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(["olmo-1b", "--dry-run", "--world-size", "8"]) == 0
+    assert olmo_train(["olmo-1b", "--dry-run", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "parameters: 1,279,963,136 " in out
     assert "scheme siamese {\"form\": \"hybrid_pre\"}" in out
     assert "2048 sequences x 2048 = 4,194,304 tokens per step" in out
     assert "8 ranks x micro-batch 8 x 32 accumulation" in out
     assert "total: 2.38 GiB" in out and "not counted" in out
-    assert main(["olmo-1b", "--dry-run", "--scheme", "pre"]) == 0
+    assert olmo_train(["olmo-1b", "--dry-run", "--scheme", "pre"]) == 0
     assert "scheme pre {}" in capsys.readouterr().out
-    assert main(["olmo-400m", "--dry-run", "--world-size", "8"]) == 0
+    assert olmo_train(["olmo-400m", "--dry-run", "--world-size", "8"]) == 0
     assert "parameters: 388,328,640 " in capsys.readouterr().out
 
 
@@ -600,16 +614,28 @@ def test_dry_run_of_olmo_1b_needs_no_data(capsys):
     (["olmo-1b", "--dry-run", "--world-size", "3"], "not a multiple"),
 ])
 def test_bad_inputs_end_with_one_line_and_status_2(args, says, capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(args) == 2
+    assert olmo_train(args) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and says in err, err
+    assert err.count("\n") == 1 and says in err and err.startswith("siamesenorm olmo-core train: error:"), err
 
 
-def test_a_bad_input_from_the_command_line_prints_one_line():
-    proc = _entry(["olmo-1b", "--dry-run", "--tp", "2"])
+@pytest.mark.parametrize("name", sorted(ENTRY))
+def test_a_bad_input_from_the_command_line_prints_one_line(name):
+    proc = _entry(["olmo-1b", "--dry-run", "--tp", "2"], name=name)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "tensor parallelism" in proc.stderr, proc.stderr
+
+
+def test_the_old_module_path_is_the_command(tmp_path):
+    """``python -m siamesenorm.olmo_core.train`` forwards to ``siamesenorm olmo-core train``: the same
+    output and status, nothing more on stderr; --help names the command."""
+    args = ["tiny-moe", "--dry-run", "--scheme", "pre", "--world-size", "2"]
+    new, old = _entry(args), _entry(args, name="alias")
+    assert (old.returncode, old.stdout, old.stderr) == (new.returncode, new.stdout, new.stderr) == \
+        (0, new.stdout, "")
+    assert "scheme pre {}" in new.stdout and "active parameters per token" in new.stdout
+    helped = _entry(["--help"], name="alias")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: siamesenorm olmo-core train")
 
 
 @pytest.mark.parametrize("name, precision, peak", [
@@ -627,13 +653,15 @@ def test_the_speed_monitor_measures_mfu_against_our_peak_of_the_device(name, pre
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989_500_000_000_000), ("Some Future GPU", None)])
-def test_the_entrys_trainer_gets_the_peak_of_the_gpu_it_runs_on(name, peak, token_files, tmp_path,
-                                                                 monkeypatch):
-    from siamesenorm.olmo_core import train as entry
+def test_the_commands_trainer_gets_the_peak_of_the_gpu_it_runs_on(name, peak, token_files, tmp_path,
+                                                                   monkeypatch):
+    from siamesenorm.cli import build_parser
+    from siamesenorm.commands.olmo_train import resolve
+    from siamesenorm.olmo_core.train import build_experiment
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    args = entry.parser().parse_args(["tiny", "--data", str(token_files / "*.npy"),
+    args = build_parser().parse_args(["olmo-core", "train", "tiny", "--data", str(token_files / "*.npy"),
                                       "--save-folder", str(tmp_path)])
-    parts = entry.build_experiment(args, entry.resolve(args), world=1)
+    parts = build_experiment(args, resolve(args), world=1)
     assert parts["trainer"].callbacks["speed_monitor"].device_peak_flops_per_second == peak
     assert parts["train_module"].autocast_precision is not None      # bf16, the GPU default

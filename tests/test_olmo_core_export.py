@@ -1,5 +1,5 @@
 """From an OLMo-core run to ours: ``siamesenorm import-olmo-core`` turns a checkpoint of
-``siamesenorm.olmo_core.train`` into a run directory, whose Hugging Face export gives the OLMo-core
+``siamesenorm olmo-core train`` into a run directory, whose Hugging Face export gives the OLMo-core
 model's logits and which ``analyze`` reads.
 
 The OLMo-core side is read by OLMo-core itself (``load_model_and_optim_state`` into its model), the
@@ -42,7 +42,7 @@ def _env() -> dict:
 
 
 def _train(data: Path, save: Path, steps: int, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "siamesenorm.olmo_core.train", "tiny", "--data",
+    cmd = [sys.executable, "-m", "siamesenorm", "olmo-core", "train", "tiny", "--data",
            str(data / "*.npy"), "--save-folder", str(save), "--steps", str(steps), "--metrics-interval",
            "1", "--lr", "1e-2", "--warmup", "1", *extra]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)

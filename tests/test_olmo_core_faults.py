@@ -1,4 +1,4 @@
-"""What a hostile or careless user gives the OLMo-core entry and ``import-olmo-core`` (issue 37):
+"""What a hostile or careless user gives ``olmo-core train`` and ``import-olmo-core`` (issue 37):
 a save folder that would run code when resumed, a config.json that would call OLMo-core functions,
 bad token files and flags. Each ends with one line on stderr and status 2, runs nothing, and leaves
 the user's files as they were; a sound save folder still resumes.
@@ -25,8 +25,9 @@ pytest.importorskip("olmo_core")
 from siamesenorm.cli import main as cli  # noqa: E402
 from siamesenorm.errors import UserError  # noqa: E402
 from siamesenorm.olmo_core.save_folder import MARKER, safe_loading  # noqa: E402
-from siamesenorm.olmo_core.train import main as entry  # noqa: E402
 from siamesenorm.train.checkpoint import read_dcp_metadata  # noqa: E402
+from test_olmo_core import ENTRY  # noqa: E402
+from test_olmo_core import olmo_train as entry  # noqa: E402
 
 STEP = 2
 
@@ -36,8 +37,8 @@ def _env() -> dict:
         [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
 
 
-def _run_entry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "siamesenorm.olmo_core.train", "tiny", *args], env=_env(),
+def _run_entry(*args: str, name: str = "command") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *ENTRY[name], "tiny", *args], env=_env(),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -51,7 +52,7 @@ def tokens(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def saved(tokens, tmp_path_factory) -> Path:
-    """A save folder of the entry with a checkpoint at step 2."""
+    """A save folder of the command with a checkpoint at step 2."""
     save = tmp_path_factory.mktemp("saved") / "save"
     proc = _run_entry("--data", str(tokens), "--save-folder", str(save), "--steps", str(STEP),
                       "--save-interval", str(STEP), "--metrics-interval", "1", "--lr", "1e-2")
@@ -60,7 +61,7 @@ def saved(tokens, tmp_path_factory) -> Path:
     return save
 
 
-def _refused(argv: list[str], says: str, capsys, run=entry, prefix="siamesenorm.olmo_core.train") -> str:
+def _refused(argv: list[str], says: str, capsys, run=entry, prefix="siamesenorm olmo-core train") -> str:
     capsys.readouterr()
     assert run(argv) == 2
     err = capsys.readouterr().err
@@ -168,12 +169,13 @@ def test_a_link_where_the_entry_writes_is_refused(saved, tokens, tmp_path, capsy
     assert victim.read_text() == "mine\n"
 
 
-def test_the_entry_resumes_its_own_folder(saved, tokens, tmp_path):
-    """End to end: a sound folder of the entry resumes under the checks and ``safe_loading``."""
+def test_the_command_resumes_its_own_folder_under_either_name(saved, tokens, tmp_path):
+    """End to end: a sound folder of the command resumes under the checks and ``safe_loading``,
+    through the old module path too."""
     folder = tmp_path / "again"
     shutil.copytree(saved, folder)
     proc = _run_entry("--data", str(tokens), "--save-folder", str(folder), "--steps", str(STEP + 1),
-                      "--metrics-interval", "1")
+                      "--metrics-interval", "1", name="alias")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Checkpoint successfully loaded" in proc.stdout + proc.stderr
     steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -272,4 +274,4 @@ def test_resuming_an_import_without_data_says_what_works(saved, tmp_path, capsys
     assert cli(["import-olmo-core", str(saved), "--out", str(run)]) == 0
     err = _refused(["train", "--resume", "--out", str(run), "train.steps=4"], "cannot be resumed", capsys,
                    run=cli, prefix="siamesenorm train")
-    assert "olmo_core.train" in err and "data.corpus=PATH/TO" not in err
+    assert "siamesenorm olmo-core train" in err and "data.corpus=PATH/TO" not in err

@@ -487,7 +487,7 @@ def test_the_tiny_moe_config_trains_with_expert_parallelism_and_logs_the_router(
     same losses, the router's among them."""
     root, data, log = two_processes
     assert "Applied expert parallelism" in log
-    proc = subprocess.run([sys.executable, "-m", "siamesenorm.olmo_core.train",
+    proc = subprocess.run([sys.executable, "-m", "siamesenorm", "olmo-core", "train",
                            *_entry_args(data, tmp_path / "one")],
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -516,8 +516,8 @@ def _worker(out: str, data: str, save: str) -> None:
     # the entry point in the same process group: OLMo-core's prepare_training_environment keeps
     # an initialised group (initialising a destroyed one again can hang), and its teardown ends it
     olmo_parallel._WORLD_MESH = None
-    from siamesenorm.olmo_core.train import main
-    if main([*_entry_args(Path(data), Path(save)), "--ep", "2"]) != 0:
+    from siamesenorm.cli import main
+    if main(["olmo-core", "train", *_entry_args(Path(data), Path(save)), "--ep", "2"]) != 0:
         raise SystemExit("the entry point failed")
 
 
@@ -531,8 +531,8 @@ if __name__ == "__main__":
 
 # ---- the entry point's configs ----------------------------------------------------------------
 def test_dry_run_of_olmoe_15b_a2b_with_expert_parallelism(capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(["olmoe-15b-a2b", "--dry-run", "--world-size", "8", "--ep", "8"]) == 0
+    from test_olmo_core import olmo_train
+    assert olmo_train(["olmoe-15b-a2b", "--dry-run", "--world-size", "8", "--ep", "8"]) == 0
     out = capsys.readouterr().out
     # configs/olmoe-15b-a2b.yaml (24 blocks of 96 experts, top-8): our LanguageModel's counts
     assert "parameters: 15,109,192,704 " in out
@@ -549,8 +549,8 @@ def test_dry_run_of_olmoe_15b_a2b_with_expert_parallelism(capsys):
     (["tiny-moe", "--dry-run", "--ep", "0"], "at least 1"),
 ])
 def test_bad_expert_parallel_arguments_end_with_one_line(args, says, capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(args) == 2
+    from test_olmo_core import olmo_train
+    assert olmo_train(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 

@@ -296,9 +296,12 @@ def test_the_entry_hands_tensor_and_context_parallelism_to_olmo_core(tokens, tmp
     data-parallel ranks only."""
     from olmo_core.nn.attention.ring import UlyssesContextParallelStyle
 
-    from siamesenorm.olmo_core.train import build_experiment, parser, resolve
+    from siamesenorm.cli import build_parser
+    from siamesenorm.commands.olmo_train import resolve
+    from siamesenorm.olmo_core.train import build_experiment
     for flags, tp, cp in ((["--tp", "2"], 2, None), (["--cp", "2"], None, 2)):
-        args = parser().parse_args(["tiny", "--data", tokens, "--save-folder", str(tmp_path), *flags])
+        args = build_parser().parse_args(["olmo-core", "train", "tiny", "--data", tokens, "--save-folder",
+                                          str(tmp_path), *flags])
         tm = build_experiment(args, resolve(args), world=2)["train_module"]
         assert (tm.tp_config and tm.tp_config.degree) == tp and tm.dp_config.name == "fsdp"
         assert (tm.cp_config and tm.cp_config.degree) == cp
@@ -319,8 +322,8 @@ def test_the_entry_hands_tensor_and_context_parallelism_to_olmo_core(tokens, tmp
     (["tiny", "--tp", "2"], "multiple of 2 ranks"),
 ])
 def test_unsupported_parallelism_ends_with_one_line_and_status_2(args, says, capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(args) == 2
+    from test_olmo_core import olmo_train
+    assert olmo_train(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 
@@ -328,7 +331,7 @@ def test_unsupported_parallelism_ends_with_one_line_and_status_2(args, says, cap
 def test_context_parallelism_on_cpu_must_span_every_rank(monkeypatch, capsys):
     """On CPU, torch's gloo all_to_all fails inside a sub-group (tried: TP 2 x CP 2 over 4
     processes), so ``--cp`` below the world size is refused before any work starts."""
-    from siamesenorm.olmo_core.train import main
+    from test_olmo_core import olmo_train as main
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
@@ -338,8 +341,8 @@ def test_context_parallelism_on_cpu_must_span_every_rank(monkeypatch, capsys):
 
 
 def test_the_dry_run_counts_data_parallel_ranks_under_tensor_parallelism(capsys):
-    from siamesenorm.olmo_core.train import main
-    assert main(["olmo-1b", "--dry-run", "--world-size", "8", "--tp", "2"]) == 0
+    from test_olmo_core import olmo_train
+    assert olmo_train(["olmo-1b", "--dry-run", "--world-size", "8", "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "4 ranks x micro-batch 8 x 64 accumulation" in out
     assert "parallelism: tensor 2 x context 1 x data 4 ranks" in out

@@ -186,7 +186,10 @@ def test_tensor_sizes_in_metadata_are_bounded_before_any_is_allocated(olmo_step,
 
 # ---- 2. the OLMo-core entry: a --work-dir that is a file, a planted train state ----------------------
 def _entry_refused(argv: list[str], capsys, says: str) -> str:
-    from siamesenorm.olmo_core.train import main as entry
+    from siamesenorm.cli import main
+
+    def entry(argv: list[str]) -> int:
+        return main(["olmo-core", "train", *argv])
 
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:

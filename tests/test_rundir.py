@@ -54,6 +54,18 @@ def test_a_trained_run_is_where_the_layout_says(tmp_path):
 
 
 # ---- holds a run -----------------------------------------------------------------------------------
+def test_the_run_folder_names_checkpoint_files_as_the_checkpoints_own_names_do(tmp_path, monkeypatch):
+    from siamesenorm.train.checkpoint import names
+
+    run = RunDir(tmp_path)
+    kept = run.checkpoints / f"{names.KEPT_PREFIX}7"
+    kept.mkdir(parents=True)
+    (kept / names.STATE_FILE).write_bytes(b"")
+    assert run.has_checkpoints()
+    monkeypatch.setattr(names, "STATE_FILE", "renamed.pt")      # one home: renamed there, seen here
+    assert not run.has_checkpoints()
+
+
 def test_a_folder_holds_a_run_once_it_has_metrics_or_checkpoints(tmp_path):
     run = RunDir(tmp_path / "r")
     assert not run.holds_run()                    # missing

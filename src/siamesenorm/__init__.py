@@ -5,6 +5,7 @@ Post-Norm-like X and a Pre-Norm-like Y) sharing every sublayer, with every basel
 with, behind one interface (:class:`ResidualScheme`) and one registry.
 """
 
+from .compute import use_path
 from .errors import ConfigError, UserError
 from .models.stack import ResidualStack
 from .schemes import (
@@ -15,8 +16,7 @@ from .schemes import (
                       register_scheme,
                       scheme_options,
 )
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["ConfigError", "ResidualScheme", "ResidualStack", "SchemeRequirements", "UserError", "__version__",
-           "build_scheme", "list_schemes", "register_scheme", "scheme_options"]
+           "build_scheme", "list_schemes", "register_scheme", "scheme_options", "use_path"]

@@ -10,9 +10,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .compute import compute_path
 from .errors import RankFailed, Terminated, UserError, environment_problem, one_line
 
-DEFAULT_PRESET = "default"  # configs/default.yaml: the README's main job, and train's preset
+DEFAULT_PRESET = "default"  # the default task's preset (tasks/lm.py), named in help texts
 
 
 # What works with every scheme, for `schemes -v`: the norm kinds and the model's own options.
@@ -55,6 +56,7 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 def _cmd_presets(args: argparse.Namespace) -> int:
     from .config import PRESET_DIR, read_preset
+    from .tasks.registry import DEFAULT_TASK
 
     rows = []
     for path in sorted(PRESET_DIR.glob("*.yaml")):
@@ -62,7 +64,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
         head = next((line[1:].strip() for line in path.read_text(encoding="utf-8").splitlines()
                      if line.startswith("#") and line[1:].strip()), "")
         head = head.removeprefix(f"{path.stem}:").strip()
-        rows.append((path.stem, data.get("task", "lm"), head))
+        rows.append((path.stem, data.get("task", DEFAULT_TASK), head))
     w = max(len(r[0]) for r in rows)
     print(f"{'preset':<{w}}  task  about")
     for name, task, head in rows:
@@ -282,7 +284,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("transformers") is None:
         raise UserError("--format hf needs transformers: pip install 'siamesenorm[hf]'")
-    from .hf.export import export_hf
+    from .commands.hf_export import export_hf
 
     info = export_hf(args.run_dir, args.out, force=args.force)
     tokenizer = f"{info['tokenizer']} tokenizer" if info["tokenizer"] else "no tokenizer (token-file run)"
@@ -317,7 +319,7 @@ def _cmd_import_olmo_core(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("olmo_core") is None:
         raise UserError("import-olmo-core reads the checkpoint's model config with OLMo-core: "
                           "pip install 'siamesenorm[olmo]'")
-    from .olmo_core.to_run import import_olmo_core
+    from .commands.olmo_import import import_olmo_core
 
     info = import_olmo_core(args.checkpoint, args.out, data=args.data)
     data = info["data"] or "none (give analyze --data token files)"
@@ -327,14 +329,16 @@ def _cmd_import_olmo_core(args: argparse.Namespace) -> int:
 
 
 def _preset_or_default(preset: str | None, overrides: list[str]) -> str | None:
-    """``preset``, else :data:`DEFAULT_PRESET` for a language model (``train`` and ``compare``
-    alike); a ``task=`` other than ``lm`` without a preset starts from that task's defaults."""
+    """``preset``, else the default preset of the task (``task=`` or the default task), for
+    ``train`` and ``compare`` alike; ``None``: the task's own defaults."""
     if preset is not None:
         return preset
     from .config import parse_override
+    from .tasks.registry import DEFAULT_TASK, get_task
 
-    task = next((parse_override(o)[1] for o in overrides if o.partition("=")[0].strip() == "task"), "lm")
-    return DEFAULT_PRESET if task == "lm" else None
+    task = next((parse_override(o)[1] for o in overrides if o.partition("=")[0].strip() == "task"),
+                DEFAULT_TASK)
+    return get_task(task).default_preset
 
 
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
@@ -451,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("import-olmo-core", help="an OLMo-core checkpoint of a scheme model (from "
-                                                "siamesenorm.olmo_core.train) as a run directory that "
-                                                "export and analyze take")
+                                                "olmo-core train) as a run directory that export and "
+                                                "analyze take")
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a checkpoint folder stepN/, or a save folder (its latest stepN/)")
     p.add_argument("--out", required=True, metavar="RUN", help="the new run directory (absent or empty)")
@@ -460,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token files (.bin, a folder or glob of them) for analyze to read by default "
                         "(default: none; analyze then needs --data)")
     p.set_defaults(func=_cmd_import_olmo_core)
+
+    from .commands import olmo_train
+
+    olmo_train.add_parser(sub)
 
     p = sub.add_parser("demo", help="build language models with several schemes and train them "
                                     "side by side for a few steps on embedded text")
@@ -498,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        compute_path()              # a wrong SIAMESENORM_PATH ends the command before any work
         return args.func(args)
     except UserError as err:
         print(f"siamesenorm {args.command}: error: {err}", file=sys.stderr)

@@ -1,9 +1,10 @@
 """The run directory: where each file of a run lives, and how its JSON-lines files are read.
 
 Every layer names a run's files through :class:`RunDir` (so this module imports nothing of the
-package but :mod:`.errors` and the version): ``config.yaml``, ``metrics.jsonl``, ``summary.json``,
-``checkpoints/``, ``tokenizer/``, ``probes.jsonl``, ``analysis.json``, ``analysis/``, ``samples/``,
-``tb/`` and the marker ``.siamesenorm-run.json`` (the table: docs/tasks.md, "A run's folder").
+package but :mod:`.errors`, the version and the checkpoint's file names): ``config.yaml``,
+``metrics.jsonl``, ``summary.json``, ``checkpoints/``, ``tokenizer/``, ``probes.jsonl``,
+``analysis.json``, ``analysis/``, ``samples/``, ``tb/`` and the marker ``.siamesenorm-run.json``
+(the table: docs/tasks.md, "A run's folder").
 A folder *holds a run* once it has ``metrics.jsonl`` or ``checkpoints/``; a fresh run refuses it
 (:meth:`RunDir.refuse_existing_run`) and any other non-empty folder, unless it is a run this tool
 marked that stopped before its first checkpoint: that one's own files are deleted
@@ -124,12 +125,15 @@ class RunDir:
     def has_checkpoints(self) -> bool:
         """Whether a checkpoint was ever completed here: ``checkpoints/last``, a kept
         ``checkpoints/step_<N>``, or a last one whose swap a crash cut short."""
-        folder = self.checkpoints
+        # here, not at the top: importing it runs train/__init__, which imports this module
+        from .train.checkpoint.names import KEPT_PREFIX, OLD_MARK, STATE_FILE
+
+        folder, last = self.checkpoints, self.last_checkpoint.name
         if not folder.is_dir():
             return False
-        return any((p / "state.pt").is_file() for p in folder.iterdir() if p.is_dir() and (
-            p.name == "last" or p.name.startswith(".last.old-")
-            or (p.name.startswith("step_") and p.name[5:].isdigit())))
+        return any((p / STATE_FILE).is_file() for p in folder.iterdir() if p.is_dir() and (
+            p.name == last or p.name.startswith(f".{last}{OLD_MARK}")
+            or (p.name.startswith(KEPT_PREFIX) and p.name[len(KEPT_PREFIX):].isdigit())))
 
     def marked(self) -> bool:
         """Whether this tool created a run here (:meth:`mark`): its marker is a regular file."""
@@ -140,7 +144,7 @@ class RunDir:
 
     def mark(self) -> None:
         """Mark the folder as a run this tool created (the first file a fresh run writes)."""
-        from . import __version__
+        from .version import __version__
 
         write_json(self.marker, {"created_by": f"siamesenorm {__version__}",
                                  "created": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -10,9 +10,9 @@ as a ``PreTrainedModel`` (:mod:`.modeling`), registered with ``AutoConfig``, ``A
 its model types (``siamesenorm_qwen3``, ...) are registered too, and :func:`save` writes such a
 model as a folder that loads without siamesenorm (:mod:`.standalone`);
 ``model.family`` makes one the language model of our commands (:mod:`.family_lm`); :mod:`.export`
-writes a run as a folder ``from_pretrained`` loads (docs/own_model.md). Without transformers this
-package still imports (``model.family`` is checked through :mod:`.families`); its names raise the
-``ImportError`` that says what to install.
+writes a trained model as a folder ``from_pretrained`` loads (docs/own_model.md). Without
+transformers this package still imports (``model.family`` is checked through :mod:`.families`);
+its names raise the ``ImportError`` that says what to install.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""``siamesenorm export RUN_DIR --format hf --out DIR``: a language-model run as a Hugging Face
-model folder that ``from_pretrained`` loads with transformers alone.
-
-The folder holds ``config.json`` (with ``auto_map``), ``model.safetensors``,
-``generation_config.json``, the run's tokenizer as a transformers fast tokenizer (bytes become a
-merge-free byte-level BPE with the same ids; the end and padding token is the NUL byte's),
-``modeling_siamesenorm.py`` and a model card ``README.md``. The modelling file is generated
-(:mod:`.vendoring`): it vendors :mod:`siamesenorm.hf.modeling` (a family run's: its adapted
-class, :mod:`.standalone`) and its relative imports, so that siamesenorm need not be installed
-where it loads, and an installed one is never touched. The folder is written
-under a temporary name and renamed at the end (:mod:`.folder`: ``--force`` replaces only a model
-folder siamesenorm wrote, and only then). What each file holds and why: docs/own_model.md, "The
-exported folder".
+"""A trained language model as a Hugging Face model folder that ``from_pretrained`` loads with
+transformers alone: weights, configs, the run's tokenizer as a fast tokenizer, the generated
+modelling file (:mod:`.vendoring`) and a model card (docs/own_model.md, "The exported folder").
+The command is ``siamesenorm export --format hf`` (:mod:`siamesenorm.commands.hf_export`).
 """
 
 from __future__ import annotations
@@ -23,71 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import UserError
-from ..rundir import RunDir, check_out_dir
-from ..shapes import read_summary
-from ..tasks.finished import open_trained
-from ..tasks.registry import TASKS, get_task, saved_config
-from .folder import check_model_folder, writing_model_folder
+from .folder import writing_model_folder
 from .standalone import MODELING_FILE
 from .vendoring import modeling_source
 
-__all__ = ["MODELING_FILE", "byte_level_backend", "export_hf", "hf_tokenizer", "modeling_source",
-           "write_model_folder"]
+__all__ = ["MODELING_FILE", "byte_level_backend", "hf_tokenizer", "model_card", "modeling_source",
+           "write_export", "write_model_folder"]
 
 _AUTO_MAP = {"AutoConfig": "SiameseNormConfig", "AutoModel": "SiameseNormForCausalLM",
              "AutoModelForCausalLM": "SiameseNormForCausalLM"}
 _END_BYTE = 0       # the NUL byte: the end and padding token of an exported tokenizer
 
 
-# ---- the command ------------------------------------------------------------------------------
-def export_hf(run_dir: str | Path, out: str | Path, *, force: bool = False) -> dict[str, Any]:
-    """Write the language-model run ``run_dir`` as a Hugging Face model folder ``out``; returns
-    ``{"folder", "parameters", "step", "tokenizer"}`` (``tokenizer``: ``bytes``, ``bpe`` or
-    ``None`` for a run on token files, which gets no tokenizer).
-
-    A folder that is not a run, a run that is not a language model, a run without a checkpoint and
-    an ``out`` that may not be written (:func:`_check_out`) are refused (:class:`UserError`)
-    before anything is written."""
-    run_dir, out = Path(run_dir), Path(out)
-    cfg = saved_config(run_dir, f"{run_dir} is not a run directory: it holds no config.yaml")
-    if not get_task(cfg.task).exports_hf:
-        kinds = ", ".join(f"{t.kind} runs (task: {t.name})" for t in TASKS.values() if t.exports_hf)
-        raise UserError(f"{run_dir} is a {get_task(cfg.task).kind} run (task: {cfg.task}); "
-                          f"--format hf exports {kinds}")
-    _check_out(out, run_dir, force)
-    model, cfg, step = open_trained(run_dir, "cpu", cfg)
-    tokenizer = _run_tokenizer(run_dir)
-    summary = read_summary(RunDir(run_dir).summary) if RunDir(run_dir).summary.is_file() else None
-    info = {"folder": str(out), "parameters": sum(p.numel() for p in model.parameters()),
-            "step": step, "tokenizer": tokenizer.kind if tokenizer is not None else None}
+def write_export(out: Path, model, cfg, tokenizer, card: str, *, force: bool = False) -> None:
+    """The trained ``model`` of the run configuration ``cfg`` as the folder ``out`` (:mod:`.folder`:
+    written aside, renamed at the end; ``force`` replaces one siamesenorm wrote)."""
     with writing_model_folder(out, force=force, written_by="export --format hf") as tmp:
         (_write_family_folder if cfg.model.family else _write_folder)(tmp, model, cfg, tokenizer)
-        (tmp / "README.md").write_text(model_card(cfg, info, summary, out.name), encoding="utf-8")
-    return info
-
-
-def _check_out(out: Path, run_dir: Path, force: bool) -> None:
-    """Refuse an ``--out`` inside the run or holding it (whether it exists yet or not, links
-    resolved), then every folder :func:`~.folder.check_model_folder` refuses: a file, the current
-    or the home folder or one holding either, the root folder, a non-empty folder unless
-    ``force``, and one holding anything siamesenorm did not write."""
-    check_out_dir(out)
-    target, run = out.resolve(), run_dir.resolve()
-    if run in target.parents:
-        raise UserError(f"--out {out} lies inside the run {run_dir} (its files would be replaced); "
-                          "write the model folder outside the run")
-    if target == run or target in run.parents:
-        raise UserError(f"--out {out} holds the run {run_dir}; choose another folder")
-    check_model_folder(out, force=force)
-
-
-def _run_tokenizer(run_dir: Path):
-    """The run's saved tokenizer, or ``None`` for a run on token files (it saved none)."""
-    from ..data import load_tokenizer
-
-    folder = RunDir(run_dir).tokenizer
-    return load_tokenizer(folder) if folder.is_dir() else None
+        (tmp / "README.md").write_text(card, encoding="utf-8")
 
 
 def _write_family_folder(folder: Path, model, cfg, tokenizer) -> None:

@@ -1,10 +1,5 @@
-"""The modelling file of a model folder, ``modeling_siamesenorm.py``: the package's modules the
-model needs, vendored as ``|``-prefixed string literals and served under a private package name, so
-an installed siamesenorm is never touched and its top-level imports are only the standard library,
-torch and transformers; then the classes ``config.json``'s ``auto_map`` names: our language model's
-(:func:`modeling_source`, for ``export``) or an adapted family's (:func:`family_modeling_source`,
-for its ``save_pretrained``). Why each piece is as it is: docs/own_model.md, "The exported folder".
-"""
+"""The modelling file of a model folder, ``modeling_siamesenorm.py``: the package's modules the model
+needs, vendored as strings, then the classes ``auto_map`` names (docs/own_model.md)."""
 
 from __future__ import annotations
 
@@ -32,13 +27,8 @@ NOT_VENDORED = (("kernels",), ("hf", "vendoring"))
 
 # ---- the modelling file ------------------------------------------------------------------------
 def vendored_modules(root: str = "hf.modeling") -> dict[str, str]:
-    """The package files ``root`` (a module of this package, relative) needs, path (relative to
-    the package, ``nn/attention.py``) -> source: the closure of every relative import (at any depth
-    of a module, since one inside a function runs later), with the ``__init__.py`` of each package
-    on the way, but for :data:`NOT_VENDORED`. ``hf/__init__.py`` is an empty stand-in (its imports
-    are not followed). A vendored
-    module importing at top level a third-party package outside :data:`VENDOR_ALLOWED` is a bug
-    here (``RuntimeError``)."""
+    """The package files ``root`` needs (path -> source): the closure of its relative imports, but for
+    :data:`NOT_VENDORED`. A top-level import outside :data:`VENDOR_ALLOWED` is a ``RuntimeError``."""
     package = Path(__file__).resolve().parents[1]
     files: dict[str, str] = {}
     todo = [tuple(root.split("."))]
@@ -67,7 +57,6 @@ _STAND_INS = {"hf/__init__.py": '"""siamesenorm.hf as exported: the modelling co
 
 
 def _module_file(package: Path, parts: tuple[str, ...]) -> str | None:
-    """The file of the module ``parts`` (relative to the package), or ``None`` if it is none."""
     base = "/".join(parts)
     for candidate in (f"{base}/__init__.py" if base else "__init__.py", f"{base}.py"):
         if (package / candidate).is_file():
@@ -76,9 +65,7 @@ def _module_file(package: Path, parts: tuple[str, ...]) -> str | None:
 
 
 def _relative_imports(source: str, pkg: tuple[str, ...], package: Path) -> list[tuple[str, ...]]:
-    """The modules (as parts) that the relative imports of ``source`` name, ``pkg`` being the
-    package its relative imports start from; ``from .x import y`` names ``x.y`` when that is a
-    module."""
+    """The modules (as parts) that the relative imports of ``source`` name, from the package ``pkg``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -102,10 +89,8 @@ def _check_third_party(path: str, source: str) -> None:
 def modeling_source(date: datetime.date | None = None, *, root: str = "hf.modeling",
                     tail: str | None = None, classes: tuple[str, str] | None = None,
                     made_by: str = "`siamesenorm export --format hf`") -> str:
-    """The text of ``modeling_siamesenorm.py`` (see the module docstring), dated ``date``
-    (default today): the modules ``root`` needs, then ``tail`` (default: our model's two classes;
-    else :func:`family_modeling_source`'s), whose two ``classes`` (configuration, model) the
-    header names, and the header's ``made_by``."""
+    """The text of ``modeling_siamesenorm.py``, dated ``date``: the modules ``root`` needs, then
+    ``tail`` (default: our model's classes), whose ``classes`` the header names."""
     if tail is None:
         classes = ("SiameseNormConfig", "SiameseNormForCausalLM")
         defined = "siamesenorm/hf/modeling.py defines the two classes"
@@ -123,10 +108,8 @@ def modeling_source(date: datetime.date | None = None, *, root: str = "hf.modeli
 
 
 def _literal(source: str) -> str:
-    """``source`` as a Python string literal that shows it as it is, each line behind a ``|``
-    (transformers scans a remote file's lines for imports, and would take the vendored modules'
-    ``from .x import y`` for files to fetch); the generated file's ``_source`` undoes it. A raw
-    triple-quoted string, or ``repr`` when the source holds what such a string cannot."""
+    """``source`` as a string literal, each line behind a ``|`` (transformers scans a remote file's
+    import lines); ``_source`` in the generated file undoes it."""
     text = "\n|" + source.replace("\n", "\n|")
     quotes = "'" * 3
     if quotes not in text and not text.endswith(("\\", "'")) and "\r" not in text:
@@ -254,8 +237,7 @@ _OWN_TAIL = '_modeling = importlib.import_module(_PACKAGE + ".hf.modeling")'
 
 def family_modeling_source(family: str, model_class: str, config_class: str,
                            date: datetime.date | None = None) -> str:
-    """The ``modeling_siamesenorm.py`` of a model of ``family`` adapted to a scheme: its classes
-    are named ``config_class`` and ``model_class``, as the adapted model's own."""
+    """The ``modeling_siamesenorm.py`` of an adapted ``family``, with the adapted model's class names."""
     tail = _FAMILY_TAIL.format(family=family, name=model_class, config=config_class)
     return modeling_source(date, root="hf.adapted", tail=tail, classes=(config_class, model_class),
                            made_by="siamesenorm.hf, saving a model adapted to a residual scheme")

@@ -13,8 +13,8 @@ A user's own ``TransformerConfig`` (OLMo2, Llama, OLMoE, ...) takes a scheme wit
 ``from_transformer_config(config, scheme="siamese")``.
 
 OLMo-core builds the attention and feed-forward of every block; the scheme (``model.scheme``) puts
-every norm and residual add around them. See docs/olmo-core.md. The core package never imports
-this one.
+every norm and residual add around them. See docs/olmo-core.md. Only the commands import this
+package (``olmo-core train``, ``import-olmo-core``); it imports no task, run or command.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""``siamesenorm import-olmo-core CKPT --out RUN``: an OLMo-core checkpoint of one of our scheme
-models (:mod:`siamesenorm.olmo_core.train`, or any run of a :class:`~.model.SchemeTransformer`) as
-one of our run directories, so that ``export`` and ``analyze`` take it like a run of ``siamesenorm
-train`` (it has no tokenizer, so ``generate`` refuses it).
-
-``CKPT`` is a checkpoint folder ``stepN/`` or a save folder (its latest complete ``stepN/``). The
-run gets ``config.yaml``, ``checkpoints/last/`` (the weights mapped by
-``to_siamesenorm_state_dict``, no optimizer moments), ``metrics.jsonl``, ``summary.json`` and
-``olmo-core-config.json`` (docs/olmo-core.md, "From an OLMo-core run to ours"). The weights,
-``model.<name>`` entries of ``model_and_optim/``, are read with torch alone in one process, whatever
-world size wrote them, by :func:`siamesenorm.train.checkpoint.read_dcp` (an allow-listed unpickler
-of ``.metadata``); the configuration needs OLMo-core's classes. An imported run cannot be resumed.
+"""An OLMo-core checkpoint of one of our scheme models read as our pieces: its settings as our
+configurations, its metrics and summary (``import-olmo-core``, :mod:`siamesenorm.commands.olmo_import`,
+writes them as a run). config.json is data: it may name only model config classes (OLMo-core's
+``from_dict`` calls what ``_CLASS_`` names); the sizes it and ``.metadata`` give are unchecked.
 """
 
 from __future__ import annotations
@@ -20,29 +12,21 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..config import TrainConfig, dump_config
+from ..config import TrainConfig
 from ..errors import UserError
-from ..models.lm import LanguageModel
-from ..rundir import RunDir, check_out_dir, read_json, read_jsonl, write_json, write_text
-from ..tasks.lm import UNSET_CORPUS, DataConfig, LMRunConfig
-from ..tasks.registry import get_task, load_config
-from ..train.checkpoint import read_dcp, read_dcp_metadata, save_checkpoint
-from ..train.optim import build_optimizer
-from ..train.state import RunState
+from ..models.lm_config import LMConfig
+from ..rundir import read_json, read_jsonl
+from ..train.checkpoint import read_dcp_metadata
 
-__all__ = ["CONFIG_COPY", "OLMoCoreCheckpoint", "find_checkpoint", "import_olmo_core", "read_model_tensors",
-           "run_config"]
+__all__ = ["MODEL_PREFIX", "OLMoCoreCheckpoint", "RunSettings", "entry_bytes", "find_checkpoint",
+           "finite_number", "metrics_rows", "model_config", "model_entries", "run_settings", "summary"]
 
-CONFIG_COPY = "olmo-core-config.json"
 _STEP = re.compile(r"step(\d+)")
 _MODEL_CLASS = "siamesenorm.olmo_core.model.SchemeTransformerConfig"
 _CLASS_FIELD = "_CLASS_"
@@ -187,18 +171,19 @@ def _train_config(ckpt: OLMoCoreCheckpoint, seq_len: int) -> tuple[TrainConfig, 
     settings: dict[str, Any] = {"steps": max(ckpt.step, 1)}
     optim = module.get("optim") or {}
     if str(optim.get(_CLASS_FIELD, "")).endswith(".AdamWConfig"):
-        settings |= {k: optim[k] for k in ("lr", "weight_decay") if _finite(optim.get(k))}
+        settings |= {k: optim[k] for k in ("lr", "weight_decay") if finite_number(optim.get(k))}
         betas = optim.get("betas")
-        if isinstance(betas, list) and len(betas) == 2 and all(map(_finite, betas)):
+        if isinstance(betas, list) and len(betas) == 2 and all(map(finite_number, betas)):
             settings["betas"] = tuple(betas)
     scheduler = module.get("scheduler") or {}
     if str(scheduler.get(_CLASS_FIELD, "")).endswith(".CosWithWarmup") and scheduler.get("units") == "steps":
         if isinstance(scheduler.get("warmup"), int):
             settings["warmup"] = scheduler["warmup"]
-        if _finite(scheduler.get("alpha_f")):
+        if finite_number(scheduler.get("alpha_f")):
             settings["min_lr_ratio"] = scheduler["alpha_f"]
-    if "max_grad_norm" in module and (module["max_grad_norm"] is None or _finite(module["max_grad_norm"])):
-        settings["grad_clip"] = module["max_grad_norm"] or 0.0      # None: no clipping
+    clip = module.get("max_grad_norm", 0.0)
+    if "max_grad_norm" in module and (clip is None or finite_number(clip)):
+        settings["grad_clip"] = clip or 0.0      # None: no clipping
     micro_tokens = module.get("rank_microbatch_size")
     microbatch = micro_tokens // seq_len if isinstance(micro_tokens, int) and micro_tokens >= seq_len else 1
     global_tokens = _number(ckpt.config, "data_loader", "global_batch_size")
@@ -210,9 +195,20 @@ def _train_config(ckpt: OLMoCoreCheckpoint, seq_len: int) -> tuple[TrainConfig, 
         raise UserError(f"the OLMo-core run's training settings do not map: {error}") from None
 
 
-def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig:
-    """Our configuration of the run ``ckpt`` belongs to (docs/olmo-core.md); ``data``: the
-    data ``analyze`` reads by default (a path, made absolute)."""
+@dataclass(frozen=True)
+class RunSettings:
+    """What the checkpoint says of its run, in our terms: the model, the training section, the
+    micro-batch and sequence length, the seed."""
+
+    model: LMConfig
+    train: TrainConfig
+    microbatch: int
+    seq_len: int
+    seed: int
+
+
+def run_settings(ckpt: OLMoCoreCheckpoint) -> RunSettings:
+    """Our configurations of the run ``ckpt`` belongs to (docs/olmo-core.md)."""
     from .convert import lm_config
 
     config = model_config(ckpt)
@@ -233,45 +229,14 @@ def run_config(ckpt: OLMoCoreCheckpoint, data: str | None = None) -> LMRunConfig
                         f"{type(error).__name__}: {error}") from None
     train, microbatch = _train_config(ckpt, seq_len)
     seed = config.init_seed if isinstance(config.init_seed, int) and config.init_seed >= 0 else 0
-    corpus = UNSET_CORPUS if data is None else _absolute(data)
-    return LMRunConfig(model=model, data=DataConfig(corpus=corpus, batch_size=microbatch, seq_len=seq_len),
-                       train=train, seed=seed)
+    return RunSettings(model, train, microbatch, seq_len, seed)
 
 
-def _absolute(spec: str) -> str:
-    if not spec.strip():
-        raise UserError("--data is empty; give token files (.bin)")
-    return os.path.abspath(os.path.expanduser(spec))
-
-
-def check_data(cfg: LMRunConfig, run_dir: Path) -> None:
-    """Refuse analysis data that ``analyze`` could not use with this model: not token files, ids
-    beyond the vocabulary, too few tokens for one batch."""
-    from ..data import load_corpus
-    from ..data.text.corpora import resolve_paths
-
-    spec = cfg.data.corpus
-    files, _ = resolve_paths(spec)
-    if any(f.suffix == ".npy" for f in files):
-        raise UserError(f"--data {spec}: siamesenorm reads token files named .bin; OLMo-core's uint16 .npy "
-                          "files hold the same bytes (headerless ids): link them (ln -s X.npy X.bin)")
-    corpus = load_corpus(spec)
-    if not corpus.is_tokenized:
-        raise UserError(f"--data {spec} is text, and the OLMo-core run has no tokenizer here: give "
-                          "token files (.bin: headerless uint16 ids, or modded-nanogpt shards)")
-    top = max(int(corpus.meta["max_token"]),
-              int(corpus.val_tokens.max()) if corpus.val_tokens is not None and len(corpus.val_tokens) else 0)
-    if top >= cfg.model.vocab_size:
-        raise UserError(f"--data {spec} holds token id {top}, beyond the model's vocabulary of "
-                          f"{cfg.model.vocab_size}; give data tokenized for this model")
-    get_task("lm").analysis_batches(cfg, run_dir, None, 1)
-
-
-# ---- the weights, metrics and summary ---------------------------------------------------------
+# ---- the weights' entries, metrics and summary -------------------------------------------------
 MODEL_PREFIX = "model."
 
 
-def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
+def model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
     """The model's tensor entries of the checkpoint ``folder``'s metadata, by parameter name."""
     entries = {key[len(MODEL_PREFIX):]: entry for key, entry in
                read_dcp_metadata(folder).state_dict_metadata.items() if key.startswith(MODEL_PREFIX)}
@@ -285,78 +250,12 @@ def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
     return entries
 
 
-def _entry_bytes(entries: dict[str, TensorStorageMetadata]) -> int:
+def entry_bytes(entries: dict[str, TensorStorageMetadata]) -> int:
     """The bytes of the full tensors ``entries`` describe (sizes read from the file: any size)."""
     return sum(math.prod(e.size) * e.properties.dtype.itemsize for e in entries.values())
 
 
-def _refuse_beyond_memory(need: int, detail: str) -> None:
-    """The memory bound of ``train`` (:func:`siamesenorm.tasks.dryrun.refuse_beyond_memory`) on
-    what the import holds at once, ``need`` bytes, before any of it is allocated."""
-    from ..devices import machine_memory
-    from ..tasks.dryrun import refuse_beyond_memory
-
-    cpu = torch.device("cpu")
-    available = machine_memory(cpu)
-    if available is not None:
-        refuse_beyond_memory(need, available, cpu, detail, fix="import it on a machine with more memory, "
-                             "or check the sizes in the checkpoint's config.json and .metadata")
-
-
-def read_model_tensors(folder: str | os.PathLike) -> dict[str, Tensor]:
-    """The full tensors of the model saved in ``folder`` (OLMo-core's ``model_and_optim/``), by the
-    model's own parameter names, on the CPU in their saved dtype; the optimizer is not read.
-    Tensors whose sizes (in ``.metadata``) could not fit this machine's memory are refused before
-    any is allocated."""
-    folder = Path(folder)
-    entries = _model_entries(folder)
-    size = _entry_bytes(entries)
-    _refuse_beyond_memory(size, f"the {len(entries)} model tensors that {folder / '.metadata'} describes")
-    state = {MODEL_PREFIX + name: torch.empty(tuple(e.size), dtype=e.properties.dtype)
-             for name, e in entries.items()}
-    read_dcp(folder, state)
-    return {key[len(MODEL_PREFIX):]: tensor for key, tensor in state.items()}
-
-
-def check_memory(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig) -> None:
-    """Refuse, before anything is read or built, an import whose model (float32, with its rotary
-    tables) and the checkpoint's tensors could not fit this machine's memory by far: the sizes
-    come from config.json and ``.metadata``, which may say anything."""
-    from ..tasks.dryrun import memory_floor
-
-    floor = memory_floor(cfg)
-    saved = _entry_bytes(_model_entries(ckpt.model_and_optim))
-    need = 4 * floor["parameters"] + floor["buffers"] + saved
-    _refuse_beyond_memory(need, f"{floor['parameters']:.3g} parameters as float32, "
-                                f"{floor['buffers'] / 2**30:,.1f} GiB of rotary tables and the checkpoint's "
-                                f"{saved / 2**30:,.1f} GiB of model tensors")
-
-
-def trained_model(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, tie_embeddings: bool) -> LanguageModel:
-    """Our ``LanguageModel`` of ``cfg`` with the checkpoint's weights."""
-    from .convert import to_siamesenorm_state_dict
-
-    tensors = read_model_tensors(ckpt.model_and_optim)
-    try:
-        state = to_siamesenorm_state_dict(tensors, tie_embeddings=tie_embeddings)
-    except KeyError as error:
-        raise UserError(f"the checkpoint's tensor {error.args[0]} has no counterpart in our "
-                          "LanguageModel") from None
-    model = LanguageModel(cfg.model)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shape = next((k for k in expected if k in state and state[k].shape != expected[k].shape), None)
-    if missing or unexpected or shape:
-        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected \
-            else f"{shape} has shape {tuple(state[shape].shape)}, the model {tuple(expected[shape].shape)}"
-        raise UserError(f"the tensors of {ckpt.model_and_optim} do not fit the model its config.json "
-                          f"describes ({detail})")
-    model.load_state_dict(state, strict=True)
-    return model.eval()
-
-
-def _finite(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -378,11 +277,12 @@ def metrics_rows(ckpt: OLMoCoreCheckpoint) -> list[dict[str, Any]]:
     return rows
 
 
-def summary(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, model: LanguageModel,
+def summary(ckpt: OLMoCoreCheckpoint, cfg: Any, model: Any,
             rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our summary.json of the imported run (``model``: our LanguageModel of ``cfg``)."""
     losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    bad = next((s for s, loss in losses if not _finite(loss)), None)
-    finite = [loss for _, loss in losses if _finite(loss)]
+    bad = next((s for s, loss in losses if not finite_number(loss)), None)
+    finite = [loss for _, loss in losses if finite_number(loss)]
     # fixed-length batches; null (RUN_SUMMARY allows it) where the config saved no data loader
     batch_tokens = _number(ckpt.config, "data_loader", "global_batch_size")
     tokens = ckpt.step * batch_tokens if isinstance(batch_tokens, int) else None
@@ -401,75 +301,3 @@ def summary(ckpt: OLMoCoreCheckpoint, cfg: LMRunConfig, model: LanguageModel,
         "imported_from": {"olmo_core_checkpoint": str(ckpt.folder.resolve()), "step": ckpt.step,
                           "olmo_core_version": version},
     }
-
-
-# ---- the command -----------------------------------------------------------------------------
-def _check_out(out: Path) -> None:
-    check_out_dir(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} is a folder that is not empty; the import writes a new run "
-                          "directory: choose another --out")
-
-
-def import_olmo_core(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                     data: str | None = None) -> dict[str, Any]:
-    """Write the OLMo-core checkpoint ``checkpoint`` as our run directory ``out`` (see the module
-    docstring); ``data``: token files that ``analyze`` reads by default. Returns ``{"checkpoint",
-    "step", "scheme", "parameters", "metrics", "data"}`` (``metrics``: rows written; ``data``: the
-    absolute ``data``, or ``None``).
-
-    Everything is checked before ``out`` appears: the folder is written beside it under a temporary
-    name and renamed at the end, so a failure leaves nothing. Errors a user can cause raise
-    :class:`UserError`."""
-    out = Path(out)
-    _check_out(out)
-    ckpt = find_checkpoint(checkpoint)
-    cfg = run_config(ckpt, data)
-    check_memory(ckpt, cfg)
-    tied = cfg.model.tie_embeddings
-    target = Path(os.path.abspath(out))         # "." and "run/" have a name and a parent this way
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        layout = RunDir(tmp)
-        write_text(layout.config, dump_config(cfg))
-        cfg = load_config(str(layout.config))          # what analyze and export will read
-        if data is not None:
-            check_data(cfg, tmp)
-        model = trained_model(ckpt, cfg, tied)
-        rows = metrics_rows(ckpt)
-        write_text(layout.metrics, "".join(json.dumps(r, allow_nan=False) + "\n" for r in _strict(rows)))
-        losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
-        state = RunState(step=ckpt.step, last_loss=losses[-1] if losses else None,
-                         best_loss=min(losses) if losses else math.inf,
-                         seq_len=cfg.data.seq_len, checkpoint_step=ckpt.step,
-                         micro_batches=cfg.train.grad_accum)
-        info = summary(ckpt, cfg, model, rows)
-        state.tokens_seen = info["tokens_seen"] or 0
-        # no optimizer moments carry over: an optimizer of our recipe, with no state
-        optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas)
-        save_checkpoint(layout.last_checkpoint, model, optimizer,
-                        {"run": state.to_dict(), "imported_from": info["imported_from"]})
-        write_json(layout.summary, info)
-        write_text(tmp / CONFIG_COPY, json.dumps(ckpt.config, indent=2) + "\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if target.exists() and any(target.iterdir()):
-                raise UserError(f"--out {out} was written by something else during the import; "
-                                  "choose another --out") from None
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"checkpoint": str(ckpt.folder), "step": ckpt.step, "scheme": cfg.model.scheme,
-            "parameters": model.num_parameters(), "metrics": len(rows), "data": None if data is None
-            else cfg.data.corpus}
-
-
-def _strict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` as strict JSON (a non-finite loss becomes null, as our runs write it)."""
-    from ..rundir import plain
-
-    return [plain(r) for r in rows]

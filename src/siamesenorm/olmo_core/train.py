@@ -1,28 +1,17 @@
-"""Paper-shaped OLMo-core training runs of our schemes, launched with ``torchrun``::
+"""OLMo-core training runs of our schemes: a run's shape, its checks, and OLMo-core's configs.
 
-    torchrun --nproc_per_node 8 -m siamesenorm.olmo_core.train olmo-1b --scheme siamese \\
-        --data '/data/*.npy' --save-folder runs/1b
-    python -m siamesenorm.olmo_core.train olmo-1b --dry-run --world-size 8   # sizes, no data
-
-Configs (``CONFIGS``): ``olmo-1b`` and ``olmo-400m`` take the model, optimizer, schedule and batch
-of our presets ``configs/olmo-1b.yaml`` and ``configs/olmo-400m.yaml``; ``tiny`` is a CPU model for
-tests. The data are OLMo-core numpy token files (raw ``uint16`` token ids, no ``.npy`` header, as
-OLMo's own data; ``--data-dtype`` for others) read by its ``NumpyFSLDatasetConfig``; OLMo-core's
-``Trainer`` trains with its ``TransformerTrainModule`` (FSDP across the ranks by default) and
-writes its checkpoints to ``--save-folder``, and every step's metrics to
-``<save-folder>/metrics.jsonl`` (rank 0). A bad argument ends with one line on stderr, status 2.
-See docs/olmo-core.md.
+The command is ``siamesenorm olmo-core train`` (:mod:`siamesenorm.commands.olmo_train`, started by
+``torchrun -m siamesenorm olmo-core train ...``); the functions here take its options (``args``).
+``python -m siamesenorm.olmo_core.train`` still forwards to it, for one release. docs/olmo-core.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +28,8 @@ PRESET_RANKS = 8
 
 @dataclass(frozen=True)
 class RunShape:
-    """What a config fixes: the model (our ``LMConfig``), the sequence length, the global batch and
-    the rank micro-batch (sequences), and the optimizer and schedule."""
+    """The model, the sequence length, the global batch and rank micro-batch (sequences), and the
+    optimizer and schedule of a run."""
 
     model: LMConfig
     seq_len: int
@@ -57,9 +46,8 @@ class RunShape:
     tokenizer: str          # "gpt_neox" (OLMo-1B's, ids < 50280) or "bytes" (ids < vocab_size)
 
 
-def _from_preset(name: str) -> RunShape:
-    from ..tasks.registry import load_config  # our preset reader, checks every value
-    run = load_config(name)
+def shape_of(run: Any) -> RunShape:
+    """The shape of one of our language-model run configurations (a preset, resolved)."""
     data, train = run.data, run.train
     return RunShape(
         model=run.model, seq_len=data.seq_len, microbatch=data.batch_size,
@@ -69,7 +57,8 @@ def _from_preset(name: str) -> RunShape:
         checkpoint_every=train.checkpoint_every, tokenizer="gpt_neox")
 
 
-def _tiny() -> RunShape:
+def tiny() -> RunShape:
+    """A CPU model for tests."""
     model = LMConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, mlp_hidden=128, max_seq_len=64,
                      qk_norm=True, tie_embeddings=False, scheme="siamese",
                      scheme_options={"form": "hybrid_pre"})
@@ -78,71 +67,17 @@ def _tiny() -> RunShape:
                     checkpoint_every=1000, tokenizer="bytes")
 
 
-def _tiny_moe() -> RunShape:
+def tiny_moe() -> RunShape:
     """``tiny`` with an OLMoE-shaped feed-forward: every block an MoE of 8 experts, 2 per token."""
-    shape = _tiny()
+    shape = tiny()
     model = dataclasses.replace(shape.model, moe={"every": 1, "n_experts": 8, "top_k": 2, "hidden": 32,
                                                   "aux_loss": 0.01, "z_loss": 0.001})
     return dataclasses.replace(shape, model=model)
 
 
-CONFIGS = {"olmo-1b": lambda: _from_preset("olmo-1b"), "olmo-400m": lambda: _from_preset("olmo-400m"),
-           "olmoe-15b-a2b": lambda: _from_preset("olmoe-15b-a2b"), "tiny": _tiny, "tiny-moe": _tiny_moe}
+SMALL = {"tiny": tiny, "tiny-moe": tiny_moe}     # the shapes that are no preset of ours
 # SiameseNorm's form in the paper's OLMo runs; other schemes start from their own defaults
 DEFAULT_OPTIONS = {"siamese": {"form": "hybrid_pre"}}
-
-
-class UsageError(Exception):
-    """A bad command line: one line on stderr, status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:   # one line, not argparse's usage block
-        raise UsageError(message)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m siamesenorm.olmo_core.train",
-                description="Train one of our schemes as an OLMo-core Transformer (launch with torchrun).")
-    p.add_argument("config", choices=sorted(CONFIGS), help="the run's shape and recipe")
-    p.add_argument("--scheme", help="residual scheme (default: the config's, siamese)")
-    p.add_argument("--scheme-options", action="append", default=[], metavar="K=V[,K=V]",
-                   help="scheme options (siamese defaults to form=hybrid_pre)")
-    p.add_argument("--data", nargs="+", default=[], metavar="PATH_OR_GLOB",
-                   help="OLMo-core numpy token files (raw token ids)")
-    p.add_argument("--data-dtype", default="uint16", choices=["uint8", "uint16", "uint32", "uint64"])
-    p.add_argument("--save-folder", help="OLMo-core checkpoints and metrics.jsonl (a new or empty folder, "
-                   "or one this entry wrote: the run resumes from its latest checkpoint)")
-    p.add_argument("--adopt-save-folder", action="store_true",
-                   help="train in a --save-folder this entry did not write (resuming its OLMo-core "
-                        "checkpoint, which is checked first)")
-    p.add_argument("--work-dir", help="dataset cache (default: <save-folder>/work)")
-    p.add_argument("--steps", type=int, help="train steps (default: the config's)")
-    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
-    p.add_argument("--microbatch", type=int, help="sequences per rank per forward (default: the config's)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: the config's)")
-    p.add_argument("--warmup", type=int, help="warm-up steps (default: the config's)")
-    p.add_argument("--save-interval", type=int, help="checkpoint every N steps (default: the config's)")
-    p.add_argument("--metrics-interval", type=int, default=10, help="OLMo-core's metrics_collect_interval")
-    p.add_argument("--seed", type=int, default=0, help="init and data order seed")
-    p.add_argument("--dp", choices=["fsdp", "hsdp", "ddp", "none"],
-                   help="data parallelism (default: fsdp with several ranks)")
-    p.add_argument("--precision", choices=["bf16", "fp32"],
-                   help="bf16: FSDP bf16 params, fp32 reductions (default on CUDA); fp32 otherwise")
-    p.add_argument("--ac", choices=["none", "full", "selected_ops"], default="none",
-                   help="OLMo-core activation checkpointing")
-    p.add_argument("--compile", action="store_true", help="torch.compile the blocks")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallelism degree (the scheme's streams replicated over the group; "
-                        "with --dp fsdp or hsdp)")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context parallelism degree (Ulysses: each rank holds 1/cp of the sequence)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallelism: not supported (1 only)")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert parallelism degree (MoE configs; runs over HSDP's shard dimension)")
-    p.add_argument("--world-size", type=int, help="dry run: ranks to shard over (default: $WORLD_SIZE or 1)")
-    p.add_argument("--dry-run", action="store_true", help="print sizes, FLOPs and memory; build on meta only")
-    return p
 
 
 def _parse_options(items: list[str]) -> dict[str, Any]:
@@ -152,17 +87,16 @@ def _parse_options(items: list[str]) -> dict[str, Any]:
             key, eq, value = part.partition("=")
             key = key.strip()
             if not eq or not key:
-                raise UsageError(f"--scheme-options: expected KEY=VALUE, got {part!r}")
+                raise UserError(f"--scheme-options: expected KEY=VALUE, got {part!r}")
             if key in options:
-                raise UsageError(f"--scheme-options: {key} is given twice; give each option once")
+                raise UserError(f"--scheme-options: {key} is given twice; give each option once")
             options[key] = yaml.safe_load(value) if value.strip() else ""
     return options
 
 
-def resolve(args: argparse.Namespace) -> RunShape:
-    """The config with the command line's scheme and overrides, every value checked."""
+def resolve(args: Any, shape: RunShape) -> RunShape:
+    """``shape`` with the command's scheme and overrides, every value checked."""
     from ..schemes import check_scheme_options
-    shape = CONFIGS[args.config]()
     scheme = args.scheme or shape.model.scheme
     if args.scheme_options:
         options = _parse_options(args.scheme_options)
@@ -170,10 +104,7 @@ def resolve(args: argparse.Namespace) -> RunShape:
         options = dict(shape.model.scheme_options)
     else:
         options = dict(DEFAULT_OPTIONS.get(scheme, {}))
-    try:
-        check_scheme_options(scheme, options)
-    except UserError as err:
-        raise UsageError(str(err)) from None
+    check_scheme_options(scheme, options)
     _check_tp_cp_pp(args, shape)
     _check_ep(args, shape)
     shape = dataclasses.replace(shape, model=dataclasses.replace(shape.model, scheme=scheme,
@@ -184,107 +115,107 @@ def resolve(args: argparse.Namespace) -> RunShape:
     for key, value in over.items():
         flag = "--" + flags[key].replace("_", "-")
         if key == "lr" and not (math.isfinite(value) and value > 0):
-            raise UsageError(f"{flag} must be a positive finite number, got {value}")
+            raise UserError(f"{flag} must be a positive finite number, got {value}")
         elif key != "lr" and value < (0 if key == "warmup" else 1):
-            raise UsageError(f"{flag} must be {'at least 0' if key == 'warmup' else 'positive'}, got {value}")
+            raise UserError(f"{flag} must be {'at least 0' if key == 'warmup' else 'positive'}, got {value}")
     if args.metrics_interval < 1:
-        raise UsageError(f"--metrics-interval must be at least 1, got {args.metrics_interval}")
+        raise UserError(f"--metrics-interval must be at least 1, got {args.metrics_interval}")
     if not 0 <= args.seed < 2 ** 32:
-        raise UsageError(f"--seed must be in 0..{2 ** 32 - 1} (numpy's seeds), got {args.seed}")
+        raise UserError(f"--seed must be in 0..{2 ** 32 - 1} (numpy's seeds), got {args.seed}")
     return dataclasses.replace(shape, **over)
 
 
-def _check_tp_cp_pp(args: argparse.Namespace, shape: RunShape) -> None:
+def _check_tp_cp_pp(args: Any, shape: RunShape) -> None:
     """``--tp``, ``--cp`` and ``--pp`` against the model and the other options
     (docs/olmo-core.md, "Parallelism")."""
     from .model import PP_REFUSAL
     for flag in ("tp", "cp", "pp"):
         if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+            raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.pp > 1:
-        raise UsageError(f"--pp {args.pp}: {PP_REFUSAL}")
+        raise UserError(f"--pp {args.pp}: {PP_REFUSAL}")
     m = shape.model
     if args.tp > 1:
         if args.dp in ("ddp", "none"):
-            raise UsageError(f"--tp with --dp {args.dp}: tensor parallelism runs with --dp fsdp or hsdp "
+            raise UserError(f"--tp with --dp {args.dp}: tensor parallelism runs with --dp fsdp or hsdp "
                              "(OLMo-core needs a data-parallel config, and its DDP of a TP model is wrong)")
         if m.moe.every or args.ep > 1:
-            raise UsageError("--tp: tensor parallelism of MoE scheme models is not supported "
+            raise UserError("--tp: tensor parallelism of MoE scheme models is not supported "
                              "(OLMo-core has no TP with EP); use --ep")
         for what, n in (("heads", m.n_heads), ("kv heads", m.n_kv_heads or m.n_heads),
                         ("feed-forward hidden size", m.hidden_dim)):
             if n % args.tp:
-                raise UsageError(f"--tp {args.tp}: tensor parallelism of degree {args.tp} does not divide "
+                raise UserError(f"--tp {args.tp}: tensor parallelism of degree {args.tp} does not divide "
                                  f"the {n} {what}")
     if args.cp > 1:
         if args.dp == "none":
-            raise UsageError("--cp with --dp none: OLMo-core's context parallelism needs a data-parallel "
+            raise UserError("--cp with --dp none: OLMo-core's context parallelism needs a data-parallel "
                              "config (--dp fsdp|hsdp|ddp)")
         for what, n in (("heads", m.n_heads), ("kv heads", m.n_kv_heads or m.n_heads)):
             if n % (args.tp * args.cp):
                 inner = args.tp * args.cp
-                raise UsageError(f"--cp {args.cp}: Ulysses context parallelism splits the {n} {what} over "
+                raise UserError(f"--cp {args.cp}: Ulysses context parallelism splits the {n} {what} over "
                                  f"tp x cp = {inner} ranks, and {inner} does not divide {n}")
 
 
-def _parallel_world(args: argparse.Namespace, world: int, gloo: bool) -> int:
+def parallel_world(args: Any, world: int, gloo: bool) -> int:
     """The data-parallel ranks of ``world`` ranks under ``--tp`` and ``--cp``."""
     inner = args.tp * args.cp
     if world % inner:
         used = [(f, kind) for f, kind in (("tp", "tensor"), ("cp", "context")) if getattr(args, f) > 1]
         flags = " x ".join(f"--{f} {getattr(args, f)}" for f, _ in used)
         kinds = " and ".join(kind for _, kind in used)
-        raise UsageError(f"{flags}: {kinds} parallelism needs a multiple of {inner} ranks "
+        raise UserError(f"{flags}: {kinds} parallelism needs a multiple of {inner} ranks "
                          f"(torchrun --nproc_per_node), got {world}")
     if gloo and 1 < args.cp < world:
-        raise UsageError(f"--cp {args.cp} of {world} ranks on CPU: torch's gloo all_to_all fails in a "
+        raise UserError(f"--cp {args.cp} of {world} ranks on CPU: torch's gloo all_to_all fails in a "
                          "sub-group, so on CPU --cp must span every rank (no --tp, no data parallelism)")
     return world // inner
 
 
-def _check_ep(args: argparse.Namespace, shape: RunShape) -> None:
+def _check_ep(args: Any, shape: RunShape) -> None:
     """``--ep N``: an MoE config whose experts N divides, over HSDP (OLMo-core's EP shards the
     experts over HSDP's shard dimension, N ranks wide)."""
     if args.ep < 1:
-        raise UsageError(f"--ep must be at least 1, got {args.ep}")
+        raise UserError(f"--ep must be at least 1, got {args.ep}")
     if args.ep == 1:
         return
     moe = shape.model.moe
     if not moe.every:
-        raise UsageError(f"--ep {args.ep}: expert parallelism needs an MoE config (olmoe-15b-a2b, tiny-moe)")
+        raise UserError(f"--ep {args.ep}: expert parallelism needs an MoE config (olmoe-15b-a2b, tiny-moe)")
     if moe.n_experts % args.ep:
-        raise UsageError(f"--ep {args.ep} does not divide the {moe.n_experts} experts")
+        raise UserError(f"--ep {args.ep} does not divide the {moe.n_experts} experts")
     if args.dp not in (None, "hsdp"):
-        raise UsageError(f"--ep with --dp {args.dp}: OLMo-core runs expert parallelism over HSDP's shard "
+        raise UserError(f"--ep with --dp {args.dp}: OLMo-core runs expert parallelism over HSDP's shard "
                          "dimension; use --dp hsdp (the default with --ep)")
     if args.cp > 1:
-        raise UsageError("--ep with --cp: expert and context parallelism together are not supported here")
+        raise UserError("--ep with --cp: expert and context parallelism together are not supported here")
 
 
-def _check_ep_world(args: argparse.Namespace, world: int) -> None:
+def check_ep_world(args: Any, world: int) -> None:
     if world % args.ep:
-        raise UsageError(f"--ep {args.ep} does not divide the {world} ranks")
+        raise UserError(f"--ep {args.ep} does not divide the {world} ranks")
 
 
-def default_dp(args: argparse.Namespace, world: int) -> str:
+def default_dp(args: Any, world: int) -> str:
     if args.dp == "hsdp" and world < 2:
-        raise UsageError("--dp hsdp shards within and replicates across groups of ranks: it needs at "
+        raise UserError("--dp hsdp shards within and replicates across groups of ranks: it needs at "
                          f"least 2 ranks (torchrun --nproc_per_node), got {world}")
     if args.dp:
         return args.dp
     return "hsdp" if args.ep > 1 else "fsdp" if world > 1 else "none"
 
 
-def world_size(args: argparse.Namespace) -> int:
+def world_size(args: Any) -> int:
     n = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if n < 1:
-        raise UsageError(f"--world-size must be at least 1, got {n}")
+        raise UserError(f"--world-size must be at least 1, got {n}")
     return n
 
 
-def _check_batch(shape: RunShape, world: int) -> None:
+def check_batch(shape: RunShape, world: int) -> None:
     if shape.global_batch % (world * shape.microbatch):
-        raise UsageError(f"global batch {shape.global_batch} sequences is not a multiple of {world} ranks x "
+        raise UserError(f"global batch {shape.global_batch} sequences is not a multiple of {world} ranks x "
                          f"micro-batch {shape.microbatch}; set --global-batch or --microbatch")
 
 
@@ -323,46 +254,15 @@ def dry_run_report(shape: RunShape, world: int, dp: str, ep: int = 1) -> dict[st
     }
 
 
-def format_dry_run(r: dict[str, Any]) -> str:
-    s: RunShape = r["config"]
-    gib = 2 ** 30
-    dp_world = r.get("dp_world", r["world"])   # the ranks that read different data
-    per_pass = dp_world * s.microbatch
-    accum = s.global_batch // per_pass if s.global_batch % per_pass == 0 else float("nan")
-    moe = s.model.moe
-    experts = (f"MoE of {moe.n_experts} SwiGLU experts of hidden {moe.expert_hidden(s.model.dim)}, "
-               f"top-{moe.top_k}")
-    mlp = (experts if moe.every == 1 else f"SwiGLU {s.model.hidden_dim}"
-           + (f" and every {moe.every}th block an {experts}" if moe.every else ""))
-    lines = [
-        f"model: {s.model.n_layers} layers, width {s.model.dim}, {s.model.n_heads} heads, {mlp}, "
-        f"vocab {s.model.vocab_size}, context {s.seq_len}, scheme {s.model.scheme} "
-        f"{json.dumps(s.model.scheme_options)}",
-        f"parameters: {r['params']:,} (non-embedding {r['non_embedding']:,}; without the head too "
-        f"{r['non_embedding_no_head']:,})",
-    ]
-    if moe.every:
-        lines.append(f"active parameters per token: {r['active']:,} (experts {r['experts']:,} in all)")
-    lines += [
-        f"FLOPs per token (OLMo-core, forward+backward, seq {s.seq_len}): {r['flops_per_token']:.4g}",
-        f"batch: {s.global_batch} sequences x {s.seq_len} = {r['tokens_per_step']:,} tokens per step; "
-        f"{dp_world} ranks x micro-batch {s.microbatch} x {accum} accumulation; {s.steps:,} steps "
-        f"= {r['tokens_per_step'] * s.steps / 1e9:.1f}B tokens",
-        f"FLOPs per step: {r['flops_per_token'] * r['tokens_per_step']:.4g}",
-        f"optimizer: AdamW lr {s.lr:g} betas {s.betas} wd {s.weight_decay:g}, cosine with {s.warmup} "
-        f"warm-up steps to {s.min_lr_ratio:g} of the peak, clip {s.grad_clip}",
-        f"memory per rank ({r['dp']}, parameters sharded over {r['shards']}):" if r["ep"] == 1 else
-        f"memory per rank ({r['dp']} with expert parallelism {r['ep']}: experts sharded over "
-        f"{r['shards']} ranks, the other parameters over {r['other_shards']}):",
-    ]
-    if r.get("tp", 1) > 1 or r.get("cp", 1) > 1:
-        lines.insert(-1, f"parallelism: tensor {r['tp']} x context {r['cp']} x data {dp_world} ranks "
-                         "(a TP/CP group shares one micro-batch; FSDP shards over data x context)")
-    lines += [f"  {k}: {v / gib:.2f} GiB" for k, v in r["memory"].items()]
-    lines += [f"  total: {r['memory_total'] / gib:.2f} GiB",
-              "  not counted: activations, FSDP's all-gathered bf16 block parameters and gradients, "
-              "temporaries, the CUDA context and allocator caching"]
-    return "\n".join(lines)
+def dry_run(args: Any, shape: RunShape) -> dict[str, Any]:
+    """:func:`dry_run_report` of the run at ``--world-size`` ranks, planned for GPUs and checked as
+    a run is (no data, nothing written)."""
+    world = world_size(args)
+    dp_world = parallel_world(args, world, gloo=False)
+    check_batch(shape, dp_world)
+    check_ep_world(args, world)
+    report = dry_run_report(shape, world, default_dp(args, world), args.ep)
+    return report | {"dp_world": dp_world, "tp": args.tp, "cp": args.cp}
 
 
 # ---- training ------------------------------------------------------------------------------
@@ -396,7 +296,7 @@ def _data_paths(patterns: list[str]) -> list[str]:
             [os.path.expanduser(pattern)]
         found = [p for p in found if os.path.isfile(p)]
         if not found:
-            raise UsageError(f"--data {pattern}: no such token file")
+            raise UserError(f"--data {pattern}: no such token file")
         paths += found
     return paths
 
@@ -422,7 +322,7 @@ def speed_monitor(flops_per_token: int, device_name: str | None, precision: str)
                                 device_peak_flops_per_second=device_peak_flops(device_name, precision))
 
 
-def train_module_config(args: argparse.Namespace, shape: RunShape, world: int, dp: str, precision: str,
+def train_module_config(args: Any, shape: RunShape, world: int, dp: str, precision: str,
                         cuda: bool):
     """OLMo-core's ``TransformerTrainModuleConfig`` of the run (benchmarks/gpu.py trains it too)."""
     from olmo_core.config import DType
@@ -465,7 +365,7 @@ def train_module_config(args: argparse.Namespace, shape: RunShape, world: int, d
         autocast_precision=DType.bfloat16 if precision == "bf16" and dp_config is None and cuda else None)
 
 
-def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> dict[str, Any]:
+def build_experiment(args: Any, shape: RunShape, world: int) -> dict[str, Any]:
     """OLMo-core's configs of the run: model, dataset, data loader, train module and trainer."""
     import torch
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
@@ -513,21 +413,21 @@ def build_experiment(args: argparse.Namespace, shape: RunShape, world: int) -> d
             "trainer": trainer}
 
 
-def train(args: argparse.Namespace, shape: RunShape) -> None:
+def train(args: Any, shape: RunShape) -> None:
     from olmo_core.train import prepare_training_environment, teardown_training_environment
     from olmo_core.utils import seed_all
 
     distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     if args.world_size is not None and args.world_size != world:
-        raise UsageError(f"--world-size {args.world_size} is for dry runs; torchrun gave {world} ranks")
+        raise UserError(f"--world-size {args.world_size} is for dry runs; torchrun gave {world} ranks")
     import torch
-    _check_batch(shape, _parallel_world(args, world, gloo=not torch.cuda.is_available()))
-    _check_ep_world(args, world)
+    check_batch(shape, parallel_world(args, world, gloo=not torch.cuda.is_available()))
+    check_ep_world(args, world)
     if not args.data:
-        raise UsageError("--data is required (OLMo-core numpy token files, e.g. --data '/data/*.npy')")
+        raise UserError("--data is required (OLMo-core numpy token files, e.g. --data '/data/*.npy')")
     if not args.save_folder:
-        raise UsageError("--save-folder is required (where OLMo-core writes its checkpoints)")
+        raise UserError("--save-folder is required (where OLMo-core writes its checkpoints)")
     default_dp(args, world)
     from ..rundir import check_out_dir
     from .save_folder import check_save_folder, mark, safe_loading, verify_checkpoint
@@ -560,25 +460,10 @@ def train(args: argparse.Namespace, shape: RunShape) -> None:
         teardown_training_environment()
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parser().parse_args(argv)
-        shape = resolve(args)
-        if args.dry_run:
-            world = world_size(args)
-            dp_world = _parallel_world(args, world, gloo=False)   # a plan for a GPU run
-            _check_batch(shape, dp_world)
-            _check_ep_world(args, world)
-            report = dry_run_report(shape, world, default_dp(args, world), args.ep)
-            report |= {"dp_world": dp_world, "tp": args.tp, "cp": args.cp}
-            print(format_dry_run(report))
-            return 0
-        train(args, shape)
-        return 0
-    except (UsageError, UserError) as err:
-        print(f"siamesenorm.olmo_core.train: error: {err}", file=sys.stderr)
-        return 2
+if __name__ == "__main__":     # the old entry, for one release: siamesenorm olmo-core train
+    import sys
 
+    from ..cli import entry
 
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.argv[1:1] = ["olmo-core", "train"]
+    entry()

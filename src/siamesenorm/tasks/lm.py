@@ -199,7 +199,7 @@ def load_lm_data(cfg: LMRunConfig, run_dir: Path | None = None, resume: bool = F
         what = f"was imported from the OLMo-core checkpoint {imported}" if imported is not None else \
             "names no training data (data.corpus is unset)"
         raise UserError(f"{run_dir or 'the run'} {what}, so it cannot be resumed (--resume takes no "
-                        "data.corpus): continue the OLMo-core run (python -m siamesenorm.olmo_core.train "
+                        "data.corpus): continue the OLMo-core run (siamesenorm olmo-core train "
                         "with its --save-folder), or train a new run with data.corpus=PATH")
     corpus = _load_corpus(cfg)
     tokenizer = None
@@ -409,4 +409,5 @@ TASK = Task(
     multi_process=True,
     exports_hf=True,
     head_memory=_head_memory,
+    default_preset="default",     # configs/default.yaml: the README's main job
 )

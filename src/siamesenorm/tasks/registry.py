@@ -24,7 +24,7 @@ def get_task(name: str) -> Task:
     """The task called ``name`` (a one-line error naming the known ones otherwise)."""
     try:
         return TASKS[name]
-    except KeyError:
+    except (KeyError, TypeError):       # TypeError: a value no name can be (a list)
         raise UserError(f"task: unknown value {name!r}; choose one of {', '.join(TASKS)}") from None
 
 

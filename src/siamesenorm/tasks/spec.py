@@ -63,6 +63,8 @@ class Task:
       ``head_memory(cfg, tokens) -> (activations, buffers)``: for the dry run's memory.
     - ``multi_process``: may span processes (evaluations on every rank, written by rank 0);
       ``exports_hf``: ``export --format hf`` takes its runs.
+    - ``default_preset``: what ``train`` and ``compare`` start from when no preset is named (``None``:
+      the configuration class's defaults).
     """
 
     name: str
@@ -84,3 +86,4 @@ class Task:
     multi_process: bool = False
     exports_hf: bool = False
     head_memory: Callable[[Any, int], tuple[int, int]] = lambda cfg, tokens: (0, 0)
+    default_preset: str | None = None
