@@ -1,11 +1,5 @@
-"""``siamesenorm demo``: several schemes in the same language model, trained side by side.
-
-A short, honest demonstration on embedded text (the source of the running Python's ``argparse``
-module, read as bytes): the same data order and the same seed for every scheme, steps interleaved
-so machine noise falls on all of them alike. It prints, per scheme, the depth diagnostics at
-initialisation (hidden-state RMS of each stream at the first and last block, and the ratio of the
-gradient norm of the first block to the last), then the training and validation loss.
-"""
+"""``siamesenorm demo``: several schemes in the same language model, trained side by side on
+embedded text (the same data order and seed, steps interleaved)."""
 
 from __future__ import annotations
 
@@ -25,14 +19,12 @@ from .tasks.dryrun import refuse_beyond_memory
 
 
 def embedded_text() -> bytes:
-    """The bytes of the standard library's ``argparse.py`` (present in every CPython)."""
     return Path(argparse.__file__).read_bytes()
 
 
 def _refuse_beyond_memory(configs: list[LMConfig], batch: int, seq: int) -> None:
-    """Refuse, before anything is built, models that cannot fit this machine's memory by far: the
-    demo holds every scheme's model, gradients and AdamW state at once (16 bytes a parameter) and
-    each one's activations (at least every sublayer's input, and the logits)."""
+    """Refuse, before anything is built, models far beyond this machine's memory: the demo holds every
+    scheme's model, gradients, AdamW state and activations at once."""
     available = machine_memory(torch.device("cpu"))
     if available is None:
         return

@@ -25,9 +25,8 @@ def _setting(option: str, value: str) -> str:
 
 
 def check_device_name(name: Any, option: str = "train.device") -> None:
-    """Refuse a device name that no run can use, whatever this machine has: not a string, not a
-    torch device, or a kind other than :data:`DEVICE_KINDS` (``meta``: no data to compute with).
-    Whether the device is present is :func:`resolve_device`'s to check, where it is used."""
+    """Refuse a device name no run can use, whatever this machine has (not a kind in
+    :data:`DEVICE_KINDS`, or ``meta``)."""
     if not isinstance(name, str) or not name:
         raise UserError(f"{_setting(option, repr(name))}: give auto, cpu, cuda, cuda:N or mps")
     if name == "auto":
@@ -46,11 +45,7 @@ def check_device_name(name: Any, option: str = "train.device") -> None:
 
 def resolve_device(name: str, option: str = "train.device") -> torch.device:
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda[:N]`` or ``mps``, present on this
-    machine (:func:`check_device_name` first).
-
-    ``option`` is how the user set it (``train.device`` in a configuration, ``--device`` on the
-    command line); the error that refuses an unknown or absent device names it in that form.
-    """
+    machine; errors name ``option`` as the user set it."""
     check_device_name(name, option)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +87,6 @@ def machine_memory(device: torch.device) -> int | None:
 
 
 def _cpu_name() -> str:
-    """The processor's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -103,9 +97,7 @@ def _cpu_name() -> str:
 
 
 def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
-    """What a run's numbers depend on besides its configuration and seed: versions, the device
-    and its name, threads per process, processes, and whether deterministic algorithms are on
-    (floating-point order differs between CPUs, libraries and thread counts)."""
+    """What a run's numbers depend on besides its configuration and seed: versions, device, threads."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "device": str(device), "device_name": name,
@@ -115,10 +107,8 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def deterministic(enabled: bool) -> Iterator[None]:
-    """PyTorch's deterministic algorithms on (``enabled``) for the duration, then as before: an
-    operation without a deterministic implementation then raises rather than varying between
-    runs. On CUDA, cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` set before its first use; it is set
-    here when absent."""
+    """PyTorch's deterministic algorithms on for the duration (``enabled``), then as before; sets
+    ``CUBLAS_WORKSPACE_CONFIG`` when absent."""
     if not enabled:
         yield
         return

@@ -11,8 +11,7 @@ MAX_MESSAGE_CHARS = 500
 
 
 def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """``message`` cut to at most ``limit`` characters: its start and end with the characters
-    between them left out and counted."""
+    """``message`` cut to at most ``limit`` characters: its start and end, the characters left out counted."""
     if len(message) <= limit:
         return message
     tail = limit // 4
@@ -22,9 +21,8 @@ def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 
 class UserError(ValueError):
-    """Something the user gave that cannot be used: a bad configuration value, a damaged or unsafe
-    checkpoint, data that changed under a run, a folder that holds something else. Its message is
-    bounded here, once, for every error (:func:`one_line`): whatever value it shows."""
+    """Something the user gave that cannot be used (a bad value, a damaged checkpoint, a folder holding
+    something else); its message is cut to :func:`one_line`."""
 
     def __init__(self, message: object = "", *args: object) -> None:
         super().__init__(one_line(message) if isinstance(message, str) else message, *args)
@@ -34,14 +32,11 @@ ConfigError = UserError     # its name before issue 35; kept for code that catch
 
 
 class RankFailed(RuntimeError):
-    """One process of a run launched with ``--nproc`` crashed (not a user error). The command line
-    prints its one line (which rank, the exception, where its traceback is) and exits with 1."""
+    """One process of a run launched with ``--nproc`` crashed (not a user error); the command exits with 1."""
 
 
 class Terminated(KeyboardInterrupt):
-    """The process was asked to stop by SIGTERM (what schedulers send before preempting a job).
-    Training stops as after Ctrl-C (checkpoint, ``summary.json`` marked interrupted); the command
-    line then exits with 143 (128 + SIGTERM), the status a shell reports for it."""
+    """The process got SIGTERM: training stops as after Ctrl-C, and the command exits with 143."""
 
 
 # Operating-system errors about the files and folders a command was given or writes (a read-only or
@@ -52,8 +47,8 @@ ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errn
 
 
 def environment_problem(err: OSError) -> str | None:
-    """``err`` as one line (what the system said, and the path(s) it said it of) when it is one of
-    :data:`ENVIRONMENT_ERRNOS`; ``None`` for any other OS error (a bug, kept loud)."""
+    """``err`` as one line (what the system said, and of which path) when it is one of
+    :data:`ENVIRONMENT_ERRNOS`; else ``None``."""
     if err.errno not in ENVIRONMENT_ERRNOS:
         return None
     what = err.strerror or str(err)

@@ -1,23 +1,5 @@
-"""Exclusive locks on output folders: one writer per run folder and per experiment folder.
-
-``train`` holds the lock of its run folder from the moment it writes there until it ends; ``compare``
-holds its experiment folder's and, while it trains a run, that run's. A second process that wants a
-held folder (another ``train --out`` into it, a ``--resume`` of a run still training, a second
-``compare``) is refused with one line naming the folder and the process that holds it.
-
-The lock file is opened without following a symbolic link and must be a regular file: a link or
-anything else planted under its name is refused with one line (never written through).
-
-The lock is ``.siamesenorm.lock`` in the folder: the holder keeps it open under an exclusive
-``flock``, which the operating system drops when the process ends in any way (``kill -9``, a crash,
-a power cut of the node), so a lock left by a dead process is simply taken. The file also records
-the holder (pid, host, command, start time) for the message, and is removed when the lock is
-released. Where ``flock`` is not available (Windows, some network filesystems) the file is created
-exclusively instead and a lock whose holder on this host is gone is taken over.
-
-Locks nest within a process (``compare`` holds its experiment's lock while a run holds its own).
-The processes ``--nproc`` starts take none: they train in the folder their launcher holds.
-"""
+"""Exclusive locks on output folders (``.siamesenorm.lock`` under ``flock``): one writer per run
+folder and per experiment folder; the lock of a process that died is simply taken."""
 
 from __future__ import annotations
 
@@ -67,8 +49,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getatt
 
 
 def _open_lock(path: Path, flags: int) -> int:
-    """``os.open`` of the lock file ``path`` without following a link; a link, a folder, a device
-    or a FIFO under its name is a :class:`UserError` (one line), and is left as it is."""
+    """``os.open`` of the lock file without following a link; anything but a regular file is a
+    :class:`UserError`."""
     try:
         fd = os.open(path, flags | _NOFOLLOW, 0o644)
     except OSError as error:
@@ -87,8 +69,7 @@ def _not_a_lock(path: Path) -> None:
 
 
 def held_by(folder: str | os.PathLike) -> dict | None:
-    """What the lock file of ``folder`` says of its holder (``None``: no readable lock file, or
-    one that is not a regular file)."""
+    """What the lock file of ``folder`` says of its holder, or ``None``."""
     try:
         fd = _open_lock(Path(folder) / LOCK_NAME, os.O_RDONLY)
     except (OSError, UserError):
@@ -221,9 +202,7 @@ class FolderLock:
 
 
 def check_free(folder: str | os.PathLike, command: str) -> None:
-    """Refuse ``folder`` (:class:`~.errors.UserError`, one line) when a live process holds its
-    lock; take nothing. The first check of a command, so that its message is about the holder
-    rather than about what the holder has written there."""
+    """Refuse ``folder`` (one line naming the holder) when a live process holds its lock; take nothing."""
     key = _key(Path(folder))
     path = key / LOCK_NAME
     if key in _held or not path.exists():
@@ -249,12 +228,9 @@ def check_free(folder: str | os.PathLike, command: str) -> None:
 
 @contextmanager
 def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[FolderLock | None]:
-    """Hold the exclusive lock of ``folder`` (created if missing) for the ``with`` block.
-
-    A :class:`~.errors.UserError` (one line naming the folder and the holder) when another live
-    process holds it. Nested use within one process is free. When the folder did not exist and
-    nothing but the lock was written in it, it is removed again at the end.
-    """
+    """Hold the exclusive lock of ``folder`` (created if missing) for the ``with`` block: a one-line
+    :class:`UserError` naming the holder when another live process holds it. Nests within a process;
+    a folder it created that holds only the lock is removed again."""
     key = _key(Path(folder))
     mine = _held.get(key)
     if mine is not None:

@@ -1,19 +1,5 @@
-"""The shapes of the JSON documents the commands read back, checked where they are read.
-
-A run folder is something people copy, edit and share, so a file we wrote may come back as valid
-JSON of the wrong shape (a list where we wrote an object, a string where we wrote a number). Every
-reader of such a file states the shape it relies on, and :func:`check` refuses anything else in
-one line naming the file and the place in it, before any code trips over it.
-
-A shape is one of:
-
-- a type, or a tuple of types (``int`` never admits ``True``: a bool is not a count), or a tuple
-  of shapes (any one of them);
-- :class:`Obj`: a JSON object whose listed keys, where present, have their shapes (``required``
-  keys must be present; keys not listed may hold anything);
-- :class:`ListOf`: a JSON array whose items all have one shape;
-- :data:`ANY`: anything.
-"""
+"""The shapes of the JSON documents the commands read back (a run folder may come back edited),
+checked where they are read."""
 
 from __future__ import annotations
 
@@ -40,8 +26,8 @@ OPT_STR = (str, type(None))
 
 @dataclass(frozen=True)
 class Obj:
-    """A JSON object: ``keys`` maps a key to its shape (checked where present); ``required`` keys
-    must be present; ``rest``, when given, is the shape of every key not listed."""
+    """A JSON object: ``keys`` maps a key to its shape (checked where present); ``required`` keys must be
+    present; ``rest``, when given, is the shape of every key not listed."""
 
     keys: dict[str, Any] = field(default_factory=dict)
     required: tuple[str, ...] = ()
@@ -80,8 +66,8 @@ def _is(value: Any, types: type | tuple[type, ...]) -> bool:
 
 
 def mismatch(value: Any, shape: Any, at: str = "") -> str | None:
-    """Where and how ``value`` differs from ``shape`` (``"at runs[2].steps: expected an integer,
-    got a string"``), or ``None`` when it fits. Iterative, so any nesting is safe."""
+    """Where and how ``value`` differs from ``shape`` (``"at runs[2].steps: expected an integer, got a
+    string"``), or ``None``."""
     stack = [(value, shape, at)]
     while stack:
         value, shape, at = stack.pop()
@@ -115,8 +101,8 @@ def mismatch(value: Any, shape: Any, at: str = "") -> str | None:
 
 
 def check(value: Any, shape: Any, where: str) -> Any:
-    """``value`` (a document read from ``where``, a file) when it has ``shape``; otherwise a
-    :class:`UserError` in one line: the file, the place and what was expected."""
+    """``value``, read from ``where``, when it has ``shape`` (a type, ``int`` admitting no bool; a tuple
+    of shapes, any one; :class:`Obj`, :class:`ListOf`, :data:`ANY`); else a one-line :class:`UserError`."""
     problem = mismatch(value, shape)
     if problem is not None:
         raise UserError(f"{where} is damaged (not what siamesenorm wrote: {problem}); delete it or "
@@ -172,6 +158,5 @@ def read_summary(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_rows(path: str | os.PathLike, row: Obj) -> list[dict[str, Any]]:
-    """The rows of the JSON-lines file ``path`` (:func:`~siamesenorm.rundir.read_jsonl`: none
-    when it is missing), each checked against ``row`` (:data:`METRICS_ROW`, :data:`PROBE_ROW`)."""
+    """The rows of the JSON-lines file ``path`` (none when it is missing), each checked against ``row``."""
     return [check(r, row, f"{path} (row {i})") for i, r in enumerate(read_jsonl(path), 1)]

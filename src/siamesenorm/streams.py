@@ -1,11 +1,5 @@
 """Standard output and error that a run outlives: a closed, full or broken log stops the log, never
-the run.
-
-A run started with ``2>&-`` (Python then has no ``sys.stderr``), ``2>/dev/full`` (every write
-fails) or ``2>&1 | head -c 10`` (the reader exits mid-run) goes on training, checkpoints and writes
-its ``summary.json``; only what it would have printed is lost. :func:`outlive_readers` sets this up
-for a process; :class:`LogStream` is the stream it installs.
-"""
+the run."""
 
 from __future__ import annotations
 
@@ -17,10 +11,8 @@ __all__ = ["LogStream", "outlive_readers"]
 
 
 class LogStream:
-    """A text stream around ``stream`` (``None``: there is none) whose ``write`` and ``flush``
-    never raise for the file behind it: once one fails (a closed, full or broken file), the stream
-    is mute for good and its file descriptor becomes ``/dev/null``, so that what the process or
-    its children write to it at the C level is dropped too."""
+    """A text stream around ``stream`` (``None``: none) whose ``write`` and ``flush`` never raise: once
+    one fails, it is mute for good and its file descriptor becomes ``/dev/null``."""
 
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
@@ -65,8 +57,8 @@ def _to_null(fd: int) -> None:
 
 
 def _open_or_null(fd: int) -> None:
-    """A closed file descriptor 1 or 2 becomes ``/dev/null``: a file the run opens later would
-    take the number, and what C code writes to standard error would land in it."""
+    """A closed file descriptor 1 or 2 becomes ``/dev/null``, so that no file the run opens later takes
+    its number."""
     try:
         os.fstat(fd)
     except OSError:

@@ -1,19 +1,5 @@
-"""Any scheme inside a Hugging Face causal LM of a supported family: :func:`adapt`.
-
-``adapt(config_or_model, scheme="siamese", **scheme_options)`` returns a subclass of the family's
-own ``...ForCausalLM`` (e.g. ``Qwen3SchemeForCausalLM``) whose residual path is the scheme, run by
-:class:`~siamesenorm.ResidualStack`. From a configuration: a fresh model, initialised by the
-family's own ``__init__``. From a model: built from a copy of its embedding, attention, MLP or MoE
-modules and head (``share=True``: from the modules themselves; training one then trains both). Everything of
-the family stays (attention implementation, RoPE, masks, MoE router and aux loss, KV cache,
-``generate``); only the norms and the residual wiring change: the scheme owns every norm, of the
-family's kind, and one in a model norm's role starts as a copy of it (``scheme.role_norms()``), so
-``adapt(model, "pre")`` computes what ``model`` computes. ``scheme.requires`` is honoured (QKV-norm;
-DeepNorm's init, fresh models only). Hidden states: one per block boundary, a multi-stream scheme's
-exit applied there. ``save_pretrained`` records the scheme in ``config.siamesenorm``; load it with
-:func:`~.loading.adapt_from_pretrained`. Parameter names and the rest: docs/own_model.md. Needs
-transformers 5.
-"""
+"""Any scheme inside a Hugging Face causal LM of a supported family: :func:`adapt` (transformers 5;
+docs/own_model.md)."""
 
 from __future__ import annotations
 
@@ -70,10 +56,8 @@ def _family(model_type: str | None) -> Family:
 
 # ---- the pieces ----------------------------------------------------------------------------------
 def _own_copy(module: nn.Module, config: Any = None) -> nn.Module:
-    """A shallow copy of ``module``: the same parameters and child modules, its own registries (so
-    children and parameters set on it, and hooks, are its own) and ``config`` if given, so that
-    the copy follows the adapted model's configuration (``_attn_implementation``) and the original
-    is left alone."""
+    """A shallow copy of ``module``: the same parameters and children, its own registries and hooks, and
+    ``config`` if given (the original is left alone)."""
     new = copy.copy(module)
     state = vars(new)
     for key, value in list(state.items()):
@@ -85,8 +69,7 @@ def _own_copy(module: nn.Module, config: Any = None) -> nn.Module:
 
 
 def _own_tree(module: nn.Module, config: Any) -> nn.Module:
-    """:func:`_own_copy` of ``module`` and of every submodule that holds a configuration (attention,
-    MLP, an MoE block's experts): the same parameters, the adapted model's ``config``."""
+    """:func:`_own_copy` of ``module`` and of every submodule that holds a configuration."""
     new = _own_copy(module, config)
     for name, child in module.named_children():
         if any("config" in vars(m) for m in child.modules()):
@@ -95,8 +78,7 @@ def _own_tree(module: nn.Module, config: Any) -> nn.Module:
 
 
 def _own_parameters(module: nn.Module) -> nn.Module:
-    """:func:`_own_copy` of ``module`` with parameters of its own, on the same data (until
-    something replaces their data, as ``resize_token_embeddings`` does)."""
+    """:func:`_own_copy` of ``module`` with parameters of its own, on the same data."""
     new = _own_copy(module)
     for name, p in list(new.named_parameters(recurse=False)):
         setattr(new, name, nn.Parameter(p.data, requires_grad=p.requires_grad))
@@ -123,9 +105,8 @@ def _copy_norm(dst: nn.Module, src: nn.Module | None, offset: float = 0.0) -> No
 
 def _copy_role_norms(scheme: ResidualScheme, family: Family, layers: nn.ModuleList,
                      final: nn.Module) -> None:
-    """Start the scheme's norms that have a role of the family's norms as copies of them: on a
-    sublayer's input (``scheme.role_norms()``), on its output (``role_output_norm_name``), the
-    head's; Gemma's ``1 + weight`` becomes our weight."""
+    """Start the scheme's norms that play a family norm's role as copies of it; Gemma's ``1 + weight``
+    becomes our weight."""
     offset = 1.0 if family.norm == "gemma" else 0.0
     per, head = scheme.role_norms()
     outputs = getattr(scheme, scheme.role_output_norm_name or "", None)
@@ -139,10 +120,8 @@ def _copy_role_norms(scheme: ResidualScheme, family: Family, layers: nn.ModuleLi
 
 
 def _branch_weights(sublayers: nn.ModuleList) -> list[BranchWeight]:
-    """Every weight matrix of the family's sublayers (an MoE block's expert stacks too, one matrix
-    per expert), gained but on q and k, a module's ``bias`` with its first matrix (no family's
-    sublayer has a bias without one); routers are left out (an MoE's router scores experts, it is
-    no branch)."""
+    """Every weight matrix of the family's sublayers (an expert stack's too), gained but on q and k, a
+    module's ``bias`` with its first matrix; routers left out."""
     out = []
     for i, sub in enumerate(sublayers):
         for path, module in sub.named_modules():
@@ -158,8 +137,7 @@ def _branch_weights(sublayers: nn.ModuleList) -> list[BranchWeight]:
 
 
 def _head_normed_class(attention: type) -> type:
-    """``attention`` (a family's attention class) with :class:`HeadNormedAttention` mixed in: its
-    forward sees ``v_proj`` (and q, k) followed by the per-head norm ``v_head_norm``."""
+    """``attention`` (a family's class) with :class:`HeadNormedAttention` mixed in."""
     if issubclass(attention, HeadNormedAttention):
         return attention
     name = attention.__name__.replace("Attention", "HeadNormedAttention")
@@ -176,10 +154,8 @@ def _mark_initialised(module: nn.Module) -> None:
 
 
 class _SchemeStack(LegacyStateNames, ResidualStack):
-    """The :class:`ResidualStack` of an adapted model with its scheme registered as
-    ``residual_norm``: a name transformers' ``Trainer`` takes for a norm, so that it weight-decays
-    none of the scheme's parameters (norms, gains, stream mixes). ``scheme`` reads it still;
-    checkpoints that named it ``scheme`` load."""
+    """The :class:`ResidualStack` of an adapted model, its scheme registered as ``residual_norm``: a name
+    ``Trainer`` takes for a norm, so it weight-decays none of the scheme's parameters."""
 
     legacy_state_names = {"scheme.": "residual_norm."}
 
@@ -197,8 +173,8 @@ def _scheme_stack(scheme: ResidualScheme, sublayers: list[nn.Module]) -> Residua
 
 # ---- the base model ------------------------------------------------------------------------------
 class _SchemeModel:
-    """The family's base model with its decoder layers replaced by a :class:`ResidualStack`
-    (mixed into the family's ``PreTrainedModel``; see :func:`adapted_class`)."""
+    """The family's base model with its decoder layers replaced by a residual scheme around the family's
+    sublayers (``siamesenorm.hf.adapt``)."""
 
     family: Family
 
@@ -215,8 +191,7 @@ class _SchemeModel:
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The family's initialisation, and the buffers no state dict holds derived again
-        (:func:`~.common.derive_buffers`: ``from_pretrained`` leaves them empty)."""
+        """The family's initialisation, and the buffers no state dict holds derived again."""
         derive_buffers(module)
         super()._init_weights(module)
 
@@ -301,8 +276,8 @@ def _layer_types(family: Family, config: Any) -> list[str]:
 
 # ---- the causal LM -------------------------------------------------------------------------------
 class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
-    """The family's causal LM whose ``model`` is a :class:`_SchemeModel` (mixed into the family's
-    ``...ForCausalLM``; see :func:`adapted_class`). Its ``forward`` is the family's."""
+    """The family's causal LM whose residual path is a scheme of siamesenorm (``siamesenorm.hf.adapt``);
+    its ``forward`` is the family's."""
 
     _base_class: type
     _family_class: type
@@ -368,8 +343,8 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
         super()._init_weights(module)
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """``PreTrainedModel.resize_token_embeddings``, on an embedding and a head of this model's
-        own: it resizes them in place, and the model adapted from keeps its own (unresized)."""
+        """``PreTrainedModel.resize_token_embeddings`` on an embedding and head of this model's own (the
+        model adapted from keeps its own)."""
         tied = self.lm_head.weight is self.model.embed_tokens.weight
         self.model.embed_tokens = _own_parameters(self.model.embed_tokens)
         self.lm_head = _own_parameters(self.lm_head)
@@ -379,7 +354,7 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
 
     @property
     def scheme(self) -> ResidualScheme:
-        """The residual scheme (``model.stack.scheme``, registered as ``model.stack.residual_norm``)."""
+        """The residual scheme (registered as ``model.stack.residual_norm``)."""
         return self.model.stack.scheme
 
 
@@ -398,7 +373,6 @@ def _spec_of(config: Any) -> dict:
 
 
 def _refuse_host_options(options: dict, model_type: str) -> None:
-    """The norm, its eps, the device and the dtype are the family's, never a scheme option."""
     taken = sorted({"norm", "eps", "device", "dtype"} & set(options))
     if taken:
         raise UserError(f"adapt: {', '.join(taken)} come(s) from the {model_type} configuration, not "
@@ -406,9 +380,8 @@ def _refuse_host_options(options: dict, model_type: str) -> None:
 
 
 def adapted_class(model_type: str) -> type:
-    """The adapted causal-LM class of a family (``"qwen3"`` -> ``Qwen3SchemeForCausalLM``), built
-    once (``"siamesenorm_qwen3"`` names it too); its ``__init__(config)`` reads the scheme from
-    ``config.siamesenorm``; its configuration class is :func:`~.standalone.scheme_config_class`'s."""
+    """The adapted causal-LM class of a family (``"qwen3"`` or ``"siamesenorm_qwen3"`` ->
+    ``Qwen3SchemeForCausalLM``), built once; its ``__init__`` reads ``config.siamesenorm``."""
     _need_transformers5()
     model_type = family_of(model_type)
     family = _family(model_type)
@@ -442,20 +415,11 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
           **scheme_options: Any) -> PreTrainedModel:
     """A causal LM of the family of ``config_or_model`` whose residual path is ``scheme``.
 
-    Args:
-        config_or_model: a configuration of a supported family (:data:`~.families.FAMILIES`: Llama,
-            Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, OLMo, OLMo2, OLMo3, Gemma3): a fresh model; or
-            a causal LM of one: the same built from a copy of its modules' weights.
-        scheme: a scheme's name (``siamesenorm schemes`` lists them).
-        share: build from the model's own modules instead of a copy, so that the two share their
-            weights (training one trains both; no second copy in memory): on purpose only.
-        scheme_options: the scheme's own options (e.g. ``form="hybrid_pre"``); the norm and its
-            eps come from the family.
-
-    Raises:
-        UserError: an unsupported family, an unknown scheme, an option the scheme lacks or a bad
-            value (one line each).
-    """
+    From a configuration: a fresh model, the family's init. From a causal LM: built from a copy of its
+    modules (``share=True``: the modules themselves, so training one trains both); ``adapt(model,
+    "pre")`` computes what ``model`` computes. ``scheme_options`` are the scheme's; the norm and eps
+    are the family's. Raises ``UserError`` (one line) for an unsupported family, an unknown scheme or
+    a bad option."""
     _need_transformers5()
     if isinstance(config_or_model, BaseConfig):
         config, source = copy.deepcopy(config_or_model), None
@@ -489,6 +453,5 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
 
 
 def _checkpointing(model: nn.Module) -> bool:
-    """Whether activation checkpointing is on anywhere in ``model`` (transformers' own test, without
-    its deprecated property's warning)."""
+    """Whether activation checkpointing is on anywhere in ``model``."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

@@ -1,16 +1,5 @@
-"""What our two kinds of ``transformers`` model share: our own language model as one
-(:mod:`.modeling`) and a family's model adapted to a scheme (:mod:`.adapted`).
-
-- :data:`BaseConfig`: the configuration base class, under this transformers' name for it;
-- :func:`cache_keyword`: this transformers' name for the KV cache, in a call or an output;
-- :class:`SchemeCheckpointing`: transformers' activation checkpointing as ours, one scheme step at
-  a time;
-- :func:`load_legacy_names`: folders saved with an earlier layout's state names load;
-- :func:`derive_buffers`: the constant buffers no state dict holds, derived again on loading.
-
-This file uses only relative imports of the package and ``transformers``: the exported modelling
-code (:mod:`.export`) ships it with :mod:`.modeling` and :mod:`.adapted`.
-"""
+"""What our two kinds of ``transformers`` model share (:mod:`.modeling`, :mod:`.adapted`). Only
+relative imports of the package and transformers: :mod:`.export` ships this file."""
 
 from __future__ import annotations
 
@@ -33,23 +22,16 @@ __all__ = ["BaseConfig", "SchemeCheckpointing", "cache_keyword", "derive_buffers
 
 
 def cache_keyword(obj: Any) -> str:
-    """The name this transformers gives the KV cache in ``obj``: a function (its parameter, e.g.
-    ``create_causal_mask``'s) or an output dataclass (its field, e.g. ``CausalLMOutputWithPast``'s).
+    """This transformers' name for the KV cache in a function's parameters or an output dataclass:
     ``cache`` from transformers 5.2x, ``past_key_values`` before."""
     names = obj.__dataclass_fields__ if dataclasses.is_dataclass(obj) else inspect.signature(obj).parameters
     return "cache" if "cache" in names else "past_key_values"
 
 
 class SchemeCheckpointing:
-    """Mixed into a ``PreTrainedModel`` that runs a residual scheme (before ``PreTrainedModel`` in
-    its bases): ``gradient_checkpointing_enable()`` (or ``activation_checkpointing_enable()``)
-    checkpoints every scheme step (sublayer) with our own mechanism, which keeps the streams of
-    multi-stream schemes consistent (``train.activation_checkpointing=sublayer``);
-    ``gradient_checkpointing_disable()`` turns it off. ``every_n_layers`` other than 1 is refused.
-
-    The class has its scheme at ``scheme``, and names in ``_checkpointing_flag`` the submodule whose
-    ``gradient_checkpointing`` its forward reads (``""``: the model itself).
-    """
+    """Mixed into a ``PreTrainedModel`` that runs a scheme: ``gradient_checkpointing_enable()``
+    checkpoints every scheme step (``sublayer``); ``every_n_layers`` other than 1 is refused.
+    ``_checkpointing_flag`` names the submodule whose ``gradient_checkpointing`` the forward reads."""
 
     _checkpointing_flag = ""
 
@@ -63,11 +45,8 @@ class SchemeCheckpointing:
 
 
 def derive_buffers(module: nn.Module) -> None:
-    """Fill ``module``'s constant buffers (RoPE's tables, mHC-lite's permutation matrices), which
-    are derived, not saved: ``from_pretrained`` builds the model on the meta device, gives such
-    buffers empty storage and calls the model's ``_init_weights`` on each module that holds one
-    (and on no module whose parameters it loaded); our models' ``_init_weights`` call this. A
-    module says how by its ``reset_buffers()``; RoPE's ``reset_parameters`` computes only its tables."""
+    """Fill ``module``'s constant buffers (RoPE's tables, mHC-lite's permutations), which
+    ``from_pretrained`` leaves empty; our models' ``_init_weights`` call this."""
     if isinstance(module, RotaryEmbedding):
         module.reset_parameters()
     reset = getattr(module, "reset_buffers", None)
@@ -76,10 +55,8 @@ def derive_buffers(module: nn.Module) -> None:
 
 
 def load_legacy_names(model: Any) -> None:
-    """Let ``from_pretrained`` of ``type(model)`` read the names of an earlier layout: every
-    ``legacy_state_names`` (old -> new, under a module path) that a class of its modules declares
-    becomes a transformers 5 renaming of the checkpoint's keys on loading; saving writes the new
-    names. Registered per class, growing with the modules its instances have."""
+    """Let ``from_pretrained`` of ``type(model)`` read an earlier layout's names (its modules'
+    ``legacy_state_names``); saving writes the new ones."""
     try:
         from transformers.conversion_mapping import register_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming

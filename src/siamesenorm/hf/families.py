@@ -1,13 +1,4 @@
-"""Hugging Face ``transformers`` decoder families with any residual scheme: :data:`FAMILIES`, the
-one table of the supported families and what each needs.
-
-:func:`siamesenorm.hf.adapt` (in :mod:`.adapted`, which needs transformers 5) turns a Llama-,
-Mistral-, Qwen-, OLMo- (OLMo, OLMoE, OLMo2, OLMo3) or Gemma3-family model into one whose residual
-path is a scheme of ours;
-:mod:`.family_lm` makes such a model a language model of our commands (``model.family`` in a
-run's configuration). This module itself imports no ``transformers``: :func:`check_family` is
-what a configuration is checked with.
-"""
+"""Hugging Face ``transformers`` decoder families with any residual scheme: :data:`FAMILIES`."""
 
 from __future__ import annotations
 
@@ -24,24 +15,10 @@ __all__ = ["FAMILIES", "FAMILY_NAMES", "Family", "check_family"]
 class Family:
     """What :func:`~siamesenorm.hf.adapt` needs to know of a model family.
 
-    Attributes:
-        module: ``transformers.models.<module>.modeling_<module>``.
-        causal_lm: the name of its causal-LM class.
-        masks: how its base model builds attention masks: ``"full"`` (one causal mask),
-            ``"window"`` (a sliding-window mask for every layer when ``config.sliding_window`` is
-            set), ``"layer_types"`` (per ``config.layer_types``: full or sliding).
-        norm: ``"rmsnorm"`` (weight, ``config.rms_norm_eps``), ``"olmo"`` (LayerNorm without
-            parameters, eps 1e-5) or ``"gemma"`` (RMSNorm scaled by ``1 + weight``: our RMSNorm
-            with ``weight + 1``).
-        moe: whether its base model returns router logits (``MoeModelOutputWithPast``); a run's
-            ``model.moe`` section gives its experts (:func:`~.family_lm.family_config`).
-        inputs, outputs: the names of a decoder layer's norms on the input and on the output (inside
-            the residual branch) of its attention and its MLP (``None``: none there).
-        native: the scheme and options that compute what the family computes (Pre-Norm families:
-            ``pre``; OLMo2/OLMo3 and Gemma3 norm the sublayers' outputs: ``peri_ln``).
-        rope_per_layer_type: its rotary embedding takes the layer type (one RoPE per type).
-        config_name: its configuration class, if not ``<causal_lm's prefix>Config``.
-    """
+    ``masks``: ``"full"``, ``"window"`` (sliding when ``config.sliding_window`` is set) or
+    ``"layer_types"``; ``norm``: ``"rmsnorm"``, ``"olmo"`` (LayerNorm without parameters) or ``"gemma"``
+    (RMSNorm by ``1 + weight``); ``inputs``, ``outputs``: a layer's norms before and after its attention
+    and MLP; ``native``: the scheme and options that compute what the family computes."""
 
     module: str
     causal_lm: str
@@ -56,7 +33,6 @@ class Family:
 
     @property
     def config_class(self) -> str:
-        """The name of its configuration class in ``transformers`` (``Qwen3Config``)."""
         return self.config_name or self.causal_lm.removesuffix("ForCausalLM") + "Config"
 
 
@@ -90,7 +66,6 @@ FAMILY_NAMES = tuple(FAMILIES)      # what model.family may name
 
 
 def _refuse_non_finite(value: object, key: str) -> None:
-    """No NaN or infinity anywhere in a family's options (rope_theta, eps, scaling factors...)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"{key}={value} must be a finite number")
     if isinstance(value, dict):
@@ -102,8 +77,8 @@ def _refuse_non_finite(value: object, key: str) -> None:
 
 
 def check_family(family: str, options: dict) -> None:
-    """A configuration's ``model.family`` and ``model.family_options``: a known family, transformers
-    5 installed, and options that are fields of the family's configuration (one-line errors)."""
+    """Check ``model.family`` and ``model.family_options``: a known family, transformers 5, and fields of
+    the family's configuration (one-line errors)."""
     if family not in FAMILIES:
         raise UserError(f"model.family: unknown value {family!r}; choose one of "
                           f"{', '.join(FAMILIES)} (or leave it empty for our own language model)")

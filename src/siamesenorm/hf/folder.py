@@ -1,15 +1,5 @@
-"""The model folders siamesenorm writes (``export --format hf``, :func:`siamesenorm.hf.save`):
-which folder may be written, or replaced, and how.
-
-A folder is written under a temporary name beside it and renamed into place at the end; one that
-is there already is moved aside first and deleted only once the new one is in place. Replacing
-deletes, so it takes the caller's ``force`` and is refused, whatever ``force`` says, for a folder
-that holds the current folder or the home folder, the root folder, a mount point, and any folder
-holding something siamesenorm did not write: the list of what it wrote is :data:`MARKER`, written
-last into every folder. A link to a folder is followed (the link stays, the folder it names is
-replaced). :func:`writing_model_folder` does all of it; :func:`check_model_folder` is its check,
-for a caller that refuses before its slow work.
-"""
+"""The model folders siamesenorm writes: which folder may be written or replaced (only one it wrote,
+listed in :data:`MARKER`), and how (a temporary folder renamed into place)."""
 
 from __future__ import annotations
 
@@ -35,11 +25,10 @@ _SHOWN = 4          # the entries a refusal names
 
 def check_model_folder(out: str | os.PathLike, *, force: bool, flag: str = "--out",
                        force_flag: str = "--force") -> Path:
-    """Refuse (:class:`UserError`, one line naming ``flag``) a model folder ``out`` that may not be
-    written: a file or inside one; a link to nothing; the root folder, a mount point, the current
-    folder, the home folder or a folder holding either; a folder that is not empty unless
-    ``force``, and even then one holding anything siamesenorm did not write. Returns the folder to
-    write: ``out`` with its links resolved. ``force_flag`` is how the caller's user says ``force``."""
+    """Refuse (:class:`UserError`, naming ``flag``) a model folder ``out`` that may not be written: a
+    file, a dangling link, the root, a mount point, one holding the current or home folder, a folder
+    not empty unless ``force``, and even then one holding anything siamesenorm did not write. Returns
+    ``out`` with its links resolved."""
     out = Path(out)
     check_out_dir(out, flag)
     if out.is_symlink() and not out.exists():
@@ -80,11 +69,8 @@ def check_model_folder(out: str | os.PathLike, *, force: bool, flag: str = "--ou
 @contextmanager
 def writing_model_folder(out: str | os.PathLike, *, force: bool, written_by: str, flag: str = "--out",
                          force_flag: str = "--force") -> Iterator[Path]:
-    """Yield an empty temporary folder beside ``out`` (checked first: :func:`check_model_folder`)
-    for the caller to write the model into; then record what it holds (:data:`MARKER`, naming
-    ``written_by``), make its files readable as the umask allows, and rename it to ``out``. On a
-    failure nothing is left behind and ``out`` is as it was; a full or read-only disk under a
-    library's writer is raised as its OSError naming ``out``."""
+    """Yield an empty temporary folder beside ``out`` to write the model into; then record its files in
+    :data:`MARKER` and rename it to ``out``. On a failure ``out`` is as it was."""
     target = check_model_folder(out, force=force, flag=flag, force_flag=force_flag)
     tmp = None
     try:
@@ -128,8 +114,7 @@ def _write_marker(folder: Path, written_by: str) -> None:
 
 
 def _marked(folder: Path) -> set[str]:
-    """What the folder's :data:`MARKER` says siamesenorm wrote there (nothing when it has none: a
-    link, a damaged or foreign file is none)."""
+    """What the folder's :data:`MARKER` lists (nothing when it is missing, a link or damaged)."""
     path = folder / MARKER
     try:
         info = path.lstat()
@@ -145,9 +130,7 @@ def _marked(folder: Path) -> set[str]:
 
 
 def _not_ours(folder: Path) -> list[str]:
-    """Entries of ``folder`` (relative paths, a folder's with a ``/``; the first :data:`_SHOWN`)
-    that its marker does not list, or that are links (siamesenorm writes none). Only folders it
-    lists are entered, so a large foreign folder costs one listing."""
+    """The first entries of ``folder`` its marker does not list, or links (a folder's with a ``/``)."""
     ours, found, todo = _marked(folder), [], [folder]
     while todo and len(found) < _SHOWN:
         with os.scandir(todo.pop()) as entries:
@@ -165,9 +148,8 @@ def _not_ours(folder: Path) -> list[str]:
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
-    """Rename the finished folder ``tmp`` to ``target``; an existing ``target`` is moved aside
-    first (to a fresh name of its own) and deleted only once the new one is in place (put back if
-    the rename fails)."""
+    """Rename ``tmp`` to ``target``; an existing ``target`` is moved aside and deleted only once the new
+    one is in place (put back if the rename fails)."""
     if not target.exists() or not any(target.iterdir()):
         os.replace(tmp, target)            # an empty folder is replaced by the rename itself
         return

@@ -1,14 +1,5 @@
-""":func:`adapt_from_pretrained`: the adapted model that ``save_pretrained`` (or
-:func:`siamesenorm.hf.save`) wrote to a folder, with the folder checked before anything is built.
-
-A folder is anyone's file, so before transformers reads it: its ``config.json`` must name a model
-type of ours (``siamesenorm_<family>``, or a family's own with a ``siamesenorm`` entry, as
-siamesenorm 0.1 wrote them), so that transformers never asks on stdin whether to run a folder's
-code, and is never told to; every size in it must be a positive integer within the bounds our own
-configuration has (:mod:`siamesenorm.models.config_checks`); and the shapes those sizes give must
-be those of the weights in the folder (a config that claims a width its weights lack would have
-transformers allocate and initialise the model it describes before refusing it).
-"""
+""":func:`adapt_from_pretrained`: an adapted model's saved folder, checked before anything is built
+or any of its code could run."""
 
 from __future__ import annotations
 
@@ -43,17 +34,12 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 
 
 def adapt_from_pretrained(path: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
-    """The adapted model that ``save_pretrained`` wrote to the folder ``path`` (its configuration
-    records the family and the scheme); ``kwargs`` go to the class's ``from_pretrained``
-    (``dtype``, ...; ``config``: a configuration to use in place of the folder's).
+    """The adapted model that ``save_pretrained`` wrote to the folder ``path``; ``kwargs`` go to
+    ``from_pretrained`` (``config`` replaces the folder's).
 
-    Raises:
-        TypeError: ``path`` not a path, ``config`` not a transformers configuration.
-        UserError: ``path`` not a folder; a ``config.json`` that siamesenorm did not write (an
-            unknown model type, no ``siamesenorm`` entry), with a size that is not a positive
-            integer or beyond what this library builds, or sizes that do not match the weights'
-            shapes; a bad scheme entry. All before anything is built or any code of the folder runs.
-    """
+    Raises ``UserError``, before anything is built, for a folder siamesenorm did not write (model
+    type, no ``siamesenorm`` entry), sizes not positive or beyond our bounds, or sizes that do not
+    match the weights' shapes; ``TypeError`` for a bad ``path`` or ``config``."""
     _need_transformers5()
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
         raise TypeError(f"adapt_from_pretrained: path must be a folder's path, got {path!r}")
@@ -86,7 +72,6 @@ def adapt_from_pretrained(path: str | os.PathLike, **kwargs: Any) -> PreTrainedM
 
 
 def _check_ours(values: Mapping[str, Any], where: str, path: Any) -> None:
-    """A model type of ours, and a ``siamesenorm`` entry (what records the scheme)."""
     model_type = values.get("model_type")
     if not isinstance(model_type, str) or family_of(model_type) not in FAMILIES:
         ours = ", ".join(scheme_model_type(f) for f in FAMILIES)
@@ -101,9 +86,8 @@ def _check_ours(values: Mapping[str, Any], where: str, path: Any) -> None:
 
 
 def check_sizes(values: Mapping[str, Any], where: str) -> None:
-    """Refuse, naming the key, a size of the family configuration ``values`` (``config.json`` as
-    read) that is not a positive integer, or sizes beyond :mod:`~siamesenorm.models.config_checks`'
-    bounds (blocks, experts, parameters): what our own configuration refuses."""
+    """Refuse, naming the key, a size of ``values`` (a ``config.json``) that is not a positive integer or
+    is beyond :mod:`~siamesenorm.models.config_checks`' bounds."""
     for key in SIZE_KEYS:
         value = values.get(key)
         if value is None and key not in _REQUIRED:
@@ -130,8 +114,7 @@ def check_sizes(values: Mapping[str, Any], where: str) -> None:
 
 
 def _estimated_parameters(values: Mapping[str, Any]) -> int:
-    """The parameters of the embedding, the head (untied), attention and MLP or experts, from the
-    sizes alone (norms left out): an estimate to bound, in Python integers (no overflow)."""
+    """Parameters from the sizes alone (norms left out), in Python integers: a bound."""
     d, heads = values["hidden_size"], values["num_attention_heads"]
     head = values.get("head_dim") or max(1, d // heads)
     kv = values.get("num_key_value_heads") or heads
@@ -145,7 +128,7 @@ def _estimated_parameters(values: Mapping[str, Any]) -> int:
 
 
 def _weight_shapes(folder: Path, where: str) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor in the folder's safetensors weights (their headers only)."""
+    """The shape of every tensor in the folder's safetensors weights (headers only)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -174,8 +157,7 @@ def _weight_shapes(folder: Path, where: str) -> dict[str, tuple[int, ...]]:
 
 
 def _check_weights(cls: type, config: Any, folder: Path, where: str) -> None:
-    """The model ``config`` describes, built on the meta device (no memory), has the shapes of the
-    folder's weights, tensor by tensor (those of both; transformers reports the rest)."""
+    """The model ``config`` describes, built on the meta device, has the shapes of the folder's weights."""
     stored = _weight_shapes(folder, where)
     with torch.device("meta"):
         shell = cls(copy.deepcopy(config))

@@ -1,23 +1,4 @@
-"""Our language model as a Hugging Face ``transformers`` model, any scheme.
-
-:class:`SiameseNormConfig` is a ``PretrainedConfig`` that carries every :class:`LMConfig` field
-(the scheme and its options, the MoE settings included); :class:`SiameseNormForCausalLM` is a
-``PreTrainedModel`` + ``GenerationMixin`` whose ``model`` attribute is our
-:class:`~siamesenorm.models.LanguageModel`, unchanged: its parameter names are ours with a
-``model.`` prefix, and its forward is ours. What this module adds is the Hugging Face calling
-convention: ``labels`` (shifted inside, ``-100`` ignored), ``attention_mask`` (left padding),
-``past_key_values`` (the library's cache classes), ``output_hidden_states``, activation
-checkpointing and ``resize_token_embeddings``.
-
-Hidden states (``output_hidden_states=True``): one per block boundary, the embedding output first,
-as Hugging Face models give them. For a scheme with one residual stream it is that stream; for a
-scheme with several (SiameseNorm's X and Y, ResiDual, SpanNorm, hyper-connections) it is the
-merged stream, the scheme's exit applied at that boundary (SiameseNorm: ``LN(LN(X) + LN(Y))``).
-The last entry is the input of the head. Every stream, by name, is in the output's ``streams``.
-
-This file uses only relative imports of the package and ``transformers``: ``siamesenorm export
---format hf`` ships it, with the package, inside the exported folder.
-"""
+"""Our language model as a Hugging Face ``transformers`` model, any scheme."""
 
 from __future__ import annotations
 
@@ -47,10 +28,8 @@ __all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "Siam
 
 
 class SiameseNormConfig(BaseConfig):
-    """Every :class:`~siamesenorm.models.LMConfig` field under its own name (``moe`` as a dict),
-    plus Hugging Face's usual names as aliases (``hidden_size`` = ``dim``, ``num_hidden_layers``
-    = ``n_layers``, ``num_attention_heads`` = ``n_heads``, ``max_position_embeddings`` =
-    ``max_seq_len``). Values are checked as :class:`LMConfig` checks them."""
+    """Every :class:`~siamesenorm.models.LMConfig` field (``moe`` as a dict), with Hugging Face's names
+    as aliases (``hidden_size`` = ``dim``, ...), checked as :class:`LMConfig` checks them."""
 
     model_type = MODEL_TYPE
     attribute_map = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -85,18 +64,15 @@ class SiameseNormConfig(BaseConfig):
 
     @classmethod
     def from_lm_config(cls, config: LMConfig, **kwargs: Any) -> SiameseNormConfig:
-        """The Hugging Face configuration of our :class:`LMConfig` ``config``."""
         values = {name: getattr(config, name) for name in _LM_FIELDS}
         values["moe"] = dataclasses.asdict(config.moe)
         return cls(**values, **kwargs)
 
     def to_lm_config(self) -> LMConfig:
-        """Our :class:`LMConfig` of these values."""
         return _lm_config({name: getattr(self, name) for name in _LM_FIELDS})
 
 
 def _default(name: str) -> Any:
-    """The default of :class:`LMConfig`'s field ``name`` (``moe`` as a dict)."""
     f = LMConfig.__dataclass_fields__[name]
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     return dataclasses.asdict(value) if isinstance(value, MoEConfig) else value
@@ -111,16 +87,14 @@ def _lm_config(values: dict) -> LMConfig:
 
 @dataclasses.dataclass
 class SiameseNormCausalLMOutput(CausalLMOutputWithPast):
-    """``CausalLMOutputWithPast`` plus ``streams``: with ``output_hidden_states``, one dict per
-    block boundary of the scheme's residual streams by name (``{"x": X, "y": Y}`` for
-    SiameseNorm, ``{"h": h}`` for Pre-Norm)."""
+    """``CausalLMOutputWithPast`` plus ``streams``: per block boundary, the scheme's residual streams by
+    name (with ``output_hidden_states``)."""
 
     streams: tuple[dict[str, Tensor], ...] | None = None
 
 
 class _CacheLayers:
-    """Our attention's cache protocol (``update(layer, k, v, pos)`` -> all keys and values so far)
-    over one of ``transformers``' cache classes (``update(k, v, layer)``)."""
+    """Our attention's cache protocol over one of ``transformers``' cache classes."""
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.length = cache, 0
@@ -138,9 +112,8 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Our initialisation (``LMConfig.init``) for a whole model; the buffers no state dict
-        holds (RoPE's tables, mHC-lite's permutations: :func:`~.common.derive_buffers`) for a model
-        whose weights are loaded."""
+        """Our initialisation (``LMConfig.init``) for a whole model; for a loaded one, the buffers no state
+        dict holds."""
         if isinstance(module, LanguageModel):
             module.reset_parameters()
         else:
@@ -148,8 +121,9 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
 
 
 class SiameseNormForCausalLM(SchemeCheckpointing, SiameseNormPreTrainedModel, GenerationMixin):
-    """A causal language model of any scheme, with Hugging Face's interface (see the module
-    docstring). ``model`` is our :class:`~siamesenorm.models.LanguageModel`."""
+    """Our :class:`~siamesenorm.models.LanguageModel` (as ``model``) with Hugging Face's interface:
+    ``labels`` (shifted inside), left padding, transformers' caches, ``generate``. Hidden states: one
+    per block boundary, a multi-stream scheme's exit applied there."""
 
     def __init__(self, config: SiameseNormConfig) -> None:
         super().__init__(config)
@@ -181,7 +155,6 @@ class SiameseNormForCausalLM(SchemeCheckpointing, SiameseNormPreTrainedModel, Ge
     # ---- activation checkpointing (SchemeCheckpointing: every scheme step) --------------------
     @property
     def scheme(self):
-        """The residual scheme (``model.scheme``)."""
         return self.model.scheme
 
     # ---- forward -----------------------------------------------------------------------------
@@ -191,8 +164,8 @@ class SiameseNormForCausalLM(SchemeCheckpointing, SiameseNormPreTrainedModel, Ge
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None, logits_to_keep: int | Tensor = 0,
                 cache: Any = None, **kwargs: Any) -> SiameseNormCausalLMOutput | tuple:
-        """Logits (and the loss of ``labels``, shifted by one inside) for ``input_ids``.
-        ``cache`` is ``past_key_values`` under the name transformers 5 gives it."""
+        """Logits (and the loss of ``labels``) for ``input_ids``; ``cache`` is ``past_key_values`` under
+        transformers 5's name."""
         if cache is not None:
             if past_key_values is not None and past_key_values is not cache:
                 raise ValueError("give cache or past_key_values, not both")

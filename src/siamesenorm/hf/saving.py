@@ -1,12 +1,4 @@
-"""``siamesenorm.hf.save(model, folder, tokenizer=None)``: a model from :func:`~.adapt`, trained or
-not, as a self-contained Hugging Face model folder in one call.
-
-The folder holds what ``model.save_pretrained`` writes (config.json under the model type
-``siamesenorm_<family>`` with its ``auto_map``, the weights, generation_config.json,
-``modeling_siamesenorm.py``; :mod:`.standalone`), the tokenizer's files when one is given, and a
-model card ``README.md``. It is written under a temporary name and renamed at the end; a folder
-that is not empty is replaced only with ``force=True``, and only one siamesenorm wrote (:mod:`.folder`).
-"""
+"""``siamesenorm.hf.save``: an adapted model as a self-contained Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -24,20 +16,12 @@ __all__ = ["save"]
 
 
 def save(model: Any, folder: str | os.PathLike, tokenizer: Any = None, *, force: bool = False) -> Path:
-    """Write the adapted model ``model`` (and ``tokenizer``, a transformers tokenizer, when given)
-    as the folder ``folder``, which then loads with ``AutoModelForCausalLM.from_pretrained(folder,
-    trust_remote_code=True)`` where siamesenorm is not installed; returns the folder. The model
-    takes the folder's path as its name (a PEFT adapter made on it later points there).
-    ``force=True`` replaces a folder that is not empty, but only one siamesenorm wrote
-    (:mod:`.folder`); a link to a folder is followed.
+    """Write the adapted ``model`` (and ``tokenizer``) as the folder ``folder``, which loads with
+    ``trust_remote_code=True`` where siamesenorm is not installed; the model takes its path as its
+    name. ``force=True`` replaces a folder siamesenorm wrote (:mod:`.folder`). Returns the folder.
 
-    Raises:
-        TypeError: ``folder`` not a path, ``force`` not a bool.
-        UserError: ``model`` not adapted (a PEFT model: merge or save the adapter), a tokenizer
-            without ``save_pretrained``; ``folder`` empty, a file, not empty without ``force``,
-            holding anything siamesenorm did not write, the current or the home folder or one
-            holding either, the root folder or a mount point. Nothing is written then.
-    """
+    Raises ``UserError`` (nothing written) for a model not adapted (a PEFT model: merge it first), a
+    tokenizer without ``save_pretrained`` or a folder that may not be written."""
     from .export import _quiet_progress
 
     if not isinstance(folder, (str, os.PathLike)):

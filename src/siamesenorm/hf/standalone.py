@@ -1,14 +1,5 @@
-"""Adapted models whose saved folders load as what they are.
-
-An adapted model's configuration is its family's under a model type of our own,
-``siamesenorm_<family>`` (:func:`scheme_config_class`), and its ``save_pretrained``
-(:class:`SavesItsCode`, also what ``Trainer`` calls) writes beside the weights the modelling code
-``modeling_siamesenorm.py`` and an ``auto_map`` naming it. So the folder loads with transformers
-alone under ``trust_remote_code=True``; without the flag transformers refuses it, and it never
-loads as the bare family. ``import siamesenorm.hf`` registers these types with the Auto classes
-(:func:`register_families`). This module ships inside that modelling code: it imports only the
-families' table and transformers (the code's generator, :mod:`.vendoring`, is not shipped).
-"""
+"""Adapted models whose saved folders load as what they are: their own model type, and
+``modeling_siamesenorm.py`` with an ``auto_map`` beside the weights."""
 
 from __future__ import annotations
 
@@ -28,7 +19,6 @@ _CONFIGS: dict[str, type] = {}
 
 
 def scheme_model_type(family: str) -> str:
-    """The model type of ``family`` adapted to a scheme: ``"qwen3"`` -> ``"siamesenorm_qwen3"``."""
     return PREFIX + family
 
 
@@ -40,9 +30,8 @@ def family_of(model_type: str | None) -> str | None:
 
 
 def scheme_config_class(family: str) -> type:
-    """The configuration class of ``family`` adapted to a scheme (``Qwen3SchemeConfig``): the
-    family's own class, fields and all, under the model type ``siamesenorm_<family>``; the scheme
-    is its ``siamesenorm`` entry."""
+    """The family's configuration class under the model type ``siamesenorm_<family>``
+    (``Qwen3SchemeConfig``); the scheme is its ``siamesenorm`` entry."""
     if family not in _CONFIGS:
         import transformers
 
@@ -57,10 +46,8 @@ def scheme_config_class(family: str) -> type:
 
 
 def to_scheme_config(config: Any) -> Any:
-    """``config``, a family's configuration (or already its scheme configuration), made its
-    family's scheme configuration in place: the class adds no field, only the model type. Its name
-    or path, which names another model, is cleared (saving sets it), so that nothing built on it
-    (a PEFT adapter) points at the bare family."""
+    """``config`` made its family's scheme configuration in place; its name or path is cleared, so that
+    nothing built on it (a PEFT adapter) points at the bare family."""
     cls = scheme_config_class(family_of(config.model_type))
     if not isinstance(config, cls):
         config.__class__ = cls
@@ -70,10 +57,8 @@ def to_scheme_config(config: Any) -> Any:
 
 
 class SavesItsCode:
-    """Mixed into an adapted causal LM: ``save_pretrained`` writes a folder that loads as what it
-    is (the module docstring), and the model takes the folder's path as its name (as if loaded
-    from it: a PEFT adapter saved later points there). ``push_to_hub`` is refused (it would upload
-    the folder without its code): save, then upload the folder."""
+    """Mixed into an adapted causal LM: ``save_pretrained`` writes the modelling code and ``auto_map``
+    too, and the model takes the folder's path as its name. ``push_to_hub`` is refused."""
 
     # the modelling file a folder's own class was defined in (set by that file; ``None`` here: the
     # code is generated from this package)
@@ -104,7 +89,6 @@ class SavesItsCode:
 
 
 def _write(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(text, encoding="utf-8")
@@ -114,9 +98,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def register_families(adapted_class: Any) -> None:
-    """Every family's scheme configuration with ``AutoConfig``, and its adapted causal LM
-    (``adapted_class(family)``) with ``AutoModel`` and ``AutoModelForCausalLM`` (what pipelines
-    check a model against). A family this transformers lacks is left out."""
+    """Every family's scheme configuration and adapted causal LM with the Auto classes; a family this
+    transformers lacks is left out."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     for family in FAMILIES:

@@ -1,6 +1,5 @@
-"""Models built from ``siamesenorm.nn`` parts and a residual scheme: a language model, a DeiT-style
-vision transformer and a DiT. ``siamesenorm.models.timm_models`` registers the ViTs with timm when
-it is installed (import it explicitly)."""
+"""Models over a residual scheme: a language model, a DeiT-style ViT and a DiT (``timm_models``
+registers the ViTs with timm when imported)."""
 
 from .dit import DiT
 from .dit_config import DIT_SIZES, DiTConfig

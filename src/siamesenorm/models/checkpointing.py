@@ -1,19 +1,5 @@
-"""Activation checkpointing of a scheme host, and the bytes a forward pass keeps for backward.
-
-``train.activation_checkpointing`` (:func:`set_activation_checkpointing`) checkpoints one
-``scheme.step(state, i, branch)`` at a time: a sublayer with the norms, gates and residual updates
-its scheme puts around it. ``sublayer`` keeps only the step's input state (one tensor per stream)
-and recomputes the step; ``selective`` also keeps the outputs of the matrix products and attention
-(:data:`_SAVED_OPS`) and recomputes the norms and element-wise work. Eager ``selective`` uses this
-module's own dispatch modes, which count only the kept ops, because PyTorch's contexts require the
-recompute to replay every op and FSDP2's hooks do not (docs/scaling.md, "Activation
-checkpointing"). Both restore the RNG state and apply only in training with gradients on. The
-wrapping is an instance attribute of the model's scheme, set before DDP or FSDP2 wrap the model.
-
-:func:`saved_activation_bytes` measures what a forward keeps alive for backward, on any device
-including meta (``train --dry-run``): every storage an op creates and that outlives the forward,
-counted once; on meta, attention counts as a fused kernel keeps it (output and log-sum-exp).
-"""
+"""Activation checkpointing of one scheme step at a time (``none``, ``sublayer``, ``selective``;
+docs/scaling.md), and the bytes a forward pass keeps for backward."""
 
 from __future__ import annotations
 
@@ -50,13 +36,11 @@ _SAVED_OPS = frozenset(
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The ``selective`` policy: keep what :data:`_SAVED_OPS` returns, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _KeepSaved(TorchDispatchMode):
-    """The forward of a ``selective`` step: keeps the outputs of the :data:`_SAVED_OPS` (detached,
-    with their version counters), in call order per op."""
+    """The forward of an eager ``selective`` step: keeps the outputs of :data:`_SAVED_OPS`, in call order."""
 
     def __init__(self, kept: dict) -> None:
         super().__init__()
@@ -72,9 +56,8 @@ class _KeepSaved(TorchDispatchMode):
 
 
 class _ReuseSaved(TorchDispatchMode):
-    """The recompute of a ``selective`` step: the n-th call of a kept op returns the forward's n-th
-    output (once: it is released as it is used), every other op runs. Only the kept ops are
-    counted, so ops that differ between forward and recompute (FSDP2's hooks) do not matter."""
+    """The recompute of an eager ``selective`` step: the n-th call of a kept op returns the forward's
+    n-th output, once. Only kept ops are counted, so FSDP2's hooks do not matter."""
 
     def __init__(self, kept: dict) -> None:
         super().__init__()
@@ -99,8 +82,7 @@ class _ReuseSaved(TorchDispatchMode):
 
 
 def _selective_contexts():
-    """``context_fn`` of a ``selective`` checkpoint: PyTorch's own contexts under ``torch.compile``
-    (the policy tags the traced graph), this module's pair in eager mode."""
+    """PyTorch's contexts under ``torch.compile``, this module's pair in eager mode."""
     if torch.compiler.is_compiling():
         return create_selective_checkpoint_contexts(_keep_matmuls)
     kept: dict = defaultdict(list)
@@ -108,13 +90,10 @@ def _selective_contexts():
 
 
 class _CheckpointedStep:
-    """``scheme.step`` under a checkpoint: what :func:`set_activation_checkpointing` installs."""
-
     def __init__(self, scheme: nn.Module, mode: str) -> None:
         self.scheme, self.mode = scheme, mode
 
     def active(self) -> bool:
-        """Whether a step is checkpointed now: in training, with gradients on."""
         return self.scheme.training and torch.is_grad_enabled()
 
     def _checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -129,8 +108,8 @@ class _CheckpointedStep:
 
     def carrying(self, state: Any, i: int, branch: Callable[..., Tensor],
                  carriers: dict[str, LayerCarrier]) -> Any:
-        """The checkpointed step of a sublayer that reads and adds to ``carriers``: the region
-        runs on copies and returns what they gained, which the carriers take in outside it."""
+        """The checkpointed step of a sublayer that reads and adds to ``carriers``: the region runs on
+        copies and returns what they gained."""
         plain = type(self.scheme).step
 
         def region(state: Any) -> tuple[Any, dict[str, dict]]:
@@ -146,9 +125,8 @@ class _CheckpointedStep:
 
 def carrying_step(scheme: nn.Module, state: Any, i: int, branch: Callable[..., Tensor],
                   carriers: dict[str, LayerCarrier]) -> Any:
-    """``scheme.step(state, i, branch)`` where ``branch`` takes ``carriers`` (name -> carrier) as
-    keyword arguments. Under activation checkpointing, what the step adds to them flows out of the
-    checkpointed region as its output (see :mod:`~siamesenorm.nn.carrier`)."""
+    """``scheme.step(state, i, branch)``, ``branch`` taking ``carriers`` as keyword arguments (under
+    checkpointing, what the step adds flows out as the region's output)."""
     step = vars(scheme).get("step")
     if isinstance(step, _CheckpointedStep) and step.active():
         return step.carrying(state, i, branch, carriers)
@@ -163,20 +141,17 @@ def _host(model: nn.Module) -> SchemeHost:
 
 
 def activation_checkpointing(model: nn.Module) -> str:
-    """The mode ``model`` runs with (``none`` unless :func:`set_activation_checkpointing` set one)."""
     step = vars(_host(model).scheme).get("step")
     return step.mode if isinstance(step, _CheckpointedStep) else "none"
 
 
 def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Make ``model`` (a scheme host: language model, ViT, DiT or its diffusion objective) run each
-    scheme step with activation checkpointing ``mode`` (see the module docstring). Setting a mode
-    again replaces the previous one; ``none`` restores the plain step."""
+    """Run each scheme step of ``model`` (a scheme host) with activation checkpointing ``mode``; ``none``
+    restores the plain step. Set it before DDP or FSDP2 wrap the model."""
     set_scheme_checkpointing(_host(model).scheme, mode)
 
 
 def set_scheme_checkpointing(scheme: nn.Module, mode: str) -> None:
-    """Run every ``scheme.step`` with activation checkpointing ``mode`` (whoever runs the loop)."""
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(f"activation checkpointing must be one of {', '.join(CHECKPOINTING_MODES)}, "
                          f"got {mode!r}")
@@ -194,8 +169,7 @@ def _storage(t: Tensor):
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Every storage an op creates while active, with a weak reference to it (the storage, not a
-    Python tensor: autograd may keep a storage through a tensor that Python never sees)."""
+    """Every storage an op creates while active, weakly referenced (autograd may keep a storage alone)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -224,10 +198,8 @@ class _LiveStorages(TorchDispatchMode):
 
 
 class _FusedAttentionOnMeta(TorchFunctionMode):
-    """On the meta device :func:`~torch.nn.functional.scaled_dot_product_attention` takes its math
-    path, which keeps the (B, heads, T, T) attention weights; a real device takes a fused kernel,
-    which keeps its output and a (B, heads, T) log-sum-exp. This mode sends meta attention to a
-    fused kernel's meta function, so that an estimate is the fused figure."""
+    """Sends attention on the meta device to a fused kernel's meta function (which keeps output and
+    log-sum-exp, not the math path's weights), so that an estimate is the fused figure."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -248,9 +220,8 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
 
 
 def saved_activation_bytes(fn: Callable[[], Tensor]) -> int:
-    """The bytes that ``fn()`` (a forward pass returning its loss) leaves allocated for backward:
-    the storages its ops created that are alive once it returns, each counted once, the returned
-    loss included. Works on the meta device (sizes only; attention counted as a fused kernel)."""
+    """The bytes ``fn()`` (a forward returning its loss) leaves allocated for backward, each storage
+    once; works on the meta device."""
     with torch.enable_grad(), _FusedAttentionOnMeta():
         mode = _LiveStorages()
         with mode:
@@ -261,9 +232,8 @@ def saved_activation_bytes(fn: Callable[[], Tensor]) -> int:
 
 
 def activation_memory(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> int:
-    """The bytes one training micro-batch ``(x, y)`` keeps for backward under checkpointing
-    ``mode``: :func:`saved_activation_bytes` of ``model(x, y).loss`` in training mode (the engine's
-    call). The model's own mode and checkpointing are restored afterwards."""
+    """:func:`saved_activation_bytes` of ``model(x, y).loss`` in training mode under checkpointing
+    ``mode``; the model's mode and checkpointing are restored."""
     before, training = activation_checkpointing(model), model.training
     set_activation_checkpointing(model, mode)
     model.train()

@@ -1,21 +1,5 @@
-"""DiT with adaLN-Zero blocks over any residual scheme.
-
-DiT (Peebles & Xie 2023, arXiv 2212.09748) as the SiameseNorm paper trains it (arXiv 2602.08064,
-``dit-model-siamesenorm.py``)::
-
-    h = patch_embed(x) + pos_embed                     # fixed 2-D sin-cos positions
-    c = t_embed(t) + y_embed(y)                        # y == num_classes: the null label
-    state = scheme.enter(h)
-    for i, sublayer in enumerate(sublayers):           # even i: attention, odd i: MLP of block b
-        shift, scale, gate = modulation[b](c)          # SiLU -> Linear(dim, 6 dim), zero-initialised
-        state = scheme.step(state, i, u -> gate * sublayer(u * (1 + scale) + shift))
-    out = unpatchify(final_layer(scheme.exit(state), c))
-
-The scheme is built with ``branch_affine=False, final_norm=False`` (``scheme_options`` may override
-them): adaLN modulation follows each branch norm, and the final layer normalises by itself. So
-``scheme="pre"`` is exactly DiT, and ``scheme="siamese"`` the official SiameseNorm DiT (the X
-update divided by ``sqrt(2 (b + 1))``, the final layer reading ``LN_X(X) + LN_Y(Y)``).
-"""
+"""DiT (arXiv 2212.09748) with adaLN-Zero blocks over any residual scheme: with ``"pre"`` it is DiT,
+with ``"siamese"`` the official SiameseNorm DiT."""
 
 from __future__ import annotations
 
@@ -48,27 +32,25 @@ __all__ = ["DIT_SIZES", "DiT", "DiTConfig", "modulate", "sincos_pos_embed_2d", "
 
 
 def modulate(h: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN modulation of tokens ``h`` ``(B, T, d)`` by per-sample ``shift``, ``scale`` ``(B, d)``."""
+    """adaLN modulation of tokens ``h`` (B, T, d) by per-sample ``shift``, ``scale`` (B, d)."""
     return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
 def _modulated(sublayer: nn.Module, shift: Tensor, scale: Tensor, gate: Tensor, u: Tensor,
                **kwargs: Any) -> Tensor:
-    """One DiT branch: ``gate * F(modulate(u, shift, scale))`` (``kwargs`` go to ``F``)."""
     return gate.unsqueeze(1) * sublayer(modulate(u, shift, scale), **kwargs)
 
 
 def adaln_branches(modulation: Tensor, attn: Branch, mlp: Branch) -> tuple[Branch, Branch]:
-    """One adaLN-Zero block's attention and MLP branches, ``u -> gate * F(modulate(u))``, from
-    its modulation ``(B, 6 dim)``: shift, scale, gate of the attention, then of the MLP."""
+    """A block's attention and MLP branches ``u -> gate * F(modulate(u))`` from its modulation
+    (B, 6 dim): shift, scale, gate of the attention, then of the MLP."""
     shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = modulation.chunk(6, dim=-1)
     return (partial(_modulated, attn, shift_a, scale_a, gate_a),
             partial(_modulated, mlp, shift_m, scale_m, gate_m))
 
 
 def timestep_features(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
-    """Sinusoidal features ``(B, dim)`` of timesteps ``t`` ``(B,)``: ``[cos(t f_j), sin(t f_j)]``
-    with ``f_j = max_period ** (-j / (dim / 2))``, ``j = 0 .. dim / 2 - 1`` (computed in float64)."""
+    """Sinusoidal features (B, dim) of timesteps ``t`` (B,), cos then sin, computed in float64."""
     half = dim // 2
     freqs = max_period ** (-torch.arange(half, device=t.device, dtype=torch.float64) / half)
     angles = t.to(torch.float64).unsqueeze(-1) * freqs
@@ -76,12 +58,8 @@ def timestep_features(t: Tensor, dim: int, max_period: float = 10000.0) -> Tenso
 
 
 def sincos_pos_embed_2d(dim: int, grid_size: int, *, device=None) -> Tensor:
-    """Fixed 2-D sin-cos position embedding ``(grid_size ** 2, dim)`` in float64, DiT's layout.
-
-    Token ``r * grid_size + c`` (row ``r``, column ``c``) gets
-    ``[sin(c w), cos(c w), sin(r w), cos(r w)]`` with ``w_j = 10000 ** (-j / (dim / 4))``,
-    ``j = 0 .. dim / 4 - 1``: the first half encodes the column, the second the row.
-    """
+    """Fixed 2-D sin-cos position embedding (grid_size ** 2, dim) in float64, DiT's layout: the first
+    half encodes the column, the second the row."""
     quarter = dim // 4
     omega = 10000.0 ** (-torch.arange(quarter, device=device, dtype=torch.float64) / quarter)
     coords = torch.arange(grid_size, device=device, dtype=torch.float64)
@@ -95,7 +73,7 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, *, device=None) -> Tensor:
 
 
 class TimestepEmbedder(nn.Module):
-    """Timestep -> ``(B, dim)``: sinusoidal features, then ``Linear -> SiLU -> Linear``."""
+    """Timestep -> (B, dim): sinusoidal features, then ``Linear -> SiLU -> Linear``."""
 
     def __init__(self, dim: int, frequency_dim: int = 256, max_period: float = 10000.0, *,
                  device=None, dtype=None) -> None:
@@ -106,7 +84,6 @@ class TimestepEmbedder(nn.Module):
                                  nn.Linear(dim, dim, **kw))
 
     def reset_parameters(self) -> None:
-        """DiT's init: weights N(0, 0.02), biases zero."""
         for layer in (self.mlp[0], self.mlp[2]):
             nn.init.normal_(layer.weight, 0.0, 0.02)
             nn.init.zeros_(layer.bias)
@@ -118,8 +95,7 @@ class TimestepEmbedder(nn.Module):
 
     @staticmethod
     def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
-        """The official DiT's static method: float32 features ``(B, dim)``
-        (:func:`timestep_features`; an odd ``dim`` ends in a zero column)."""
+        """The official DiT's static method: float32 features; an odd ``dim`` ends in a zero."""
         features = timestep_features(t, dim - dim % 2, max_period).float()
         return torch.nn.functional.pad(features, (0, dim % 2))
 
@@ -129,8 +105,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class label -> ``(B, dim)``, with a null label (index ``num_classes``) for classifier-free
-    guidance that replaces each label with probability ``dropout_prob`` when asked."""
+    """Class label -> (B, dim), with a null label (index ``num_classes``) for classifier-free guidance
+    that replaces each label with probability ``dropout_prob`` when asked."""
 
     def __init__(self, num_classes: int, dim: int, dropout_prob: float, *, device=None,
                  dtype=None) -> None:
@@ -139,7 +115,6 @@ class LabelEmbedder(nn.Module):
         self.table = nn.Embedding(num_classes + 1, dim, device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
-        """DiT's init: N(0, 0.02)."""
         nn.init.normal_(self.table.weight, 0.0, 0.02)
 
     def forward(self, y: Tensor, drop: bool) -> Tensor:
@@ -161,7 +136,6 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, patch_size * patch_size * out_channels, **kw)
 
     def reset_parameters(self) -> None:
-        """adaLN-Zero: the modulation and the output linear start at zero."""
         for layer in (self.modulation[1], self.linear):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
@@ -175,30 +149,18 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fused_qkv_bound(attn: Attention) -> float:
-    """Xavier-uniform's bound for ``attn``'s q, k and v weights as if they were one fused ``qkv``
-    matrix (official DiT uses timm's ``qkv = nn.Linear(d, 3d)``): ``sqrt(6 / (d + 3d))``, not each
-    ``d x d`` matrix's ``sqrt(6 / 2d)``."""
+    """Xavier-uniform's bound for q, k and v as one fused ``qkv`` matrix, as official DiT."""
     projections = [getattr(attn, name) for name in _QKV]
     fan_out = sum(p.out_features for p in projections)
     return math.sqrt(6.0 / (projections[0].in_features + fan_out))
 
 
 class DiT(ResidualStack, SchemeHost):
-    """Class-conditional diffusion transformer built from a :class:`DiTConfig`.
+    """Class-conditional diffusion transformer from a :class:`DiTConfig`.
 
-    Attributes:
-        x_embedder: ``Conv2d(in_chans, dim, patch_size, stride=patch_size)``.
-        pos_embed: fixed ``(1, num_patches, dim)`` buffer (not saved; rebuilt by reset_parameters).
-        t_embedder, y_embedder: timestep and label embeddings; ``c`` is their sum.
-        scheme: the residual scheme (``branch_affine=False, final_norm=False`` unless overridden).
-        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
-        modulation: per block ``SiLU -> Linear(dim, 6 dim)`` giving shift, scale, gate for the
-            attention and then the MLP.
-        final_layer: :class:`FinalLayer`.
-
-    :class:`~.dit_official.OfficialDiT` runs the same computation in the official module tree: it
-    overrides the ``_build`` ... ``_run_blocks`` methods below, which say where each part sits.
-    """
+    The scheme is built with ``branch_affine=False, final_norm=False`` (overridable): adaLN follows
+    each branch norm and the final layer normalises itself. :class:`~.dit_official.OfficialDiT`
+    overrides the ``_build`` ... ``_run_blocks`` methods below for the official module tree."""
 
     #: Output channels that :meth:`forward_with_cfg` guides: ``None`` means the ``in_chans`` noise
     #: channels; the official DiT code guides the first 3 (:class:`~.dit_official.OfficialDiT`).
@@ -218,7 +180,6 @@ class DiT(ResidualStack, SchemeHost):
         self.reset_parameters()
 
     def _build_sublayers(self, scheme: ResidualScheme, kw: dict) -> nn.ModuleList:
-        """Attention and MLP of every block, the scheme's requirements honoured."""
         cfg = self.config
         return build_sublayers(
             scheme,
@@ -250,23 +211,19 @@ class DiT(ResidualStack, SchemeHost):
         return self.x_embedder
 
     def _block_modulations(self) -> list[nn.Linear]:
-        """Each block's adaLN linear (``dim -> 6 dim``)."""
         return [mod[1] for mod in self.modulation]
 
     def _num_labels(self) -> int:
-        """Rows of the label table: the classes and the null label."""
         return self.y_embedder.table.num_embeddings
 
     def _branch_weights_of(self, module: nn.Module) -> list[BranchWeight] | None:
-        """The branch weights ``module`` holds, if it is where they sit (for :meth:`reset_parameters`)."""
+        """The branch weights ``module`` holds, if it is where they sit."""
         return branch_weights(self.sublayers) if module is self.sublayers else None
 
     def _embed(self, x: Tensor) -> Tensor:
-        """Patch tokens ``(B, T, dim)`` plus the position embedding."""
         return self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
 
     def _run_blocks(self, h: Tensor, c: Tensor) -> Tensor:
-        """The scheme's loop over the adaLN-Zero blocks conditioned on ``c``: the hidden state."""
         block: list[Branch] = []     # this block's attention and MLP branches
 
         def modulated(i: int, sublayer: nn.Module) -> Branch:
@@ -286,11 +243,9 @@ class DiT(ResidualStack, SchemeHost):
 
     # ---- initialisation ----------------------------------------------------------------------
     def _qkv_bound(self, sublayer: int) -> float:
-        """Xavier-uniform's bound of the attention ``sublayer``'s fused ``qkv`` matrix."""
         return fused_qkv_bound(self.sublayers[sublayer])
 
     def _init_branch_weight(self, branch: BranchWeight) -> None:
-        """Xavier-uniform, with q, k and v bounded as one fused matrix (:func:`fused_qkv_bound`)."""
         if branch.name in _QKV:
             bound = self._qkv_bound(branch.sublayer)
             nn.init.uniform_(branch.weight, -bound, bound)
@@ -299,17 +254,9 @@ class DiT(ResidualStack, SchemeHost):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-initialise every parameter and buffer, in a fixed order (DiT's init).
-
-        Every linear Xavier-uniform with zero bias, the attention's q, k and v as the one fused
-        ``qkv`` matrix of the official code (:func:`fused_qkv_bound`); the patch embedding
-        Xavier-uniform as a linear over its flattened kernel, zero bias; the label table and the
-        timestep MLP weights N(0, 0.02); every adaLN modulation and the final linear zero
-        (adaLN-Zero: a fresh model outputs exactly 0); norm weights one; the position embedding
-        recomputed. DiT's init is Xavier already, so a scheme requiring ``init="xavier"``
-        (DeepNorm) only adds its ``branch_gain`` on the v, out and MLP weights, as does any
-        ``branch_gain`` != 1 (:func:`~.host.honour_requirements`).
-        """
+        """Re-initialise every parameter and buffer in a fixed order, as DiT: linears Xavier-uniform (q, k, v
+        as one fused ``qkv``), label table and timestep MLP N(0, 0.02), adaLN and the final linear zero.
+        A ``branch_gain`` multiplies the gained weights; a fresh model outputs exactly 0."""
         cfg = self.config
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
@@ -375,22 +322,14 @@ class DiT(ResidualStack, SchemeHost):
         return self.unpatchify(self.final_layer(self._run_blocks(self._embed(x), c), c))
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
-        """Prediction ``(B, out_channels, H, W)`` for noisy inputs ``x`` ``(B, C, H, W)`` at
-        timesteps ``t`` ``(B,)`` (int64 in ``[0, 1000)``; floats work too) with labels ``y``
-        ``(B,)`` (int64; ``num_classes`` is the null label). In training mode each label is
-        replaced by the null label with probability ``class_dropout_prob``."""
+        """Prediction (B, out_channels, H, W) for noisy ``x`` (B, C, H, W) at timesteps ``t`` (B,) with
+        labels ``y`` (B,); in training each label becomes the null label with ``class_dropout_prob``."""
         return self._forward(x, t, y, drop_labels=self.training)
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:
-        """Classifier-free guidance in one batch.
-
-        The first half of the batch is conditional (``y`` its labels), the second unconditional
-        (``y`` the null label, ``num_classes``); only the first half of ``x`` is read, and both
-        halves run on it. The first ``in_chans`` output channels (the noise; the first
-        :attr:`guided_channels` when set) become ``uncond + cfg_scale * (cond - uncond)`` in both
-        halves; the others (the learned variance) are returned as predicted. Labels are never
-        dropped at random here.
-        """
+        """Classifier-free guidance in one batch: the first half conditional, the second the null label; only
+        the first half of ``x`` is read. The first ``in_chans`` channels (:attr:`guided_channels` when set)
+        become ``uncond + cfg_scale * (cond - uncond)`` in both halves; the rest are returned as predicted."""
         if x.shape[0] % 2:
             raise ValueError(f"forward_with_cfg needs an even batch (conditional half, then "
                               f"unconditional half), got {x.shape[0]}")
@@ -404,11 +343,11 @@ class DiT(ResidualStack, SchemeHost):
 
     # ---- accounting --------------------------------------------------------------------------
     def tokens_in(self, x: Tensor) -> int:
-        """Tokens (patches) the model processes for the images ``x``, for a run's tokens/s."""
+        """Patches of every image."""
         return len(x) * self.config.num_patches
 
     def num_parameters(self) -> int:
-        """Number of parameters (the fixed position embedding is a buffer, not counted)."""
+        """Parameters; the fixed position embedding is not counted."""
         return sum(p.numel() for p in self.parameters() if p is not self.pos_embed)
 
     def flops_per_token(self, seq_len: int | None = None) -> None:

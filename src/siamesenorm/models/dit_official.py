@@ -1,17 +1,5 @@
-"""The official DiT interface: ``DiT_models`` and the official module tree.
-
-For the DiT repository's scripts (Peebles & Xie 2023, arXiv 2212.09748): :data:`DiT_models` has the
-official twelve names and keyword arguments, plus ``scheme`` (default ``"siamese"``: the official
-SiameseNorm DiT) and ``scheme_options``; each builds an :class:`OfficialDiT`, our :class:`~.dit.DiT`'s
-computation in the official module tree: ``blocks[b]`` with ``norm1``, ``attn`` (a fused ``qkv``,
-q, k, v stacked by rows as timm's, and ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``) and
-``adaLN_modulation``; ``x_embedder.proj``, ``t_embedder.mlp``, ``y_embedder.embedding_table``,
-``final_layer.{norm_final,linear,adaLN_modulation}`` and a frozen ``pos_embed`` parameter. So the
-parameter names are the official state-dict keys, and an official checkpoint loads strictly with
-``scheme="pre"``. The scheme's own parameters sit under ``scheme.*`` (the per-head q, k, v norms
-that HybridNorm requires under ``blocks.{b}.attn``). ``load_state_dict`` also reads a plain
-``DiT``'s keys (:func:`official_key`). docs/own_model.md, "The official DiT interface".
-"""
+"""The official DiT interface: ``DiT_models`` and the official module tree, whose parameter names are
+the official state-dict keys (docs/own_model.md, "The official DiT interface")."""
 
 from __future__ import annotations
 
@@ -56,8 +44,7 @@ class PatchEmbed(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class labels -> ``(B, dim)``; the null label ``num_classes`` has a row only when
-    ``dropout_prob > 0``, as officially."""
+    """Class labels -> (B, dim); the null label has a row only when ``dropout_prob > 0``, as officially."""
 
     def __init__(self, num_classes: int, dim: int, dropout_prob: float, *, device=None,
                  dtype=None) -> None:
@@ -70,7 +57,7 @@ class LabelEmbedder(nn.Module):
         nn.init.normal_(self.embedding_table.weight, 0.0, 0.02)
 
     def token_drop(self, labels: Tensor, force_drop_ids: Tensor | None = None) -> Tensor:
-        """Labels with the null label where ``force_drop_ids == 1``, or at random (``dropout_prob``)."""
+        """Labels with the null label where ``force_drop_ids == 1``, or at random."""
         if force_drop_ids is None:
             drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
         else:
@@ -84,8 +71,7 @@ class LabelEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    """Bidirectional attention with a fused ``qkv`` and ``proj`` (timm's, as DiT uses it); with
-    ``qkv_norm`` (HybridNorm) q, k and v are normalised per head."""
+    """timm's attention as DiT uses it (fused ``qkv``, ``proj``); ``qkv_norm`` normalises q, k, v per head."""
 
     def __init__(self, dim: int, num_heads: int, *, qkv_norm: bool, norm: str, norm_eps: float,
                  device=None, dtype=None) -> None:
@@ -103,8 +89,7 @@ class Attention(nn.Module):
         return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
     def branch_weights(self, sublayer: int) -> list[BranchWeight]:
-        """q, k, v (row blocks of ``qkv``; v gained) and ``proj``, as :func:`~.host.honour_requirements`
-        takes them."""
+        """q, k, v (row blocks of ``qkv``; v gained) and ``proj``, for :func:`~.host.honour_requirements`."""
         parts = zip(self.qkv.weight.chunk(3), self.qkv.bias.chunk(3), (False, False, True),
                     ("q_proj", "k_proj", "v_proj"))
         return [BranchWeight(w, b, gained, sublayer, name) for w, b, gained, name in parts] + \
@@ -112,8 +97,6 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """``fc2(GELU_tanh(fc1(x)))``."""
-
     def __init__(self, dim: int, hidden: int, *, device=None, dtype=None) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
@@ -129,14 +112,9 @@ class Mlp(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """Block ``index`` of an :class:`OfficialDiT`: ``block(state, c)`` runs its attention and MLP
-    through the model's scheme (``state`` is the scheme's: for ``"pre"`` the official ``x``).
-
-    ``norm1`` and ``norm2`` are the official non-affine LayerNorms, for code that calls them; the
-    forward runs the scheme's own norms (for ``"pre"`` the same function). Given a tensor, a
-    one-stream scheme's block returns one, as officially (a residual add the scheme left pending
-    for a fused kernel is done).
-    """
+    """Block ``index``: ``block(state, c)`` runs its attention and MLP through the model's scheme
+    (``norm1``, ``norm2`` are for code that calls them). Given a tensor, a one-stream scheme's block
+    returns one, as officially."""
 
     def __init__(self, index: int, scheme: ResidualScheme, attn: Attention, mlp: Mlp, *,
                  norm: str, eps: float, device=None, dtype=None) -> None:
@@ -162,8 +140,6 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """``linear(modulate(norm_final(x), shift, scale))``, shift and scale from ``adaLN_modulation(c)``."""
-
     def __init__(self, dim: int, patch_size: int, out_channels: int, *, norm: str, eps: float,
                  device=None, dtype=None) -> None:
         super().__init__()
@@ -173,7 +149,6 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, **kw))
 
     def reset_parameters(self) -> None:
-        """adaLN-Zero: the modulation and the output linear start at zero."""
         for layer in (self.adaLN_modulation[1], self.linear):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
@@ -184,13 +159,8 @@ class FinalLayer(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------
 class OfficialDiT(DiT):
-    """Our :class:`~.dit.DiT` in the official DiT's module tree, with its constructor and attributes.
-
-    The keyword arguments are the official ``DiT``'s (``hidden_size``, ``depth``, ``num_heads``,
-    ``in_channels`` ...), plus ``scheme`` and ``scheme_options`` (the residual scheme around the
-    adaLN-Zero blocks: ``"pre"`` is the official DiT, ``"siamese"`` the official SiameseNorm DiT)
-    and ``device``, ``dtype``. ``forward_with_cfg`` guides the first 3 channels, as officially.
-    """
+    """Our :class:`~.dit.DiT` in the official module tree, with the official constructor and attributes
+    plus ``scheme``, ``scheme_options``, ``device`` and ``dtype``."""
 
     guided_channels = 3       # the official forward_with_cfg guides the first 3 channels
 
@@ -285,14 +255,13 @@ class OfficialDiT(DiT):
         return self.x_embedder.num_patches
 
     def initialize_weights(self) -> None:
-        """The official name of :meth:`~.dit.DiT.reset_parameters` (DiT's init)."""
+        """The official name of :meth:`~.dit.DiT.reset_parameters`."""
         self.reset_parameters()
 
     # ---- a plain DiT's weights -----------------------------------------------------------------
     def official_state(self, native: dict[str, Tensor]) -> dict[str, Tensor]:
-        """A plain :class:`~.dit.DiT`'s state dict (same config) in this model's layout: keys
-        renamed (:func:`official_key`), q, k and v fused, the label table cut to this model's rows,
-        and this model's position embedding added where missing."""
+        """A plain :class:`~.dit.DiT`'s state dict (same config) in this layout: keys renamed, q, k and v
+        fused, the label table cut, the position embedding added where missing."""
         out: dict[str, Tensor] = {}
         fused: dict[str, dict[str, Tensor]] = {}
         for key, value in native.items():
@@ -328,8 +297,7 @@ _NATIVE_ONLY = ("sublayers.", "modulation.", "y_embedder.table.", "final_layer.m
 
 
 def official_key(key: str) -> str:
-    """The official DiT name of one of our DiT's state-dict keys (q, k and v all map to the fused
-    ``qkv``); keys it does not know (``scheme.*``) stay as they are."""
+    """The official name of one of our DiT's keys (q, k, v -> ``qkv``); others stay as they are."""
     if m := _NATIVE_SUBLAYER.match(key):
         i, name, rest = int(m[1]), m[2], m[3] or ""
         kind = i % 2
@@ -344,8 +312,7 @@ def official_key(key: str) -> str:
 
 
 def native_key(key: str) -> str:
-    """Our DiT's name of an official key, the inverse of :func:`official_key` (but for the fused
-    ``qkv``, which is three of our keys)."""
+    """Our DiT's name of an official key: :func:`official_key` inverted, but for ``qkv`` (three of ours)."""
     if m := _OFFICIAL_BLOCK.match(key):
         b, kind, rest = int(m[1]), m[2], m[3]
         if kind == "adaLN_modulation":
@@ -360,8 +327,7 @@ def native_key(key: str) -> str:
 
 
 def _read_native_layout(module: OfficialDiT, state_dict: dict, prefix: str, *_: Any) -> None:
-    """``load_state_dict`` pre-hook: a plain DiT's state dict (under ``prefix``) is read in the
-    official layout (:meth:`OfficialDiT.official_state`); an official one is left as it is."""
+    """``load_state_dict`` pre-hook: a plain DiT's state dict is read in the official layout."""
     keys = [key for key in state_dict if key.startswith(prefix)]
     if not any(key[len(prefix):].startswith(_NATIVE_ONLY) for key in keys):
         return

@@ -1,16 +1,5 @@
-"""timm entry points for the DeiT-size vision transformers of every residual scheme.
-
-When ``timm`` imports, importing this module registers ``vit_{scheme}_{size}_patch16_224`` for
-``scheme`` in ``pre``, ``post``, ``siamese`` (and the other registered schemes) and ``size`` in
-``tiny``, ``small``, ``base`` (DeiT-T/S/B, arXiv 2012.12877; SiameseNorm arXiv 2602.08064), so
-``timm.create_model("vit_siamese_small_patch16_224", num_classes=100, drop_path_rate=0.1)`` and
-timm's training scripts work. Without timm the module still imports and registers nothing
-(:data:`REGISTERED` stays empty).
-
-The models are :class:`TimmVisionTransformer`: a :class:`VisionTransformer` whose ``forward``
-returns the logits tensor and that has timm's classifier interface. There are no pretrained
-weights (the library reads no network); ``pretrained=True`` is refused.
-"""
+"""timm entry points ``vit_{scheme}_{size}_patch16_224`` (DeiT tiny, small, base) for every scheme,
+registered on import when timm imports; no pretrained weights."""
 
 from __future__ import annotations
 
@@ -38,9 +27,7 @@ REGISTERED: list[str] = []
 
 
 class TimmVisionTransformer(VisionTransformer):
-    """A :class:`VisionTransformer` that behaves like a timm classifier: ``forward`` returns
-    logits, with ``forward_features``/``forward_head``, ``get_classifier``/``reset_classifier``,
-    ``num_classes``, ``num_features`` and ``pretrained_cfg``."""
+    """A :class:`VisionTransformer` with timm's classifier interface; ``forward`` returns logits."""
 
     def __init__(self, config: ViTConfig, device=None, dtype=None) -> None:
         super().__init__(config, device=device, dtype=dtype)
@@ -58,7 +45,6 @@ class TimmVisionTransformer(VisionTransformer):
         return self.config.num_classes
 
     def forward_features(self, images: Tensor) -> Tensor:
-        """Every token of the scheme's output ``(B, 1 + num_patches, dim)``."""
         return self.forward_tokens(images)
 
     def forward_head(self, tokens: Tensor, pre_logits: bool = False) -> Tensor:
@@ -72,7 +58,7 @@ class TimmVisionTransformer(VisionTransformer):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A fresh head for ``num_classes`` classes (0: no head, the features come out)."""
+        """A fresh head for ``num_classes`` classes (0: none, the features come out)."""
         if global_pool not in (None, "token"):
             raise UserError(f"only the class-token pool is supported, got global_pool={global_pool!r}")
         self.config = copy.copy(self.config)   # frozen; 0 (no head) is no ViTConfig value
@@ -88,7 +74,6 @@ class TimmVisionTransformer(VisionTransformer):
 
 
 def _timm_config(size: str, scheme: str, kwargs: dict[str, Any]) -> ViTConfig:
-    """The ViTConfig of an entry point call; timm's argument names are translated."""
     fields = {"scheme": scheme}
     for key, value in kwargs.items():
         if key in _IGNORED or value is None:
@@ -111,8 +96,6 @@ def _timm_config(size: str, scheme: str, kwargs: dict[str, Any]) -> ViTConfig:
 
 
 def create_entrypoint(scheme: str, size: str) -> Callable[..., TimmVisionTransformer]:
-    """The timm entry point ``vit_{scheme}_{size}_patch16_224`` (a function named so)."""
-
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> TimmVisionTransformer:
         if pretrained:
             raise UserError("there are no pretrained siamesenorm weights; use pretrained=False and "
@@ -128,7 +111,6 @@ def create_entrypoint(scheme: str, size: str) -> Callable[..., TimmVisionTransfo
 
 
 def register_timm_models(register_model: Callable[[Callable], Callable]) -> list[str]:
-    """Register an entry point per scheme and size with ``register_model``; returns the names."""
     from ..schemes import list_schemes
 
     names = []

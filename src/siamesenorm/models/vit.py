@@ -1,21 +1,5 @@
-"""Vision transformer in the DeiT style over any residual scheme.
-
-DeiT (Touvron et al. 2021, arXiv 2012.12877) as the SiameseNorm paper trains it (arXiv 2602.08064,
-``deit-model-siamesenorm.py``)::
-
-    h = cat(cls_token, patch_embed(images)) + pos_embed       # (B, 1 + N, dim), then dropout
-    state = scheme.enter(h)
-    for i, sublayer in enumerate(sublayers):                   # even i: attention, odd i: MLP
-        state = scheme.step(state, i, drop_path_b(sublayer))   # b = i // 2
-    logits = head(scheme.exit(state)[:, 0])                    # the class token
-
-The sublayers are bare: non-causal multi-head attention with biases and no RoPE, and a GELU MLP
-with biases. The scheme owns every norm (LayerNorm, eps 1e-6 by default). With ``scheme="pre"``
-this is DeiT; with ``scheme="siamese"`` (its defaults: post_pre form, input norm, depth scale,
-``normed_sum`` merge) it is the official SiameseNorm DeiT, whose head reads
-``LN(LN(X) + LN(Y))``. Stochastic depth drops each branch output (the update written into every
-stream) per sample, at a rate rising linearly from 0 in block 0 to ``drop_path`` in the last.
-"""
+"""Vision transformer in the DeiT style (arXiv 2012.12877) over any residual scheme: with ``"pre"``
+it is DeiT, with ``"siamese"`` the official SiameseNorm DeiT."""
 
 from __future__ import annotations
 
@@ -52,8 +36,8 @@ class ViTOutput(NamedTuple):
 
 
 def drop_path(x: Tensor, rate: float, training: bool = True) -> Tensor:
-    """Stochastic depth: zero ``x`` for a random fraction ``rate`` of the samples (first axis) and
-    scale the kept ones by ``1 / (1 - rate)``; the identity outside training or at rate 0."""
+    """Stochastic depth: zero ``x`` for a fraction ``rate`` of the samples (first axis), scale the rest by
+    ``1 / (1 - rate)``; the identity outside training."""
     if rate == 0.0 or not training:
         return x
     keep = 1.0 - rate
@@ -66,21 +50,13 @@ def _dropped(sublayer: nn.Module, rate: float, u: Tensor, **kwargs: Any) -> Tens
 
 
 def _trunc_normal(weight: Tensor, std: float) -> None:
-    """timm's ``trunc_normal_``: cut at +-2 (absolute), which at std 0.02 is practically N(0, std)."""
+    """timm's ``trunc_normal_``, cut at +-2 (absolute)."""
     nn.init.trunc_normal_(weight, 0.0, std, -2.0, 2.0)
 
 
 class VisionTransformer(ResidualStack, SchemeHost):
-    """Image classifier built from a :class:`ViTConfig`.
-
-    Attributes:
-        patch_embed: ``Conv2d(in_chans, dim, patch_size, stride=patch_size)``.
-        cls_token: ``(1, 1, dim)``; pos_embed: learned ``(1, 1 + num_patches, dim)``.
-        scheme: the residual scheme (owns every norm, including the one before the head).
-        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
-        head: ``Linear(dim, num_classes)`` on the class token.
-        drop_path_rates: the stochastic-depth rate of each block.
-    """
+    """Image classifier from a :class:`ViTConfig`: the scheme owns every norm, the head reads the class
+    token, and the stochastic-depth rate rises linearly from 0 in block 0 to ``drop_path``."""
 
     def __init__(self, config: ViTConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -110,15 +86,8 @@ class VisionTransformer(ResidualStack, SchemeHost):
     # ---- initialisation ----------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-initialise every parameter, in a fixed order, from the torch generator (DeiT's init).
-
-        Class token, position embedding, every linear (head included): truncated normal with std
-        ``init_std`` (timm's cut at +-2); biases zero; norm weights one, biases zero. The patch
-        embedding keeps PyTorch's default Conv2d init, as the DeiT code does. If the scheme
-        requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
-        gain ``branch_gain`` on v, out and MLP weights; otherwise a ``branch_gain`` != 1
-        multiplies those weights (:func:`~.host.honour_requirements`).
-        """
+        """Re-initialise every parameter in a fixed order from the torch generator, as DeiT (truncated
+        normal, std ``init_std``), honouring the scheme's ``requires``."""
         std = self.config.init_std
         self.scheme.reset_parameters()
         reset_sublayer_norms(self.sublayers)
@@ -158,26 +127,18 @@ class VisionTransformer(ResidualStack, SchemeHost):
         return partial(_dropped, sublayer, rate) if self.training and rate > 0 else sublayer
 
     def features(self, images: Tensor) -> Tensor:
-        """The pre-head vector ``(B, dim)``: the class token of ``scheme.exit(state)``."""
+        """The class token of ``scheme.exit(state)``: ``(B, dim)``."""
         return self.forward_tokens(images)[:, 0]
 
     def forward(self, images: Tensor, targets: Tensor | None = None) -> ViTOutput:
-        """Logits for ``images`` ``(B, in_chans, image_size, image_size)``; with ``targets``, the loss.
-
-        ``targets`` are class indices ``(B,)`` (int64) or class probabilities ``(B, num_classes)``
-        (float, from mixup/cutmix). See :meth:`loss`.
-        """
+        """Logits for ``images`` (B, in_chans, image_size, image_size); with ``targets``, class indices
+        (B,) or probabilities (B, num_classes), the loss too."""
         logits = self.head(self.features(images))
         return ViTOutput(logits, None if targets is None else self.loss(logits, targets))
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy, computed in at least float32.
-
-        Integer targets: with ``label_smoothing`` in training mode, plain in eval mode. Soft
-        (float) targets: the cross-entropy against those probabilities, in both modes; the
-        ``label_smoothing`` here is not applied to them (a ``task: vit`` run folds it into its
-        mixup/cutmix targets instead: :func:`siamesenorm.tasks.vit.training_augment`).
-        """
+        """Mean cross-entropy in at least float32; ``label_smoothing`` applies to integer targets in
+        training only, never to soft targets."""
         n, k = logits.shape
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if targets.dtype.is_floating_point:
@@ -191,27 +152,19 @@ class VisionTransformer(ResidualStack, SchemeHost):
 
     # ---- accounting --------------------------------------------------------------------------
     def tokens_in(self, images: Tensor) -> int:
-        """Tokens the model processes for ``images`` (class token and patches of each image), so
-        that a training run's tokens/s counts tokens rather than pixels."""
+        """Class token and patches of every image."""
         return len(images) * (1 + self.config.num_patches)
 
     def num_parameters(self) -> int:
-        """Number of parameters (position embedding and class token included)."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> None:
-        """``None``: a ViT's cost is estimated per image (:meth:`flops_per_image`), not per token."""
+        """``None``: a ViT's cost is per image (:meth:`flops_per_image`)."""
         return None
 
     def flops_per_image(self) -> float:
-        """Rough forward FLOPs for one image, counting a multiply-add as 2 FLOPs.
-
-        With ``T = 1 + num_patches`` tokens: the patch embedding ``2 N d C p^2``; per block the
-        four attention projections ``8 T d^2``, the MLP ``4 T d h`` and attention's scores and
-        weighted sum ``4 T^2 d``; the head ``2 d K``. Norms, softmax, GELU and the scheme's mixing
-        are left out. The DeiT paper's "FLOPs" are multiply-adds, half of this figure (DeiT-S:
-        4.6 G there, about 9.2 G here); training costs about three times the forward.
-        """
+        """Rough forward FLOPs for one image, a multiply-add counted as 2 (DeiT's "FLOPs" are half that);
+        norms, softmax, GELU and the scheme's mixing left out."""
         cfg = self.config
         t, d, h = cfg.seq_len, cfg.dim, cfg.hidden_dim
         embed = 2 * cfg.num_patches * d * cfg.in_chans * cfg.patch_size ** 2

@@ -1,22 +1,5 @@
-"""Multi-head self-attention: causal or not, RoPE, grouped-query attention, QK(V)-norm, a KV cache.
-
-For input ``x`` of shape ``(B, T, dim)`` at positions ``pos .. pos + T - 1``::
-
-    q = rope(q_norm(split_heads(q_proj(x))))          # (B, n_heads,    T, head_dim)
-    k = rope(k_norm(split_heads(k_proj(x))))          # (B, n_kv_heads, T, head_dim)
-    v = v_norm(split_heads(v_proj(x)))                # (B, n_kv_heads, T, head_dim)
-    v = own * v + first * v_first                     # value residual, layers after the first
-    v = depth_mix(q, k, v, earlier layers' k, v)      # Depth-Attention
-    out = out_proj(merge_heads(softmax(q k^T / sqrt(head_dim) + causal_mask) v))
-
-The optional norms act per head (over ``head_dim``, weights shared by the heads): :func:`head_norm`,
-:func:`norm_heads`, or :class:`HeadNormedAttention` where a model's own code calls the
-projections (a Hugging Face family). Query head ``h`` reads key/value head
-``h // (n_heads // n_kv_heads)``; the product runs through ``scaled_dot_product_attention``.
-``causal=False`` drops the mask (ViT, DiT), ``rope=False`` the rotation. ``value_residual``
-(ResFormer, :mod:`~siamesenorm.nn.value_residual`) mixes in ``v_first`` before the cache;
-``depth_attention`` (:mod:`~siamesenorm.nn.depth_attention`) mixes in earlier layers' values.
-"""
+"""Multi-head self-attention: causal or not, RoPE, grouped-query attention, per-head QK(V)-norm,
+value residuals, Depth-Attention and a KV cache."""
 
 from __future__ import annotations
 
@@ -36,12 +19,8 @@ from .value_residual import VALUE_RESIDUAL_MIXES, FirstValues, ValueMix
 
 
 class KVCache:
-    """Preallocated keys and values of every attention layer, for incremental decoding.
-
-    ``k[layer]`` and ``v[layer]`` have shape ``(batch, n_kv_heads, max_len, head_dim)``; positions
-    ``0 .. length - 1`` hold valid entries. A forward pass at position ``pos`` with ``T`` new tokens
-    writes rows ``pos .. pos + T - 1`` of every layer; the model then sets ``length = pos + T``.
-    """
+    """Preallocated keys and values, ``(batch, n_kv_heads, max_len, head_dim)`` per layer, for
+    incremental decoding; positions below ``length`` are valid (the model sets it)."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
                  head_dim: int, *, device=None, dtype=None) -> None:
@@ -62,21 +41,18 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def reset(self) -> None:
-        """Forget every cached position (the buffers are kept)."""
         self.length = 0
 
 
 def head_norm(kind: str, head_dim: int, eps: float = 1e-5, *, affine: bool = True, device=None,
               dtype=None) -> nn.Module:
-    """The per-head norm of q, k or v (QK-norm, QKV-norm): a ``kind`` norm over ``head_dim``
-    whose weights the heads share (:func:`~.norms.build_norm`, in an attention's role)."""
+    """A ``kind`` norm over ``head_dim`` whose weights the heads share (QK-norm, QKV-norm)."""
     return build_norm(kind, head_dim, eps, affine=affine, role="attention", device=device, dtype=dtype)
 
 
 def norm_heads(norm: nn.Module | None, x: Tensor, head_dim: int, *, recompute: bool = False) -> Tensor:
-    """``x`` (``(..., n * head_dim)``) split into its ``n`` heads (``(..., n, head_dim)``), each
-    normalised by ``norm`` (``None``: as they are). ``recompute``: the same value without autograd,
-    through :func:`~.fused.norm_value` (bit for bit the norm's lean forward)."""
+    """``x`` (..., n * head_dim) split into heads (..., n, head_dim), each normalised by ``norm``
+    (``None``: not); ``recompute``: the same value without autograd."""
     x = x.unflatten(-1, (-1, head_dim))
     if norm is None:
         return x
@@ -92,8 +68,7 @@ def head_norm_name(projection: str) -> str:
 
 
 class _NormedProjection:
-    """``proj(x)`` normalised per head by ``norm``: what ``self.v_proj`` reads as inside the forward
-    of a :class:`HeadNormedAttention`."""
+    """``proj(x)`` normalised per head by ``norm``."""
 
     __slots__ = ("head_dim", "norm", "proj")
 
@@ -105,13 +80,9 @@ class _NormedProjection:
 
 
 class HeadNormedAttention(LegacyStateNames):
-    """Mixed in before another model's attention class whose forward calls ``self.q_proj(x)``,
-    ``self.k_proj(x)``, ``self.v_proj(x)`` (a Hugging Face family's): QKV-norm without touching
-    that code. The projections stay the model's own modules under their own names (so PEFT can
-    wrap them, and the state keys are the family's); a per-head norm is a sibling module
-    (``v_head_norm``, :func:`head_norm_name`), and while ``forward`` runs ``self.v_proj`` reads as
-    "that norm after the current ``v_proj``". Needs ``head_dim``. Checkpoints of the earlier
-    wrapper layout (``v_proj.proj.*``, ``v_proj.norm.*``) load."""
+    """Mixed in before a model's attention class whose forward calls ``self.q_proj(x)`` etc. (a Hugging
+    Face family's): QKV-norm without touching that code. While ``forward`` runs, ``self.v_proj``
+    reads as its sibling norm ``v_head_norm`` after ``v_proj``. Needs ``head_dim``."""
 
     def forward(self, *args, **kwargs):
         self.__dict__["_normed_view"] = True
@@ -141,27 +112,10 @@ def causal_mask(t_query: int, t_key: int, pos: int, device=None) -> Tensor:
 class Attention(nn.Module):
     """Self-attention with separate ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``.
 
-    Args:
-        dim: model width; ``dim // n_heads`` is the head size (even, when ``rope``).
-        n_heads: query heads.
-        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
-        max_seq_len: longest sequence RoPE and the cache support.
-        rope_theta: RoPE base.
-        qk_norm: normalise q and k per head (over all heads at once with ``qk_norm_per_head=False``,
-            as OLMo2).
-        qkv_norm: normalise q, k and v per head (implies ``qk_norm``); HybridNorm needs it.
-        norm, norm_eps: kind and epsilon of those per-head norms.
-        bias: biases on the four projections.
-        dropout: dropout on the attention weights and on the output (training only).
-        head_dim: size of a head (``None``: ``dim // n_heads``).
-        layer_idx: which entry of a :class:`KVCache` this layer uses.
-        causal: mask future positions (language models); ``False`` for encoders (ViT, DiT).
-        rope: rotate q and k by their positions; ``False`` leaves positions to the model.
-        value_residual: ``None``, ``"fixed"`` or ``"learned"``: a value residual; layer 0 gives its
-            values, every other layer mixes them into its own (``value_weights``: ``(own, first)``).
-        depth_attention: Depth-Attention; ``forward`` then needs ``depth_kv``.
-        device, dtype: factory kwargs.
-    """
+    ``n_kv_heads`` must divide ``n_heads`` (grouped-query attention); ``qkv_norm`` implies ``qk_norm``,
+    which spans all heads with ``qk_norm_per_head=False``; ``layer_idx`` is this layer's
+    :class:`KVCache` entry; ``value_weights`` are ``(own, first)``; with ``depth_attention``,
+    ``forward`` needs ``depth_kv``."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *,
                  max_seq_len: int = 2048, rope_theta: float = 10000.0, qk_norm: bool = False,
@@ -206,7 +160,6 @@ class Attention(nn.Module):
         self.depth_attention = bool(depth_attention)
 
     def reset_parameters(self) -> None:
-        """PyTorch's default Linear init, unit norms, fresh RoPE tables (a model re-inits after)."""
         for module in (self.q_proj, self.k_proj, self.v_proj, self.out_proj,
                        self.q_norm, self.k_norm, self.v_norm, self.rope, self.value_mix):
             if module is not None:
@@ -214,18 +167,14 @@ class Attention(nn.Module):
 
     def _heads(self, x: Tensor, norm: nn.Module | None, pos: int | Tensor, rotate: bool,
                recompute: bool = False) -> Tensor:
-        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised per head if asked
-        (:func:`norm_heads`) and rotated by RoPE if ``rotate``."""
+        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, normalised and rotated if asked."""
         if norm is not None and self.whole_width_qk_norm:      # over all heads, before the split
             x, norm = (norm_value(norm, x) if recompute else norm(x)), None
         x = norm_heads(norm, x, self.head_dim, recompute=recompute).transpose(1, 2)
         return self.rope(x, pos) if rotate and self.rope is not None else x
 
     def _recipes(self, inputs: dict) -> dict:
-        """For the lean path: the per-head normalised q, k, v that attention saves for backward,
-        each recomputable from its projection (which the norm keeps anyway) and row statistics,
-        so it need not be kept too. ``inputs``: name -> (projection, norm, rotate, out, pos), the
-        arguments of :meth:`_heads` and its output."""
+        """The lean path's recipes: the normalised q, k, v recomputed from their projections, not kept."""
         return {id(out): partial(self._heads, proj, norm, pos, rotate, recompute=True)
                 for proj, norm, rotate, out, pos in inputs.values() if norm is not None}
 
@@ -233,18 +182,11 @@ class Attention(nn.Module):
                 positions: Tensor | None = None, key_mask: Tensor | None = None,
                 first_values: FirstValues | None = None,
                 depth_kv: DepthKeysValues | None = None) -> Tensor:
-        """Attend over ``x`` (``(B, T, dim)``; causally unless ``causal=False``) and, with a
-        cache, over its earlier keys.
+        """Attend over ``x`` (B, T, dim) and, with a cache, its earlier keys.
 
-        For batches of unequal lengths (left padding): ``positions`` (``(B, T)``) gives each row's
-        RoPE position instead of ``pos .. pos + T - 1``, and ``key_mask`` (``(B, T_key)``, bool,
-        ``T_key`` = cached + new keys) says which keys are real tokens; a query attends only to
-        real keys (and always to itself, so that a padding query gets a finite, unused output).
-
-        With a value residual, ``first_values`` (one per forward pass) carries layer 0's values to
-        the later layers; layer 0 must run first. With Depth-Attention, ``depth_kv`` (one per
-        forward pass) carries the source layers' keys and mixed values to the later ones.
-        """
+        ``positions`` (B, T) overrides the RoPE positions and ``key_mask`` (B, T_key; cached + new keys)
+        marks real tokens, for left-padded batches; a query always sees its own key. ``first_values``
+        (value residual) and ``depth_kv`` (Depth-Attention) are one per forward pass."""
         b, t, _ = x.shape
         rot = pos if positions is None else positions
         parts = {}
@@ -290,7 +232,6 @@ class Attention(nn.Module):
         return F.dropout(y, self.dropout, self.training)
 
     def _value_residual(self, v: Tensor, first_values: FirstValues | None) -> Tensor:
-        """Layer 0: keep ``v`` in ``first_values``; later layers: mix it into ``v``."""
         if first_values is None:
             raise ValueError("attention with a value residual needs first_values=FirstValues(), "
                              "one per forward pass")
@@ -304,7 +245,6 @@ class Attention(nn.Module):
 
     def _depth_attention(self, q: Tensor, k: Tensor, v: Tensor,
                          depth_kv: DepthKeysValues | None) -> Tensor:
-        """Mix the source layers' values into ``v`` (:func:`depth_mix`) and keep this layer's."""
         if depth_kv is None:
             raise ValueError("attention with Depth-Attention needs depth_kv=DepthKeysValues(stride), "
                              "one per forward pass")

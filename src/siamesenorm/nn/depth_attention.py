@@ -1,21 +1,5 @@
-"""Depth-Attention (Zeng, Hao et al., "Depth-Attention: Cross-Layer Value Mixing for Language
-Models", arXiv 2606.05014): before attention layer ``l`` attends over the sequence, its query
-attends along depth, at each position on its own, over the keys of some earlier layers and its
-own, and the value it then reads is the mix of their values::
-
-    S(l)      = {j < l : j mod stride = 0}                  # the source layers
-    qbar_g    = mean of q_h over the query heads h of key/value head g
-    a_{l,j}   = softmax_{j in S(l) + {l}} (qbar_g . k_j / sqrt(head_dim))
-    vmix_l    = sum_{j in S(l)} a_{l,j} vmix_j + a_{l,l} v_l
-
-per key/value head ``g`` and position ``t``, every term at ``(g, t)``. ``k_j`` is layer ``j``'s key
-as its own attention reads it (after its QK-norm and RoPE; q and k of one position share a
-rotation, so RoPE cancels in the score) and ``vmix_j`` its mixed value, so a layer reads the mixes
-of the earlier ones. ``vmix_l`` replaces ``v_l`` everywhere: self-attention reads it and a KV cache
-holds it, so a decoding step needs the earlier layers' keys and values of the new tokens only,
-which the same forward pass has just made. The default stride is half the layers (the authors'
-configurations: 16 of 32, 24 of 48), so the sources are layers 0 and L/2. No parameters.
-"""
+"""Depth-Attention (arXiv 2606.05014): each attention layer's values become a softmax mix, along
+depth, of some earlier layers' values and its own (equations: docs/schemes.md)."""
 
 from __future__ import annotations
 
@@ -34,8 +18,7 @@ __all__ = ["DepthKeysValues", "check_depth_attention", "depth_mix", "depth_strid
 
 
 def check_depth_attention(enabled: object, stride: object) -> None:
-    """Refuse, in one line, a ``model.depth_attention`` or ``model.depth_attention_stride`` that
-    is not one (a model config's check)."""
+    """Refuse a ``model.depth_attention`` or ``model.depth_attention_stride`` that is not one."""
     if not isinstance(enabled, bool):
         raise UserError(f"model.depth_attention must be true or false, got {enabled!r}")
     if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
@@ -46,14 +29,11 @@ def check_depth_attention(enabled: object, stride: object) -> None:
 
 
 def depth_stride(stride: int | None, n_layers: int) -> int:
-    """The stride of the source layers: ``stride``, or half of ``n_layers`` (at least 1)."""
     return max(1, n_layers // 2) if stride is None else stride
 
 
 class DepthKeysValues(LayerCarrier):
-    """Carries the source layers' keys and mixed values, ``(B, n_kv_heads, T, head_dim)`` each,
-    from one attention layer to the later ones during one forward pass: a model makes a fresh one
-    per forward. A layer's first write wins (a checkpoint's recompute leaves it unchanged)."""
+    """The source layers' keys and mixed values, ``(B, n_kv_heads, T, head_dim)``; one per forward."""
 
     def __init__(self, stride: int) -> None:
         if stride < 1:
@@ -65,7 +45,6 @@ class DepthKeysValues(LayerCarrier):
         return DepthKeysValues(self.stride)
 
     def sources(self, layer: int) -> tuple[list[Tensor], list[Tensor]]:
-        """The keys and mixed values of the source layers of ``layer``, in depth order."""
         wanted = range(0, layer, self.stride)
         missing = [j for j in wanted if j not in self.held]
         if missing:
@@ -74,19 +53,14 @@ class DepthKeysValues(LayerCarrier):
         return [self.held[j][0] for j in wanted], [self.held[j][1] for j in wanted]
 
     def keep(self, layer: int, item: tuple[Tensor, Tensor]) -> None:
-        """Hold layer ``layer``'s ``(keys, mixed values)`` if later layers read them."""
         if layer % self.stride == 0:
             super().keep(layer, item)
 
 
 def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
               source_values: Sequence[Tensor]) -> Tensor:
-    """``vmix`` of the module's equations: ``q`` ``(B, n_heads, T, D)``; ``k``, ``v`` and each
-    source ``(B, n_kv_heads, T, D)``. The softmax runs in float32 at least. Off the reference
-    path (:func:`~siamesenorm.nn.fused.fused_enabled`) one autograd function that keeps only its
-    inputs (alive anyway, or recomputed: see the attention's ``recomputed_inputs``) and the depth
-    weights, ``(N+1, B, n_kv_heads, T)``; the plain composition keeps stacked copies of the keys
-    and values."""
+    """``vmix``: ``q`` (B, n_heads, T, D); ``k``, ``v`` and each source (B, n_kv_heads, T, D). The
+    softmax runs in float32 at least."""
     if not source_keys:
         return v
     if fused_enabled() and torch.is_grad_enabled():
@@ -101,15 +75,12 @@ def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
 
 
 def _group_mean(q: Tensor, groups: int) -> Tensor:
-    """``qbar``: the mean of ``q`` ``(B, H, T, D)`` over the query heads of each of ``groups``."""
     return q.unflatten(1, (groups, q.shape[1] // groups)).mean(2)
 
 
 class _LeanDepthMix(Function):
-    """:func:`depth_mix` source by source (no stacked copies). Backward, with ``w`` the depth
-    weights, ``g`` the gradient of ``vmix`` and ``V_j``, ``K_j`` the values and keys (the layer's
-    own last): ``dV_j = w_j g``; ``ds_j = w_j (<g, V_j> - sum_i w_i <g, V_i>) / sqrt(D)``;
-    ``dK_j = ds_j qbar``; ``dqbar = sum_j ds_j K_j``, shared equally by the group's query heads."""
+    """:func:`depth_mix` source by source. Backward (``w`` the weights, ``g`` the gradient of ``vmix``):
+    ``ds_j = w_j (<g, V_j> - sum_i w_i <g, V_i>) / sqrt(D)``, ``dK_j = ds_j qbar``, ``dV_j = w_j g``."""
 
     @staticmethod
     def forward(ctx, n: int, q: Tensor, k: Tensor, v: Tensor, *sources: Tensor) -> Tensor:

@@ -1,11 +1,4 @@
-"""State names of an earlier layout, still loaded.
-
-A module class declares ``legacy_state_names``: old name under the module -> new name (prefixes,
-``"v_proj.norm."`` -> ``"v_head_norm."``). :class:`LegacyStateNames` renames them in
-``load_state_dict``; our run checkpoints
-(:func:`~siamesenorm.train.checkpoint.aliases.upgrade_legacy_names`) and transformers'
-``from_pretrained`` (:func:`siamesenorm.hf.common.load_legacy_names`) read the same table.
-"""
+"""State names of an earlier layout, still loaded."""
 
 from __future__ import annotations
 
@@ -15,8 +8,7 @@ __all__ = ["LegacyStateNames", "rename_legacy"]
 
 
 def rename_legacy(state: dict, prefix: str, names: dict[str, str]) -> None:
-    """Rename, in place, the entries of ``state`` under ``prefix`` whose name starts with an old
-    name of ``names``."""
+    """Rename in place the entries of ``state`` under ``prefix`` that start with an old name."""
     for key in [k for k in state if k.startswith(prefix)]:
         for old, new in names.items():
             if key.startswith(prefix + old):
@@ -25,7 +17,7 @@ def rename_legacy(state: dict, prefix: str, names: dict[str, str]) -> None:
 
 
 class LegacyStateNames:
-    """Mixed in before ``nn.Module``: ``load_state_dict`` reads ``legacy_state_names`` too."""
+    """Mixed in before ``nn.Module``: ``load_state_dict`` renames ``legacy_state_names`` (old -> new)."""
 
     legacy_state_names: ClassVar[dict[str, str]] = {}
 

@@ -1,10 +1,4 @@
-"""Feed-forward sublayers: SwiGLU and GELU MLPs.
-
-- SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``
-- GELU:   ``down_proj(gelu(up_proj(x)))``
-
-Both apply dropout to their output while training.
-"""
+"""Feed-forward sublayers: SwiGLU and GELU MLPs, with dropout on their output while training."""
 
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ def default_mlp_hidden(kind: str, dim: int) -> int:
 
 
 class SwiGLUMLP(nn.Module):
-    """Gated MLP with a SiLU gate: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = False, dropout: float = 0.0,
                  device=None, dtype=None) -> None:
@@ -50,11 +44,8 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 class GELUMLP(nn.Module):
-    """Two-layer MLP with a GELU in between: ``down_proj(gelu(up_proj(x)))``.
-
-    ``approximate="tanh"`` uses the tanh approximation of GELU (as DiT does); ``"none"`` the exact
-    erf form (ViT/DeiT, GPT-style models here).
-    """
+    """``down_proj(gelu(up_proj(x)))``; ``approximate="tanh"`` (as DiT) or ``"none"``, the exact erf
+    (ViT/DeiT, GPT)."""
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = False, dropout: float = 0.0,
                  approximate: str = "none", device=None, dtype=None) -> None:
@@ -79,7 +70,6 @@ class GELUMLP(nn.Module):
 
 def build_mlp(kind: str, dim: int, hidden: int | None = None, *, bias: bool = False,
               dropout: float = 0.0, device=None, dtype=None) -> nn.Module:
-    """Build an MLP by name (``"swiglu"`` or ``"gelu"``); ``hidden=None`` uses the default size."""
     if kind not in MLP_KINDS:
         raise UserError(f"unknown mlp {kind!r}; choose one of {', '.join(MLP_KINDS)}")
     hidden = default_mlp_hidden(kind, dim) if hidden is None else hidden

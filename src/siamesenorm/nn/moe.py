@@ -1,20 +1,4 @@
-"""Mixture-of-experts feed-forward: token-choice top-k routing over SwiGLU experts, dropless.
-
-OLMoE (arXiv 2409.02060), the base of SiameseNorm's "15A2B" experiment (arXiv 2602.08064)::
-
-    p       = softmax(router(x))                       over the experts (float32 for half inputs)
-    S       = top_k(p)                                 the k experts of each token
-    w_i     = p_i / sum_{j in S} p_j   (i in S)        renormalised (``normalize=False``: w_i = p_i)
-    MoE(x)  = sum_{i in S} w_i * E_i(x)  [+ shared(x)] E_i(x) = down_i(silu(gate_i x) * up_i x)
-
-Dropless (no capacity factor): tokens are sorted by expert, each expert runs one matrix product over
-its tokens, the results are scattered back with their weights. Every training forward leaves two
-unscaled losses for the model to add: :attr:`MoE.aux_loss`, load balancing ``E * sum_i f_i * P_i``
-(Switch Transformer, arXiv 2101.03961; ``f_i`` the share of assignments to expert i, ``P_i`` its
-mean probability; a uniform router gives k), and :attr:`MoE.z_loss`,
-``mean_t (logsumexp_i logits_ti)^2`` (ST-MoE, arXiv 2202.08906). :attr:`MoE.load` and
-:attr:`MoE.entropy` (nats) describe the last forward, detached.
-"""
+"""Mixture-of-experts feed-forward (OLMoE, arXiv 2409.02060): token-choice top-k routing, dropless."""
 
 from __future__ import annotations
 
@@ -31,8 +15,12 @@ __all__ = ["MoE"]
 
 
 class MoE(nn.Module):
-    """Top-``top_k`` of ``n_experts`` SwiGLU experts of hidden size ``hidden`` per token, plus an
-    optional always-on shared SwiGLU expert of hidden size ``shared_hidden`` (0: none)."""
+    """Top-``top_k`` of ``n_experts`` SwiGLU experts per token, the weights renormalised over them
+    (``normalize``), plus an optional shared expert (``shared_hidden``; 0: none).
+
+    Each forward sets :attr:`aux_loss` (``E * sum_i f_i P_i``, Switch Transformer) and :attr:`z_loss`
+    (``mean_t logsumexp_t^2``, ST-MoE), unscaled, for the model to add; :attr:`load` and
+    :attr:`entropy` (nats) describe it, detached."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, *, shared_hidden: int = 0,
                  normalize: bool = True, device=None, dtype=None) -> None:
@@ -61,7 +49,7 @@ class MoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """As ``nn.Linear`` would: uniform in ``+-1/sqrt(fan_in)`` for every expert matrix."""
+        """As ``nn.Linear`` would, for every expert matrix."""
         self.router.reset_parameters()
         for w in (self.w_gate, self.w_up, self.w_down):
             bound = 1 / math.sqrt(w.shape[1])
@@ -76,9 +64,8 @@ class MoE(nn.Module):
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logits, experts, weights)`` for the rows of ``x`` (tokens x dim): the router's logits
-        (float32 for half-precision inputs), each token's ``top_k`` expert indices and their
-        combination weights."""
+        """``(logits, experts, weights)`` for ``x`` (tokens, dim): the logits in float32 for half inputs,
+        each token's ``top_k`` experts and their weights."""
         logits = self.router(x)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()

@@ -1,12 +1,4 @@
-"""Normalisation layers: LayerNorm, RMSNorm, DyT and Derf with factory kwargs and ``reset_parameters``.
-
-LayerNorm and RMSNorm keep only their input and per-row statistics for backward: LayerNorm through
-``F.layer_norm``, RMSNorm through :func:`siamesenorm.nn.fused.rms_norm` (``F.rms_norm`` itself on
-the reference path, see :func:`siamesenorm.nn.fused.reference_path`). DyT (arXiv 2503.10622) is no
-normalisation but an element-wise stand-in for one; it keeps only its input
-(:func:`siamesenorm.nn.fused.dyt`), and so does Derf (arXiv 2512.10938,
-:func:`siamesenorm.nn.fused.derf`).
-"""
+"""Normalisation layers: LayerNorm, RMSNorm, DyT and Derf, each keeping little for backward."""
 
 from __future__ import annotations
 
@@ -39,8 +31,6 @@ def _positive(name: str, value: object) -> float:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
-
     kind = "layernorm"  # what the lean functions of siamesenorm.nn.fused compute
 
     def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = True,
@@ -66,8 +56,6 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``."""
-
     kind = "rmsnorm"  # what the lean functions of siamesenorm.nn.fused compute
 
     def __init__(self, dim: int, eps: float = 1e-5, *, affine: bool = True, bias: bool = False,
@@ -91,12 +79,8 @@ class RMSNorm(nn.Module):
 
 
 class DyT(nn.Module):
-    """Dynamic Tanh (Zhu et al., "Transformers without Normalization", arXiv 2503.10622):
-    ``weight * tanh(alpha * x) + bias`` element-wise, with ``alpha`` one learnable scalar started at
-    ``alpha0``, ``weight`` ones and ``bias`` zeros (``affine=False``: ``tanh(alpha * x)``, as the
-    DyT DiT does for LayerNorms without affine parameters). ``eps`` is accepted for
-    :func:`build_norm`'s signature and unused. ``role`` (``"attention"`` or ``"other"``) is where
-    the norm sits, for the paper's LLM values of ``alpha0`` (:func:`set_llm_dyt_alpha0`)."""
+    """Dynamic Tanh (Zhu et al., arXiv 2503.10622): ``weight * tanh(alpha * x) + bias``, ``alpha`` one
+    scalar. ``eps`` is unused; ``role`` (``"attention"`` or ``"other"``) picks the LLM ``alpha0``."""
 
     kind = "dyt"
 
@@ -125,14 +109,8 @@ class DyT(nn.Module):
 
 
 class Derf(nn.Module):
-    """Dynamic erf (Chen et al., "Stronger Normalization-Free Transformers", arXiv 2512.10938):
-    ``weight * erf(alpha * x + shift) + bias`` element-wise. ``alpha`` and ``shift`` (the paper's
-    ``s``) are one learnable scalar each, started at ``alpha0`` (0.5) and ``shift0`` (0); ``weight``
-    (gamma) ones and ``bias`` (beta) zeros, one per channel, as for DyT (``affine=False``:
-    ``erf(alpha * x + shift)``). Not confirmed from the paper's text: the init values come from the
-    official code, which for GPT-2 sets separate attention / FFN / final ``alpha0`` we could not
-    find; every Derf here starts at ``alpha0`` whatever its ``role`` (kept for a per-role rule).
-    ``eps`` is accepted for :func:`build_norm`'s signature and unused."""
+    """Dynamic erf (Chen et al., arXiv 2512.10938): ``weight * erf(alpha * x + shift) + bias``, ``alpha``
+    and ``shift`` one scalar each; init from the official code. ``eps`` is unused."""
 
     kind = "derf"
 
@@ -168,18 +146,14 @@ class Derf(nn.Module):
 
 
 def llm_dyt_alpha0(dim: int) -> tuple[float, float]:
-    """The DyT paper's LLaMA ``alpha0`` for width ``dim``: ``(attention, other)`` from the row of
-    the largest listed width not above ``dim`` (:data:`DYT_LLM_ALPHA0`; narrower models take the
-    1024 row, the paper's narrowest)."""
+    """The DyT paper's LLaMA ``alpha0`` ``(attention, other)`` for width ``dim``: the row of the largest
+    listed width not above it (narrower models: the 1024 row)."""
     rows = [w for w in DYT_LLM_ALPHA0 if w <= dim]
     return DYT_LLM_ALPHA0[max(rows) if rows else min(DYT_LLM_ALPHA0)]
 
 
 def set_llm_dyt_alpha0(model: nn.Module, dim: int) -> None:
-    """Give every DyT in ``model`` the paper's LLM ``alpha0`` for width ``dim`` (Tables 11-12 of
-    arXiv 2503.10622): the attention value to those in attention blocks (``role="attention"``: the
-    norm feeding attention, per-head q/k/v norms), the other value to the rest (the FFN blocks'
-    norms, the final norm), and reset their ``alpha``."""
+    """Give every DyT in ``model`` the paper's LLM ``alpha0`` for its ``role`` and reset ``alpha``."""
     attention, other = llm_dyt_alpha0(dim)
     for module in model.modules():
         if isinstance(module, DyT):
@@ -189,8 +163,7 @@ def set_llm_dyt_alpha0(model: nn.Module, dim: int) -> None:
 
 def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, role: str = "other",
                device=None, dtype=None) -> nn.Module:
-    """Build a norm by name (:data:`NORM_KINDS`); ``role`` only tags a DyT or Derf
-    (``"attention"`` or ``"other"``, for :func:`set_llm_dyt_alpha0`)."""
+    """A norm by name (:data:`NORM_KINDS`); ``role`` only tags a DyT or Derf."""
     if kind == "derf":
         return Derf(dim, eps, affine=affine, role=role, device=device, dtype=dtype)
     if kind == "dyt":
@@ -203,10 +176,8 @@ def build_norm(kind: str, dim: int, eps: float = 1e-5, *, affine: bool = True, r
 
 
 def normed_product(norm: nn.Module, x: Tensor, proj: Tensor) -> Tensor:
-    """``norm(x) @ proj`` for a LayerNorm or RMSNorm without writing ``norm(x)``: the gain folds
-    into ``proj`` and the row statistics scale the product, ``rstd ((x - mu) (g proj)) + b proj``
-    (``mu = 0`` for RMSNorm). For compiled graphs: Inductor fuses the statistics with the cast the
-    product needs, where ``norm(x)`` would be written, read and, in backward, written again."""
+    """``norm(x) @ proj`` for a LayerNorm or RMSNorm without writing ``norm(x)``:
+    ``rstd ((x - mu) (g proj)) + b proj``, which Inductor fuses better."""
     w = proj if norm.weight is None else norm.weight.unsqueeze(-1).to(proj.dtype) * proj
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if norm.kind == "layernorm":            # centred before the product's cast: no cancellation

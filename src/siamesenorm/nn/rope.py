@@ -1,16 +1,4 @@
-"""Rotary position embeddings (RoPE), rotate-half convention.
-
-A head vector ``x`` of even size ``d`` is split into halves ``x1 = x[:d/2]`` and ``x2 = x[d/2:]``;
-pair ``(x1[j], x2[j])`` at position ``p`` is rotated by the angle ``p * theta ** (-2j / d)``::
-
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
-
-The cos/sin tables are non-persistent buffers of shape ``(max_seq_len, d / 2)``, computed in
-float64 and stored in at least float32. :meth:`RotaryEmbedding.reset_parameters` recomputes them, so
-a module built on the meta device and materialised with ``to_empty()`` + ``reset_parameters()`` is
-correct.
-"""
+"""Rotary position embeddings (RoPE), rotate-half convention."""
 
 from __future__ import annotations
 
@@ -21,14 +9,8 @@ from ..errors import UserError
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate q or k of shape ``(B, H, T, head_dim)`` by their positions ``pos .. pos + T - 1``.
-
-    Args:
-        head_dim: size of one head (even).
-        max_seq_len: number of positions in the cos/sin tables.
-        theta: base of the rotation frequencies.
-        device, dtype: factory kwargs; the tables use ``dtype`` if it is at least float32 wide.
-    """
+    """Rotate q or k, ``(B, H, T, head_dim)``, by their positions. The cos/sin tables are non-persistent
+    buffers, in at least float32; :meth:`reset_parameters` recomputes them (after the meta device)."""
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, *,
                  device=None, dtype=None) -> None:
@@ -52,7 +34,6 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Recompute the cos/sin tables (uses no random numbers)."""
         device, half = self.cos.device, self.head_dim // 2
         exponent = torch.arange(half, device=device, dtype=torch.float64) * 2.0 / self.head_dim
         inv_freq = self.theta ** -exponent
@@ -62,9 +43,8 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(angles.sin())
 
     def forward(self, x: Tensor, pos: int | Tensor = 0) -> Tensor:
-        """Rotate ``x`` (``(..., T, head_dim)``) as if its first row sat at position ``pos``; or,
-        with ``pos`` a ``(B, T)`` tensor of positions (``x`` of shape ``(B, H, T, head_dim)``),
-        row ``t`` of sequence ``b`` at position ``pos[b, t]`` (left-padded batches)."""
+        """Rotate ``x`` (..., T, head_dim) as if its first row sat at ``pos``; or, ``pos`` a (B, T) tensor,
+        row ``t`` of sequence ``b`` at ``pos[b, t]`` (left-padded batches)."""
         t = x.shape[-2]
         if isinstance(pos, Tensor):
             if pos.shape != (x.shape[0], t):

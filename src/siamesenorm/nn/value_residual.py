@@ -1,15 +1,5 @@
-"""Value residuals (ResFormer, Zhou et al., "Value Residual Learning", arXiv 2410.17897).
-
-Every attention layer after the first mixes its values with the first layer's before attending::
-
-    V_n <- own * V_n + first * V_1          (n > 1; V_1 = the first layer's values)
-
-``V_n`` are the values as the layer's attention reads them, ``(B, n_kv_heads, T, head_dim)``
-(after a per-head value norm where the layer has one; values get no RoPE). The paper's default
-(Identity-ResFormer, the authors' code) fixes ``own = first = 0.5``; Learnable-ResFormer trains
-one scalar pair per layer, initialised at those values. The mixed values are what a KV cache
-holds, so cached decoding needs ``V_1`` of the new tokens only.
-"""
+"""Value residuals (ResFormer, arXiv 2410.17897): attention layer ``n > 1`` reads
+``own * V_n + first * V_1``, and its KV cache holds that."""
 
 from __future__ import annotations
 
@@ -24,13 +14,10 @@ VALUE_RESIDUAL_MIXES = ("fixed", "learned")
 
 
 class FirstValues(LayerCarrier):
-    """Carries the first attention layer's values ``V_1`` to the later ones during one forward
-    pass: a model makes a fresh one per forward and passes it to every attention sublayer. The
-    first write wins (a checkpoint's recompute of the first layer leaves it unchanged)."""
+    """Carries the first attention layer's values ``V_1`` to the later ones; one per forward pass."""
 
     @property
     def values(self) -> Tensor | None:
-        """``V_1``, or ``None`` before the first layer has run."""
         return self.held.get(0)
 
     @values.setter
@@ -39,8 +26,8 @@ class FirstValues(LayerCarrier):
 
 
 class ValueMix(nn.Module):
-    """``own * V_n + first * V_1``; ``learned``: ``own_weight`` and ``first_weight`` are trained
-    scalars of this layer (initialised at ``own``, ``first``), else fixed numbers."""
+    """``own * V_n + first * V_1``: fixed numbers (Identity-ResFormer, the paper's default 0.5 each) or,
+    ``learned``, trained scalars initialised at them."""
 
     def __init__(self, own: float = 0.5, first: float = 0.5, *, learned: bool = False,
                  device=None, dtype=None) -> None:

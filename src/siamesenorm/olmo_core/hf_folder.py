@@ -1,11 +1,5 @@
-"""A scheme model of OLMo-core as a Hugging Face folder, in one call.
-
-OLMo-core's own ``save_hf_model`` writes the HF family its blocks belong to (OLMo2, Llama, ...); a
-scheme model is none of them, and it refuses ("Block is not a ReorderedNormTransformerBlock").
-:func:`save_hf_model` writes the folder ``siamesenorm export --format hf`` writes: our model's
-config with ``auto_map``, the weights, and the modelling file, which ``from_pretrained(folder,
-trust_remote_code=True)`` loads without siamesenorm.
-"""
+"""A scheme model of OLMo-core as a Hugging Face folder, in one call (OLMo-core's ``save_hf_model``
+refuses a scheme model)."""
 
 from __future__ import annotations
 
@@ -24,12 +18,9 @@ __all__ = ["save_hf_model"]
 
 def save_hf_model(save_dir: str | os.PathLike, model: SchemeTransformer, config: SchemeTransformerConfig,
                   *, tokenizer: Any = None, max_seq_len: int = 2048, overwrite: bool = False) -> Path:
-    """Write ``model`` (built from ``config``; FSDP/TP DTensors are gathered) as a Hugging Face
-    folder ``save_dir``, with a transformers ``tokenizer`` when given (its end token becomes the
-    model's). What :func:`~.convert.lm_config` cannot express is refused in one line, before
-    anything is written; a non-empty ``save_dir`` is refused unless ``overwrite``, which replaces
-    only a folder siamesenorm wrote (never ``/``, home, the current folder or one holding it:
-    :func:`siamesenorm.hf.folder.check_model_folder`)."""
+    """Write ``model`` (built from ``config``; DTensors gathered) as the Hugging Face folder ``save_dir``,
+    with ``tokenizer`` when given. What our LM config cannot express is refused first; a non-empty
+    ``save_dir`` is refused unless ``overwrite``, which replaces only a folder siamesenorm wrote."""
     from ..hf.export import write_model_folder
     from ..hf.folder import check_model_folder, writing_model_folder
 

@@ -1,16 +1,5 @@
-"""Mixture-of-experts scheme blocks: OLMo-core's MoE as the feed-forward sublayer, run by the scheme.
-
-A block whose ``SchemeBlockConfig`` has ``feed_forward_moe`` (OLMo-core's dropless ``MoEConfig``)
-is a :class:`SchemeMoEBlock`: OLMo-core's attention (sublayer ``2b``) and dropless MoE (sublayer
-``2b + 1``, with its router, losses and metrics), both run by ``scheme.step``; a model with one is a
-:class:`SchemeMoETransformer`, also an OLMo-core ``MoETransformer``. The auxiliary losses travel as
-OLMo-core's: attached to the MoE's input by ``attach_auxiliary_loss``, never added to the returned
-loss, and read after every batch through ``compute_auxiliary_metrics``.
-:class:`PortableDroplessMLP` permutes tokens in plain PyTorch where OLMo-core's Triton kernels
-cannot run (CPU), with or without expert parallelism; :class:`CheckpointSafeRouter` does not count
-its losses and loads twice under activation checkpointing, so the blocks can be checkpointed whole,
-which OLMo-core refuses for its own. docs/olmo-core.md, "Mixture of experts".
-"""
+"""Mixture-of-experts scheme blocks: OLMo-core's dropless MoE as the feed-forward sublayer, run by the
+scheme (docs/olmo-core.md, "Mixture of experts")."""
 
 from __future__ import annotations
 
@@ -54,10 +43,8 @@ def check_moe_config(config: MoEConfig) -> None:
 
 # ---- the router -------------------------------------------------------------------------------
 class CheckpointSafeRouter(MoELinearRouter):
-    """OLMo-core's linear router, whose running sums (tokens per expert, the load-balancing and
-    z-losses the metrics report) do not count a forward pass twice when activation checkpointing
-    recomputes it inside the backward pass. OLMo-core's own router does (its MoE blocks then
-    report twice the losses under ``selected_ops``); routing, losses and gradients are unchanged."""
+    """OLMo-core's linear router, whose running sums (tokens per expert, the losses the metrics report)
+    do not count a forward twice when activation checkpointing recomputes it."""
 
     @classmethod
     def adopt(cls, moe: MoEBase) -> MoEBase:
@@ -86,26 +73,15 @@ class CheckpointSafeRouter(MoELinearRouter):
 
 # ---- the experts' dispatcher -----------------------------------------------------------------
 class PortableDroplessMLP(ParallelDroplessMLP):
-    """OLMo-core's dropless expert dispatcher with a plain-PyTorch token permutation where its
-    Triton kernels cannot run.
-
-    The router hands over each token's ``top_k`` experts and weights, ``indices`` (the positions
-    of the ``tokens * top_k`` assignments, sorted by expert) and the tokens per expert. Here:
-    ``rows = x[indices // top_k]`` (each assignment's token, grouped by expert), the experts
-    (OLMo-core's ``DroplessMoEMLP`` on its groups), then each output row times its assignment's
-    weight, summed back onto its token. With expert parallelism the groups of the experts another
-    rank holds go there and come back by ``all_to_all_single`` (token counts first, then rows);
-    a rank sorts what it receives by its local expert before running them.
-    """
+    """OLMo-core's dropless expert dispatcher with a plain-PyTorch token permutation where its Triton
+    kernels cannot run (CPU), with or without expert parallelism (``all_to_all_single``)."""
 
     @staticmethod
     def kernels_run(x: Tensor) -> bool:
-        """Whether OLMo-core's own (Triton) permutation runs for ``x``."""
         return x.is_cuda and moe_ops.kernels is not None
 
     @classmethod
     def adopt(cls, moe: MoEBase) -> MoEBase:
-        """Make ``moe``'s dispatcher (an OLMo-core ``ParallelDroplessMLP``) this class."""
         if type(moe.experts) is not ParallelDroplessMLP:
             raise UserError(f"expected OLMo-core's ParallelDroplessMLP experts, got "
                               f"{type(moe.experts).__name__}")
@@ -169,10 +145,8 @@ class PortableDroplessMLP(ParallelDroplessMLP):
 
 # ---- the block -------------------------------------------------------------------------------
 class SchemeMoEBlock(SchemeBlock):
-    """Block ``block_idx`` with OLMo-core's dropless MoE (``feed_forward_moe``) as sublayer
-    ``2 * block_idx + 1``; attention, the scheme, dropout and the rest as :class:`SchemeBlock`.
-    ``forward(state, loss_div_factor=..., **attention_kwargs) -> state``; the MoE gets the train
-    module's ``loss_div_factor`` for its auxiliary losses."""
+    """Block ``block_idx`` with OLMo-core's dropless MoE as sublayer ``2 * block_idx + 1``; the MoE gets
+    the train module's ``loss_div_factor`` for its auxiliary losses."""
 
     def __init__(self, *, d_model: int, block_idx: int, n_layers: int,
                  sequence_mixer: AttentionConfig, feed_forward_moe: MoEConfig,
@@ -215,8 +189,7 @@ class SchemeMoEBlock(SchemeBlock):
         return scheme.step(state, i + 1, self._branch(self.feed_forward_moe, moe_kwargs))
 
     def apply_ep(self, ep_mesh: DeviceMesh, **kwargs: Any) -> None:
-        """OLMo-core's expert parallelism: the experts' weights become DTensors sharded over
-        ``ep_mesh`` (``num_experts / ep`` whole experts a rank); the router stays replicated."""
+        """OLMo-core's expert parallelism: whole experts sharded over ``ep_mesh``, the router replicated."""
         self.feed_forward_moe.apply_ep(ep_mesh, **kwargs)
         self._ep_enabled = True
 
@@ -249,17 +222,12 @@ class SchemeMoEBlock(SchemeBlock):
 
 # ---- the model -------------------------------------------------------------------------------
 class SchemeMoETransformer(SchemeTransformer, MoETransformer):
-    """A :class:`SchemeTransformer` with MoE blocks; also an OLMo-core ``MoETransformer``, whose
-    methods collect the blocks' metrics (``compute_auxiliary_metrics``), apply expert
-    parallelism (``apply_ep``: each :class:`SchemeMoEBlock`'s experts over the EP mesh), prepare
-    the experts for FSDP/DDP and run the router's ``post_batch``. The forward pass, the scheme and
-    the init are :class:`SchemeTransformer`'s; under DeepNorm's Xavier init (or a
-    ``branch_gain``) the router is Xavier-normal with gain 1 and each expert's three matrices
-    Xavier-normal with the gain, as our ``LanguageModel`` draws them."""
+    """A :class:`SchemeTransformer` with MoE blocks; also an OLMo-core ``MoETransformer`` (metrics, expert
+    parallelism, the router's ``post_batch``)."""
 
     def branch_weights(self) -> list[BranchWeight]:
-        """:class:`SchemeTransformer`'s, then each MoE block's router (gain 1) and its experts'
-        w1, w3, w2, one matrix per expert."""
+        """:class:`SchemeTransformer`'s, then each MoE block's router (gain 1) and its experts' w1, w3, w2,
+        one matrix per expert."""
         out = super().branch_weights()
         for b, block in self.blocks.items():
             if not isinstance(block, SchemeMoEBlock):
@@ -279,11 +247,8 @@ class SchemeMoETransformer(SchemeTransformer, MoETransformer):
     def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
                                        block_interval: int | None = None,
                                        modules: list[str] | None = None, **kwargs: Any) -> None:
-        """OLMo-core's activation checkpointing, MoE blocks included (``full``, ``selected_blocks``,
-        ``selected_ops``): OLMo-core refuses to wrap its own MoE blocks whole, but the
-        :class:`CheckpointSafeRouter` of a scheme block counts a recomputed forward once.
-        ``selected_modules`` must not name a whole MoE module (OLMo-core's rule); modules inside
-        it (``blocks.*.feed_forward_moe.experts``) are fine."""
+        """OLMo-core's activation checkpointing, MoE blocks included; ``selected_modules`` must not name a
+        whole MoE module (OLMo-core's rule)."""
         if mode == TransformerActivationCheckpointingMode.selected_modules:
             from fnmatch import fnmatch
             names = [n for n, m in self.named_modules() if isinstance(m, MoEBase)]

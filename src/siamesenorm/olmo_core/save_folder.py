@@ -1,13 +1,5 @@
-"""The entry's save folder: whose it is, and its checkpoint read without running code.
-
-OLMo-core's trainer resumes from the latest checkpoint of its save folder on its own, and reads
-``.metadata`` with the plain unpickler and ``train/rank*.pt`` and every record of the ``*.distcp``
-files with ``torch.load(weights_only=False)``. So the entry (docs/security.md, "The OLMo-core
-entry") trains only into a folder that is missing, empty or marked by it (:data:`MARKER`), unless
-``--adopt-save-folder``; checks every file of the checkpoint OLMo-core will load through our
-allow-lists first (:func:`verify_checkpoint`); and trains under :func:`safe_loading`, so a file
-swapped after the check is read safely too.
-"""
+"""The entry's save folder: whose it is, and its checkpoint read without running code
+(docs/security.md, "The OLMo-core entry")."""
 
 from __future__ import annotations
 
@@ -37,14 +29,12 @@ _FORCE, _NO_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONL
 
 
 def _rng_globals() -> list:
-    """What OLMo-core's trainer state holds besides plain values: numpy's RNG state (an array)."""
     core = getattr(np, "_core", None) or np.core     # numpy 2, numpy 1
     return [np.ndarray, np.dtype, core.multiarray._reconstruct, type(np.dtype(np.uint32))]
 
 
 def check_save_folder(folder: Path, adopt: bool, own_work_dir: bool) -> None:
-    """Refuse a ``--save-folder`` the entry did not write (one line), unless ``adopt``, and links
-    where the entry writes."""
+    """Refuse a ``--save-folder`` the entry did not write, unless ``adopt``, and links where it writes."""
     check_out_dir(folder, "--save-folder")
     try:
         names = sorted(p.name for p in folder.iterdir() if not _MARKER_TMP.fullmatch(p.name))
@@ -64,8 +54,7 @@ def check_save_folder(folder: Path, adopt: bool, own_work_dir: bool) -> None:
 
 
 def mark(folder: Path) -> None:
-    """Create ``folder`` if missing and mark it as the entry's (rank 0); an unwritable folder is
-    one line."""
+    """Create ``folder`` if missing and mark it as the entry's (rank 0)."""
     from .. import __version__
 
     try:
@@ -78,7 +67,6 @@ def mark(folder: Path) -> None:
 
 # ---- the checkpoint OLMo-core will load --------------------------------------------------------
 def _checkpoint_to_load(folder: Path) -> Path | None:
-    """The folder OLMo-core's trainer resumes from (its own rule), or ``None``."""
     from olmo_core.train.checkpoint import Checkpointer
 
     if not folder.is_dir():
@@ -92,11 +80,8 @@ def _checkpoint_to_load(folder: Path) -> Path | None:
 
 
 def verify_checkpoint(folder: Path) -> Path | None:
-    """Read every file of the checkpoint OLMo-core would resume from in ``folder`` through our
-    allow-lists, unpickling nothing else: ``.metadata`` with :func:`read_dcp_metadata`, the trainer
-    states and each data record with ``torch.load(weights_only=True)``. Returns the checkpoint
-    (``None``: none). An altered file is an :class:`UnsafeCheckpoint`, a damaged one a
-    :class:`UserError`."""
+    """Read every file of the checkpoint OLMo-core would resume from through our allow-lists, unpickling
+    nothing else; returns it (``None``: none). Raises :class:`UnsafeCheckpoint` or :class:`UserError`."""
     ckpt = _checkpoint_to_load(folder)
     if ckpt is None:
         return None
@@ -127,8 +112,6 @@ def verify_checkpoint(folder: Path) -> Path | None:
 
 
 class _Slice(io.RawIOBase):
-    """Bytes ``offset`` to ``offset + length`` of the open file ``f``, as a file of their own."""
-
     def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
         super().__init__()
         self.f, self.offset, self.length, self.pos = f, offset, length, 0
@@ -157,8 +140,8 @@ class _Slice(io.RawIOBase):
 
 @contextmanager
 def safe_loading() -> Iterator[None]:
-    """While training: every ``torch.load`` weights-only (OLMo-core's included; numpy's RNG state
-    allowed), and OLMo-core's reader of ``.metadata`` reading it through :func:`read_dcp_metadata`."""
+    """While training: every ``torch.load`` weights-only, and OLMo-core's ``.metadata`` read through
+    :func:`read_dcp_metadata`."""
     from olmo_core.distributed.checkpoint.filesystem import RemoteFileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 

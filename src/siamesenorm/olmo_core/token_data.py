@@ -1,6 +1,4 @@
-"""The entry's token files, checked before OLMo-core reads them: raw ids of ``--data-dtype`` (no
-``.npy`` header, no shard header), whole tokens, ids below the vocabulary, and one global batch of
-whole sequences in all (OLMo-core drops each file's tail shorter than a sequence)."""
+"""The entry's token files, checked before OLMo-core reads them."""
 
 from __future__ import annotations
 
@@ -18,7 +16,8 @@ _CHUNK = 1 << 24        # tokens scanned at once
 
 
 def check_token_files(paths: list[str], dtype: str, vocab: int, seq_len: int, global_batch: int) -> None:
-    """Refuse (one line) token files OLMo-core would misread or fail on part-way through a run."""
+    """Refuse (one line) token files OLMo-core would misread or fail on: a header, partial tokens, ids
+    beyond the vocabulary, less than one global batch of whole sequences."""
     kind = np.dtype(dtype)
     sequences = 0
     for path in paths:

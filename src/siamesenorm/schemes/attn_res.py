@@ -13,21 +13,11 @@ from .base import Branch, Number, Option, ResidualScheme, register_scheme
 
 @register_scheme
 class AttentionResiduals(ResidualScheme):
-    r"""Attention Residuals, AttnRes (Kimi Team, arXiv 2603.15031; Eqs. 1-6 and Fig. 2).
+    """Attention Residuals, AttnRes (Kimi Team, arXiv 2603.15031; Eqs. 1-6 and Fig. 2).
 
-    Sources are the embedding ``v_0 = h`` and the sublayer outputs ``v_j = F_j(.)``. Sublayer ``i``
-    reads their mix under a pseudo-query ``w_i``, with RMSNorm keys (``phi(q, k) = exp(q^T RMSNorm(k))``)::
-
-        a_j = softmax_j(w_i . RMSNorm_i(v_j));   x_i = sum_j a_j v_j      (Eqs. 2-4)
-        v_{i+1} = F_i(LN_i(x_i))                                          (Fig. 2's attn_norm)
-        out = LN_final(sum_j softmax_j(w_out . RMSNorm_out(v_j)) v_j)     (the output layer)
-
-    Block form (``block_size=S``; ``S=1`` is the full form): a block of ``S`` sublayers is one source,
-    the sum ``b_n`` of its outputs (Eq. 5); sublayer ``i`` attends over ``b_0 = h``, the completed
-    blocks and its own block's partial sum (Eq. 6). Pseudo-queries start at zero, so each mix starts
-    as the mean of its sources (§5). Key norms are RMSNorm whatever ``norm`` is. State: the tuple of
-    sources, one more per sublayer (or block), all kept for backward. Parameters: docs/schemes.md.
-    """
+    ``x_i = sum_j softmax_j(w_i . RMSNorm_i(v_j)) v_j`` over ``v_0 = h`` and the outputs
+    ``v_{j+1} = F_j(LN_j(x_j))``; with ``block_size=S`` each block of ``S`` sublayers is one source,
+    the sum of its outputs (Eqs. 5-6). The state is the tuple of sources."""
 
     name = "attn_res"
     role_norm_names = ("input_norm", "final_norm")  # each sublayer"s mix of sources
@@ -70,8 +60,7 @@ class AttentionResiduals(ResidualScheme):
         return depth_mix(sources, query, key_norm.weight, key_norm.eps, norm)
 
     def entry(self, i: int, state: tuple[Tensor, ...]) -> Tensor:
-        """The branch input ``LN_i(x_i)``; the lean mix keeps only the sources (and the norm's row
-        statistics) for backward."""
+        """The branch input ``LN_i(x_i)``."""
         if i == 0:
             return self.input_norm[0](state[0])
         return self.mix(state, self.pseudo_query[i - 1], self.key_norm[i - 1], self.input_norm[i])

@@ -21,17 +21,8 @@ from .base import (
 class DeepNorm(ResidualScheme):
     """DeepNorm (Wang et al. 2022, DeepNet, arXiv 2203.00555).
 
-    ``h <- LN_i(alpha * h + F_i(h))``, with Xavier initialisation whose gain is ``beta`` on the
-    value and output projections and the FFN weights (q and k keep gain 1; declared in
-    ``requires``). With M (``arch="decoder"``) or N (``"encoder"``) layers, from the paper's table::
-
-        decoder-only: alpha = (2M)^(1/4), beta = (8M)^(-1/4)
-        encoder-only: alpha = (2N)^(1/4), beta = (8N)^(-1/4)
-
-    ``alpha``/``beta`` override the table (``None``: the table's value). Parameters:
-    ``post_norm[i]``. No norm feeds a branch alone and the last post-norm is on the residual path,
-    so ``branch_affine`` and ``final_norm`` change nothing (exit returns the stream).
-    """
+    ``h <- LN_i(alpha * h + F_i(h))``, ``alpha = (2L)^(1/4)``, with Xavier init of gain
+    ``beta = (8L)^(-1/4)`` on v, out and the FFN weights (``L = n_layers``); options override both."""
 
     name = "deepnorm"
     summary = "h = LN(alpha*h + F(h)), Xavier init x beta"

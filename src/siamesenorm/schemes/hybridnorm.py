@@ -11,22 +11,8 @@ from .base import Branch, Flag, Option, ResidualScheme, SchemeRequirements, regi
 class HybridNorm(ResidualScheme):
     """HybridNorm (Zhuo et al. 2025, arXiv 2503.04598), as in its official OLMo code.
 
-    Attention has no norm on the residual path; q, k and v are normalised per head instead
-    (declared in ``requires.qkv_norm_blocks``). The FFN is Post-Norm with the residual taken after
-    the norm::
-
-        h = h + Attn_qkvnorm(h)
-        hn = LN_b(h);  h = hn + FFN(hn)
-        out = LN_final(h)
-
-    ``first_layer_pre=True`` is HybridNorm*: block 0 is a Pre-Norm block (with QKV-norm),
-    ``h + Attn(LN(h))`` then ``h + FFN(LN(h))``. Parameters: ``ffn_norm`` (per block),
-    ``attn_norm`` (HybridNorm* only), ``final_norm``.
-
-    ``branch_affine=False`` makes the pre-norms of HybridNorm*'s block 0 (``attn_norm`` and
-    ``ffn_norm[0]``) non-affine; the FFN post-norms feed the residual too and stay affine.
-    ``final_norm=False``: exit returns ``h``.
-    """
+    ``h = h + Attn_qkvnorm(h); hn = LN_b(h); h = hn + FFN(hn)``; ``out = LN_final(h)``.
+    ``first_layer_pre=True`` (HybridNorm*) makes block 0 a Pre-Norm block."""
 
     name = "hybridnorm"
     role_norm_names = ("attn_norm", "final_norm")  # block 0"s attention norm (pre0)

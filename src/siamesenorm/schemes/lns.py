@@ -14,11 +14,7 @@ from .pre import PreNorm
 class LayerNormScaling(PreNorm):
     """LayerNorm Scaling (Sun et al. 2025, "The Curse of Depth", arXiv 2502.05795).
 
-    ``h <- h + F_i(LN_i(h) / sqrt(l))`` with ``l = b + 1`` the 1-based layer index of sublayer
-    ``i``, then an unscaled ``LN_final(h)``. It damps the variance growth of deep Pre-Norm layers.
-    Parameters (as ``pre``): ``pre_norm[i]``, ``final_norm``; ``branch_affine`` and
-    ``final_norm`` act as in ``pre`` (the scaling applies after the, possibly non-affine, norm).
-    """
+    ``h <- h + F_i(LN_i(h) / sqrt(b + 1))`` for sublayer ``i`` of block ``b``; ``out = LN_final(h)``."""
 
     name = "lns"
     summary = "h = h + F(LN(h) / sqrt(l)); out = LN(h)"

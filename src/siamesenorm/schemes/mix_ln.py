@@ -13,14 +13,8 @@ from .base import Branch, Number, Option, ResidualScheme, register_scheme
 class MixLN(ResidualScheme):
     """Mix-LN (Li, Yin, Liu, ICLR 2025, arXiv 2412.13795).
 
-    The first ``n_post = floor(post_fraction * n_layers)`` blocks are Post-Norm,
-    ``h <- LN_i(h + F_i(h))``; the others are Pre-Norm, ``h <- h + F_i(LN_i(h))``. A final norm
-    follows when at least one Pre-Norm block exists (a Post-Norm output is already normalised), so
-    ``post_fraction=0`` is exactly ``pre`` and ``post_fraction=1`` exactly ``post``. The paper's
-    default fraction is 0.25. Parameters: ``norm[i]``, ``final_norm``. ``branch_affine=False``
-    makes the norms of the Pre-Norm blocks non-affine (the Post-Norm ones stay affine);
-    ``final_norm=False``: exit returns ``h``.
-    """
+    The first ``floor(post_fraction * n_layers)`` blocks are Post-Norm, ``h <- LN_i(h + F_i(h))``,
+    the rest Pre-Norm, ``h <- h + F_i(LN_i(h))``, with a final norm if any block is Pre-Norm."""
 
     name = "mix_ln"
     role_norm_names = ("norm", "final_norm")  # its Pre-LN blocks only (role_norms)

@@ -9,16 +9,10 @@ from .base import Branch, Flag, Option, ResidualScheme, register_scheme
 
 @register_scheme
 class PeriLN(ResidualScheme):
-    """Peri-LN (Kim et al., ICML 2025, arXiv 2502.02732), the "sandwich" placement.
+    """Peri-LN (Kim et al., ICML 2025, arXiv 2502.02732).
 
-    ``h <- h + LN^out_i(F_i(LN^in_i(h)))``, then ``LN_final(h)``. ``embed_norm=True`` also
-    normalises the embedding output on entry (whether the paper does so by default is not
-    confirmed, so it is off by default). ``input_norm=False`` drops ``LN^in``: ``h <- h +
-    LN^out_i(F_i(h))``, OLMo2's "reordered norm" block. Parameters: ``input_norm[i]``,
-    ``output_norm[i]``, ``final_norm``, ``embed_norm``.
-    ``branch_affine=False`` makes ``input_norm`` non-affine
-    (``output_norm`` and ``embed_norm`` stay affine); ``final_norm=False``: exit returns ``h``.
-    """
+    ``h <- h + LN^out_i(F_i(LN^in_i(h)))``, then ``LN_final(h)``. ``input_norm=False`` drops
+    ``LN^in`` (OLMo2's block); ``embed_norm=True`` normalises the embedding on entry."""
 
     name = "peri_ln"
     role_norm_names = ("input_norm", "final_norm")

@@ -11,17 +11,7 @@ from .base import Branch, ResidualScheme, register_scheme
 class ResiDual(ResidualScheme):
     """ResiDual (Xie et al. 2023, arXiv 2304.14802), as in its official code.
 
-    Only the Post-Norm stream ``x_a`` feeds the sublayers; the dual stream ``x_d`` sums their raw
-    outputs and joins at the end (the key difference from SiameseNorm, where Y feeds every
-    sublayer)::
-
-        O = F(x_a);  x_a = LN_i(x_a + O);  x_d = x_d + O
-        out = x_a + LN_dual(x_d)
-
-    Parameters: ``post_norm[i]``, ``dual_norm``. No norm feeds a branch alone and there is no
-    outer final norm (``dual_norm`` feeds the merge), so ``branch_affine`` and ``final_norm``
-    change nothing.
-    """
+    ``O = F_i(x_a); x_a = LN_i(x_a + O); x_d = x_d + O``; ``out = x_a + LN_dual(x_d)``."""
 
     name = "resi_dual"
     summary = "O = F(xa); xa = LN(xa + O); xd = xd + O; out = xa + LN(xd)"

@@ -11,21 +11,8 @@ from .base import Branch, ResidualScheme, register_scheme
 class SpanNorm(ResidualScheme):
     """SpanNorm (Wang et al., ICML 2026, arXiv 2601.22580).
 
-    The skip of the FFN comes from the block input ``x_l``, so a clean residual spans the block::
-
-        y_l     = LN1_l(x_l + Attn(x_l))
-        x_{l+1} = LN2_l(x_l + FFN(y_l))
-
-    The first attention reads ``LN_init(x_0)`` while its skip stays ``x_0``. The paper's
-    "principled scaling strategy" is not implemented: its constant could not be confirmed from the
-    sources available to us (see docs/schemes.md). State: ``(x, y)``. Parameters: ``attn_norm``,
-    ``ffn_norm`` (per block), ``initial_norm``.
-
-    ``branch_affine=False`` makes ``initial_norm`` and ``attn_norm`` non-affine: their outputs feed
-    a branch only (``y`` is read by the FFN alone; the FFN's skip is ``x_l``). ``ffn_norm`` is on
-    the residual path and stays affine. There is no final norm: exit is ``x`` whatever
-    ``final_norm`` is.
-    """
+    ``y_l = LN1_l(x_l + Attn(x_l)); x_{l+1} = LN2_l(x_l + FFN(y_l))``; the first attention reads
+    ``LN_init(x_0)``. The paper's scaling strategy is not implemented (docs/schemes.md)."""
 
     name = "spannorm"
     summary = "y = LN(x + Attn(x)); x = LN(x + FFN(y))"
