@@ -1,13 +1,5 @@
-"""Diagnostics of the SiameseNorm paper (arXiv 2602.08064) for any model with a residual scheme.
-
-Probes cheap enough to leave on during training (:class:`TrainingProbes`, ``analysis.every``),
-and the analyses of a trained model (:func:`analyze_model`): layer-pruning sensitivity,
-per-stream logit lens, angular distance between blocks. All of them observe the streams through
-:class:`StreamTap`; a model plugs in with a ``loss_fn`` and a ``head_fn`` (:mod:`.adapters`).
-``siamesenorm analyze`` runs them on a finished run (:func:`siamesenorm.tasks.analyze_run`). This
-package is a library below the tasks: it never imports ``train``, ``tasks`` or ``run``. See
-docs/analysis.md.
-"""
+"""Diagnostics of the SiameseNorm paper (arXiv 2602.08064) for any model with a residual scheme
+(docs/analysis.md); a library below the tasks: it never imports ``train``, ``tasks`` or ``run``."""
 
 from .adapters import lm_head, lm_loss
 from .angular import angular_distances

@@ -1,9 +1,4 @@
-"""Angular distance between the representations of consecutive blocks, per stream.
-
-The measure of Gromov et al. (arXiv 2403.17887): a block that barely turns the representation
-(distance near 0) does little and can be pruned. With the layer-pruning sensitivity it shows how
-much of the depth a scheme uses (the SiameseNorm paper, arXiv 2602.08064, Fig. 2c).
-"""
+"""Angular distance between the representations of consecutive blocks, per stream (arXiv 2403.17887)."""
 
 from __future__ import annotations
 
@@ -22,11 +17,7 @@ __all__ = ["angular_distances"]
 
 
 def _angle(a: Tensor, b: Tensor) -> Tensor:
-    """The angle between ``a`` and ``b`` per position, over pi (last dimension is the feature).
-
-    Computed as ``2 atan2(|u - v|, |u + v|)`` with ``u, v`` the unit vectors, equal to
-    ``arccos(cos(a, b))`` but accurate near 0 and pi, where arccos loses half the digits.
-    """
+    """The angle between ``a`` and ``b`` over the last dimension, over pi; accurate near 0 and pi."""
     wide = torch.promote_types(a.dtype, torch.float32)
     u = F.normalize(a.to(wide), dim=-1, eps=1e-30)
     v = F.normalize(b.to(wide), dim=-1, eps=1e-30)
@@ -36,10 +27,8 @@ def _angle(a: Tensor, b: Tensor) -> Tensor:
 @torch.no_grad()
 def angular_distances(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                       ) -> dict[str, list[float]]:
-    """Mean angular distance ``arccos(cos(h_b, h_{b+1})) / pi`` between each stream's states at
-    consecutive block boundaries (``h_0``: the entry state, ``h_b``: after block ``b``), over every
-    position (each token of each sequence); ``n_layers`` values per stream, each in [0, 1]. Eval mode.
-    """
+    """Per stream, the mean over positions of ``angle(h_b, h_{b+1}) / pi`` at consecutive block boundaries
+    (``h_0``: the entry state): ``n_layers`` values in [0, 1]. Eval mode."""
     was_training = model.training
     model.eval()
     sums: dict[str, Tensor] = {}

@@ -1,14 +1,4 @@
-"""Logit lens per stream: which stream's reading of the vocabulary the model's prediction follows.
-
-The SiameseNorm paper (arXiv 2602.08064) only says it projects each stream's final state to the
-vocabulary; ours: the lens of stream ``s`` is ``head_fn(model, N(S_s))``, ``S_s`` the stream after
-the last sublayer (or after block ``b``; ``b = 0`` is the entry state) and ``N`` the parameter-free
-norm of the scheme's kind (:func:`plain_norm`), so no stream borrows another's learned gains. Every
-position counts once. Reported: ``agreement[s]`` (lens argmax = the model's), ``disagree_fraction``,
-``follows[s]`` (on the positions where the lenses disagree) and ``by_depth[s][b]``. The paper's
-1.3B model: X agrees 42.6%, Y 16.2%; where they disagree the model follows X 41.2%, Y 14.3%
-(docs/analysis.md, "Logit lens per stream").
-"""
+"""Logit lens per stream: which stream's reading of the vocabulary the model's prediction follows."""
 
 from __future__ import annotations
 
@@ -28,8 +18,7 @@ __all__ = ["logit_lens", "plain_norm"]
 
 
 def plain_norm(scheme: ResidualScheme, x: Tensor) -> Tensor:
-    """``x`` normalised over its last dimension by the parameter-free norm of the scheme's kind
-    (RMSNorm for DyT, which is no normalisation)."""
+    """``x`` normalised by the parameter-free norm of the scheme's kind (RMSNorm for DyT)."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     if scheme.norm_kind == "layernorm":
         return F.layer_norm(x, x.shape[-1:], eps=scheme.eps)
@@ -43,7 +32,8 @@ def _prediction(model: nn.Module, head_fn: HeadFn, hidden: Tensor, like: Tensor)
 @torch.no_grad()
 def logit_lens(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                head_fn: HeadFn = lm_head) -> dict[str, Any]:
-    """The per-stream logit lens over ``batches`` (see the module docstring); eval mode."""
+    """The per-stream logit lens over ``batches`` as docs/analysis.md defines it, in eval mode: ``positions``,
+    ``agreement``, ``disagree_fraction``, ``follows`` and ``by_depth``."""
     was_training = model.training
     model.eval()
     agree: dict[str, Tensor] = {}

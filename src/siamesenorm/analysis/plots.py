@@ -9,7 +9,6 @@ from ..rundir import save_figure
 
 
 def pyplot():
-    """matplotlib's pyplot on the non-interactive Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,11 +29,7 @@ def _fmt(value: float | None) -> str:
 
 
 def plot_analysis(out: Path, result: dict[str, Any], probes: list[dict]) -> list[str]:
-    """Write the plots of ``result`` (from :func:`.analyze_model`) into ``out``; returns their names.
-
-    ``probes`` (the run's ``probes.jsonl`` records, possibly empty) adds the training curve of the
-    gradient norm.
-    """
+    """Write the plots of ``result`` into ``out``; returns their names. ``probes`` adds the training curve."""
     plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     per, n = result["sublayers_per_block"], result["n_layers"]

@@ -1,12 +1,4 @@
-"""Cheap probes of a model's depth behaviour: stream RMS, gradient norms, learned norm gains.
-
-They read any scheme through its ``streams()`` view of the state (Pre-Norm's single stream,
-SiameseNorm's X and Y, every stream of hyper-connections) and any model through its ``.scheme``
-and ``.sublayers`` (a :class:`~siamesenorm.models.host.SchemeHost`), so the same probes
-serve the language model, the ViT and the DiT. The dilution the SiameseNorm paper shows (arXiv
-2602.08064, Fig. 2a) is :func:`sublayer_rms`; its gradient spikes (Fig. 5) are
-:func:`grad_norms`; its stream weights (Fig. 6) are :func:`norm_gains`.
-"""
+"""Cheap probes of a model's depth behaviour: stream RMS, gradient norms, learned norm gains."""
 
 from __future__ import annotations
 
@@ -28,7 +20,6 @@ NORM_TYPES: tuple[type, ...] = (LayerNorm, RMSNorm, nn.LayerNorm, nn.RMSNorm, nn
 
 
 def _wide(t: Tensor) -> Tensor:
-    """``t`` detached, in float32 or wider (float64 stays float64)."""
     return t.detach().to(torch.promote_types(t.dtype, torch.float32))
 
 
@@ -38,12 +29,8 @@ def _rms(t: Tensor) -> Tensor:
 
 @torch.no_grad()
 def sublayer_rms(model: SchemeHost, batch: Any, loss_fn: LossFn = lm_loss) -> dict[str, list[float]]:
-    """RMS over every element of each stream, after ``k`` sublayers for ``k = 0 .. n_sublayers``.
-
-    ``k = 0`` is the state ``scheme.enter`` made of the embedding. The value is the state as the
-    scheme carries it (SiameseNorm's X before its deferred Post-Norm, for instance). A token's
-    L2 norm is this RMS times ``sqrt(dim)``. One forward pass of ``loss_fn(model, batch)``.
-    """
+    """RMS over every element of each stream after ``k`` sublayers, ``k = 0 .. n_sublayers`` (0: the entry
+    state), of the state as the scheme carries it. One forward pass of ``loss_fn(model, batch)``."""
     with StreamTap(model) as tap:
         loss_fn(model, batch)
     values = {name: torch.stack([_rms(s[name]) for s in tap.states]) for name in tap.states[0]}
@@ -67,12 +54,8 @@ def _grad_norm(params, device: torch.device) -> Tensor:
 
 
 def grad_norms(model: SchemeHost) -> dict[str, Any]:
-    """L2 norms of the gradients now held by the parameters (call after backward).
-
-    ``total``: every parameter (the norm the training loop clips); ``blocks``: the sublayer
-    weights of each block; ``scheme``: the parameters of the residual scheme (its norms and mixing
-    weights). A parameter without a gradient counts as zero.
-    """
+    """L2 norms of the gradients now held (call after backward): ``total``, ``scheme`` (the scheme's own
+    parameters) and ``blocks`` (per block, its sublayers'). A missing gradient counts as zero."""
     per = SUBLAYERS_PER_BLOCK
     device = next(model.parameters()).device
     subs = list(model.sublayers)
@@ -84,7 +67,6 @@ def grad_norms(model: SchemeHost) -> dict[str, Any]:
 
 
 def block_grad_norms(model: SchemeHost) -> list[float]:
-    """Gradient norm of the sublayer weights of each block."""
     return grad_norms(model)["blocks"]
 
 
@@ -93,13 +75,8 @@ _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 @torch.no_grad()
 def norm_gains(model: SchemeHost) -> dict[str, float | list[float]]:
-    """Mean ``|weight|`` of every affine norm of the scheme, grouped by name and index.
-
-    A norm in a list (``post_norm[3]``) goes to ``{"post_norm": [..., value at 3, ...]}``; a
-    single norm (``merge_norm_x``) to ``{"merge_norm_x": value}``. Vector parameters whose name
-    says ``gain`` (SiameseNorm's ``x_gain[b]``) are included the same way. Norms inside the
-    sublayers (QK-norm) belong to the sublayers and are not read. Non-affine norms have no gain.
-    """
+    """Mean ``|weight|`` of the scheme's affine norms and 1-D ``gain`` parameters, by name and index:
+    ``{"post_norm": [value per index], "merge_norm_x": value}``. Norms inside sublayers are not read."""
     scheme = model.scheme
     found: dict[str, Tensor] = {}
     for name, module in scheme.named_modules():

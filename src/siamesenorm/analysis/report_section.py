@@ -1,10 +1,5 @@
-"""The diagnostics section of a comparison's ``report.md``: one plot per diagnostic, all runs on
-shared axes, each with one sentence computed from the numbers it shows.
-
-Sources per run directory: ``metrics.jsonl`` (the gradient norm of every logged step, before
-clipping), ``probes.jsonl`` (the stream RMS of the last probe) and ``analysis.json`` (the stream
-RMS and layer pruning of the final model; preferred over the probes when present).
-"""
+"""The diagnostics section of a comparison's ``report.md``, from each run's ``metrics.jsonl``,
+``probes.jsonl`` and ``analysis.json`` (preferred over the probes)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ SPIKE_FACTOR = 5.0   # a gradient norm above this multiple of the run's median a
 
 
 def _analysis(path: Path) -> dict | None:
-    """``analysis.json`` when it is readable and of its shape (:data:`~siamesenorm.shapes.ANALYSIS`);
-    otherwise ``None``, as when there is none: the report shows what it can."""
+    """``analysis.json`` when it is readable and of its shape, else ``None``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):      # ValueError: not UTF-8, not JSON
@@ -69,8 +63,7 @@ def _finite(v: Any) -> bool:
 
 
 def rms_growth(rms: dict[str, list[float]], per: int) -> dict[str, float]:
-    """Per stream: RMS after the last block / RMS after the first block (streams whose two values
-    are not both finite, or whose first is 0, are left out: a diverged model's RMS may be null)."""
+    """Per stream: RMS after the last block over that after the first (both finite, the first not 0)."""
     return {s: v[-1] / v[per] for s, v in rms.items()
             if len(v) > per and _finite(v[per]) and _finite(v[-1]) and v[per]}
 
@@ -138,8 +131,6 @@ _STYLES = ("-", "--", ":", "-.")
 
 
 class _Layout:
-    """Panels, colours and line styles of the runs in the plots."""
-
     def __init__(self, runs: list[dict]) -> None:
         self.lrs = sorted({r["lr"] for r in runs}, key=lambda v: (v is None, v or 0.0))
         self.schemes = list(dict.fromkeys(r["scheme"] for r in runs))

@@ -1,10 +1,4 @@
-"""Every diagnostic on one trained model, into ``analysis.json`` and plots.
-
-:func:`analyze_model` works on any model with a ``.scheme`` and ``.sublayers`` given its
-``loss_fn`` and ``head_fn`` (:mod:`.adapters`); :func:`write_analysis` writes its result. The
-command that loads a finished run of any task and analyses it is
-:func:`siamesenorm.tasks.analyze_run`.
-"""
+"""Every diagnostic on one trained model, into ``analysis.json`` and plots."""
 
 from __future__ import annotations
 
@@ -24,9 +18,8 @@ from .training_probes import read_probes
 
 
 def checkpoint_probes(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss) -> dict:
-    """The training probes on a trained model: stream RMS over ``batches`` (every element of every
-    batch), norm gains, and gradient norms of the mean loss over ``batches`` (one backward pass
-    each; eval mode; the model's gradients are cleared afterwards)."""
+    """The training probes on a trained model over ``batches``: stream RMS, norm gains, and the gradient
+    norms of the mean loss (eval mode; the model's gradients are cleared afterwards)."""
     was_training = model.training
     model.eval()
     try:
@@ -45,13 +38,8 @@ def checkpoint_probes(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn
 
 def analyze_model(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = lm_loss,
                   head_fn: HeadFn | None = lm_head) -> dict[str, Any]:
-    """Pruning sensitivity, logit lens, angular distances and the probes of ``model`` on ``batches``.
-
-    ``head_fn=None`` (a model without logits to read, such as a DiT) leaves the lens out (``None``).
-
-    Each part is described in docs/analysis.md and in its function: :func:`.pruning_sensitivity`,
-    :func:`.logit_lens`, :func:`.angular_distances`, :func:`checkpoint_probes`.
-    """
+    """Pruning sensitivity, logit lens, angular distances and probes of ``model`` on ``batches``;
+    ``head_fn=None`` (a model without logits, a DiT) leaves ``lens`` ``None``."""
     if not batches:
         raise ValueError("analyze_model needs at least one batch")
     scheme = model.scheme
@@ -71,11 +59,8 @@ def analyze_model(model: SchemeHost, batches: Sequence[Any], loss_fn: LossFn = l
 
 def write_analysis(out: str | Path, result: dict[str, Any], *, source: str,
                    run_dir: str | Path | None = None) -> Path:
-    """Write ``out/analysis.json`` and the plots in ``out/analysis/``; returns the JSON's path.
-
-    ``source`` names the data analysed; the training-curve plot reads ``run_dir/probes.jsonl``
-    (``run_dir`` defaults to ``out``).
-    """
+    """Write ``out/analysis.json`` and the plots in ``out/analysis/``; returns the JSON's path. ``source``
+    names the data; the training curve reads ``run_dir/probes.jsonl`` (``run_dir`` defaults to ``out``)."""
     from .plots import plot_analysis
 
     out = Path(out)

@@ -1,19 +1,4 @@
-"""Observe (and prune) a model's residual streams without re-implementing its forward pass.
-
-Every model of the library runs ``state = scheme.enter(h)``, ``state = scheme.step(state, i,
-branch)`` for each sublayer and ``scheme.exit(state)``. :class:`StreamTap` wraps those three methods
-of ``model.scheme`` for the duration of a ``with`` block, so any model (language model, ViT, DiT,
-whatever extra arguments its branches take) can be observed by simply running it::
-
-    with StreamTap(model) as tap:
-        loss_fn(model, batch)            # any call that runs the model once
-    tap.states[k]                        # {stream name: tensor} after k sublayers (k=0: entry)
-    tap.output                           # what scheme.exit returned (the head's input)
-
-``skip`` names sublayers whose step is replaced by the identity (the state passes unchanged, the
-branch is not called): skipping both sublayers of a block removes that block, the layer-pruning
-experiment of the SiameseNorm paper (arXiv 2602.08064, Fig. 2c).
-"""
+"""Observe (and prune) a model's residual streams without re-implementing its forward pass."""
 
 from __future__ import annotations
 
@@ -29,22 +14,15 @@ _METHODS = ("enter", "step", "exit")
 
 
 def sublayers_of_blocks(blocks: Iterable[int]) -> set[int]:
-    """The sublayer indices of ``blocks`` (``SUBLAYERS_PER_BLOCK`` consecutive sublayers each)."""
     return {b * SUBLAYERS_PER_BLOCK + j for b in blocks for j in range(SUBLAYERS_PER_BLOCK)}
 
 
 class StreamTap:
-    """Context manager: record ``scheme.streams(state)`` after entry and after every step.
+    """Context manager wrapping ``model.scheme``'s enter/step/exit to record ``scheme.streams(state)``.
 
-    Args:
-        model: the model whose ``scheme`` to observe.
-        skip: sublayer indices whose step returns the state unchanged.
-        record: keep the (detached) stream tensors; ``False`` only skips, storing nothing.
-
-    After each forward pass: ``states`` holds ``n_sublayers + 1`` dicts (index ``k``: after ``k``
-    sublayers), ``output`` the tensor ``exit`` returned, ``forwards`` counts the passes seen.
-    A new pass (a new ``enter``) starts ``states`` afresh. The scheme's methods are restored on
-    leaving the block, even after an error; taps may nest.
+    ``skip``: sublayers whose step returns the state unchanged; ``record=False`` only skips. After a
+    forward pass ``states[k]`` holds the streams after ``k`` sublayers (0: entry), ``output`` what
+    ``exit`` returned.
     """
 
     def __init__(self, model: SchemeHost, *, skip: Iterable[int] = (), record: bool = True) -> None:

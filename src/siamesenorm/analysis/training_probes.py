@@ -1,19 +1,4 @@
-"""Probes a run can leave on: every ``N`` steps, one record in ``run_dir/probes.jsonl``.
-
-A record (one JSON object per line) holds::
-
-    step              the training step (a multiple of N)
-    grad_norm         total gradient norm of the step, before clipping (the loop's grad_norm)
-    grad_norm_blocks  per block: the norm of its sublayers' gradients, before clipping
-    grad_norm_scheme  the residual scheme's parameters (norms, mixing weights)
-    rms               {stream: [RMS after k sublayers, k = 0 .. 2 * n_layers]} on the probe batch
-    gains             mean |weight| of every norm of the scheme, by name and index (norm_gains)
-    diverged          true on a step the loop stopped at (no update was applied)
-
-Cost: the gradient norms read the step's own gradients (no extra pass); the RMS takes one no-grad,
-eval-mode forward pass over a small fixed batch; the gains read the norm weights. The records of
-a resumed run end at the checkpoint's step and continue as an uninterrupted run's would.
-"""
+"""Probes a run can leave on: every ``N`` steps, one record in ``run_dir/probes.jsonl`` (docs/analysis.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +17,6 @@ from .probes import grad_norms, norm_gains, sublayer_rms
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, (list, tuple)):
@@ -43,20 +27,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def read_probes(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/probes.jsonl``, read by :func:`~siamesenorm.shapes.read_rows`
-    (``[]`` when there is none; a last line a killed run cut short is skipped; a damaged line
-    elsewhere is a UserError)."""
+    """The records of ``run_dir/probes.jsonl`` (:func:`~siamesenorm.shapes.read_rows`; ``[]`` when none)."""
     return read_rows(RunDir(run_dir).probes, PROBE_ROW)
 
 
 class TrainingProbes:
-    """A :class:`~siamesenorm.train.StepProbe` writing ``probes.jsonl`` every ``every`` steps.
-
-    Args:
-        every: probe at steps ``every, 2 * every, ...``.
-        batch: the fixed batch of the RMS probe (for the language model ``(x, y)``).
-        loss_fn: runs the model on ``batch`` (see :mod:`.adapters`).
-    """
+    """A :class:`~siamesenorm.train.StepProbe` writing ``probes.jsonl`` every ``every`` steps."""
 
     def __init__(self, every: int, batch: Any, loss_fn: LossFn = lm_loss) -> None:
         if not isinstance(every, int) or every <= 0:

@@ -1,19 +1,5 @@
-"""Data, in two halves that share nothing: text for the language models (:mod:`.text`: corpora,
-tokenizers, splits, batches) and image sets for the vision models (:mod:`.images`).
-
-Nothing here downloads. A typical run::
-
-    corpus = load_corpus("pystdlib", max_bytes=8_000_000)     # or "arithmetic", "hf:NAME", a path
-    tokenizer = build_tokenizer("bytes", corpus)              # or ("bpe", corpus, vocab_size=1024)
-    train, val = train_val_tokens(corpus, tokenizer, val_fraction=0.1)  # BPE: same val_fraction
-    sampler = BatchSampler(train, batch_size=16, seq_len=128, seed=0)
-    x, y = sampler.next_batch()                               # int64 (16, 128); y is x shifted by one
-    fixed_val = validation_batches(val, 16, 128, n_batches=8)
-
-A :class:`Corpus` holds ``text`` or, for ``.bin`` files, ``tokens`` (no tokenizer then; the model's
-vocabulary must exceed ``meta["max_token"]``). The corpora, the image sets and their options:
-docs/tasks.md, "The data a task reads".
-"""
+"""Data, in two halves that share nothing: text for the language models (:mod:`.text`) and image sets
+for the vision models (:mod:`.images`). Nothing here downloads; the sources: docs/tasks.md."""
 
 from .images import (
     ImageAugment,

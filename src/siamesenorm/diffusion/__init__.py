@@ -1,17 +1,6 @@
-"""Gaussian diffusion for class-conditional DiTs (arXiv 2212.09748; improved DDPM, arXiv 2102.09672).
-
-A typical run::
-
-    diffusion = create_diffusion()                         # linear betas 1e-4..0.02, 1000 steps
-    objective = DiffusionObjective(dit, diffusion)         # objective(x, y).loss for the training loop
-    images = sample(dit, labels, diffusion, method="ddim", steps=50, cfg_scale=4.0,
-                    generator=torch.Generator().manual_seed(0))    # (B, C, H, W) in [-1, 1]
-    save_image_grid(images, "samples.png", nrow=8)
-
-The DiT contract: ``dit(x, t, y) -> (B, C or 2C, H, W)`` (``2C``: learned variance), the null
-class for guidance is ``num_classes``, ``dit.forward_with_cfg(x, t, y, scale)`` guides a doubled
-batch. Images live in [-1, 1].
-"""
+"""Gaussian diffusion for class-conditional DiTs (arXiv 2212.09748, 2102.09672). A DiT maps ``(x, t, y)``
+to ``(B, C or 2C, H, W)`` (``2C``: learned variance), its null class is ``num_classes``, and images
+live in [-1, 1]."""
 
 from .gaussian import FIXED_VARIANCES, GaussianDiffusion, PMeanVariance, create_diffusion
 from .grid import image_grid, save_image_grid

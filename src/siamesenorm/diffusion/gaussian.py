@@ -1,20 +1,5 @@
-"""The Gaussian diffusion process of DDPM as DiT uses it (arXiv 2212.09748, 2102.09672, 2006.11239).
-
-Forward process ``q(x_t | x_0) = N(sqrt(abar_t) x_0, (1 - abar_t) I)`` with ``abar_t = prod_{s<=t}
-(1 - beta_s)``; its posterior ``q(x_{t-1} | x_t, x_0) = N(c1_t x_0 + c2_t x_t, beta~_t I)`` with
-``c1_t = sqrt(abar_{t-1}) beta_t / (1 - abar_t)``, ``c2_t = sqrt(alpha_t) (1 - abar_{t-1}) /
-(1 - abar_t)`` and ``beta~_t = beta_t (1 - abar_{t-1}) / (1 - abar_t)`` (``abar_{-1} = 1``).
-
-The model predicts the noise ``eps``; ``p(x_{t-1} | x_t)`` has the posterior mean at the
-predicted ``x_0`` and either a fixed variance (``beta~_t``, "small", or ``beta_t``, "large") or,
-when the model returns twice the image channels (``learn_sigma``), improved DDPM's learned range:
-``log var = f log beta_t + (1 - f) log beta~_t`` with ``f = (v + 1) / 2`` read off the second half.
-
-Timesteps ``t`` index this process. A respaced process (:meth:`GaussianDiffusion.respace`, for
-fast sampling) keeps a subset of the original timesteps; ``timestep_map[t]`` is the original
-timestep the model is conditioned on. All coefficients are float64 and are cast to the input's
-dtype when gathered.
-"""
+"""The Gaussian diffusion process of DDPM as DiT uses it (arXiv 2212.09748, 2102.09672, 2006.11239). A
+respaced process keeps a subset of the timesteps; ``timestep_map[t]`` is the one the model sees."""
 
 from __future__ import annotations
 
@@ -35,8 +20,7 @@ FIXED_VARIANCES = ("small", "large")
 
 @dataclass
 class PMeanVariance:
-    """The model's reverse step ``p(x_{t-1} | x_t)``: mean, variance, log-variance, and the
-    predicted ``x_0`` and ``eps`` it came from."""
+    """The model's reverse step ``p(x_{t-1} | x_t)`` and the ``x_0`` and ``eps`` predictions it came from."""
 
     mean: Tensor
     variance: Tensor
@@ -46,15 +30,9 @@ class PMeanVariance:
 
 
 class GaussianDiffusion:
-    """Coefficients and formulas of one diffusion process (see the module docstring).
-
-    Args:
-        betas: the noise schedule, ``T`` values in (0, 1).
-        fixed_variance: the variance of a model that predicts only ``eps``: ``"small"``
-            (posterior ``beta~_t``, the default) or ``"large"`` (``beta_t``, with ``beta~_1`` at
-            ``t = 0``). Models with ``2 C`` output channels always use the learned range.
-        timestep_map: original timestep of each of this process's steps (respaced processes).
-    """
+    """One diffusion process over ``betas`` (``T`` values in (0, 1)). ``fixed_variance`` is the variance
+    of a model that predicts only ``eps``: ``"small"`` (the posterior's ``beta~_t``) or ``"large"``
+    (``beta_t``); coefficients are float64, cast to the input's dtype when gathered."""
 
     def __init__(self, betas: Sequence[float] | np.ndarray, *, fixed_variance: str = "small",
                  timestep_map: Sequence[int] | None = None) -> None:
@@ -95,17 +73,11 @@ class GaussianDiffusion:
     @classmethod
     def linear(cls, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
                **kwargs) -> GaussianDiffusion:
-        """DiT's process: linear betas over ``num_timesteps`` steps from ``beta_start..beta_end``,
-        the 1,000-step endpoints, scaled by ``1000 / num_timesteps`` (see :func:`linear_betas`)."""
+        """DiT's process: linear betas from ``beta_start`` to ``beta_end`` (:func:`linear_betas`)."""
         return cls(make_betas("linear", num_timesteps, beta_start, beta_end), **kwargs)
 
     def respace(self, steps: int | Sequence[int]) -> GaussianDiffusion:
-        """The process restricted to a subset of this one's timesteps (improved DDPM, sec. 4).
-
-        ``steps`` is a count (evenly spaced, see :func:`space_timesteps`) or the timesteps to keep.
-        The kept ``abar`` values are unchanged, so ``q(x_t | x_0)`` at a kept step is the same;
-        betas become ``1 - abar_t / abar_{t'}`` for consecutive kept steps ``t' < t``.
-        """
+        """The process on a subset of this one's timesteps (a count, or the timesteps), ``abar`` unchanged."""
         keep = space_timesteps(self.num_timesteps, steps) if isinstance(steps, int) else sorted(set(steps))
         if not keep or keep[0] < 0 or keep[-1] >= self.num_timesteps:
             raise UserError(f"respaced timesteps must lie in [0, {self.num_timesteps}), got {steps}")
@@ -128,7 +100,6 @@ class GaussianDiffusion:
         return out.reshape(len(t), *([1] * (like.ndim - 1)))
 
     def table(self, name: str) -> Tensor:
-        """The whole float64 array ``name`` (``betas``, ``alphas_cumprod``, ...), on the CPU."""
         return self._cpu[name]
 
     def model_timesteps(self, t: Tensor) -> Tensor:
@@ -137,13 +108,11 @@ class GaussianDiffusion:
 
     # ---- forward process and posterior ---------------------------------------------------------
     def q_mean_variance(self, x_start: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Mean, variance and log-variance of ``q(x_t | x_0)``."""
         mean = self.coefficient("sqrt_alphas_cumprod", t, x_start) * x_start
         var = 1.0 - self.coefficient("alphas_cumprod", t, x_start)
         return mean, var.expand_as(x_start), torch.log(var).expand_as(x_start)
 
     def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
-        """``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise``: a draw of ``q(x_t | x_0)``."""
         return (self.coefficient("sqrt_alphas_cumprod", t, x_start) * x_start
                 + self.coefficient("sqrt_one_minus_alphas_cumprod", t, x_start) * noise)
 
@@ -157,12 +126,10 @@ class GaussianDiffusion:
         return mean, var, log_var
 
     def predict_xstart_from_eps(self, x_t: Tensor, t: Tensor, eps: Tensor) -> Tensor:
-        """``x_0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)``."""
         return (self.coefficient("sqrt_recip_alphas_cumprod", t, x_t) * x_t
                 - self.coefficient("sqrt_recipm1_alphas_cumprod", t, x_t) * eps)
 
     def predict_eps_from_xstart(self, x_t: Tensor, t: Tensor, x_start: Tensor) -> Tensor:
-        """The noise that takes ``x_0`` to ``x_t``: inverse of :meth:`predict_xstart_from_eps`."""
         return ((self.coefficient("sqrt_recip_alphas_cumprod", t, x_t) * x_t - x_start)
                 / self.coefficient("sqrt_recipm1_alphas_cumprod", t, x_t))
 
@@ -179,11 +146,8 @@ class GaussianDiffusion:
 
     def p_mean_variance(self, output: Tensor, x_t: Tensor, t: Tensor, *,
                         clip_denoised: bool = True) -> PMeanVariance:
-        """``p(x_{t-1} | x_t)`` from the model's ``output`` at ``(x_t, t)``.
-
-        The predicted ``x_0`` is clipped to [-1, 1] when ``clip_denoised`` (sampling), and the mean
-        is the posterior mean at that ``x_0``. ``eps`` is the model's own prediction.
-        """
+        """``p(x_{t-1} | x_t)`` from the model's ``output``: the posterior mean at the predicted ``x_0``,
+        clipped to [-1, 1] when ``clip_denoised`` (sampling)."""
         eps, v = self.split_output(output, x_t)
         if v is None:
             prefix = "posterior" if self.fixed_variance == "small" else "large"
@@ -205,10 +169,6 @@ class GaussianDiffusion:
 
 def create_diffusion(num_timesteps: int = 1000, schedule: str = "linear", beta_start: float = 1e-4,
                      beta_end: float = 0.02, fixed_variance: str = "small") -> GaussianDiffusion:
-    """A :class:`GaussianDiffusion` from plain settings (DiT's defaults: linear, 1e-4..0.02, 1000).
-
-    A linear schedule's ``beta_start``/``beta_end`` are its 1,000-step endpoints, scaled by
-    ``1000 / num_timesteps`` for other step counts (ADM's and DiT's rule; :func:`linear_betas`).
-    """
+    """A :class:`GaussianDiffusion` from plain settings (DiT's defaults: linear, 1e-4..0.02, 1000 steps)."""
     return GaussianDiffusion(make_betas(schedule, num_timesteps, beta_start, beta_end),
                              fixed_variance=fixed_variance)

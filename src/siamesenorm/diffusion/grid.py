@@ -17,11 +17,8 @@ __all__ = ["image_grid", "save_image_grid"]
 
 
 def image_grid(images: Tensor, nrow: int = 8, padding: int = 1, upscale: int = 1) -> np.ndarray:
-    """``(B, C, H, W)`` images in [-1, 1] tiled ``nrow`` per row as uint8 ``(rows, cols, C)``.
-
-    Values outside [-1, 1] are clipped; tiles are separated by ``padding`` black pixels and each
-    pixel is repeated ``upscale`` times per axis (8x8 digits are easier to see at 4x).
-    """
+    """``(B, C, H, W)`` images in [-1, 1] tiled ``nrow`` per row as uint8 ``(rows, cols, C)``, ``padding``
+    black pixels apart, each pixel repeated ``upscale`` times per axis."""
     if images.ndim != 4 or images.shape[1] not in (1, 3) or len(images) == 0:
         raise UserError(f"an image grid needs a non-empty (B, 1 or 3, H, W) batch, "
                           f"got {tuple(images.shape)}")
@@ -52,11 +49,7 @@ def _write_png(array: np.ndarray, path: Path) -> None:
 
 def save_image_grid(images: Tensor, path: str | Path, nrow: int = 8, padding: int = 1,
                     upscale: int = 1) -> Path:
-    """Write :func:`image_grid` of ``images`` (in [-1, 1]) to the PNG ``path``; returns the path.
-
-    Written to a temporary file beside ``path`` and renamed, so a reader never sees half a file.
-    Uses Pillow, or matplotlib where Pillow is missing.
-    """
+    """Write :func:`image_grid` of ``images`` to the PNG ``path`` atomically (Pillow, else matplotlib)."""
     path = Path(path)
     array = image_grid(images, nrow, padding, upscale)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,5 @@
-"""Classifier-free guidance (Ho and Salimans, arXiv 2207.12598) the way DiT (arXiv 2212.09748) runs it.
-
-The batch is doubled: the first half carries the class labels, the second half the null class
-(index ``num_classes``, the label a DiT learns through class dropout). The guided noise is
-``eps_uncond + s (eps_cond - eps_uncond)`` on the ``eps`` channels; the variance channels of a
-``learn_sigma`` model keep the conditional half's values. A DiT's ``forward_with_cfg(x, t, y, s)``
-does the combination for such a doubled batch and returns it duplicated; any other denoiser
-``model(x, t, y)`` (a stand-in, an oracle in a test) is combined here the same way.
-"""
+"""Classifier-free guidance (arXiv 2207.12598) as DiT runs it: a doubled batch, its second half with the
+null class; a ``learn_sigma`` model's variance channels keep the conditional half's values."""
 
 from __future__ import annotations
 
@@ -31,11 +24,7 @@ def null_label_of(model: nn.Module, null_label: int | None = None) -> int:
 
 def guided_output(model: nn.Module, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
                   null_label: int) -> Tensor:
-    """The guided model output at ``(x, t, y)`` with scale ``cfg_scale`` (``(B, out_ch, H, W)``).
-
-    Always runs the doubled batch (scale 1 gives the conditional output up to rounding); samplers
-    call it only when ``cfg_scale != 1``.
-    """
+    """The guided output ``(B, out_ch, H, W)`` at ``(x, t, y)``; always runs the doubled batch."""
     b, channels = len(x), x.shape[1]
     xx, tt = torch.cat([x, x]), torch.cat([t, t])
     yy = torch.cat([y, torch.full_like(y, null_label)])

@@ -1,9 +1,4 @@
-"""The Gaussian KL divergence and the discretised decoder likelihood of the variational bound.
-
-Used by the "hybrid" loss of improved DDPM (arXiv 2102.09672) that DiT (arXiv 2212.09748) trains
-with when it learns the variance: KL terms ``L_{t-1}`` for ``t > 0`` and the decoder's negative
-log-likelihood ``L_0`` of 8-bit data (256 bins over [-1, 1]) at ``t = 0``.
-"""
+"""The Gaussian KL and the discretised decoder likelihood of improved DDPM's variational bound."""
 
 from __future__ import annotations
 
@@ -18,7 +13,6 @@ LOG2 = math.log(2.0)   # nats per bit: the bound is reported in bits per dimensi
 
 
 def mean_flat(x: Tensor) -> Tensor:
-    """The mean over every dimension but the first (per-example figures)."""
     return x.reshape(len(x), -1).mean(dim=1)
 
 
@@ -36,11 +30,8 @@ def _bin_mass(upper: Tensor, lower: Tensor) -> Tensor:
 
 
 def discretized_gaussian_log_likelihood(x: Tensor, means: Tensor, log_scales: Tensor) -> Tensor:
-    """Elementwise log-probability (nats) of ``x``'s 8-bit bin under ``N(means, exp(log_scales)^2)``.
-
-    ``x`` lies in [-1, 1] on 256 levels, so a bin is ``x +- 1/255``; the lowest bin reaches down to
-    ``-inf`` and the highest up to ``+inf`` (their edges are taken at ``x < -0.999`` and ``x > 0.999``).
-    """
+    """Elementwise log-probability (nats) of ``x``'s 8-bit bin (``x +- 1/255``; the end bins are open)
+    under ``N(means, exp(log_scales)^2)``."""
     inv_std = torch.exp(-log_scales)
     upper = (x - means + 1.0 / 255.0) * inv_std
     lower = (x - means - 1.0 / 255.0) * inv_std

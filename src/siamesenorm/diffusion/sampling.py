@@ -1,18 +1,5 @@
-"""Class-conditional sampling: DDPM ancestral steps (arXiv 2006.11239) and DDIM (arXiv 2010.02502).
-
-Both run over a (possibly respaced) :class:`GaussianDiffusion` from ``x_T ~ N(0, I)`` down to
-``t = 0``, with optional classifier-free guidance, and return images clipped to [-1, 1].
-
-* DDPM: ``x_{t-1} = mean + sigma_t z`` with ``p(x_{t-1} | x_t)``'s mean and variance (fixed or
-  learned), no noise at the last step.
-* DDIM: with ``x_0`` predicted (and clipped) and ``eps`` recomputed from it,
-  ``x_{t-1} = sqrt(abar_{t-1}) x_0 + sqrt(1 - abar_{t-1} - sigma_t^2) eps + sigma_t z`` with
-  ``sigma_t = eta sqrt((1 - abar_{t-1}) / (1 - abar_t)) sqrt(1 - abar_t / abar_{t-1})``; ``eta = 0``
-  is deterministic given ``x_T``.
-
-Noise is drawn from ``generator`` (on its device, then moved), so a seeded CPU generator gives the
-same samples on every device up to the model's own arithmetic.
-"""
+"""Class-conditional sampling: DDPM ancestral steps (arXiv 2006.11239) and DDIM (arXiv 2010.02502). A
+seeded CPU ``generator`` gives the same samples on every device up to the model's own arithmetic."""
 
 from __future__ import annotations
 
@@ -34,7 +21,6 @@ Denoiser = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def _denoiser(model: nn.Module, cfg_scale: float, null_label: int | None) -> Denoiser:
-    """``(x, t_model, y) -> output`` with guidance when ``cfg_scale != 1``."""
     if cfg_scale == 1.0:
         return lambda x, t, y: model(x, t, y)
     null = null_label_of(model, null_label)
@@ -115,16 +101,11 @@ def sample(model: nn.Module, labels: Tensor, diffusion: GaussianDiffusion | None
            method: str = "ddim", steps: int | None = 50, cfg_scale: float = 1.0, *, eta: float = 0.0,
            generator: torch.Generator | None = None, shape: tuple[int, int, int] | None = None,
            null_label: int | None = None, clip_denoised: bool = True, noise: Tensor | None = None) -> Tensor:
-    """Class-conditional samples, one per label: ``(len(labels), C, H, W)`` in [-1, 1].
+    """Class-conditional samples, one per label: ``(len(labels), C, H, W)`` in [-1, 1], in eval mode.
 
-    ``model`` is a DiT (or a :class:`~siamesenorm.diffusion.DiffusionObjective`, whose DiT and
-    process are used), or any denoiser ``model(x, t, y)`` when ``shape`` (and, with guidance,
-    ``null_label``) are given; it runs in eval mode, without gradients, and gets its mode back
-    after. ``diffusion`` is the training process (default: the objective's, else DiT's linear
-    one); ``steps`` respaces it (``None``: every training step). ``method`` is ``ddim`` (``eta``)
-    or ``ddpm``. ``cfg_scale != 1`` turns on classifier-free guidance with the null class
-    ``null_label`` (default: the DiT's ``num_classes``). ``shape`` is ``(C, H, W)`` (default: the
-    DiT config's ``in_chans`` and ``input_size``). ``noise`` fixes ``x_T``.
+    ``model`` is a DiT, a :class:`~siamesenorm.diffusion.DiffusionObjective`, or any ``model(x, t, y)``
+    given ``shape`` (and ``null_label`` for guidance). ``diffusion`` defaults to the objective's, else
+    DiT's linear process; ``steps`` respaces it (``None``: every step). ``noise`` fixes ``x_T``.
     """
     if method not in METHODS:
         raise UserError(f"unknown sampling method {method!r}; choose {' or '.join(METHODS)}")

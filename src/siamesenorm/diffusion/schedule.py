@@ -1,13 +1,5 @@
-"""Noise schedules and timestep respacing for Gaussian diffusion.
-
-DiT (arXiv 2212.09748) trains with DDPM's linear schedule, betas from 1e-4 to 0.02 over 1,000
-steps (Ho et al., arXiv 2006.11239); for another number of steps ``T`` it uses ADM's
-``get_named_beta_schedule("linear", T)``, which scales both ends by ``1000 / T`` so that the
-process destroys about as much signal in ``T`` steps as DDPM's does in 1,000. Improved DDPM
-(arXiv 2102.09672) adds the cosine schedule and sampling on a respaced subset of the training
-timesteps. Schedules are float64 numpy arrays: the
-products over 1,000 steps need the precision.
-"""
+"""Noise schedules (DDPM's linear, improved DDPM's cosine) and timestep respacing, as float64 arrays:
+the products over 1,000 steps need the precision."""
 
 from __future__ import annotations
 
@@ -25,13 +17,8 @@ __all__ = ["LINEAR_REFERENCE_STEPS", "SCHEDULES", "cosine_betas", "linear_betas"
 
 
 def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> np.ndarray:
-    """``num_timesteps`` betas evenly spaced from ``beta_start * s`` to ``beta_end * s``, ``s = 1000 / T``.
-
-    ``beta_start`` and ``beta_end`` are the 1,000-step endpoints (DDPM's 1e-4 and 0.02); for
-    ``T = num_timesteps`` steps both are scaled by ``1000 / T``, as ADM's and DiT's
-    ``get_named_beta_schedule("linear", T)`` does, so ``T = 1000`` gives them unchanged. A ``T`` so
-    small that the scaled ``beta_end`` reaches 1 is refused.
-    """
+    """``T = num_timesteps`` betas evenly spaced between the 1,000-step endpoints ``beta_start`` and
+    ``beta_end`` scaled by ``1000 / T`` (ADM's and DiT's rule); refused when that reaches 1."""
     if not 0 < beta_start <= beta_end < 1:
         raise UserError(f"need 0 < beta_start <= beta_end < 1, got {beta_start} and {beta_end}")
     scale = LINEAR_REFERENCE_STEPS / num_timesteps
@@ -60,8 +47,7 @@ SCHEDULES = ("linear", "cosine")
 
 def make_betas(schedule: str = "linear", num_timesteps: int = 1000, beta_start: float = 1e-4,
                beta_end: float = 0.02) -> np.ndarray:
-    """The betas of a named schedule (``linear`` uses ``beta_start``/``beta_end``, the 1,000-step
-    endpoints, scaled by ``1000 / num_timesteps``: see :func:`linear_betas`)."""
+    """The betas of a named schedule (``linear``: see :func:`linear_betas`)."""
     if not isinstance(num_timesteps, int) or num_timesteps < 1:
         raise UserError(f"num_timesteps must be a positive integer, got {num_timesteps!r}")
     if schedule == "linear":
@@ -72,11 +58,7 @@ def make_betas(schedule: str = "linear", num_timesteps: int = 1000, beta_start: 
 
 
 def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
-    """``steps`` training timesteps spread evenly over ``[0, num_timesteps)``, both ends included.
-
-    The subset a respaced sampler visits (ascending, distinct). ``steps >= num_timesteps`` keeps
-    them all.
-    """
+    """``steps`` timesteps spread evenly over ``[0, num_timesteps)``, both ends included (at most all)."""
     if not isinstance(steps, int) or steps < 1:
         raise UserError(f"sampling steps must be a positive integer, got {steps!r}")
     if steps >= num_timesteps:

@@ -1,12 +1,4 @@
-"""Evaluation tools. So far: FD-proxy, an offline sample-quality score for image generators.
-
-FD-proxy is the Frechet distance in a small classifier's feature space; it is NOT Inception FID
-(see :mod:`siamesenorm.eval.fid_proxy`)::
-
-    train, val = split_images(load_images("digits"))
-    proxy = get_proxy(train)                         # trained once (seconds), then from the cache
-    scores = sample_quality(proxy, val, samples, labels)   # fd_proxy, class_accuracy, ...
-"""
+"""Evaluation tools: FD-proxy, an offline sample-quality score for image generators (NOT Inception FID)."""
 
 from .fid_proxy import (
            CACHE_ENV,

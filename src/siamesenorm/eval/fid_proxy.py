@@ -1,17 +1,7 @@
 """FD-proxy: an offline sample-quality score, the Frechet distance in a small classifier's feature space.
 
-This is NOT Inception FID. FID (Heusel et al., arXiv 1706.08500) compares Inception-v3 pool
-features of 50,000 samples with those of ImageNet; that network is a download and meaningless at
-8x8. FD-proxy keeps FID's formula (:func:`frechet_distance`) but takes its features from a small
-CNN (:class:`ProxyNet`) trained once, deterministically, on the training split of the image set
-the generator learnt. Its values compare runs on the same image set with the same proxy settings
-and sample counts (the Frechet distance is biased upwards at small sample counts); they are not
-comparable with published FID numbers, and the names say so (``fd_proxy``).
-
-The trained proxy is cached on disk, keyed by the training set's fingerprint and the settings:
-``<cache>/fd_proxy/<key>.safetensors`` with ``<cache>`` the ``cache_dir`` argument, else the
-environment variable ``SIAMESENORM_CACHE``, else ``~/.cache/siamesenorm``; written to a temporary
-file and renamed, so a crash never leaves a broken cache entry (an unreadable one is retrained).
+NOT Inception FID: its values compare runs on the same image set, proxy settings and sample counts
+only. The trained proxy is cached under :func:`cache_root`; an unreadable entry is retrained.
 """
 
 from __future__ import annotations
@@ -49,13 +39,8 @@ _IDENTITY = ("sha256", "labels_sha256", "shape", "dtype", "count", "num_classes"
 
 @dataclass
 class ProxyClassifier:
-    """A trained FD-proxy classifier: the network, how it was trained, and how well it classifies.
-
-    ``val_accuracy`` is measured on the held-out part of its own training images; ``source`` is
-    ``"trained"`` or ``"cache"``. Inputs are float tensors ``(B, C, H, W)`` in [-1, 1] (the
-    models' range), or data in the loaders' convention (an :class:`ImageSet`, a numpy array, a
-    uint8 tensor), which is mapped to [-1, 1] first.
-    """
+    """A trained FD-proxy classifier (``source``: ``"trained"`` or ``"cache"``). It takes float images in
+    [-1, 1], or data in the loaders' convention (an :class:`ImageSet`, numpy, uint8), mapped first."""
 
     net: ProxyNet
     settings: ProxySettings
@@ -113,7 +98,6 @@ def proxy_cache_key(train: ImageSet, settings: ProxySettings) -> str:
 
 def _fit(net: nn.Module, optimizer, schedule, x: Tensor, y: Tensor, fit: Tensor,
          order: torch.Generator, settings: ProxySettings) -> None:
-    """``settings.epochs`` epochs of AdamW on the images ``x[fit]``, in the order ``order`` draws."""
     for _ in range(settings.epochs):
         for batch in fit[torch.randperm(len(fit), generator=order)].split(settings.batch_size):
             batch = batch.to(x.device)
@@ -126,11 +110,8 @@ def _fit(net: nn.Module, optimizer, schedule, x: Tensor, y: Tensor, fit: Tensor,
 
 def train_proxy(train: ImageSet, settings: ProxySettings | None = None, *,
                 device: str | torch.device = "cpu", key: str = "") -> ProxyClassifier:
-    """Train a :class:`ProxyNet` on ``train`` (deterministic: the seed fixes init and order).
-
-    The network is initialised on the CPU under a forked global RNG (which is left where it was),
-    so the same seed gives the same start on every device; batches come from a private generator.
-    """
+    """Train a :class:`ProxyNet` on ``train``, deterministically: the seed fixes the initialisation (made on
+    the CPU) and the batch order on every device."""
     settings = settings or ProxySettings()
     c, h, w = train.shape
     if h != w:
@@ -182,12 +163,8 @@ def _load(path: Path, key: str, settings: ProxySettings, device: torch.device) -
 
 def get_proxy(imageset_train: ImageSet, cache_dir: str | Path | None = None, *,
               settings: ProxySettings | None = None, device: str | torch.device = "cpu") -> ProxyClassifier:
-    """The FD-proxy classifier of ``imageset_train``: loaded from the cache, or trained and cached.
-
-    Use the training split of the image set the generator was trained on (e.g. the ``train`` part
-    of :func:`~siamesenorm.data.split_images`); the key depends on its pixels, labels and the
-    ``settings``, never on ``device``.
-    """
+    """The FD-proxy classifier of ``imageset_train`` (the generator's training split), from the cache or
+    trained and cached; the key never depends on ``device``."""
     settings = settings or ProxySettings()
     key = proxy_cache_key(imageset_train, settings)
     path = cache_root(cache_dir) / "fd_proxy" / f"{key}.safetensors"
@@ -208,19 +185,11 @@ def get_proxy(imageset_train: ImageSet, cache_dir: str | Path | None = None, *,
 
 def sample_quality(proxy: ProxyClassifier, real: Tensor | ImageSet, generated: Tensor,
                    labels: Tensor | np.ndarray) -> dict[str, Any]:
-    """FD-proxy and class accuracy of class-conditional samples.
+    """FD-proxy and class accuracy of class-conditional samples ``generated`` ``(B, C, H, W)`` in [-1, 1].
 
-    Args:
-        proxy: from :func:`get_proxy`.
-        real: reference images (an :class:`ImageSet`, e.g. the validation split, or a tensor in
-            [-1, 1]).
-        generated: samples ``(B, C, H, W)`` in [-1, 1].
-        labels: the class each sample was conditioned on ``(B,)``.
-
-    Returns ``fd_proxy`` (Frechet distance of the proxy's features, real vs generated; lower is
-    better; not FID), ``class_accuracy`` (share of samples the proxy assigns to their class),
-    ``proxy_val_accuracy`` (the proxy's own held-out accuracy: a ceiling on what class accuracy can
-    mean) and the two sample counts.
+    ``real``: reference images (an :class:`ImageSet` or a tensor in [-1, 1]). Returns ``fd_proxy``
+    (lower is better), ``class_accuracy``, ``proxy_val_accuracy`` (the proxy's own held-out accuracy, a
+    ceiling on what class accuracy can mean), ``n_real`` and ``n_generated``.
     """
     labels = torch.as_tensor(labels).long().cpu()
     if labels.shape != (len(generated),):

@@ -1,12 +1,5 @@
-"""The Frechet distance between two sets of feature vectors, each summarised by a Gaussian.
-
-``d^2 = |mu_a - mu_b|^2 + tr(C_a) + tr(C_b) - 2 tr((C_a^{1/2} C_b C_a^{1/2})^{1/2})``: the squared
-2-Wasserstein distance between ``N(mu_a, C_a)`` and ``N(mu_b, C_b)`` (Dowson and Landau, 1982),
-the formula FID applies to Inception features. The trace term uses ``tr((C_a C_b)^{1/2}) =
-tr((C_a^{1/2} C_b C_a^{1/2})^{1/2})``, whose matrix is symmetric positive semi-definite, so both
-square roots come from symmetric eigendecompositions (``torch.linalg.eigh``) in float64, with
-eigenvalues rounded below zero clipped to zero. No scipy.
-"""
+"""The Frechet distance between two sets of feature vectors, each summarised by a Gaussian: FID's
+formula, both matrix square roots from float64 symmetric eigendecompositions (no scipy)."""
 
 from __future__ import annotations
 
@@ -53,7 +46,7 @@ def frechet_distance_from_stats(mean_a: Tensor, cov_a: Tensor, mean_b: Tensor, c
 
 
 def frechet_distance(feats_a: Tensor | np.ndarray, feats_b: Tensor | np.ndarray) -> float:
-    """The Frechet distance between feature sets ``(N_a, D)`` and ``(N_b, D)`` (see the module doc)."""
+    """The Frechet distance (squared, as FID reports it) of feature sets ``(N_a, D)`` and ``(N_b, D)``."""
     a, b = _as_features(feats_a, "feats_a"), _as_features(feats_b, "feats_b")
     if a.shape[1] != b.shape[1]:
         raise UserError(f"feature sets have different widths: {a.shape[1]} and {b.shape[1]}")

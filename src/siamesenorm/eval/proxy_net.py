@@ -1,12 +1,5 @@
-"""The small CNN behind the FD-proxy score (NOT Inception-v3: FD-proxy values are not FID values).
-
-A 3x3 conv stem at full resolution, then stages of two 3x3 convs (the first of stride 2) that
-halve the resolution until the feature map is at most 4x4, every conv followed by GroupNorm and
-ReLU; a global average pool then gives the feature vector the Frechet distance compares (like
-FID's pool3 features), and a linear head classifies it. Widths are ``width`` times 1, 2, 4, 4, ...
-per stage. At 8x8 (digits) with ``width=16`` it has about 15k parameters and trains in about two
-seconds on one CPU core.
-"""
+"""The small CNN behind the FD-proxy score (NOT Inception-v3): conv stages down to at most 4x4, a global
+average pool (the features) and a linear head; about 15k parameters at 8x8 with ``width=16``."""
 
 from __future__ import annotations
 
@@ -23,11 +16,7 @@ __all__ = ["ProxyNet", "ProxySettings"]
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """How the proxy classifier is built and trained; part of its cache key.
-
-    ``val_fraction`` of the training images (stratified, ``seed``) are held out to report the
-    proxy's own validation accuracy. AdamW with a cosine decay to 0 over ``epochs``.
-    """
+    """How the proxy classifier is built and trained (AdamW, cosine decay to 0); part of its cache key."""
 
     width: int = 16
     epochs: int = 15
@@ -52,8 +41,6 @@ def _stage_count(image_size: int) -> int:
 
 
 class ProxyNet(nn.Module):
-    """Conv stages, global average pool (the features), linear head (the logits)."""
-
     def __init__(self, in_chans: int, image_size: int, num_classes: int, width: int = 16, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -77,7 +64,6 @@ class ProxyNet(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Kaiming-normal convs (ReLU gain), zero biases, unit GroupNorm gains, small head."""
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
@@ -93,5 +79,4 @@ class ProxyNet(nn.Module):
         return self.body(x).mean(dim=(2, 3))
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits ``(B, num_classes)``."""
         return self.head(self.features(x))

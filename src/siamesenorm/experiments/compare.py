@@ -1,20 +1,5 @@
-"""``compare``: every (scheme, learning rate, seed) as its own run, then one table and one report.
-
-Every run of an experiment shares the base configuration; only the variant (a scheme with its options
-and overrides, see :mod:`.grid`), ``train.lr`` and ``seed`` vary, so all schemes of one seed see the
-same data in the same order and start from the same generator state. ``experiment.json`` records
-the grid; repeating the command skips the runs that finished, resumes those with a checkpoint and
-starts afresh those with neither (a run killed before its first checkpoint), and a folder that holds
-another experiment's runs is refused. Every run's data is checked before the folder is claimed, so
-a refused command writes nothing.
-
-``summary.csv`` has one row per run. ``summary.json`` is an object: ``runs`` (those rows, each with
-its ``data``, the corpus name and fingerprint from the run's own summary), ``aggregate`` (per
-scheme and learning rate, over its seeds: how many diverged or stalled, and the mean, standard
-deviation and 95% interval of each figure over the others), ``differences`` (each scheme minus
-``baseline`` on the seeds both finished, with its interval and verdict) and ``baseline``; see
-:mod:`.stats`. :func:`read_runs` reads the rows from it, or from the list an older version wrote.
-"""
+"""``compare``: every (scheme, learning rate, seed) as its own run, then one table and one report
+(docs/compare.md). ``summary.json`` holds ``runs``, ``aggregate``, ``differences`` and ``baseline``."""
 
 from __future__ import annotations
 
@@ -57,8 +42,7 @@ HIGHER_IS_BETTER = frozenset(c for task in TASKS.values() for c in task.higher_i
 
 
 def read_runs(path: str | Path) -> list[dict]:
-    """The per-run rows of an experiment's ``summary.json``: its ``runs``, or the whole file when
-    it is the plain list of rows that versions before the aggregate wrote."""
+    """The per-run rows of a ``summary.json``: its ``runs``, or the plain list older versions wrote."""
     data = read_json(path)
     if isinstance(data, list):
         return check(data, EXPERIMENT_ROWS, str(path))
@@ -68,14 +52,9 @@ def read_runs(path: str | Path) -> list[dict]:
 
 
 def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str = "final_val_loss") -> str:
-    """``key`` (a row's figure) per scheme (rows) and learning rate (columns).
-
-    A cell of one seed shows its figure, ``div@N`` (diverged at step N) or ``dead@N`` (zero gradient
-    from step N). A cell of several seeds shows the mean over the seeds that did not fail with the
-    half-width of its 95% interval (``2.3100+-0.0520``; ``(n=1)`` when one seed is left), followed by
-    ``k/n div`` and ``k/n dead`` when some failed, and ``k/n flat`` when some ended at or above
-    98% of the unigram loss (``flat`` after a single seed's figure; see :func:`stats.at_plateau`).
-    """
+    """``key`` per scheme (rows) and learning rate (columns): one seed's figure, ``div@N`` or ``dead@N``;
+    over several seeds the mean +- half-width of its 95% interval, then ``k/n div``, ``k/n dead`` and
+    ``k/n flat`` when some diverged, stalled or ended at the unigram plateau."""
     groups = stats.cells(rows)
     texts = {label: [_cell_text(groups.get((label, lr), []), key) for lr in lrs] for label in labels}
     width = max(len("scheme"), *(len(label) for label in labels))
@@ -86,7 +65,6 @@ def text_table(rows: list[dict], labels: list[str], lrs: list[float], key: str =
 
 
 def _cell_text(group: list[dict], key: str) -> str:
-    """One cell of :func:`text_table`."""
     if len(group) <= 1:
         if any(r["diverged"] for r in group):
             return f"div@{min(r['diverged_at'] for r in group if r['diverged'])}"
@@ -106,8 +84,7 @@ def _cell_text(group: list[dict], key: str) -> str:
 
 
 def plateau_legend(rows: list[dict]) -> str:
-    """What ``flat`` means, as :func:`stats.at_plateau` decides it, with the unigram loss when the
-    runs share one."""
+    """What ``flat`` means, with the unigram loss when the runs share one."""
     unigrams = {round(r["unigram_val_loss"], 4) for r in rows if r.get("unigram_val_loss") is not None}
     value = f"{unigrams.pop():.4f}, " if len(unigrams) == 1 else ""
     return (f"flat: the final loss is at or above {1 - stats.PLATEAU_MARGIN:.0%} of the unigram loss "
@@ -116,8 +93,6 @@ def plateau_legend(rows: list[dict]) -> str:
 
 
 def _is_loss(key: str) -> bool:
-    """Whether a table of ``key`` shows a loss, which a ``flat`` (unigram-plateau) mark is about
-    (not MFU, throughput or accuracy)."""
     return key.endswith("loss")
 
 
@@ -137,9 +112,7 @@ def _claim(out: Path, spec: dict) -> None:
 
 
 def load_data(cells: list) -> tuple[list, dict]:
-    """The cells with their configurations fitted to their data (the vocabulary, the context),
-    and the data of every distinct data setting of the grid (``(task, data section)``), loaded
-    once and checked before the folder is claimed; the fresh runs of a setting share it."""
+    """The cells fitted to their data, and the data of each :func:`data_key`, loaded once up front."""
     loaded: dict = {}
     fitted = []
     for cell in cells:
@@ -157,20 +130,9 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
             jobs: int | str | None = None, log=print) -> list[dict]:
     """Train the grid into ``out`` (skipping finished runs) and write the table and the report.
 
-    ``schemes``, ``lrs`` and ``seeds`` default to the preset's ``compare`` section, then to
-    pre/post/siamese, ``train.lr`` and ``seed``; ``baseline`` (what the other schemes are compared
-    with) to ``compare.baseline``, then ``pre`` (see :mod:`siamesenorm.experiments.grid`).
-    ``jobs`` (default ``compare.jobs``, then ``auto``): how many runs train at once, each in a
-    process of its own with its share of the cores (:mod:`.jobs`, :mod:`.workers`); one at a time
-    trains in this process. ``nproc`` above 1 trains each run across that many processes of this
-    machine, one run after the other (:func:`~siamesenorm.tasks.launch_task`).
-
-    A run that fails (an exception, a user's error such as a full disk) does not stop the others;
-    once they have ended, the failures are raised as one line (:class:`RunsFailed`, or
-    :class:`UserError` when every one was a user's error) and no table is written. Ctrl-C or
-    SIGTERM stops every run at its next step with a checkpoint; the same command resumes them.
-    A run that finishes keeps only ``checkpoints/last`` unless ``compare.keep_checkpoints`` is
-    ``all`` (:mod:`.disk`); the last line says how much the folder keeps.
+    ``schemes``, ``lrs``, ``seeds``, ``baseline`` and ``jobs`` default to the preset's ``compare``
+    section (:mod:`.grid`). A failed run does not stop the others; once all have ended the failures are
+    raised in one line (:class:`RunsFailed`, or :class:`UserError` when all were a user's errors).
     """
     p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)
     concurrency = choose(p.cells, p.jobs if jobs is None else check_jobs(jobs, "--jobs"), nproc=nproc,
@@ -192,8 +154,6 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
 
 def _compare(out: Path, base, spec: dict, grid: list, baseline: str, nproc: int | None,
              concurrency: Concurrency, data: dict, log, keep_checkpoints: str = "last") -> list[dict]:
-    """:func:`compare` once it holds the experiment folder; ``keep_checkpoints`` (``last`` or
-    ``all``): which checkpoints a run that finishes keeps (:mod:`.disk`)."""
     _claim(out, {"base": config_to_dict(base), **spec})
     summaries: dict[str, dict] = {}
     todo = []

@@ -1,7 +1,5 @@
-"""What an experiment keeps on disk: a run that finished keeps only ``checkpoints/last`` (what
-``export``, ``analyze``, ``generate`` and ``train --resume ... train.steps=N`` read), unless
-``compare.keep_checkpoints`` is ``all``; a run that may be resumed (interrupted, diverged,
-stalled, failed) keeps every checkpoint it wrote. :func:`kept_line` says how much is kept."""
+"""What an experiment keeps on disk: a run that finished only ``checkpoints/last`` (unless
+``compare.keep_checkpoints`` is ``all``), a run that may be resumed every checkpoint it wrote."""
 
 from __future__ import annotations
 
@@ -13,16 +11,13 @@ from ..train.checkpoint.keep import older_checkpoints, prune_checkpoints, writte
 
 
 def finished_cleanly(summary: dict) -> bool:
-    """Whether ``summary`` is that of a run that trained to its end: not interrupted, neither
-    diverged nor stalled, its last checkpoint taken at its last step."""
+    """Whether the run trained to its end (neither interrupted nor failed) and checkpointed there."""
     return not any(summary.get(k) for k in ("interrupted", "failed", "diverged", "stalled")) \
         and summary.get("checkpoint_step") == summary.get("steps")
 
 
 def keep_last_checkpoint(run_dir: Path, summary: dict) -> None:
-    """Delete the older checkpoints (the ``checkpoints/step_<N>`` it wrote) of the run in
-    ``run_dir`` when ``summary`` says it finished cleanly and its ``checkpoints/last`` is whole;
-    anything else (a run to resume, a folder a person made) stays."""
+    """Delete the older checkpoints of a run that finished cleanly, once its ``checkpoints/last`` is whole."""
     last = RunDir(run_dir).last_checkpoint
     if finished_cleanly(summary) and written_here(last):
         prune_checkpoints(last, keep=1)
@@ -47,9 +42,7 @@ def _size(n: int) -> str:
 
 
 def kept_line(out: Path, names: list[str], keep_checkpoints: str) -> str:
-    """One line: the bytes the experiment in ``out`` keeps (its files' sizes summed; a run's
-    ``checkpoints`` that links to another disk counted as well), how much of it is checkpoints,
-    and which checkpoints its runs ``names`` keep."""
+    """One line: the bytes the experiment keeps, the share of checkpoints, and which ones its runs keep."""
     total, checkpoints, with_last, with_older = file_bytes(out), 0, 0, 0
     for name in names:
         run = RunDir(out / name)

@@ -1,11 +1,5 @@
-"""The time a comparison has left, from the speed of its runs so far.
-
-A run's work is its steps times its FLOPs a step (:func:`.jobs.work_per_step`), so a grid whose
-variants differ in size is weighed by what each costs. The speed is the work done in this session
-(finished runs, and the steps the running ones have logged) over the time since the first run
-started, which counts every run trained at once; the time left is the work left at that speed. A
-run that stops early (diverged, stalled, failed) leaves the grid with what it did.
-"""
+"""The time a comparison has left: the work left (steps x :func:`.jobs.work_per_step`) at the speed of
+the work done since the first run started."""
 
 from __future__ import annotations
 
@@ -14,8 +8,7 @@ from collections.abc import Callable
 
 
 class Eta:
-    """The comparison's clock: :meth:`add` each run to train, :meth:`progress` a running run's
-    steps, :meth:`finished` a run that ended; :meth:`seconds_left` is the estimate."""
+    """The comparison's clock; :meth:`seconds_left` is the estimate."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -26,7 +19,6 @@ class Eta:
         self.runs[name] = [work_per_step, max(0, steps_left), 0]
 
     def start(self) -> None:
-        """The first run starts (the clock starts once)."""
         if self.started is None:
             self.started = self.clock()
 
@@ -36,8 +28,8 @@ class Eta:
         run[2] = min(max(0, steps_done), run[1])
 
     def finished(self, name: str, steps_done: int | None = None) -> None:
-        """``name`` ended after ``steps_done`` steps of this session (``None``: as many as its
-        :meth:`progress` said); what it did not train leaves the grid."""
+        """``name`` ended after ``steps_done`` steps of this session (``None``: as :meth:`progress` said);
+        what it did not train leaves the grid."""
         run = self.runs[name]
         if steps_done is not None:
             run[2] = min(max(0, steps_done), run[1])

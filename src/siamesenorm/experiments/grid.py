@@ -1,19 +1,5 @@
-"""The grid of a comparison: which variants, learning rates and seeds, from a preset and the command line.
-
-A preset's optional ``compare`` section (README, "Comparing schemes") holds ``schemes`` (scheme or
-variant names), ``lrs`` (default: ``train.lr``), ``seeds`` (default: ``seed``), ``baseline``,
-``jobs`` (:mod:`.jobs`) and ``variants``: a variant is a scheme with its own options (replacing
-``model.scheme_options``) and overrides of any key, applied after the command line's, e.g.
-``pre-24L: {scheme: pre, overrides: {model.n_layers: 24}}``. A bare scheme name has its default
-options (the preset's, for the preset's own scheme). ``--schemes``, ``--lrs`` and ``--seeds``
-replace the section's lists. Learning rates must be positive and finite, seeds in 0..2**63-1, and
-no list may repeat a value: refused before anything runs. The baseline (``--baseline``, else
-``compare.baseline``, else ``pre`` when compared, else the first label) and ``jobs`` only shape the
-report and the scheduling, so neither is part of the grid ``experiment.json`` records; nor is
-``keep_checkpoints``: ``last`` (default) deletes a finished run's older checkpoints as it ends,
-keeping ``checkpoints/last`` (what ``export``, ``analyze``, ``generate`` and ``train --resume``
-read), ``all`` keeps every one ``train.keep_checkpoints`` kept.
-"""
+"""The grid of a comparison: which variants, learning rates and seeds, from a preset's ``compare``
+section and the command line (docs/compare.md)."""
 
 from __future__ import annotations
 
@@ -53,8 +39,6 @@ class Variant:
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid."""
-
     name: str
     variant: Variant
     lr: float
@@ -118,9 +102,8 @@ def check_section(data: dict, preset: str | None) -> dict:
 
 
 def check_label(label: Any) -> str:
-    """A variant's label, which names its runs' folders (``<label>-lr<lr>-s<seed>``) and the rows
-    of the report: a name, refused (:class:`UserError`) when empty, ``.`` or ``..``, or when it
-    holds a path separator or a control character (a newline, a tab, ...)."""
+    """A variant's label, which names its runs' folders: refused when empty, ``.`` or ``..``, or when it
+    holds a path separator or a control character."""
     text = str(label)
     bad = next((c for c in text if c in "/\\" or not c.isprintable() or c.isspace() and c != " "),
                None)
@@ -147,14 +130,11 @@ def _variant(label: str, spec: Any) -> Variant:
 
 
 def _refuse_repeats(source: str, what: str, names: list[str]) -> None:
-    """Refuse a grid list (``--schemes``, ``compare.lrs``, ...) that names one value twice."""
     if len(set(names)) != len(names):
         raise UserError(f"{source} names {what} twice: {', '.join(names)}")
 
 
 def _check_lrs(lrs: list[float], source: str) -> list[float]:
-    """``lrs`` (from ``source``: ``--lrs`` or ``compare.lrs``), each a positive finite number as
-    ``train.lr`` must be, no two alike as a run's name writes them (``{lr:g}``)."""
     for lr in lrs:
         if not 0 < lr < math.inf:
             raise UserError(f"{source}: each learning rate must be a positive finite number (as "
@@ -164,8 +144,6 @@ def _check_lrs(lrs: list[float], source: str) -> list[float]:
 
 
 def _check_seeds(seeds: list[int], source: str) -> list[int]:
-    """``seeds`` (from ``source``: ``--seeds`` or ``compare.seeds``), each an integer from 0 to
-    2**63-1, no two alike."""
     for seed in seeds:
         check_seed(seed, source)
     _refuse_repeats(source, "a seed", [str(seed) for seed in seeds])
@@ -190,10 +168,8 @@ def resolve_variants(names: list[str], variants: dict[str, Variant],
 
 @dataclass(frozen=True)
 class Plan:
-    """A comparison, resolved once from its preset: the base configuration, the grid's spec (for
-    experiment.json), every cell, the baseline of the report, how many runs train at once
-    (``compare.jobs``: a number, or ``auto``), and which checkpoints a finished run keeps
-    (``compare.keep_checkpoints``: ``last`` or ``all``)."""
+    """A comparison resolved once from its preset: the base configuration, the grid's spec (for
+    experiment.json), every cell, the baseline, ``compare.jobs`` and ``compare.keep_checkpoints``."""
 
     base: Any
     spec: dict
@@ -206,9 +182,7 @@ class Plan:
 def plan(preset: str | None, overrides: list[str], *, schemes: list[str] | None = None,
          lrs: list[float] | None = None, seeds: list[int] | None = None,
          baseline: str | None = None) -> Plan:
-    """The comparison of ``preset`` (read once) with ``overrides`` and the command line's lists:
-    the base configuration and each variant's are resolved once, every cell derives from its
-    variant's with the learning rate and seed checked up front, and the baseline is chosen."""
+    """The comparison of ``preset`` (read once) with ``overrides`` and the command line's lists, checked."""
     data = read_preset(preset) if preset else {}
     section = check_section(data, preset)
     base = load_config(preset, overrides, preset_data=data)
@@ -241,9 +215,8 @@ def build_grid(preset: str | None, overrides: list[str], *, schemes: list[str] |
 
 
 def choose_baseline(labels: list[str], baseline: str | None = None, section: dict | None = None) -> str:
-    """The label the others are compared with: ``baseline`` (``--baseline``), else the section's
-    ``baseline``, each refused unless it is among ``labels``; else ``pre`` when compared, else the
-    first of ``labels``."""
+    """``baseline`` (``--baseline``), else the section's, each refused unless among ``labels``; else
+    ``pre`` when compared, else the first label."""
     for source, name in (("--baseline", baseline), ("compare.baseline", (section or {}).get("baseline"))):
         if name is not None:
             if name not in labels:

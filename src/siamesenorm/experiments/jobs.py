@@ -1,16 +1,5 @@
-"""How many runs of a comparison train at once, and with how many threads each (``--jobs``,
-``compare.jobs``).
-
-``jobs`` is a whole number from 1, or ``auto``. With N runs at once each run is its own process
-with ``cores // N`` intra-op threads (at least 1), fixed by N and the machine, never by how many
-runs are left; a resumed run keeps the thread count its ``summary.json`` recorded
-(:func:`threads_of`). ``auto`` on the CPU: one run per core, no more than the grid has runs nor
-than :data:`MEMORY_SHARE` of memory holds, leftover cores as threads; runs under
-:data:`WORK_PER_PROCESS` FLOPs train one at a time in this process. On CUDA, one run per device
-(each seeing its own as ``cuda:0``; a named ``cuda:K`` takes one at a time). ``--nproc`` above 1
-trains one run at a time (``auto`` is 1; more is refused). Why one run per core: docs/performance.md,
-"Runs at once".
-"""
+"""How many runs of a comparison train at once (``--jobs``, ``compare.jobs``), with how many threads:
+``auto`` is one run per core (per device on CUDA) as memory allows (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +20,7 @@ MEMORY_SHARE = 0.5
 
 
 def check_jobs(value: Any, source: str = "compare.jobs") -> int | str:
-    """``value`` as ``auto`` or a whole number from 1; anything else is refused in one line
-    naming ``source`` (``--jobs`` or ``compare.jobs``)."""
+    """``value`` as ``auto`` or a whole number from 1, else a UserError naming ``source``."""
     if isinstance(value, str):
         text = value.strip()
         if text.lower() == AUTO:
@@ -51,8 +39,7 @@ def check_jobs(value: Any, source: str = "compare.jobs") -> int | str:
 
 
 def available_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, a container's cpuset), else the
-    machine's."""
+    """The CPUs this process may run on (its affinity mask, a container's cpuset), else the machine's."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -61,9 +48,8 @@ def available_cores() -> int:
 
 @dataclass(frozen=True)
 class Concurrency:
-    """What a comparison runs at once: ``jobs`` runs, each with ``threads`` intra-op threads;
-    ``devices`` the ``CUDA_VISIBLE_DEVICES`` entry of each of the ``jobs`` slots (``None``: leave
-    the devices alone); ``why`` what chose it, for the line people read."""
+    """What a comparison runs at once: ``jobs`` runs of ``threads`` threads; ``devices``: each slot's
+    ``CUDA_VISIBLE_DEVICES`` (``None``: as they are); ``why``: what chose it."""
 
     jobs: int
     threads: int
@@ -83,8 +69,7 @@ class Concurrency:
 
 
 def work_per_step(cfg: Any) -> float:
-    """The FLOPs of one micro-batch of the run ``cfg``, forward and backward: ``6 x parameters x
-    tokens`` (the estimate of the model configuration; attention's own FLOPs left out)."""
+    """FLOPs of one micro-batch of ``cfg``, forward and backward: ``6 x parameters x tokens``."""
     from ..tasks.registry import get_task
 
     tokens = cfg.data.batch_size * get_task(cfg.task).tokens_per_sample(cfg)
@@ -92,7 +77,6 @@ def work_per_step(cfg: Any) -> float:
 
 
 def work_per_run(cfg: Any) -> float:
-    """The FLOPs of the whole run ``cfg``: steps x micro-batches a step x :func:`work_per_step`."""
     return cfg.train.steps * cfg.train.grad_accum * work_per_step(cfg)
 
 
@@ -111,26 +95,19 @@ def cuda_kind(device_name: str) -> str | None:
 
 
 def visible_devices(count: int, env: dict | None = None) -> list[str]:
-    """The ``CUDA_VISIBLE_DEVICES`` entries a child may be given: this process's own list when it
-    has one (a child names devices as the machine does), else ``0 .. count-1``."""
+    """The ``CUDA_VISIBLE_DEVICES`` entries a child may get: this process's own list, else ``0..count-1``."""
     env = os.environ if env is None else env
     given = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return given[:count] if given else [str(i) for i in range(count)]
 
 
 def slot_devices(jobs: int, visible: Sequence[str]) -> tuple[str, ...]:
-    """The device of each of ``jobs`` slots: round-robin over ``visible``."""
     return tuple(visible[i % len(visible)] for i in range(jobs))
 
 
 def choose(cells: Sequence[Any], jobs: int | str, **machine: Any) -> Concurrency:
-    """How to run the whole grid ``cells`` (every cell, finished or not: the choice, and with it
-    each run's thread count, must not depend on how far an earlier attempt got) with ``jobs``, a
-    number above the grid's size being the grid's size (and the line says so).
-
-    ``machine``: ``nproc`` (``--nproc``), ``world_size`` (the launcher's world this process is
-    part of), ``cores``, ``cuda_count`` (CUDA devices) and ``memory`` (bytes of this machine):
-    this machine's unless given (tests pass them)."""
+    """How to run the whole grid ``cells`` (finished or not, so a run's thread count never depends on how
+    far an earlier attempt got) with ``jobs``; ``machine`` overrides what this machine has (tests)."""
     grid = max(1, len(cells))
     if jobs == AUTO or jobs <= grid:
         return _choose(cells, jobs, **machine)
@@ -184,8 +161,7 @@ def _choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, 
 
 
 def _memory_room(configs: Sequence[Any], memory: int | None) -> int:
-    """How many of the runs ``configs`` (the largest of them) this machine's memory holds at once,
-    by their floor (:func:`~siamesenorm.tasks.dryrun.memory_floor`), in :data:`MEMORY_SHARE` of it."""
+    """How many of the largest run's memory floors fit in :data:`MEMORY_SHARE` of this machine's memory."""
     from ..tasks.dryrun import memory_floor
 
     if memory is None:
@@ -201,8 +177,7 @@ def _memory_room(configs: Sequence[Any], memory: int | None) -> int:
 
 
 def threads_of(summary: dict | None, default: int) -> int:
-    """The thread count a run resumes with: the one its ``summary.json`` (that of an interrupted
-    session) recorded under ``environment``, else ``default``."""
+    """The thread count a run resumes with: the one its ``summary.json`` recorded, else ``default``."""
     threads = ((summary or {}).get("environment") or {}).get("threads")
     return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 \
         else default

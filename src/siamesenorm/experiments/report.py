@@ -1,11 +1,4 @@
-"""``report.md`` and its PNG plots for a comparison.
-
-The report opens with the seeds summed up per scheme and learning rate (:mod:`.stats`: means with
-their 95% intervals, failed seeds counted) and one sentence per comparison with the baseline, then
-the table of every run, the curves (with several seeds: per scheme and learning rate, the mean
-over the seeds that did not fail, shaded from their minimum to their maximum), the learning-rate
-grid, samples and the diagnostics.
-"""
+"""``report.md`` and its PNG plots for a comparison."""
 
 from __future__ import annotations
 
@@ -77,10 +70,8 @@ def _plot_expert_load(out: Path, rows: list[dict]) -> str | None:
 
 
 def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: str) -> str | None:
-    """``key`` against step, one line per run (one seed per cell) or, with several seeds, per
-    scheme and learning rate the mean over its seeds that did not fail, shaded from their minimum
-    to their maximum, and each failed run dashed on its own; ``None`` (no file) when no run
-    logged ``key``."""
+    """``key`` against step: a line per run, or with several seeds the mean per cell shaded from min to max
+    and failed runs dashed; ``None`` when no run logged ``key``."""
     curves = {row["run"]: _curve(out / row["run"], key) for row in rows}
     if not any(steps for steps, _ in curves.values()):
         return None
@@ -188,10 +179,8 @@ def _estimate_text(est: dict, digits: int = 4) -> str:
 
 def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str,
                   unigram: bool = False) -> list[str]:
-    """Markdown lines of the seeds summed up: the table per scheme and learning rate, and the
-    verdicts against ``baseline``. With one seed per cell, a line that says there is no interval
-    and no verdict. ``unigram``: the runs have a unigram loss (language models), and the
-    plateau is explained."""
+    """Markdown lines of the seeds summed up: the table per scheme and learning rate, and the verdicts
+    against ``baseline``; ``unigram``: the plateau is explained."""
     if all(cell["runs"] <= 1 for cell in aggregate):
         return ["One seed per scheme and learning rate: no confidence intervals and no verdicts "
                 "(run several, e.g. `--seeds 0,1,2`). The runs are below.", ""]

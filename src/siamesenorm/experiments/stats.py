@@ -1,16 +1,4 @@
-"""Seeds of a comparison, summed up honestly: means, 95% intervals, paired differences, verdicts.
-
-Per cell (scheme, learning rate) and figure: ``n``, the mean, the sample sd (divisor ``n - 1``) and
-the 95% interval ``mean +- t * sd / sqrt(n)`` (Student's t, ``n - 1`` degrees of freedom). Failed
-runs (diverged, stalled) enter no mean and are counted per cell. A language-model run whose final
-loss is not at least :data:`PLATEAU_MARGIN` (2%) below ``unigram_val_loss`` (at or above 0.98 x
-it, however far above) is counted *at the plateau* and stays in the means. Each scheme is paired
-seed by seed with the baseline, on the seeds where both ran: the mean difference (scheme minus
-baseline) and its interval; a verdict only when the interval excludes zero (one pair: no
-interval, no verdict). Lower is better except for a task's
-``higher_is_better`` columns. Pure Python: t quantiles from a table for 1 to 30 degrees of freedom,
-a Cornish-Fisher expansion beyond. The method, with examples: docs/reproduction.md, README.
-"""
+"""Seeds of a comparison, summed up honestly: means, 95% intervals, paired differences, verdicts."""
 
 from __future__ import annotations
 
@@ -32,11 +20,7 @@ LOSSES = ("final_val_loss", "best_val_loss")
 
 
 def t975(df: int) -> float:
-    """Student's t quantile ``t_{0.975, df}`` (the 95% two-sided critical value).
-
-    The table for ``df <= 30``; beyond, the Cornish-Fisher expansion of t in powers of ``1/df``
-    around the normal quantile (four terms: off by under 1e-7 from df 30 on).
-    """
+    """Student's ``t_{0.975, df}``: the table up to 30, then Cornish-Fisher (off by under 1e-7)."""
     if df < 1:
         raise ValueError(f"t quantile needs at least 1 degree of freedom, got {df}")
     if df <= len(T975):
@@ -50,8 +34,7 @@ def t975(df: int) -> float:
 
 @dataclass(frozen=True)
 class Estimate:
-    """``n`` values summed up: their mean, sample standard deviation and the 95% interval of the
-    mean. ``mean`` is ``None`` with no value; ``sd`` and the interval are ``None`` below 2 values."""
+    """Mean, sample sd and 95% interval of ``n`` values (``None`` where there are too few)."""
 
     n: int
     mean: float | None
@@ -61,11 +44,9 @@ class Estimate:
 
     @property
     def half_width(self) -> float | None:
-        """Half the interval's width (``None`` when there is no interval)."""
         return None if self.ci_low is None else (self.ci_high - self.ci_low) / 2
 
     def excludes_zero(self) -> bool:
-        """Whether there is an interval and zero lies outside it."""
         return self.ci_low is not None and (self.ci_low > 0 or self.ci_high < 0)
 
 
@@ -84,15 +65,13 @@ def estimate(values: Iterable[float]) -> Estimate:
 
 
 def failed(row: dict) -> bool:
-    """Whether a run diverged or stalled (a compare row, or a run's own summary)."""
     return bool(row.get("diverged") or row.get("stalled") or row.get("failed")
                 or row.get("stalled_at") is not None)
 
 
 def at_plateau(row: dict) -> bool | None:
-    """Whether a run (a compare row or its summary) ended at the unigram plateau (see the module's
-    docstring); ``None`` when that cannot be told: no unigram loss (not a language model, or a run
-    from before it was recorded), no final loss, or a failed run."""
+    """Whether a run ended at the unigram plateau (final loss at or above ``1 - PLATEAU_MARGIN`` times the
+    unigram loss); ``None`` when that cannot be told (no unigram or final loss, a failed run)."""
     unigram, final = _value(row, "unigram_val_loss"), _value(row, "final_val_loss")
     if unigram is None or final is None or failed(row):
         return None
@@ -112,7 +91,6 @@ def metrics_present(rows: list[dict], columns: Iterable[str] = ()) -> list[str]:
 
 
 def cells(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
-    """The rows of each (scheme, lr) cell, in the rows' order."""
     out: dict[tuple[str, float], list[dict]] = {}
     for r in rows:
         out.setdefault((r["scheme"], r["lr"]), []).append(r)
@@ -138,13 +116,9 @@ def aggregate(rows: list[dict], metrics: list[str]) -> list[dict]:
 
 def paired_differences(rows: list[dict], metrics: list[str], baseline: str,
                        higher_is_better: Iterable[str] = ()) -> list[dict]:
-    """Per scheme other than ``baseline``, learning rate and metric: the mean of ``scheme minus
-    baseline`` over the seeds both ran without failing, its interval and the verdict.
-
-    ``verdict`` is ``"better"`` or ``"worse"`` (by the metric's direction: lower is better unless
-    it is in ``higher_is_better``) when the interval excludes zero, ``"indistinguishable"`` when it
-    does not, and ``None`` with fewer than 2 pairs (no interval).
-    """
+    """Per scheme other than ``baseline``, learning rate and metric: scheme minus baseline over the seeds
+    both ran without failing, its interval, and ``verdict``: ``better`` or ``worse`` when the interval
+    excludes zero, ``indistinguishable`` when not, ``None`` under 2 pairs."""
     higher = set(higher_is_better)
     by_cell = cells(rows)
     out = []
@@ -176,12 +150,7 @@ def _num(x: float) -> str:
 
 
 def verdict_sentence(diff: dict, title: str | None = None) -> str:
-    """One sentence for a paired difference (an entry of :func:`paired_differences`).
-
-    "siamese is lower than pre by 0.083 (95% CI 0.041 to 0.125, 3 seeds) at lr 0.01: better";
-    "post vs pre at lr 0.01: not distinguishable from seed noise (difference +0.012, 95% CI -0.030
-    to 0.054, 3 seeds)"; "... one seed: no verdict (...)". ``title`` names the metric first.
-    """
+    """One sentence for an entry of :func:`paired_differences`; ``title`` names the metric first."""
     scheme, base, lr, n = diff["scheme"], diff["baseline"], format(diff["lr"], "g"), diff["n"]
     head = f"{title}: " if title else ""
     if n == 0:
@@ -199,8 +168,7 @@ def verdict_sentence(diff: dict, title: str | None = None) -> str:
 
 
 def failures_text(cell: dict) -> str:
-    """``"1 of 3 diverged"``, ``"1 of 3 stalled"``, both, or ``"none of 3"``; then, when some
-    ended there, ``"2 of 3 at the unigram plateau"``."""
+    """``1 of 3 diverged``, ``1 of 3 stalled``, both or ``none of 3``; then those at the unigram plateau."""
     parts = [f"{cell[k]} of {cell['runs']} {k}" for k in ("diverged", "stalled") if cell[k]]
     text = ", ".join(parts) if parts else f"none of {cell['runs']}"
     if cell.get("plateau"):

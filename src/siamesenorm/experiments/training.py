@@ -1,16 +1,5 @@
-"""Training the runs of a comparison: one after the other in this process, or several at once,
-each in a worker process of its own (:mod:`.workers`), with a line for each run that ends and the
-comparison's ETA (:mod:`.eta`) on stdout, and the grid's progress on stderr (:mod:`.view`).
-
-Either way a run that fails does not stop the others (its failure is kept, one line, and raised by
-:func:`raise_failures` once all have ended), a run with a checkpoint resumes, keeping the thread
-count its interrupted session recorded, and any other starts afresh. Ctrl-C or SIGTERM stops the
-comparison: the runs in training checkpoint and stop, and the same command resumes them.
-
-A run that finishes (neither interrupted, diverged nor stalled) keeps only ``checkpoints/last``
-unless ``compare.keep_checkpoints`` is ``all`` (:mod:`.disk`); any other keeps
-every checkpoint it wrote.
-"""
+"""Training the runs of a comparison: one after the other here, or several at once in worker processes
+(:mod:`.workers`); a run that fails does not stop the others."""
 
 from __future__ import annotations
 
@@ -40,8 +29,7 @@ from .workers import Failure, StopSignals, Worker
 
 
 class RunsFailed(RankFailed):
-    """Some runs of a comparison failed (not all by a user's error) while the others went on:
-    one line naming them; the command line exits with 1."""
+    """Some runs failed (not all by a user's error) while the others went on; the command exits with 1."""
 
 
 def grad_norm_peak(run_dir: Path, after: int = 0) -> tuple[float | None, int | None]:
@@ -73,8 +61,7 @@ def data_key(cfg) -> tuple:
 
 @dataclass
 class Todo:
-    """A run of the grid to train in this session; ``before``: the summary an interrupted session
-    of it left (``None`` if none)."""
+    """A run to train in this session; ``before``: the summary an interrupted session of it left."""
 
     index: int
     cell: Any
@@ -90,9 +77,7 @@ class Todo:
 
 
 class Finished:
-    """The line of each run that ends (``log``), with the comparison's progress and ETA; ``view``
-    (:class:`.view.GridView`) counts the runs and keeps the ETA's clock. ``keep_checkpoints``
-    (``last`` or ``all``): which checkpoints a run that finished keeps."""
+    """The line of each run that ends, with the comparison's progress and ETA."""
 
     def __init__(self, view: GridView, log, keep_checkpoints: str = "last") -> None:
         self.view, self.log, self.keep_checkpoints = view, log, keep_checkpoints
@@ -135,11 +120,8 @@ class Finished:
 
 def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: int | None, data: dict,
                log, keep_checkpoints: str = "last") -> tuple[dict[str, dict], dict[str, Failure]]:
-    """Train ``todo`` (of a grid of ``total`` runs) as ``concurrency`` says, after a line saying
-    how; the summaries of the runs that ended, and the failures of those that failed (a run
-    interrupted by Ctrl-C or SIGTERM raises once all have stopped). The grid's progress is shown
-    on stderr (:class:`.view.GridView`; with ``nproc`` above 1 each run shows its own as well).
-    ``keep_checkpoints``: ``last`` prunes each run that finishes to ``checkpoints/last``."""
+    """Train ``todo`` as ``concurrency`` says: the summaries of the runs that ended and the failures of
+    those that failed (an interruption is raised once all have stopped)."""
     eta = Eta()
     for item in todo:
         eta.add(item.cell.name, item.cell.config.train.steps - item.start_step,
@@ -180,7 +162,6 @@ def _failure_of(error: Exception) -> Failure:
 
 @contextmanager
 def _intra_op_threads(n: int) -> Iterator[None]:
-    """``torch``'s intra-op threads set to ``n`` for the block, then as before."""
     before = torch.get_num_threads()
     if n != before:
         torch.set_num_threads(n)
@@ -193,8 +174,7 @@ def _intra_op_threads(n: int) -> Iterator[None]:
 
 def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
                 summaries: dict, failures: dict, log) -> None:
-    """Train ``todo`` one after the other in this process, its stderr lines read by the view (or
-    each across ``nproc`` processes); a resumed run keeps the thread count it started with."""
+    """Train ``todo`` one after the other here; a resumed run keeps the thread count it started with."""
     view = done.view
     for item in todo:
         name, cfg = item.cell.name, item.cell.config
@@ -224,9 +204,8 @@ def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
 
 def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, done: Finished,
                       summaries: dict, failures: dict, log) -> None:
-    """Train ``todo``, ``concurrency.jobs`` at once, each in a worker process (:mod:`.workers`)
-    while this process holds its folder; Ctrl-C or SIGTERM stops them all (checkpointed) and is
-    raised once they have ended."""
+    """Train ``todo``, ``concurrency.jobs`` at once in worker processes; Ctrl-C or SIGTERM stops them all
+    (checkpointed) and is raised once they have ended."""
     pending, running = list(todo), {}
     pickled: dict = {}      # each data setting pickled once, for the fresh runs' workers
     free = list(range(concurrency.jobs))
@@ -274,10 +253,8 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
 
 def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, pickled: dict,
                   view: GridView, stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
-    """Claim and prepare ``item``'s folder here, then start its worker, which inherits the lock
-    and, for a fresh run, gets the data of its setting (``pickled``: each setting's, pickled once);
-    its lines go to ``view`` (``None``: a stop came meanwhile; the folder is given back, prepared,
-    and starts afresh next time)."""
+    """Claim and prepare ``item``'s folder, then start its worker, which inherits the lock (and gets a fresh
+    run's data); ``None`` when a stop came meanwhile."""
     cfg, run_dir = item.cell.config, item.run_dir
     resume = RunDir(run_dir).has_checkpoints()
     run = Run(run_dir, resume=resume, command="compare", restart=not resume)

@@ -1,16 +1,5 @@
-"""What ``compare`` shows on stderr while its runs train: :class:`GridView`.
-
-On a terminal, one view redrawn in place below the lines that scroll above it: the grid (runs
-done, running, pending, the time so far and its ETA, :mod:`.eta`) and each running run's step,
-loss and last validation loss. Elsewhere (a log file, a pipe) plain lines: one when a run starts,
-the run's own final line when it ends (its evaluation summary: final and best validation loss),
-and a grid line at each tenth of the grid's work, or after :data:`PROGRESS_EVERY_S` without one.
-
-Both are fed by the runs' own ``[train]`` lines (:mod:`siamesenorm.train.progress`), read from a
-worker's pipe (:mod:`.workers`) or from a run in this process (:meth:`GridView.capture`): their
-step lines are read, not shown; any other line a run writes is shown after its name. A closed or
-broken stderr mutes the view, never a run (:class:`~siamesenorm.streams.LogStream`).
-"""
+"""What ``compare`` shows on stderr while its runs train: on a terminal a view redrawn in place,
+elsewhere plain lines, both fed by the runs' own ``[train]`` lines (docs/compare.md)."""
 
 from __future__ import annotations
 
@@ -56,9 +45,8 @@ class RunState:
 
 
 class GridView:
-    """The progress of a grid of ``total`` runs, ``done`` of them ended before, timed by ``eta``,
-    on ``stream`` (default stderr): ``live`` (default: whether ``stream`` is a terminal) redraws
-    one view in place, otherwise plain lines. Safe to call from several threads."""
+    """The progress of a grid of ``total`` runs on ``stream`` (default stderr): ``live`` (default: a
+    terminal) redraws one view in place, otherwise plain lines. Safe to call from several threads."""
 
     def __init__(self, total: int, done: int, eta: Eta, stream: TextIO | None = None, *,
                  live: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,8 +64,7 @@ class GridView:
 
     # ---- what happens to the runs
     def started(self, name: str, start: int, steps: int, resumed: bool = False) -> None:
-        """``name`` starts training, or ``resumed`` from a checkpoint, at step ``start`` (0: not
-        known) of ``steps``."""
+        """``name`` starts or ``resumed`` at step ``start`` (0: not known) of ``steps``."""
         with self._lock:
             self.eta.start()
             self.running[name] = RunState(start, steps, start)
@@ -105,8 +92,7 @@ class GridView:
             self.tick()
 
     def ended(self, name: str, steps_done: int | None = None) -> None:
-        """``name`` ended (finished or failed) after ``steps_done`` steps of this session (``None``:
-        as many as its log said)."""
+        """``name`` ended (finished or failed) after ``steps_done`` steps of this session."""
         with self._lock:
             self.done += 1
             self._leave(name, steps_done)
@@ -179,7 +165,6 @@ class GridView:
                     runs[:SHOWN_IN_A_LINE] + ([f"{more} more running"] if more > 0 else [])))
 
     def close(self) -> None:
-        """Take the live view off the screen for good."""
         with self._lock:
             self._erase()
             self._closed = True
@@ -267,7 +252,6 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 def _size(stream: TextIO) -> tuple[int, int]:
-    """The columns and rows of the terminal ``stream`` writes to (100 x 24 when it does not say)."""
     try:
         size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError):
@@ -276,7 +260,6 @@ def _size(stream: TextIO) -> tuple[int, int]:
 
 
 def _unicode(stream: TextIO) -> bool:
-    """Whether ``stream`` can write the bar's block characters."""
     try:
         "█▏".encode(getattr(stream, "encoding", None) or "ascii")
     except (UnicodeError, LookupError):

@@ -1,21 +1,6 @@
-"""The runs of a comparison in processes of their own, several at once (``--jobs`` above 1).
-
-Each run is ``python -m siamesenorm.tasks.worker RUN_DIR [--resume] [--data FILE]``
-(:mod:`siamesenorm.tasks.worker`) in a session of its own, on a folder ``compare`` has claimed and
-prepared: ``compare`` holds the run's lock and hands the worker its open lock file, so the folder
-stays locked until the last of the two is gone, and the worker stops (with a checkpoint) when
-``compare`` dies. The worker gets its share of the cores (``OMP_NUM_THREADS``), its CUDA device
-(``CUDA_VISIBLE_DEVICES``) and a folder of its own where it reports a failure in one line
-(:func:`siamesenorm.parallel.launch.report_failure`; a crash's traceback is kept there). A fresh
-run's worker gets its data there too, as ``compare`` loaded it (pickled, in this process's own
-folder, as multiprocessing would pass it through a pipe), so that a data setting is loaded once
-however many runs share it. What it writes to stdout and stderr (its ``[train]`` lines) is read
-here line by line and handed to ``on_line`` (``compare``'s view of the grid, :mod:`.view`).
-
-Signals reach a worker only through :class:`StopSignals`: Ctrl-C or SIGTERM to ``compare`` is
-passed on to every running worker once (each stops after its step and checkpoints), a second one
-once more (they stop at once), and no further run starts.
-"""
+"""The runs of a comparison in processes of their own (``python -m siamesenorm.tasks.worker``), several
+at once. Each inherits its folder's open lock file, stops (checkpointed) when ``compare`` dies, and
+gets signals only through :class:`StopSignals`."""
 
 from __future__ import annotations
 
@@ -39,9 +24,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])     # the folder that h
 
 
 def worker_env(threads: int, device: str | None, errors: Path, base: dict | None = None) -> dict[str, str]:
-    """The environment of a worker: this process's, with ``threads`` intra-op threads, the CUDA
-    device ``device`` (``None``: as it is), the folder it reports a failure to, and this process
-    as the one whose death stops it."""
+    """This process's environment with ``threads`` intra-op threads, the CUDA device ``device`` (``None``:
+    as it is), the failure folder ``errors``, and this process as the one whose death stops it."""
     env = dict(os.environ if base is None else base)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                **{ERROR_DIR_ENV: str(errors), STOP_WITH_ENV: str(os.getpid())})
@@ -61,9 +45,7 @@ class Failure:
 
 @dataclass
 class Worker:
-    """One run training in a process of its own; each line of its output goes to ``on_line``
-    (from a thread of its own; what ``on_line`` raises is dropped: the pipe is drained whatever
-    happens to its reader)."""
+    """One run training in a process of its own; each output line goes to ``on_line`` (from a thread)."""
 
     name: str
     run_dir: Path
@@ -108,8 +90,7 @@ class Worker:
         return self.proc.poll()
 
     def signal(self) -> None:
-        """Pass on one stop request (SIGTERM: the worker checkpoints and stops; a second one
-        stops it at once)."""
+        """Pass on one stop request (SIGTERM: checkpoint and stop; a second one stops it at once)."""
         self.signals += 1
         try:
             os.kill(self.proc.pid, signal.SIGTERM)
@@ -117,9 +98,8 @@ class Worker:
             pass
 
     def finish(self) -> tuple[int, Failure | None]:
-        """Wait for the process and its output; its exit status and, when it reported one, its
-        failure. The worker's folder is removed unless it keeps a crash's traceback: a worker
-        killed from outside (SIGKILL, out of memory) left nothing in it worth keeping."""
+        """Wait for the process and its output: its exit status and failure, if it reported one. Its folder is
+        removed unless it keeps a crash's traceback."""
         code = self.proc.wait()
         self.reader.join()
         self.proc.stdout.close()
@@ -142,8 +122,7 @@ def _holds_files(folder: Path) -> bool:
 
 
 def read_failure(folder: Path) -> Failure | None:
-    """The failure a worker recorded in ``folder`` (its ``rank0.error``), with the file that keeps
-    a crash's traceback; ``None`` when it recorded none."""
+    """The failure a worker recorded in ``folder`` (its ``rank0.error``), else ``None``."""
     try:
         _, kind, line = (folder / "rank0.error").read_text().rstrip("\n").split("\t", 2)
     except (OSError, ValueError):
@@ -154,9 +133,8 @@ def read_failure(folder: Path) -> Failure | None:
 
 
 class StopSignals(SignalScope):
-    """Within the ``with`` block, Ctrl-C and SIGTERM only count (:attr:`count`), and the first
-    one's kind is kept; the caller passes each on to its workers (:meth:`pass_on`). Outside the
-    main thread nothing changes."""
+    """In the block Ctrl-C and SIGTERM only count (:attr:`count`); the caller passes each on to its workers.
+    Outside the main thread nothing changes."""
 
     def __init__(self) -> None:
         self.count = 0

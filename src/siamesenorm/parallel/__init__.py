@@ -1,6 +1,5 @@
-"""Training across processes with PyTorch's own engines: the world of a run (``torchrun``'s
-environment, the process group), DDP and FSDP2, every rank's share of one seeded batch order, and
-the launcher behind ``--nproc``."""
+"""Training across processes with PyTorch's own engines: the world of a run, DDP and FSDP2, every
+rank's share of one batch order, and the launcher behind ``--nproc`` (docs/scaling.md)."""
 
 from .env import (
     SINGLE,

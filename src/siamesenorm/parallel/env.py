@@ -1,12 +1,5 @@
-"""The processes of one run: who we are (rank, world size) and the process group between them.
-
-A run is distributed when it is started by ``torchrun`` (or any launcher that sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) with a world size above 1.
-:func:`init_world` then joins the default process group (``nccl`` on CUDA, ``gloo`` on CPU) and
-gives each process its device (``cuda:LOCAL_RANK`` on CUDA). Everything else in the library asks
-:func:`current_world`; a single process is the world of size 1 and never touches
-``torch.distributed``.
-"""
+"""The processes of one run: who we are (rank, world size) and the process group between them. A single
+process is the world of size 1 and never touches ``torch.distributed``."""
 
 from __future__ import annotations
 
@@ -86,8 +79,7 @@ _WORLD_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _check_launched_world(size: int) -> None:
-    """Refuse, in one line, a ``WORLD_SIZE`` above 1 without the rest of a launcher's variables
-    (torch.distributed would raise its own ValueError), or a ``RANK`` outside the world."""
+    """Refuse a ``WORLD_SIZE`` above 1 without a launcher's other variables, or a ``RANK`` out of range."""
     missing = [name for name in _WORLD_VARIABLES if not os.environ.get(name)]
     if missing:
         raise UserError(f"WORLD_SIZE={size} says this process is part of a torchrun world, but "
@@ -101,8 +93,7 @@ def _check_launched_world(size: int) -> None:
 
 
 def local_world_size(world: World) -> int:
-    """How many processes of ``world`` run on this machine (torchrun's ``LOCAL_WORLD_SIZE``;
-    the whole world when it does not say)."""
+    """Processes of ``world`` on this machine (``LOCAL_WORLD_SIZE``, else the whole world)."""
     return max(1, min(world.size, _env_int("LOCAL_WORLD_SIZE", world.size)))
 
 
@@ -114,11 +105,7 @@ def current_world() -> World:
 
 
 def init_world(device_name: str) -> tuple[World, torch.device]:
-    """Join the launcher's process group (when its world size is above 1) and pick the device.
-
-    ``device_name`` is ``train.device`` (``auto``, ``cpu``, ``cuda``): under a launcher, CUDA means
-    ``cuda:LOCAL_RANK``. A single process returns ``World()`` and :func:`resolve_device`'s device.
-    """
+    """Join the launcher's process group (world size above 1) and pick the device (``cuda:LOCAL_RANK``)."""
     size = launched_world_size()
     device = resolve_device(device_name)
     if size <= 1:
@@ -143,22 +130,15 @@ def init_world(device_name: str) -> tuple[World, torch.device]:
 
 
 def leave_world(world: World) -> None:
-    """Close the process group :func:`init_world` joined (a process that exits with it open gets
-    its transport threads killed mid-flight)."""
+    """Close the process group :func:`init_world` joined."""
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def exit_process(code: int) -> NoReturn:
-    """End this process with exit status ``code``; the entry points' last call.
-
-    A process that joined a process group ends without the interpreter's teardown: its streams and
-    log handlers are flushed, then ``os._exit``. The group outlives ``destroy_process_group`` when
-    DDP or FSDP wrapped a model (PyTorch keeps a reference from C++), and its gloo threads, torn
-    down with the interpreter, abort the process now and then ("terminate called without an active
-    exception", SIGABRT) after the run has finished and written everything. A process that joined
-    none exits as usual (``sys.exit``: ``atexit`` handlers run).
-    """
+    """End this process with exit status ``code``; the entry points' last call. A process that joined a
+    process group flushes its streams and calls ``os._exit``: gloo's threads, torn down with the
+    interpreter, abort it now and then (SIGABRT) after the run has finished."""
     if not _joined:
         sys.exit(code)
     logging.shutdown()
@@ -171,9 +151,8 @@ def exit_process(code: int) -> NoReturn:
 
 
 def on_main(world: World, fn: Callable[[], T]) -> T | None:
-    """Run ``fn`` on rank 0 only; the others wait for it. A :class:`UserError` there is raised
-    on every rank with the same line, and any other failure on rank 0 stops the others with a
-    one-line error, so no rank is left waiting in a collective for a peer that is gone."""
+    """Run ``fn`` on rank 0 only, the others waiting; a failure there is raised on every rank (a UserError
+    with the same line), so no rank waits in a collective for a peer that is gone."""
     if not world.distributed:
         return fn()
     result, failure = None, None
@@ -202,7 +181,6 @@ def barrier(world: World) -> None:
 
 
 def broadcast_object(world: World, obj):
-    """Rank 0's ``obj`` on every rank."""
     if not world.distributed:
         return obj
     box = [obj if world.main else None]
@@ -220,7 +198,6 @@ def gather_objects(world: World, obj) -> list | None:
 
 
 def all_mean(world: World, values: torch.Tensor) -> torch.Tensor:
-    """The element-wise mean of ``values`` (a float tensor) over the ranks."""
     if not world.distributed:
         return values
     values = values.clone()

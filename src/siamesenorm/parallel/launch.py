@@ -1,14 +1,5 @@
-"""``--nproc N``: start N processes on this machine with torchrun's own launcher (the elastic agent
-of :mod:`torch.distributed.run`, standalone rendezvous), so a user never writes the torchrun line.
-
-The agent watches the processes: when one fails it stops the others (within seconds, never a hang)
-and none is restarted. What the user sees of a failure is one line. Each process reports its error
-into a folder the launcher gives it (:data:`ERROR_DIR_ENV`, see :func:`report_failure`) instead of
-printing it, and the launcher raises the first of them: a user's error (a rank's exit status 2) as
-:class:`~siamesenorm.errors.UserError` with the rank's own line, anything else as
-:class:`~siamesenorm.errors.RankFailed`, naming the rank, the exception, and the file that keeps
-its traceback.
-"""
+"""``--nproc N``: N processes on this machine through torchrun's elastic agent (docs/scaling.md). Each
+reports a failure into :data:`ERROR_DIR_ENV`; the launcher raises the first as one line."""
 
 from __future__ import annotations
 
@@ -65,8 +56,7 @@ def _first_report(folder: Path) -> tuple[int, str, str] | None:
 
 
 def _quiet_agent() -> None:
-    """The agent logs every start and, on a failure, a report per process: the failure's one line
-    is ours to print."""
+    """Silence the agent's logs: the failure's one line is ours to print."""
     prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
     # the agent's modules set their own loggers' level (WARNING), so each one is set, not only these
     for name in [*prefixes, *list(logging.root.manager.loggerDict)]:
@@ -133,10 +123,8 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
 
 
 def _died_silently(failed, folder: Path) -> tuple[int, int] | None:
-    """``(rank, exit code)`` of the lowest rank that died without reporting and not by the agent's
-    SIGTERM (which stops the others once one failed). Such a death (a SIGKILL, the kernel's
-    out-of-memory killer, a segfault) is the cause: the errors the surviving ranks then report
-    (a peer's connection reset) are its consequence."""
+    """``(rank, exit code)`` of the lowest rank that died without reporting, not by the agent's SIGTERM:
+    the cause, of which the others' errors (a peer's connection reset) are the consequence."""
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM, 128 + signal.SIGINT)   # 143, 130: our handler's
     dead = [(rank, f.exitcode) for rank, f in failed.failures.items()
             if f.exitcode not in stopped and not (folder / f"rank{rank}.error").exists()]
@@ -154,5 +142,4 @@ def describe_death(code: int) -> str:
 
 
 def _remove(folder: Path) -> None:
-    """Remove the launcher's folder of reports (nothing in it is wanted any more)."""
     shutil.rmtree(folder, ignore_errors=True)

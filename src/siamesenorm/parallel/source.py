@@ -1,14 +1,6 @@
-"""Every rank's micro-batches from one seeded order.
-
-The run's batch source (one seeded generator, the same on every rank) yields the global sequence of
-micro-batches ``m0, m1, m2, ...``. Step ``s`` of a run with ``W`` ranks and ``A`` micro-batches per
-rank uses ``m[s*W*A] .. m[s*W*A + W*A - 1]``; rank ``r`` trains on ``m[s*W*A + a*W + r]`` for
-``a = 0 .. A-1``. Each rank draws every micro-batch of the step from its copy of the source and keeps
-its own, so all copies stay in the same state: a run with 2 ranks and ``grad_accum=1`` trains on
-exactly the samples, in the same order, of 1 rank with ``grad_accum=2``, and a checkpoint's source
-state (rank 0's) resumes any world size. Drawing is cheap next to a forward pass (the windows of the
-other ranks are cut and dropped).
-"""
+"""Every rank's micro-batches from one seeded order: rank ``r`` of ``W`` trains on micro-batches
+``r, r + W, ...`` of the step and draws the others too, so every copy of the source stays in step
+and a checkpoint's source state resumes any world size."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Spread one model over the ranks with PyTorch's engines: DDP or FSDP2 (``fully_shard``).
-
-:func:`parallel_mode` turns ``train.parallel`` into the engine for this world size and
-:func:`parallelize` applies it. Under FSDP2 every attention and MLP sublayer of a scheme host is
-its own shard group and the root (embedding, head, the scheme's norms and connection weights)
-another, so parameters, gradients and the optimizer state are split 1/N over the ranks and one
-sublayer is gathered at a time. Parameter names do not change (``fully_shard`` keeps them; DDP's
-``module.`` prefix is removed by ``torch.distributed.checkpoint.state_dict``), so checkpoints of
-any engine load into any other.
-
-Precision: ``bf16`` under FSDP2 on CUDA is FSDP2's mixed-precision policy (bf16 parameters in
-compute, float32 gradient reduction, float32 master weights); everywhere else it is autocast
-(:func:`autocast_for`). ``auto`` is bf16 autocast on CUDA and float32 elsewhere, as a single
-process has always trained.
-"""
+"""Spread one model over the ranks with PyTorch's engines, DDP or FSDP2 (docs/scaling.md). Parameter
+names do not change, so checkpoints of any engine load into any other."""
 
 from __future__ import annotations
 
@@ -60,8 +47,7 @@ class Parallel:
         self.model, self.module, self.mode = model, module, mode
 
     def sync_gradients(self, sync: bool) -> AbstractContextManager:
-        """Around one micro-batch's backward: reduce gradients over the ranks only when ``sync``
-        (the last micro-batch of a step), so accumulation costs one reduction per step."""
+        """Around one micro-batch's backward: reduce gradients over the ranks only when ``sync``."""
         if self.mode == "ddp" and not sync:
             return self.module.no_sync()
         if self.mode == "fsdp":
@@ -78,14 +64,12 @@ MOE_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor"
 
 
 def _quiet_moe_view_warning() -> None:
-    """Ignore exactly that warning, for our MoE only (any other module's view stays loud)."""
     warnings.filterwarnings("ignore", message=MOE_VIEW_WARNING, category=UserWarning)
 
 
 def parallelize(model: nn.Module, mode: str, world: World, device: torch.device,
                 precision: str) -> Parallel:
-    """Apply ``mode`` (from :func:`parallel_mode`) to ``model``, which is already on ``device``
-    and initialised identically on every rank (the same seed)."""
+    """Apply ``mode`` to ``model``, already on ``device`` and initialised identically on every rank."""
     if mode == "none":
         return Parallel(model, model, mode)
     if mode == "ddp":

@@ -1,8 +1,5 @@
-"""Training engine for one run: the loop, AdamW and its schedule, checkpoints, metric logs.
-
-It knows nothing of where batches come from: anything with ``next_batch``, ``state_dict`` and
-``load_state_dict`` (:class:`BatchSource`) will do.
-"""
+"""Training engine for one run: the loop, AdamW and its schedule, checkpoints, metric logs; batches
+come from any :class:`BatchSource`."""
 
 from .checkpoint import Checkpoints, load_checkpoint, save_checkpoint
 from .hooks import BatchSource, Evaluation

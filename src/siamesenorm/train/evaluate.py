@@ -14,13 +14,8 @@ from ..parallel import SINGLE, World
 @torch.no_grad()
 def validation_loss(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], device: torch.device,
                     autocast: Callable[[], AbstractContextManager], world: World = SINGLE) -> float:
-    """Mean cross-entropy per target token (``-100`` targets ignored) over ``batches``, in eval
-    mode; the model's training mode is restored afterwards.
-
-    Across ranks (every rank calls it with the same ``batches``) rank ``r`` evaluates batches
-    ``r, r + W, ...`` and the sums are added up; every rank runs the same number of forward passes
-    (a sharded model gathers its parameters in each), the missing ones on the first batch, counted
-    with weight 0."""
+    """Mean cross-entropy per target token (``-100`` ignored) over ``batches``, in eval mode (restored
+    after). Across ranks rank ``r`` evaluates batches ``r, r + W, ...``, every rank as many passes."""
     was_training = model.training
     model.eval()
     try:

@@ -11,13 +11,9 @@ from torch import Tensor, nn
 
 
 class ForwardBackward:
-    """``model(x, y).loss`` and the backward pass of ``loss / scale``, for one micro-batch.
-
-    With ``compile=True`` the model runs through ``torch.compile``. Compilation happens lazily, so
-    the first micro-batch is a trial: if it fails (no C compiler, an unsupported operation), one
-    warning line goes to stderr, the partial gradients are dropped and that micro-batch and every
-    later one run on the eager model. The compiled module shares its parameters with ``model``.
-    """
+    """``model(x, y).loss`` and the backward of ``loss / scale`` for one micro-batch, compiled when
+    ``compile=True``: if the first micro-batch fails to compile, one warning line says so and it and every
+    later one run eagerly."""
 
     def __init__(self, model: nn.Module, compile: bool) -> None:
         self.model, self.fn, self.trial = model, model, False

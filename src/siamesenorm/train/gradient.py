@@ -1,9 +1,4 @@
-"""The gradient of one training step: its micro-batches' forward and backward, then the clipped
-norm and the loss, averaged over the ranks.
-
-What does not change from step to step (how a batch's tokens are counted, the clipping bound) is
-decided once, when the run starts.
-"""
+"""The gradient of one training step, and its clipped norm and loss averaged over the ranks."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ from .state import RunState
 
 
 class StepGradient:
-    """Accumulates the gradient of ``micro_batches`` micro-batches (per rank) of ``source`` into
-    ``model``'s parameters, through ``parallel.module`` (the model as wrapped for the world)."""
+    """Accumulates ``micro_batches`` micro-batches (per rank) of ``source`` into ``model``'s gradients."""
 
     def __init__(self, model: nn.Module, parallel: Parallel, source: BatchSource, cfg: Any, world: World,
                  device: torch.device, autocast: Callable[[], AbstractContextManager]) -> None:
@@ -40,8 +34,7 @@ class StepGradient:
         self.loss_parts: dict[str, float] = {}   # the last step's loss by part (MoE models)
 
     def backward(self, state: RunState) -> tuple[Tensor, int]:
-        """Forward and backward of the step's micro-batches; returns the sum of their losses and
-        this rank's tokens. The first batch of a run records its sequence length in ``state``."""
+        """Forward and backward of the step's micro-batches; their summed loss and this rank's tokens."""
         n, total, tokens, parts = self.micro_batches, None, 0, {}
         for i in range(n):
             x, y = self.source.next_batch()
@@ -60,8 +53,7 @@ class StepGradient:
         return total, tokens
 
     def reduce(self, total: Tensor, tokens: int) -> tuple[float, float, int]:
-        """Clip the accumulated gradient; returns ``(loss, pre-clip grad norm, tokens)`` of the
-        step over every rank."""
+        """Clip the gradient; returns ``(loss, pre-clip grad norm, tokens)`` over every rank."""
         n = self.micro_batches
         norm = clip_gradients(self.params, self.clip)
         loss_value, norm_value = all_mean(self.world, torch.stack([total.float() / n, norm.float()])).tolist()

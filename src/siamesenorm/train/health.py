@@ -1,8 +1,4 @@
-"""When a run stops as failed: a step that diverged, or a stretch of steps with no gradient.
-
-Both verdicts are kept in the :class:`~.state.RunState` (``diverged_at``, ``stalled_at``, and the
-zero-gradient count that leads to a stall), so a checkpoint carries them across a resume.
-"""
+"""When a run stops as failed: a step that diverged, or a stretch of steps with no gradient."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the training loop is given from outside: where batches come from, and what a task measures
-at each evaluation besides the validation loss."""
+"""What the training loop is given from outside: where batches come from, and what a task measures."""
 
 from __future__ import annotations
 
@@ -11,13 +10,9 @@ from torch import Tensor, nn
 
 @runtime_checkable
 class BatchSource(Protocol):
-    """Where training batches come from.
-
-    ``next_batch`` returns ``(x, y)``, int64 tensors of shape ``(B, T)`` (``y`` may hold ``-100``
-    for ignored targets). ``state_dict`` returns a snapshot (later ``next_batch`` calls must not
-    change it) of plain containers, numbers, strings and tensors; after ``load_state_dict`` of it,
-    ``next_batch`` returns the same batches as it did after the snapshot was taken.
-    """
+    """Where training batches come from: ``next_batch() -> (x, y)``, int64 ``(B, T)`` (``y`` may hold
+    ``-100``). After ``load_state_dict`` of a ``state_dict`` snapshot (plain containers and tensors),
+    ``next_batch`` repeats the batches that followed it."""
 
     def next_batch(self) -> tuple[Tensor, Tensor]: ...
 
@@ -27,13 +22,9 @@ class BatchSource(Protocol):
 
 
 class Evaluation:
-    """A task's figures at each evaluation, on every rank, without moving a training generator.
-
-    The loop enters :meth:`validating` around its validation forwards (a task that reads something
-    off them, as the MoE router's load, watches there), then calls the evaluation with the model in
-    eval mode under ``no_grad``: ``evaluation(model, step) -> {name: number}``. The last figures of
-    a run go to its summary as ``final_<name>``. This base measures nothing.
-    """
+    """A task's figures at each evaluation, ``evaluation(model, step) -> {name: number}`` in eval mode under
+    ``no_grad``, moving no training generator; :meth:`validating` wraps the validation forwards. The last
+    figures go to the summary as ``final_<name>``."""
 
     def validating(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()

@@ -15,9 +15,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class SignalScope(ABC):
-    """Within the ``with`` block, SIGINT and SIGTERM go to :meth:`_handle`; on leaving it, the
-    handlers before it are back. Outside the main thread, where Python cannot install a handler,
-    nothing changes."""
+    """Within the ``with`` block SIGINT and SIGTERM go to :meth:`_handle`, then the former handlers are back;
+    outside the main thread nothing changes."""
 
     _previous: dict[int, object]
 
@@ -43,12 +42,9 @@ class SignalScope(ABC):
 
 
 class DeferredInterrupt(SignalScope):
-    """Within the ``with`` block, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler preempting the
-    job) only sets :attr:`requested` (the loop stops at the next step boundary, so no optimizer
-    update is left half applied, and saves a checkpoint); a second one stops at once.
-    :meth:`error` is the exception to stop with: :class:`~siamesenorm.errors.Terminated` after
-    SIGTERM, :class:`KeyboardInterrupt` after Ctrl-C. Outside the main thread, where Python cannot
-    install a handler, nothing changes."""
+    """Within the block the first SIGINT or SIGTERM only sets :attr:`requested` (the loop stops and
+    checkpoints at the next step boundary); a second stops at once. :meth:`error` is the exception to
+    stop with: ``Terminated`` after SIGTERM, ``KeyboardInterrupt`` after Ctrl-C."""
 
     def __init__(self) -> None:
         self.requested = False

@@ -1,12 +1,5 @@
-"""The training loop of one run.
-
-Each step draws ``grad_accum`` micro-batches from a :class:`~.hooks.BatchSource`, accumulates the
-gradient of ``loss / grad_accum``, clips the total norm, sets the learning rate from :func:`lr_at`
-and takes one AdamW step. The run directory receives ``metrics.jsonl``, ``summary.json`` and
-``checkpoints/``. On CPU a resumed run repeats, bit for bit, the losses of a run that was never
-stopped: the checkpoint holds the model, the optimizer, every global RNG, the batch source's state
-and the run's counters, and evaluation never moves a generator the training draws from.
-"""
+"""The training loop of one run (docs/training.md). On CPU a resumed run repeats, bit for bit, the losses
+of a run never stopped: evaluation never moves a generator training draws from."""
 
 from __future__ import annotations
 
@@ -40,8 +33,7 @@ from .summary import build_summary, perplexity
 
 
 class Trainer:
-    """One training session of a model in its run folder: the objects it drives and the state it
-    carries. The run folder was claimed by the caller (:class:`siamesenorm.tasks.runner.Run`)."""
+    """One training session of a model in its run folder (claimed by the caller), and the state it carries."""
 
     def __init__(self, model: nn.Module, source: BatchSource, cfg: Any, run_dir: Path, *, seed: int | None,
                  eval_batches: Sequence, evaluation: Evaluation | None, device: torch.device,
@@ -81,8 +73,8 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
     def compute(self, probe_step: int | None) -> tuple[float, float, int]:
-        """Accumulate one step's gradient (the probe reads it before clipping, at ``probe_step``);
-        returns ``(loss, pre-clip grad norm, tokens)``."""
+        """Accumulate one step's gradient, which the probe reads at ``probe_step``; returns the loss, the
+        pre-clip gradient norm and the tokens."""
         total, tokens = self.gradient.backward(self.state)
         if probe_step is not None:
             with preserved_rng():
@@ -198,17 +190,11 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
           device: str | torch.device = "cpu", progress: bool | None = None,
           probe: StepProbe | None = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``model`` (``model(x, y).loss``) on ``source``'s batches as ``cfg`` (a
-    :class:`~siamesenorm.config.TrainConfig`) says, into ``run_dir``, which the caller has claimed;
-    returns the summary. ``seed`` (None: leave the generators alone) seeds a fresh run's generators;
-    every ``cfg.eval_every`` steps and at the last, the loss on ``eval_batches`` and
-    ``evaluation``'s figures are logged. ``resume`` continues from the newest good checkpoint.
-    A run stops as diverged at a non-finite loss or gradient norm, or after the warm-up at a loss
-    above ``divergence_factor`` times the lowest so far, and as stalled after ``stall_steps`` steps
-    of zero gradient. Ctrl-C or SIGTERM finishes the step, checkpoints it, writes ``summary.json``
-    (``"interrupted": true``) and re-raises. Rank 0 shows the run on stderr (:mod:`.progress`):
-    ``progress=None`` a bar on a terminal and plain lines every ``cfg.log_every`` steps elsewhere,
-    ``True`` a bar, ``False`` nothing; then a final line. Each logged row and the summary carry the
-    achieved TFLOP/s per device and, where the device's peak is known, the MFU (:mod:`.throughput`).
+    :class:`~siamesenorm.config.TrainConfig`) says, into ``run_dir``; returns the summary.
+
+    ``seed`` (None: leave the generators alone) seeds a fresh run; ``resume`` continues from the newest
+    good checkpoint. Ctrl-C or SIGTERM checkpoints the step, writes ``summary.json`` (``interrupted``)
+    and re-raises. ``progress``: ``None`` a bar on a terminal, lines elsewhere; ``False`` nothing.
     """
     run_dir, world = Path(run_dir), current_world()
     if world.main:

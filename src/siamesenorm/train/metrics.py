@@ -1,6 +1,5 @@
-"""The run's metric log: ``metrics.jsonl`` (one JSON object per logged step) and the same scalars
-in the loggers ``train.loggers`` names: TensorBoard under ``tb/`` (when the package is installed)
-and Weights & Biases (extra ``wandb``), tagged ``train/``, ``val/`` and ``throughput/``."""
+"""The run's metric log: ``metrics.jsonl`` and the same scalars in the loggers of ``train.loggers``
+(TensorBoard, W&B), tagged ``train/``, ``val/`` and ``throughput/``."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ WANDB_ID_FILE = "wandb-run-id"      # in the run's wandb/ folder: a resumed run 
 
 
 def tag(key: str, evaluated: Iterable[str] = ()) -> str:
-    """A row's ``key`` as the loggers show it: ``throughput/...``, ``val/...`` (what the evaluation
-    returned; ``val_loss`` is ``val/loss``) or ``train/...``."""
+    """A row's ``key`` as the loggers show it: ``throughput/...``, ``val/...`` or ``train/...``."""
     if key in THROUGHPUT_KEYS:
         return f"throughput/{key}"
     if key in evaluated:
@@ -33,10 +31,8 @@ def tag(key: str, evaluated: Iterable[str] = ()) -> str:
 
 
 def check_loggers(loggers: Iterable[str]) -> None:
-    """Refuse, before anything is written, a logger that cannot start: W&B not installed, or its
-    settings from the environment (``WANDB_MODE``, ``WANDB_BASE_URL``, ...) refused by W&B;
-    TensorBoard installed but failing to import. TensorBoard not installed at all is skipped
-    quietly, being on by default."""
+    """Refuse, before anything is written, a logger that cannot start (W&B missing or refusing its settings,
+    TensorBoard failing to import); TensorBoard not installed is skipped quietly."""
     loggers = tuple(loggers)
     if "wandb" in loggers:
         if importlib.util.find_spec("wandb") is None:
@@ -61,8 +57,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _wandb_settings_problem() -> str | None:
-    """What W&B says of its settings from the environment, in one line (``None``: nothing): what
-    ``wandb.init`` reads first, checked here without starting anything or reaching the network."""
+    """What W&B says of its settings from the environment, in one line, without starting anything."""
     try:
         import wandb
 
@@ -95,9 +90,7 @@ def _tensorboard(log_dir: Path, purge_step: int | None):
 
 
 def _wandb(run_dir: Path, resume: bool):
-    """A W&B run for ``run_dir`` (its files under ``run_dir/wandb``), with the run's
-    ``config.yaml`` as its config; a resumed run continues the W&B run it started. W&B failing to
-    start (:func:`check_loggers` has checked its settings; the network, a login) is one line."""
+    """A W&B run for ``run_dir`` (a resumed run continues its own); failing to start is one line."""
     import wandb
 
     folder = inner_folder(run_dir / "wandb")
@@ -118,17 +111,9 @@ def _wandb(run_dir: Path, resume: bool):
 
 
 class MetricsLog:
-    """Appends rows to ``run_dir/metrics.jsonl``, flushed row by row.
-
-    ``keep_until=None`` starts an empty log; an integer keeps the existing rows up to that step and
-    drops the later ones (a resumed run repeats them), so the log never holds a step twice (a line
-    a killed run left cut short is dropped; see :func:`~siamesenorm.rundir.read_jsonl`). Numeric
-    values other than ``step`` also go to each of ``loggers`` (:func:`tag` names them).
-
-    The log keeps its lines in memory too: when the file is deleted, replaced or cut short under the
-    live run (a careless ``rm``, a full disk's truncation), the next write notices, says so on
-    stderr and rewrites the file from them, so no row is lost silently.
-    """
+    """Appends rows to ``run_dir/metrics.jsonl``, flushed row by row, and their numbers to ``loggers``.
+    ``keep_until`` drops the rows after that step (``None``: an empty log); a file deleted or cut short
+    under the live run is rewritten from the rows held in memory."""
 
     def __init__(self, run_dir: Path, keep_until: int | None = None,
                  loggers: Iterable[str] = ("tensorboard",)) -> None:
@@ -152,8 +137,6 @@ class MetricsLog:
         self._size = sum(len(line.encode("utf-8")) for line in self._lines)
 
     def _check(self) -> None:
-        """Rewrite the file from the rows held here when it is gone, replaced or shorter than
-        what was written (and say so)."""
         try:
             on_disk = os.stat(self.path)
         except FileNotFoundError:

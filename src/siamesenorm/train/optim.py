@@ -11,16 +11,9 @@ from ..models.host import SchemeHost
 
 
 def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Split the trainable parameters of ``model`` into ``(decayed, not_decayed)``.
-
-    Decayed: every parameter with two or more dimensions (linear weights, the token embedding,
-    which is also the output projection when tied). Not decayed: biases, norm gains and every
-    other 0-D/1-D parameter, and *every* parameter that lives inside the scheme of a
-    :class:`~siamesenorm.models.host.SchemeHost`, whatever its shape. A scheme owns only norm gains
-    and connection weights (hyper-connections' ``static_alpha``, mHC's ``phi_*``); decaying them
-    would pull the residual topology toward zero, not regularise it. Parameters shared by several
-    modules (tied weights) appear once.
-    """
+    """``(decayed, not_decayed)`` trainable parameters of ``model``: those of two or more dimensions are
+    decayed, except in a scheme host's scheme (decay would pull the residual topology toward zero).
+    Tied weights appear once."""
     # Any module trains (the loop's contract is only ``model(x, y).loss``); a host's scheme is kept
     # out of the decay.
     scheme = model.scheme if isinstance(model, SchemeHost) else None
@@ -35,11 +28,7 @@ def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW over ``model`` with two groups: ``weight_decay`` on the matrices, none elsewhere.
-
-    See :func:`decay_groups` for the split. Group 0 is the decayed group, group 1 the other. The
-    fused CUDA kernel is used when every parameter is on a CUDA device.
-    """
+    """AdamW: :func:`decay_groups`'s decayed as group 0 with ``weight_decay``, the rest as group 1."""
     decayed, plain = decay_groups(model)
     groups = [{"params": decayed, "weight_decay": weight_decay},
               {"params": plain, "weight_decay": 0.0}]
@@ -49,12 +38,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
-    """Learning rate of update number ``step`` (the first update is step 1).
-
-    Linear warm-up from 0 at step 0 to ``base_lr`` at step ``warmup``, then a half cosine from
-    ``base_lr`` down to ``min_lr_ratio * base_lr`` at step ``total``; constant after ``total``.
-    With ``warmup == 0`` the schedule starts at the peak.
-    """
+    """Learning rate of update ``step`` (the first is 1): linear warm-up from 0 to ``base_lr`` at ``warmup``,
+    then a half cosine down to ``min_lr_ratio * base_lr`` at ``total``, constant after."""
     if step < warmup:
         return base_lr * step / warmup
     min_lr = min_lr_ratio * base_lr
@@ -64,10 +49,8 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: floa
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale the gradients to a total 2-norm of at most ``max_norm``; returns the norm before.
-
-    :func:`torch.nn.utils.clip_grad_norm_`'s two halves, with the norm of sharded (FSDP2)
-    gradients made whole in between so that every rank clips by the same number."""
+    """Scale the gradients to a total 2-norm of at most ``max_norm``; returns the norm before, made whole
+    over FSDP2's shards so every rank clips alike."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if hasattr(norm, "full_tensor"):    # a DTensor: the norm of this rank's shards, to reduce

@@ -1,13 +1,5 @@
-"""The training loop's hook for diagnostics that need a step's gradients or its updated weights.
-
-The loop calls a :class:`StepProbe` on the steps it ``wants``: ``after_backward`` once the step's
-gradients are accumulated (before clipping and before the optimizer step, so a spike shows at its
-full size), and ``after_update`` once the optimizer step is taken (or refused, on a diverged step).
-Each call runs inside :func:`~.rng.preserved_rng`, and a probe must not change the gradients, the
-weights or the batch source, so a run trains bit for bit the same with or without probes, and a
-resumed run repeats the probes of an uninterrupted one. ``start`` receives the step up to which
-existing records are kept on resume (``None``: a fresh run), as the metric log does.
-"""
+"""The loop's hook for diagnostics that need a step's gradients or updated weights (docs/analysis.md).
+A probe runs under :func:`~.rng.preserved_rng` and must change no gradient, weight or batch source."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ from torch import nn
 
 @runtime_checkable
 class StepProbe(Protocol):
-    """What :func:`~siamesenorm.train.train` calls (see the module docstring)."""
+    """On the steps it ``wants``: ``after_backward`` before clipping, ``after_update`` after the update."""
 
     def start(self, run_dir: Path, keep_until: int | None) -> None: ...
 

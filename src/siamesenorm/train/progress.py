@@ -1,17 +1,5 @@
-"""What a run shows people on stderr while it trains.
-
-On a terminal, a live bar (tqdm) with the elapsed time, the ETA and the last step's figures. When
-stderr is a file or a pipe (a scheduler's log, ``2> log``), plain lines instead, every
-``train.log_every`` steps and at every evaluation, each starting with :data:`LOG_PREFIX`::
-
-    [train] step 40/200 | loss 3.1416 | lr 1.00e-03 | 12.3k tok/s | 0.52 TFLOP/s | MFU 12.3% | elapsed 12s
-        | ETA 48s                                                         (one line: cut here to fit)
-
-and, either way, one final line when the run ends (done, diverged, stalled or interrupted). Rates
-on a line are the mean since the previous line (training steps only, as in ``summary.json``); the
-ETA is the time per step of this session, evaluations and checkpoints included, times the steps
-left. ``train.log_every=0`` shows the final line only.
-"""
+"""What a run shows on stderr while it trains (docs/training.md): a bar on a terminal, otherwise lines
+starting with :data:`LOG_PREFIX`; either way one final line."""
 
 from __future__ import annotations
 
@@ -24,9 +12,7 @@ LINES_PER_RUN = 100         # what the default interval aims at
 
 
 def log_interval(every: int | None, steps: int) -> int:
-    """Steps between log lines: ``every``, or when it is ``None`` (the default), the interval that
-    gives at most :data:`LINES_PER_RUN` lines per run (and at least half as many, from 100 steps
-    on): ``ceil(steps / 100)``."""
+    """Steps between log lines: ``every``, or by default ``ceil(steps / LINES_PER_RUN)``."""
     return max(1, -(-steps // LINES_PER_RUN)) if every is None else every
 
 
@@ -77,13 +63,8 @@ def _has_width(stream: TextIO) -> bool:
 
 
 class RunLog:
-    """The display of one run: ``mode`` is ``bar`` (tqdm), ``lines`` (a line every ``every``
-    steps and at evaluations), ``final`` (the final line only) or ``off`` (nothing).
-
-    ``start`` is the step the run resumes from (0 for a fresh run); ``throughput`` turns tokens/s
-    into TFLOP/s and MFU (a :class:`~.throughput.Throughput`); ``note`` is added to the final line
-    (why there is no MFU on a GPU).
-    """
+    """The display of one run, ``mode`` ``bar``, ``lines``, ``final`` (the final line only) or ``off``;
+    ``start`` is the step it resumes from, ``note`` goes on the final line."""
 
     def __init__(self, total: int, start: int, every: int, mode: str, throughput: Any = None,
                  note: str | None = None, stream: TextIO | None = None) -> None:
@@ -105,8 +86,7 @@ class RunLog:
 
     @staticmethod
     def choose(progress: bool | None, every: int, stream: TextIO | None = None) -> str:
-        """The mode for ``progress`` (``None``: a bar on a terminal, lines elsewhere; ``True``: a
-        bar; ``False``: nothing) and the interval ``every`` (0: the final line only)."""
+        """The mode for ``progress`` (``None``: a bar on a terminal, else lines) and ``every``."""
         if progress is False:
             return "off"
         if every == 0:

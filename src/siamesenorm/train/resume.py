@@ -1,10 +1,4 @@
-"""How a session of a run begins, afresh from a seed or where its newest good checkpoint left it,
-and what it leaves in a checkpoint for the next.
-
-A checkpoint holds the model, the optimizer, the batch source's position, every rank's random
-generators and the :class:`~.state.RunState`; a resumed run takes them back, so that on CPU it
-repeats, bit for bit, the run that was never stopped.
-"""
+"""How a run's session begins, afresh or from its newest good checkpoint, and what it saves for the next."""
 
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ def fresh_state(world: World, seed: int | None, grad_accum: int) -> RunState:
 def resumed_state(checkpoints: Checkpoints, module: nn.Module, optimizer: torch.optim.Optimizer,
                   source: BatchSource, world: World, seed: int | None,
                   grad_accum: int) -> tuple[RunState, int]:
-    """Load the newest good checkpoint into ``module``, ``optimizer``, ``source`` and the
-    generators; returns the run's state and the micro-batches per rank that keep its global batch."""
+    """Load the newest good checkpoint; the run's state and the micro-batches per rank keeping its batch."""
     saved = checkpoints.load_newest_good(module, optimizer)
     state = RunState.from_dict(saved.run)
     source.load_state_dict(saved.source)

@@ -10,8 +10,7 @@ import torch
 
 
 def rng_state() -> dict:
-    """The state of Python's ``random``, torch's CPU generator and, when CUDA is available, every
-    CUDA device's generator; plain types and tensors only (loadable with ``weights_only=True``)."""
+    """Python's ``random``, torch's CPU and every CUDA generator; plain types and tensors only."""
     version, internal, gauss = random.getstate()
     state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -32,8 +31,7 @@ def set_rng_state(state: dict) -> None:
 
 @contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Run a block (evaluation, a callback) without moving any global generator: training then
-    draws the same numbers whether or not the block ran."""
+    """Run a block (evaluation, a callback) without moving any global generator."""
     saved = rng_state()
     try:
         yield

@@ -1,5 +1,4 @@
-"""The speed of a training run as it goes: each step's tokens/s, TFLOP/s and MFU, the run's
-figures for its summary, and why a GPU run shows no MFU (see :mod:`.throughput`)."""
+"""The speed of a training run as it goes: each step's tokens/s, TFLOP/s and MFU, and the run's."""
 
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ from .throughput import Throughput, device_name, find_peak, model_flops_per_toke
 
 
 class RunSpeed(Throughput):
-    """The :class:`~.throughput.Throughput` of one run on ``devices`` devices like ``device``,
-    whose peak ``train.peak_tflops`` (``peak_tflops``) or the table gives."""
-
     def __init__(self, device: torch.device, precision: str, peak_tflops: float | None,
                  devices: int) -> None:
         super().__init__(find_peak(device, precision, peak_tflops), devices)

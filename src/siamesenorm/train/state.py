@@ -1,6 +1,5 @@
-"""The running totals and status of a training run, which a checkpoint carries across a resume.
-
-A checkpoint written before a field existed still loads: the field takes its default."""
+"""The running totals and status of a training run, which a checkpoint carries across a resume (a field
+an older checkpoint lacks takes its default)."""
 
 from __future__ import annotations
 

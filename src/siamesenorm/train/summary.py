@@ -20,17 +20,9 @@ def perplexity(loss: float | None) -> float | None:
 def build_summary(model: nn.Module, state: RunState, steps_planned: int, *, diverged_at: int | None,
                   interrupted: bool, wall_time_s: float,
                   stalled_at: int | None = None) -> dict[str, Any]:
-    """Figures of the run so far.
-
-    ``steps`` counts applied updates (a diverged step is not applied); ``stalled_at`` is the first
-    of the zero-gradient steps that stopped a run that no longer learned, and ``failed`` says the
-    run diverged or stalled; ``final_*`` are the last
-    evaluation's figures, ``best_val_*`` the lowest validation loss and its step; ``tokens_per_s``
-    is training throughput (evaluation and checkpoint time left out); ``flops_per_token`` is the
-    model's, at the training sequence length (the loop adds ``tflops``, ``mfu``, ``peak_tflops``
-    and ``peak_tflops_source`` from it, see :mod:`.throughput`). The evaluation's last figures
-    follow as ``final_<name>``.
-    """
+    """Figures of the run so far: ``steps`` counts applied updates; ``stalled_at`` is the first of the
+    zero-gradient steps that stopped it, ``failed`` says it diverged or stalled; ``final_*`` are the last
+    evaluation's figures; ``tokens_per_s`` leaves evaluation and checkpoints out."""
     # Any module trains (the loop's contract is only ``model(x, y).loss``); a scheme host gives its
     # own counts, other modules every parameter and no FLOPs.
     count = model.num_parameters() if isinstance(model, SchemeHost) else \

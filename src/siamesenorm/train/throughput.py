@@ -1,11 +1,5 @@
-"""Achieved TFLOP/s and model FLOPs utilisation (MFU) of a training run.
-
-Achieved TFLOP/s per device is ``flops_per_token * tokens_per_s / devices`` (the model's training
-FLOPs per token, forward and backward, times the tokens every device together trained per second);
-MFU is that over the device's peak dense throughput in the run's precision. The peak comes from
-``train.peak_tflops`` when given, else from :data:`PEAK_TFLOPS` by the GPU's name. A CPU has no
-entry: it reports TFLOP/s, and MFU only with ``train.peak_tflops``.
-"""
+"""Achieved TFLOP/s per device (``flops_per_token * tokens_per_s / devices``) and MFU, against
+``train.peak_tflops`` or :data:`PEAK_TFLOPS` by the GPU's name (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -80,7 +74,6 @@ def table_peak(device_name: str, precision: str, tf32: bool = False) -> Peak | N
 
 
 def device_name(device: torch.device) -> str | None:
-    """The accelerator's name (``torch.cuda.get_device_name``), ``None`` for a CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
@@ -91,8 +84,7 @@ def run_precision(precision: str, device: torch.device) -> str:
 
 
 def find_peak(device: torch.device, precision: str, override: float | None) -> Peak | None:
-    """The peak a run's MFU is measured against: ``override`` (``train.peak_tflops``) when given,
-    else the table's entry for the device's name in the run's precision."""
+    """The peak a run's MFU is measured against: ``override`` (``train.peak_tflops``), else the table's."""
     if override is not None:
         return Peak(override, "train.peak_tflops")
     name = device_name(device)
@@ -103,8 +95,7 @@ def find_peak(device: torch.device, precision: str, override: float | None) -> P
 
 
 def model_flops_per_token(model: nn.Module, seq_len: int | None) -> float | None:
-    """Training FLOPs per token of ``model`` at ``seq_len`` (a scheme host's own estimate; other
-    modules give none)."""
+    """Training FLOPs per token of ``model`` at ``seq_len`` (a scheme host's estimate; else ``None``)."""
     return model.flops_per_token(seq_len or None) if isinstance(model, SchemeHost) else None
 
 
@@ -127,7 +118,6 @@ class Throughput:
         return None if tflops is None or self.peak is None else tflops / self.peak.tflops
 
     def figures(self, tokens_per_s: float | None) -> dict[str, float]:
-        """``tflops`` and ``mfu`` where they are known (a metrics row's keys)."""
         out = {"tflops": self.tflops(tokens_per_s), "mfu": self.mfu(tokens_per_s)}
         return {k: v for k, v in out.items() if v is not None}
 

@@ -1,7 +1,4 @@
-"""Image sets for the vision models: the record (:mod:`.imageset`), the loaders (:mod:`.sources`:
-``digits``, an ImageFolder directory, an ``.npz`` file), the stratified split (:mod:`.split`),
-DeiT's augmentations (:mod:`.augment`) and the seeded batch sampler that resumes exactly
-(:mod:`.batches`)."""
+"""Image sets for the vision models: loaders, a stratified split, DeiT's augmentations, batches."""
 
 from .augment import ImageAugment
 from .batches import ImageBatchSampler, image_validation_batches

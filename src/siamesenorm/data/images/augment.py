@@ -1,12 +1,5 @@
-"""Training augmentations for small images: DeiT's recipe (arXiv 2012.12877), scaled down.
-
-DeiT trains at 224x224 with RandomResizedCrop, horizontal flip, RandAugment, random erasing
-(p=0.25), mixup (alpha 0.8) and cutmix (alpha 1.0). At 8x8 to 64x64 a resized crop mostly
-destroys the image, so translation (zero padding, then a random crop back to size, as in the
-usual CIFAR recipe) stands in for it; RandAugment is left out. Every random number comes from the
-``torch.Generator`` passed in (the batch sampler's own), in a fixed order, so a resumed sampler
-repeats its augmented batches exactly. Images are float tensors in [-1, 1]; padding is black (-1).
-"""
+"""Training augmentations for small images: DeiT's recipe (arXiv 2012.12877), scaled down. Every draw
+comes from the generator passed in, in a fixed order, so a resumed sampler repeats its batches."""
 
 from __future__ import annotations
 
@@ -25,23 +18,12 @@ __all__ = ["ImageAugment", "cutmix_box", "one_hot_targets"]
 
 @dataclass(frozen=True)
 class ImageAugment:
-    """Which augmentations a sampler applies; the defaults suit 8x8 digits.
+    """Which augmentations a sampler applies; the defaults suit 8x8 digits (0 turns one off).
 
-    Attributes:
-        translate: shift each image by up to this many pixels in x and y (0: off).
-        hflip: flip half the images left-right. Off by default: it turns digits into other shapes.
-        erase_prob: probability of random erasing per image (DeiT: 0.25; 0: off): a rectangle of
-            2%..33% of the area, aspect ratio 0.3..3.3 (log-uniform), filled with uniform noise
-            in [-1, 1].
-        mixup_alpha / cutmix_alpha: Beta parameters (DeiT: 0.8 and 1.0; 0: off). When either is
-            on, batches come with soft targets ``(B, num_classes)``; with both on, each batch uses
-            one of them, cutmix with probability ``switch_prob``. ``mix_prob`` is the probability
-            that a batch is mixed at all. Images are mixed with the batch reversed, as in timm.
-        smoothing: label smoothing folded into the soft targets before mixing (DeiT uses 0.1,
-            its ``Mixup(label_smoothing=...)``); only mixed batches use it. A ViT run with mixup or
-            cutmix on and this at 0 folds in ``model.label_smoothing`` instead
-            (:func:`siamesenorm.tasks.vit.training_augment`): the model cannot smooth soft
-            targets itself, so one of the two must carry the smoothing.
+    With ``mixup_alpha`` or ``cutmix_alpha`` on, targets are soft ``(B, num_classes)``; with both, a
+    batch uses cutmix with probability ``switch_prob``, and ``mix_prob`` is the chance it is mixed at
+    all. ``smoothing`` is folded into the soft targets (a ViT run that mixes with it at 0 folds in
+    ``model.label_smoothing`` instead).
     """
 
     translate: int = 1
@@ -65,12 +47,11 @@ class ImageAugment:
 
     @property
     def mixes(self) -> bool:
-        """True when batches come with soft targets (mixup or cutmix is on)."""
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
     def __call__(self, x: Tensor, y: Tensor, num_classes: int,
                  generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """Augment a batch ``x (B, C, H, W)`` in [-1, 1] with labels ``y (B,)``; see the class doc."""
+        """Augment ``x (B, C, H, W)`` in [-1, 1] and labels ``y (B,)`` (soft targets when mixing)."""
         if self.translate:
             x = translate(x, self.translate, generator)
         if self.hflip:
@@ -124,12 +105,8 @@ def translate(x: Tensor, pad: int, generator: torch.Generator) -> Tensor:
 def random_erase(x: Tensor, prob: float, generator: torch.Generator, *,
                  area: tuple[float, float] = (0.02, 1 / 3), ratio: tuple[float, float] = (0.3, 1 / 0.3),
                  attempts: int = 10) -> Tensor:
-    """Random erasing (Zhong et al., arXiv 1708.04896) with per-pixel uniform noise in [-1, 1].
-
-    Each image is erased with probability ``prob``: up to ``attempts`` rectangles are proposed
-    (area fraction uniform in ``area``, aspect ratio log-uniform in ``ratio``) and the first that
-    fits inside the image is filled. Draws a fixed amount of randomness per image.
-    """
+    """Random erasing (arXiv 1708.04896): with probability ``prob`` per image, the first of ``attempts``
+    rectangles (``area`` fraction, log-uniform aspect ``ratio``) that fits is filled with uniform noise."""
     b, c, h, w = x.shape
     out = x.clone()
     apply = (torch.rand(b, generator=generator) < prob).tolist()
@@ -153,8 +130,7 @@ def random_erase(x: Tensor, prob: float, generator: torch.Generator, *,
 
 
 def cutmix_box(h: int, w: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
-    """``(top, bottom, left, right)`` of a box of about ``(1 - lam)`` of the image, centred at a
-    uniformly random pixel and clipped to the image (the kept fraction is recomputed from it)."""
+    """``(top, bottom, left, right)`` of a clipped box of about ``1 - lam`` of the image, randomly centred."""
     cut = math.sqrt(1.0 - lam)
     ch, cw = int(h * cut), int(w * cut)
     cy = int(torch.randint(0, h, (1,), generator=generator))

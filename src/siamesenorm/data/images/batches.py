@@ -1,8 +1,4 @@
-"""Batches of images: a seeded, resumable epoch sampler with augmentation, and fixed validation batches.
-
-Images come back as float32 ``(B, C, H, W)`` in [-1, 1] (:func:`to_model_range`), labels as int64
-``(B,)``, or float ``(B, num_classes)`` soft targets when mixup or cutmix is on.
-"""
+"""Batches of images: a seeded, resumable epoch sampler with augmentation, and fixed validation batches."""
 
 from __future__ import annotations
 
@@ -31,17 +27,9 @@ def _arrays(images: np.ndarray | Tensor, labels: np.ndarray | Tensor) -> tuple[T
 
 
 class ImageBatchSampler:
-    """Epochs of shuffled images drawn by the sampler's own ``torch.Generator`` seeded with ``seed``.
-
-    Each epoch is a ``torch.randperm`` of the images; a batch that runs past the end of an epoch
-    is completed from the next one, so every batch has ``batch_size`` images. Augmentations (an
-    :class:`ImageAugment`; ``None``: none) draw from the same generator, after the permutation.
-    :meth:`state_dict` holds the generator state, the current permutation and the position in it,
-    so :meth:`load_state_dict` resumes exactly the batches an uninterrupted sampler would draw.
-
-    ``images`` are uint8 (0..255) or float (0..1) ``(N, C, H, W)``; ``labels`` integers ``(N,)``;
-    ``num_classes`` (default ``max(labels) + 1``) sizes the soft targets of mixup and cutmix.
-    """
+    """Epochs of shuffled images from the sampler's own generator seeded with ``seed``; a batch running
+    past an epoch's end is completed from the next, and :meth:`load_state_dict` resumes exactly.
+    ``num_classes`` (default ``max(labels) + 1``) sizes the soft targets of mixup and cutmix."""
 
     def __init__(self, images: np.ndarray | Tensor, labels: np.ndarray | Tensor, batch_size: int,
                  seed: int = 0, *, augment: ImageAugment | None = None,
@@ -64,7 +52,6 @@ class ImageBatchSampler:
     @classmethod
     def from_set(cls, images: ImageSet, batch_size: int, seed: int = 0, *,
                  augment: ImageAugment | None = None) -> ImageBatchSampler:
-        """A sampler over an :class:`ImageSet` (its ``num_classes`` sizes soft targets)."""
         return cls(images.images, images.labels, batch_size, seed, augment=augment,
                    num_classes=images.num_classes)
 
@@ -97,7 +84,6 @@ class ImageBatchSampler:
         return self.next_batch()
 
     def state_dict(self) -> dict:
-        """Generator state, permutation, position, counters and the shape of what was drawn."""
         return {"generator": self.generator.get_state(), "perm": self.perm.clone(), "pos": self.pos,
                 "epoch": self.epoch, "batches_drawn": self.batches_drawn, "seed": self.seed,
                 "batch_size": self.batch_size, "n_images": len(self.images)}
@@ -122,12 +108,8 @@ class ImageBatchSampler:
 def image_validation_batches(images: np.ndarray | Tensor | ImageSet,
                              labels: np.ndarray | Tensor | None = None, batch_size: int = 64,
                              n_batches: int | None = None) -> list[tuple[Tensor, Tensor]]:
-    """A fixed validation set of ``(x, y)`` batches, no augmentation, same inputs same batches.
-
-    ``n_batches=None`` covers every image in order (the last batch may be smaller); otherwise
-    ``n_batches`` full batches of evenly spaced images (as many as fit; refused when none fits).
-    ``images`` may be an :class:`ImageSet` (then ``labels`` is left out).
-    """
+    """Fixed ``(x, y)`` validation batches, unaugmented: every image in order when ``n_batches=None`` (the
+    last batch may be smaller), else ``n_batches`` full batches of evenly spaced images (as many as fit)."""
     if isinstance(images, ImageSet):
         images, labels = images.images, images.labels
     if labels is None:

@@ -1,11 +1,5 @@
-"""The :class:`ImageSet` record every image loader returns, its fingerprint, and the pixel convention.
-
-Pixel convention everywhere: ``uint8`` images are 0..255 and float images are 0..1; models see
-:func:`to_model_range` of them, float32 in [-1, 1]. ``meta`` is the set's fingerprint: ``source``,
-``count``, ``shape`` (C, H, W), ``dtype``, ``sha256`` of the pixel bytes (C order),
-``labels_sha256``, ``num_classes`` and the options used; equal fingerprints, equal data. The
-loaders are in :mod:`.sources`.
-"""
+"""The :class:`ImageSet` record every image loader returns, its fingerprint, and the pixel convention:
+uint8 is 0..255, float 0..1; models see :func:`to_model_range`, float32 in [-1, 1]."""
 
 from __future__ import annotations
 
@@ -24,15 +18,8 @@ __all__ = ["ImageSet", "image_fingerprint", "to_model_range"]
 
 @dataclass
 class ImageSet:
-    """Labelled images, ``N x C x H x W``.
-
-    Attributes:
-        images: uint8 (0..255) or float32 (0..1) array ``(N, C, H, W)``.
-        labels: int64 array ``(N,)`` with values in ``[0, num_classes)``.
-        num_classes: number of classes (a DiT's null class for guidance is this index).
-        class_names: one name per class.
-        meta: the fingerprint (see the module docstring); a split adds ``split``.
-    """
+    """Labelled images: ``images`` uint8 or float32 ``(N, C, H, W)``, ``labels`` int64 ``(N,)``; ``meta``
+    is the fingerprint (:func:`image_fingerprint`), plus ``split`` for a part of a split."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -58,7 +45,6 @@ class ImageSet:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of one image."""
         _, c, h, w = self.images.shape
         return int(c), int(h), int(w)
 
@@ -82,7 +68,6 @@ _IDENTITY = ("count", "shape", "dtype", "sha256", "labels_sha256", "num_classes"
 
 
 def image_fingerprint(source: str, images: np.ndarray, labels: np.ndarray, num_classes: int) -> dict:
-    """``source``, ``count``, ``shape``, ``dtype``, ``sha256`` (pixels), ``labels_sha256``, classes."""
     pixels = np.ascontiguousarray(images)
     return {"source": source, "count": int(len(pixels)), "shape": [int(s) for s in pixels.shape[1:]],
             "dtype": str(pixels.dtype), "sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),

@@ -1,12 +1,5 @@
-"""Loading image sets: ``load_images(spec, **options)`` and its loaders (digits, ImageFolder, ``.npz``).
-
-Nothing here downloads. ``spec`` is ``digits`` (scikit-learn's embedded 8x8 digits), a folder in
-ImageFolder layout (classes in sorted name order, images centre-cropped and resized with Pillow)
-or an ``.npz`` file of ``images`` and ``labels`` (``0..K-1``; labels that leave most classes
-empty are refused); the options of each: docs/tasks.md, "The data a task reads". Each loader
-returns an :class:`~.imageset.ImageSet` in the package's pixel convention (uint8 0..255 or float32
-0..1, ``N x C x H x W``) or refuses its input with one :class:`UserError` line naming what is wrong.
-"""
+"""Loading image sets: ``load_images(spec, **options)``, ``spec`` ``digits``, an ImageFolder directory
+or an ``.npz`` file (options: docs/tasks.md). Nothing downloads; bad input is one UserError line."""
 
 from __future__ import annotations
 
@@ -66,7 +59,6 @@ def _unreadable(path: Path, error: OSError) -> UserError:
 
 
 def _folder_entries(root: Path) -> list[Path]:
-    """The non-hidden entries of ``root``; an OS error (no permission, ...) is a UserError."""
     try:
         return [p for p in root.iterdir() if not p.name.startswith(".")]
     except OSError as error:
@@ -85,8 +77,7 @@ def _raise_unreadable(error: OSError) -> NoReturn:
 
 
 def _class_files(folder: Path) -> list[Path]:
-    """The image files under ``folder`` (recursively, by suffix, sorted by path; symlinked folders
-    are not entered). A folder that cannot be listed is a UserError, never skipped silently."""
+    """Image files under ``folder``, recursively, sorted by path; symlinked folders are not entered."""
     files = []
     for top, _, names in os.walk(folder, onerror=_raise_unreadable):
         files += [Path(top) / n for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES]
@@ -102,11 +93,8 @@ def _is_file(path: Path) -> bool:
 
 
 def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarray:
-    """One file as ``(H, W)`` or ``(H, W, 3)`` uint8: centre square crop, then a bicubic resize.
-
-    An image of more pixels than Pillow's ``MAX_IMAGE_PIXELS`` (its decompression-bomb bound,
-    which Pillow only warns about up to twice the bound) is refused, naming the file, before it
-    is decoded."""
+    """One file as ``(H, W)`` or ``(H, W, 3)`` uint8: centre square crop, bicubic resize. An image over
+    Pillow's ``MAX_IMAGE_PIXELS`` is refused before it is decoded."""
     resample = getattr(image_module, "Resampling", image_module).BICUBIC
     try:
         with warnings.catch_warnings():
@@ -120,7 +108,6 @@ def _read_image(image_module: Any, path: Path, mode: str, size: int) -> np.ndarr
 
 
 def _decoded(image_module: Any, path: Path, mode: str, size: int, resample: Any) -> np.ndarray:
-    """:func:`_read_image`'s work, under its handling of Pillow's errors and warnings."""
     with image_module.open(path) as img:
         img = img.convert(mode)
         w, h = img.size
@@ -133,11 +120,8 @@ def _decoded(image_module: Any, path: Path, mode: str, size: int, resample: Any)
 
 
 def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> ImageSet:
-    """An ImageFolder tree ``spec/<class>/**/<image>``: uint8 ``(N, channels, size, size)``.
-
-    Classes are the non-hidden sub-folders in sorted name order; each class's image files (by
-    suffix, recursively, sorted by path) follow each other. Files with other suffixes are ignored.
-    """
+    """An ImageFolder tree ``spec/<class>/**/<image>`` as uint8 ``(N, channels, size, size)``; classes are
+    the non-hidden sub-folders in sorted name order."""
     if channels not in (1, 3):
         raise UserError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
     if not isinstance(image_size, int) or image_size < 1:
@@ -183,7 +167,6 @@ def load_image_folder(spec: str, *, image_size: int = 32, channels: int = 3) -> 
 # ---- .npz --------------------------------------------------------------------------------------
 
 def _channel_layout(shape: tuple[int, ...], layout: str | None, name: str) -> str:
-    """``"nchw"`` or ``"nhwc"`` for a 4-D images array."""
     if layout is not None:
         if layout not in ("nchw", "nhwc"):
             raise UserError(f"layout must be 'nchw' or 'nhwc', got {layout!r}")
@@ -221,9 +204,8 @@ def _pixels(images: np.ndarray, value_range: tuple[float, float] | None, name: s
 
 
 def _check_class_count(labels: np.ndarray, k: int, path: Path, *, inferred: bool) -> None:
-    """Refuse ``k`` classes beyond :data:`MAX_CLASSES` (each is a row of the model's head or label
-    table), and inferred labels ``0..max`` that leave most classes without an image (a stray
-    label such as 10**9, or labels that are ids rather than class numbers)."""
+    """Refuse more than :data:`MAX_CLASSES` classes, and inferred labels ``0..max`` that leave most classes
+    without an image."""
     if k > MAX_CLASSES:
         source = f"its largest label {int(labels.max())}" if inferred else f"num_classes={k}"
         raise UserError(f"{path}: {source} makes {k} classes, more than the {MAX_CLASSES} supported; "
@@ -283,7 +265,6 @@ def load_npz_images(spec: str, *, value_range: tuple[float, float] | None = None
 
 
 def _loader(spec: str) -> tuple[Callable[..., ImageSet], bool]:
-    """The loader of ``spec`` and whether it takes the spec (a path) as its first argument."""
     if spec == "digits":
         return load_digits_set, False
     path = Path(spec).expanduser()
@@ -308,6 +289,6 @@ def check_image_options(spec: str | Path, options: dict) -> tuple[Callable[..., 
 
 
 def load_images(spec: str | Path, **options: Any) -> ImageSet:
-    """Load the image set ``spec`` names (``digits``, a folder, an ``.npz`` file); see the module doc."""
+    """Load the image set ``spec`` names (``digits``, a folder, an ``.npz`` file) with its options."""
     loader, takes_spec = check_image_options(spec, options)
     return loader(str(spec), **options) if takes_spec else loader(**options)

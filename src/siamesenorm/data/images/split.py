@@ -12,13 +12,8 @@ __all__ = ["split_images", "stratified_split_indices"]
 
 def stratified_split_indices(labels: np.ndarray, val_fraction: float = 0.1,
                              seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, val)`` index arrays (each sorted) that split every class in the same proportion.
-
-    Class ``c`` with ``n_c`` images gives ``round(n_c * val_fraction)`` of them (at most
-    ``n_c - 1``, so every class keeps a training image) to validation, chosen by a permutation of
-    its indices from ``numpy.random.default_rng([seed, c])``: the choice for one class depends only
-    on the seed, the class and its images, never on the other classes. Same inputs, same split.
-    """
+    """``(train, val)`` sorted index arrays: class ``c`` gives ``round(n_c * val_fraction)`` images (at most
+    ``n_c - 1``) to validation, chosen by ``default_rng([seed, c])`` alone."""
     if not 0 < val_fraction < 1:
         raise UserError(f"val_fraction must be in (0, 1), got {val_fraction}")
     labels = np.asarray(labels)
@@ -39,12 +34,7 @@ def stratified_split_indices(labels: np.ndarray, val_fraction: float = 0.1,
 
 
 def split_images(images: ImageSet, val_fraction: float = 0.1, seed: int = 0) -> tuple[ImageSet, ImageSet]:
-    """``(train, val)`` image sets of a stratified split (see :func:`stratified_split_indices`).
-
-    Each part keeps the original order and gets its own fingerprint (so a cache keyed by the
-    training part, like the FD-proxy classifier's, sees a different key for a different split)
-    plus ``meta["split"]`` naming the part, the fraction, the seed and the parent's ``sha256``.
-    """
+    """``(train, val)`` sets of :func:`stratified_split_indices` (own fingerprints, ``meta["split"]``)."""
     train_idx, val_idx = stratified_split_indices(images.labels, val_fraction, seed)
     split = {"val_fraction": float(val_fraction), "seed": int(seed),
              "parent_sha256": images.meta.get("sha256")}

@@ -1,6 +1,4 @@
-"""Text for the language models: corpora (:mod:`.corpora` loads any of them into a
-:class:`~.corpus.Corpus`), tokenizers, train/validation splits and the seeded batch sampler that
-resumes exactly. The corpora and their options: docs/tasks.md."""
+"""Text for the language models: corpora, tokenizers, train/validation splits, resumable batches."""
 
 from __future__ import annotations
 
@@ -25,12 +23,8 @@ TOKENIZER_KINDS = ("bytes", "bpe")
 
 def build_tokenizer(kind: str, corpus: Corpus, vocab_size: int = 1024,
                     val_fraction: float = 0.1) -> Tokenizer:
-    """A ``bytes`` tokenizer, or a ``bpe`` one trained up to ``vocab_size`` ids.
-
-    BPE is trained on the training text only, never the validation text: ``corpus.text`` when the
-    corpus has its own validation text, else the part of it that :func:`train_val_tokens` with the
-    same ``val_fraction`` keeps for training (see :func:`~.splits.train_text`).
-    """
+    """A ``bytes`` tokenizer, or a ``bpe`` one trained up to ``vocab_size`` ids on the training text only
+    (:func:`~.splits.train_text` with the same ``val_fraction``)."""
     if kind not in TOKENIZER_KINDS:
         raise UserError(f"unknown tokenizer {kind!r}; choose {' or '.join(TOKENIZER_KINDS)}")
     if corpus.is_tokenized:

@@ -1,17 +1,5 @@
-"""The ``arithmetic`` corpus: generated problems such as ``123+45=168``, one per line.
-
-Each operand first draws its number of digits uniformly from ``min_digits..max_digits``, then a
-value uniformly among numbers of that many digits (one digit: 0..9); the operation is drawn
-uniformly from ``operations``. The held-out problems are drawn first, all distinct; training
-problems are then drawn (repeats allowed) and redrawn whenever they equal a held-out problem, so no
-held-out problem ever appears in the training text. Everything comes from ``random.Random(seed)``.
-
-``reverse_answer`` writes every result with its characters in reverse order (``123+45=861``), least
-significant digit first: the order in which the digits of a sum are computed, carries included, so
-a small model can produce each one from digits it has already seen (Lee et al., "Teaching
-Arithmetic to Small Transformers", arXiv 2307.03381). Exact match is then against the reversed
-result.
-"""
+"""The ``arithmetic`` corpus: generated problems such as ``123+45=168``, one per line; held-out problems
+never appear in training. ``reverse_answer`` writes results reversed (``123+45=861``, arXiv 2307.03381)."""
 
 from __future__ import annotations
 
@@ -36,8 +24,7 @@ MAX_PROBLEMS = 10_000_000
 
 @dataclass(frozen=True)
 class ArithmeticProblem:
-    """``a op b``; ``prompt`` is ``"a op b="``, ``answer`` the exact result in decimal (its
-    characters reversed when ``reverse``)."""
+    """``a op b``: ``prompt`` is ``"a op b="``, ``answer`` the exact result (reversed when ``reverse``)."""
 
     a: int
     op: str
@@ -55,13 +42,11 @@ class ArithmeticProblem:
 
     @property
     def text(self) -> str:
-        """The problem as it appears in the corpus: prompt, answer, newline."""
         return f"{self.prompt}{self.answer}\n"
 
 
 def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train: int,
            n_heldout: int) -> tuple[str, int]:
-    """The operations in canonical order and the number of distinct problems; refuses bad options."""
     ops = "".join(op for op in OPERATIONS if op in set(operations))
     unknown = set(operations) - set(OPERATIONS)
     if unknown or not ops:
@@ -86,8 +71,7 @@ def _check(operations: Iterable[str], min_digits: int, max_digits: int, n_train:
 def check_arithmetic_options(*, operations: Iterable[str] = "+-*", min_digits: int = 1,
                              max_digits: int = 3, n_train: int = 20_000, n_heldout: int = 1_000,
                              **_: object) -> None:
-    """Refuse, before any problem is drawn, options :func:`load_arithmetic` would refuse (the
-    option names and types are the corpus registry's to check)."""
+    """Refuse, before any problem is drawn, the options :func:`load_arithmetic` would refuse."""
     _check(operations, min_digits, max_digits, n_train, n_heldout)
 
 

@@ -1,8 +1,4 @@
-"""Exact-match accuracy on arithmetic problems, and the answer function of a language model.
-
-A completion is correct when its text up to the first newline, stripped of surrounding
-whitespace, equals the true result (``"168\\n..."`` for ``123+45=`` is correct, ``"1680"`` is not).
-"""
+"""Exact-match accuracy on arithmetic problems, and the answer function of a language model."""
 
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ AnswerFn = Callable[[list[str]], list[str]]
 
 
 def evaluate_arithmetic(answer_fn: AnswerFn, problems: Sequence[ArithmeticProblem]) -> dict:
-    """Score ``answer_fn`` (prompts ``"a+b="`` -> completions) on ``problems``.
-
-    Returns ``{"accuracy", "correct", "total", "by_op"}``; ``by_op`` maps each operation present
-    to its own accuracy. ``answer_fn`` is called once, with every prompt in order.
-    """
+    """Score ``answer_fn`` (called once, prompts -> completions) on ``problems``: a completion is right when
+    its first line, stripped, is the answer. Returns ``accuracy``, ``correct``, ``total`` and ``by_op``."""
     if not problems:
         raise ValueError("evaluate_arithmetic needs at least one problem")
     completions = list(answer_fn([p.prompt for p in problems]))
@@ -42,15 +35,9 @@ def evaluate_arithmetic(answer_fn: AnswerFn, problems: Sequence[ArithmeticProble
 
 def lm_answer_fn(model: torch.nn.Module, tokenizer: Tokenizer, max_new_tokens: int,
                  batch_size: int = 64, context: str = "\n") -> AnswerFn:
-    """An answer function that completes each prompt with ``model.generate(..., greedy=True)``.
-
-    Each prompt is given after ``context``: in the training text every problem follows the
-    newline that ends the one before, so a prompt at the very start of a sequence, with nothing
-    before it, is one the model has almost never seen. Prompts of equal token length are batched
-    together (no padding, so a batch gives the same tokens as one prompt at a time), at most
-    ``batch_size`` per call; completions are the decoded ``max_new_tokens`` new tokens, in the
-    order of the prompts.
-    """
+    """An answer function completing each prompt greedily with ``model.generate``. Each prompt follows
+    ``context``, as a problem follows a newline in the training text; prompts of equal token length are
+    batched without padding."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"lm_answer_fn needs max_new_tokens >= 1 and batch_size >= 1, "
                          f"got {max_new_tokens} and {batch_size}")

@@ -1,8 +1,4 @@
-"""Batches of next-token windows: a seeded, resumable random sampler and a fixed validation set.
-
-A window at offset ``i`` is ``x = tokens[i : i + T]`` and ``y = tokens[i + 1 : i + T + 1]``;
-both come back as ``int64`` tensors of shape ``(batch_size, T)`` on the CPU.
-"""
+"""Batches of next-token windows: a seeded, resumable random sampler and a fixed validation set."""
 
 from __future__ import annotations
 
@@ -34,13 +30,8 @@ def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[Ten
 
 
 class BatchSampler:
-    """Random windows drawn by the sampler's own ``torch.Generator`` seeded with ``seed``.
-
-    Offsets are ``torch.randint(0, len(tokens) - seq_len, (batch_size,))``; nothing else draws from
-    that generator, so the data order depends only on the seed and the data, never on the model.
-    :meth:`state_dict` / :meth:`load_state_dict` carry the generator state and the batch count, so a
-    resumed run continues with exactly the batches the uninterrupted run would have drawn.
-    """
+    """Random windows drawn by the sampler's own generator seeded with ``seed``, so the data order depends
+    only on seed and data; :meth:`load_state_dict` resumes exactly."""
 
     def __init__(self, tokens: np.ndarray | Tensor, batch_size: int, seq_len: int, seed: int = 0) -> None:
         _check_sizes(batch_size, seq_len)
@@ -53,7 +44,7 @@ class BatchSampler:
         self.batches_drawn = 0
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
-        """The next ``(x, y)``, each ``(batch_size, seq_len)`` ``int64``."""
+        """The next ``(x, y)``, int64 ``(batch_size, seq_len)``; ``y`` is ``x`` shifted by one token."""
         high = len(self.tokens) - self.seq_len
         offsets = torch.randint(0, high, (self.batch_size,), generator=self.generator).numpy()
         self.batches_drawn += 1
@@ -66,7 +57,6 @@ class BatchSampler:
         return self.next_batch()
 
     def state_dict(self) -> dict:
-        """Generator state (a uint8 tensor), batches drawn, and the shape it was drawn for."""
         return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn,
                 "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "n_tokens": len(self.tokens)}
@@ -88,13 +78,7 @@ class BatchSampler:
 
 def validation_batches(tokens: np.ndarray | Tensor, batch_size: int, seq_len: int,
                        n_batches: int) -> list[tuple[Tensor, Tensor]]:
-    """A fixed validation set: ``n_batches`` batches of non-overlapping, evenly spaced windows.
-
-    The data holds ``m = (len - 1) // seq_len`` non-overlapping windows (offsets ``k * seq_len``).
-    The ``batch_size * n_batches`` windows used are spread evenly over them; when fewer exist, as
-    many full batches as fit are returned (refused when not even one fits). Same inputs, same
-    batches, whatever calls it.
-    """
+    """``n_batches`` batches of non-overlapping windows spread evenly over the data (as many as fit)."""
     _check_sizes(batch_size, seq_len)
     if n_batches < 1:
         raise UserError(f"n_batches must be positive, got {n_batches}")

@@ -1,10 +1,4 @@
-"""``load_corpus(spec, **options)``: one entry point for every corpus.
-
-``spec`` is ``pystdlib``, ``arithmetic``, ``hf:NAME[:CONFIG]``, or a path: a text file, a ``.bin``
-token file, a folder (of ``.bin`` shards when it holds any at its top level, otherwise of text
-files, read recursively), or a glob such as ``data/fineweb_train_*.bin``. The options are the
-keyword arguments of the loader the spec selects; an option it does not take is refused.
-"""
+"""``load_corpus(spec, **options)``: one entry point for every corpus (specs and options: docs/tasks.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +25,6 @@ _GLOB_CHARS = set("*?[")
 
 
 def _file_kind(path: Path) -> str:
-    """What ``path`` (which exists, and is neither a regular file nor a folder) is, in words."""
     mode = path.stat().st_mode
     kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -39,12 +32,8 @@ def _file_kind(path: Path) -> str:
 
 
 def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
-    """``(files, is_tokens)`` named by a path spec: a file, a folder, or a glob, files sorted.
-
-    A folder holding ``.bin`` files at its top level names those shards; any other folder names
-    every non-hidden regular file under it, recursively. A path that is neither a regular file nor
-    a folder (``/dev/zero``, a FIFO: reading it would never end or never start) is refused.
-    """
+    """``(files, is_tokens)`` of a path spec (a file, a folder, a glob), sorted; a folder with ``.bin``
+    files at its top level names those shards. A path that is not a regular file or folder is refused."""
     text = str(spec)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -87,7 +76,6 @@ def _load_path(spec: str, *, max_bytes: int | None = None, val: str | None = Non
 
 
 def _loader(spec: str) -> tuple[Callable[..., Corpus], bool]:
-    """The loader of ``spec`` and whether it takes the spec as its first argument."""
     if spec == "pystdlib":
         return load_pystdlib, False
     if spec == "arithmetic":
@@ -98,7 +86,6 @@ def _loader(spec: str) -> tuple[Callable[..., Corpus], bool]:
 
 
 def _matches(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (as read from YAML) fits the loader's annotation ``hint``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, a) for a in args)
@@ -116,7 +103,6 @@ def _matches(value: Any, hint: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    """``hint`` in words, for an error message."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) is Iterable:
@@ -128,7 +114,6 @@ def _describe(hint: Any) -> str:
 
 
 def _check_option_types(loader: Callable[..., Corpus], kind: str, options: dict) -> None:
-    """Refuse an option value whose type the loader's annotation does not allow."""
     hints = typing.get_type_hints(loader)
     for name, value in options.items():
         if name in hints and not _matches(value, hints[name]):
@@ -137,8 +122,8 @@ def _check_option_types(loader: Callable[..., Corpus], kind: str, options: dict)
 
 
 def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus], bool]:
-    """Refuse an option the loader of ``spec`` does not take, or a value of the wrong type;
-    returns the loader (see :func:`_loader`)."""
+    """Refuse an option the loader of ``spec`` does not take, or a value of the wrong type; returns
+    ``(loader, takes_spec)``."""
     if not isinstance(spec, str) or not spec:
         raise UserError(f"corpus must be a non-empty string, got {spec!r}")
     loader, takes_spec = _loader(spec)

@@ -14,18 +14,9 @@ __all__ = ["Corpus"]
 
 @dataclass
 class Corpus:
-    """Training data as text (to be tokenized) or as tokens (already tokenized), never both.
-
-    Attributes:
-        name: what was loaded (``pystdlib``, ``arithmetic``, ``hf:NAME``, or the path).
-        text: the training text, for text corpora.
-        tokens: the training tokens (1-D integer array, possibly a memmap), for token corpora.
-        meta: the options used and a ``fingerprint`` that tells two corpora apart.
-        val_text / val_tokens: a separate validation set where the source has one (arithmetic's
-            held-out problems, a ``val=`` file, a dataset's ``val_split``); otherwise ``None`` and
-            validation is cut off the end of the training data.
-        heldout: arithmetic only: the held-out problems, for exact-match accuracy.
-    """
+    """Training data as ``text`` or as ``tokens`` (1-D integers, possibly a memmap), never both.
+    ``val_text`` / ``val_tokens``: the source's own validation data, else ``None`` (validation is then
+    cut off the end); ``meta`` holds the options and a ``fingerprint``."""
 
     name: str
     text: str | None = None
@@ -42,5 +33,4 @@ class Corpus:
 
     @property
     def is_tokenized(self) -> bool:
-        """True when the corpus is already tokens (a ``.bin`` file): it takes no tokenizer."""
         return self.tokens is not None

@@ -1,9 +1,5 @@
-"""``hf:NAME[:CONFIG]`` corpora through the optional ``datasets`` package, offline only.
-
-The dataset must already be in the local Hugging Face cache (or ``NAME`` be a local dataset
-folder): loading runs with ``HF_HUB_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1``, so nothing is
-downloaded. The rows' ``text_field`` values are joined with blank lines up to ``max_bytes``.
-"""
+"""``hf:NAME[:CONFIG]`` corpora through the optional ``datasets`` package, offline: the dataset must be
+in the local cache. The rows' ``text_field`` values are joined with blank lines."""
 
 from __future__ import annotations
 
@@ -36,10 +32,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None]:
 
 @contextmanager
 def _offline() -> Iterator[None]:
-    """Force the Hugging Face libraries offline for the duration, then restore what was there.
-
-    Sets the environment flags and the module constants the libraries read them into at import.
-    """
+    """Force the Hugging Face libraries offline (environment and module flags) for the duration."""
     saved_env = {k: os.environ.get(k) for k in _OFFLINE_FLAGS}
     os.environ.update({k: "1" for k in _OFFLINE_FLAGS})
     saved_attrs: list[tuple[Any, str, Any]] = []

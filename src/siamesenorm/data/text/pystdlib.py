@@ -1,11 +1,5 @@
-"""The ``pystdlib`` corpus: the running interpreter's standard-library Python source.
-
-Needs no download and is the same on every machine with the same Python build. Files are the
-``*.py`` files under ``sysconfig.get_paths()["stdlib"]``, leaving out ``site-packages``, test
-directories and caches, read in sorted relative-path order (files that are not UTF-8 are skipped),
-joined and cut at ``max_bytes``. The fingerprint (file count, bytes, SHA-256, Python version) tells
-apart corpora of different interpreters.
-"""
+"""The ``pystdlib`` corpus: the running interpreter's standard-library ``*.py`` source, without tests
+and site-packages, in sorted path order; the fingerprint includes the Python version."""
 
 from __future__ import annotations
 

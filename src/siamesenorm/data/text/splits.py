@@ -1,10 +1,5 @@
-"""Train/validation splits: the source's own validation set, or the last fraction of the data.
-
-A text corpus without its own validation text is split as text, before any tokenizer sees it
-(:func:`split_text`: the last ``val_fraction`` of its UTF-8 bytes, moved back to a character
-boundary), so a BPE tokenizer is trained on the training part only and each part is encoded on its
-own. With the byte tokenizer this is the same split as cutting the byte tokens.
-"""
+"""Train/validation splits: the source's own validation set, or the last fraction of the data. A text
+corpus is split as text, before any tokenizer sees it, so BPE trains on the training part only."""
 
 from __future__ import annotations
 
@@ -18,18 +13,13 @@ __all__ = ["split_text", "split_tokens", "train_text", "train_val_tokens"]
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, val)``: the last ``round(len * val_fraction)`` tokens (at least one) are validation.
-
-    Deterministic and contiguous (views, no copy), so validation text never leaks into training.
-    """
+    """``(train, val)`` views: the last ``round(len * val_fraction)`` tokens (at least one) are validation."""
     n = len(tokens)
     n_val = _val_count(n, val_fraction, "token(s)")
     return tokens[:n - n_val], tokens[n - n_val:]
 
 
 def _val_count(n: int, val_fraction: float, what: str) -> int:
-    """How many of ``n`` items the last ``val_fraction`` is: ``round(n * val_fraction)``, at least one,
-    leaving at least one for training."""
     if not 0 < val_fraction < 1:
         raise UserError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if n < 2:
@@ -38,8 +28,7 @@ def _val_count(n: int, val_fraction: float, what: str) -> int:
 
 
 def split_text(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
-    """``(train, val)`` text: the last ``val_fraction`` of the UTF-8 bytes is validation, the cut
-    moved back to the start of the character it falls in."""
+    """``(train, val)`` text: the last ``val_fraction`` of the UTF-8 bytes, cut at a character boundary."""
     data = text.encode("utf-8")
     cut = len(data) - _val_count(len(data), val_fraction, "byte(s) of text")
     while cut > 0 and data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
@@ -59,13 +48,8 @@ def train_text(corpus: Corpus, val_fraction: float = 0.1) -> str:
 
 def train_val_tokens(corpus: Corpus, tokenizer: Tokenizer | None = None,
                      val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, val)`` token arrays of ``corpus``.
-
-    Text corpora are encoded with ``tokenizer``; token corpora need none. A corpus with its own
-    validation data (arithmetic's held-out problems, a ``val=`` file) uses it and ignores
-    ``val_fraction``; otherwise the last ``val_fraction`` of the text (:func:`split_text`) or of
-    the tokens (:func:`split_tokens`) is validation.
-    """
+    """``(train, val)`` token arrays of ``corpus`` (text encoded with ``tokenizer``): its own validation
+    data when it has some, else the last ``val_fraction`` of its text or tokens."""
     if corpus.is_tokenized:
         train = corpus.tokens
         val = corpus.val_tokens

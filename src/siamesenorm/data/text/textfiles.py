@@ -1,11 +1,5 @@
-"""Text corpora from files: the UTF-8 text files among those named, joined in order.
-
-The shared reader :func:`join_text_files` takes files in the order given, skips those that are not
-UTF-8 text (invalid UTF-8 or containing NUL bytes), joins the rest with :data:`SEPARATOR`, and
-stops at ``max_bytes`` (UTF-8 bytes of the result), cutting the last file at a character boundary;
-it never reads more of a file than the bytes it still has to fill (or 8 KiB, to tell text from
-binary), so a corpus far larger than ``max_bytes`` costs only ``max_bytes``.
-"""
+"""Text corpora from files: the UTF-8 text files among those named, joined in order with
+:data:`SEPARATOR` up to ``max_bytes``, reading little more of a file than is used."""
 
 from __future__ import annotations
 
@@ -27,8 +21,6 @@ SNIFF_BYTES = 8192
 
 @dataclass
 class JoinedText:
-    """The result of :func:`join_text_files`: the text, the files used, the files skipped."""
-
     text: str
     used: list[Path] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
@@ -36,10 +28,9 @@ class JoinedText:
 
 
 def read_utf8(path: Path, limit: int | None = None) -> tuple[str | None, bool]:
-    """``(text, more)``: the file's text, or ``None`` when it is not UTF-8 text (bad encoding or
-    NUL bytes). With ``limit`` the text is its first ``limit`` bytes (cut at the last whole
-    character) and ``more`` tells whether the file goes on past them; no more than ``limit`` bytes,
-    or :data:`SNIFF_BYTES` when that is more, are read, and those are what must be UTF-8 text."""
+    """``(text, more)``: the file's text, or ``None`` when it is not UTF-8 text (bad encoding, NUL bytes).
+    With ``limit``, its first ``limit`` bytes (whole characters) and whether the file goes on; at most
+    ``max(limit, SNIFF_BYTES)`` bytes are read."""
     window = None if limit is None else max(limit, SNIFF_BYTES)
     with path.open("rb") as f:
         data = f.read() if window is None else f.read(window + 1)
@@ -56,8 +47,7 @@ def read_utf8(path: Path, limit: int | None = None) -> tuple[str | None, bool]:
 
 
 def join_text_files(paths: list[Path], max_bytes: int | None = None) -> JoinedText:
-    """Concatenate the UTF-8 files among ``paths`` (in order) up to ``max_bytes`` bytes, reading
-    no more of each than :func:`read_utf8` with the bytes still to fill."""
+    """The UTF-8 files among ``paths`` joined in order, up to ``max_bytes`` bytes."""
     if max_bytes is not None and max_bytes <= 0:
         raise UserError(f"max_bytes must be positive, got {max_bytes}")
     out = JoinedText("")

@@ -1,22 +1,6 @@
-"""Token corpora from ``.bin`` files: nanoGPT's headerless uint16 arrays and modded-nanogpt shards.
-
-* nanoGPT (``prepare.py``): the file is the raw little-endian ``uint16`` tokens, nothing else.
-* modded-nanogpt (``data/fineweb.py``): a header of 256 ``int32`` (``header[0]`` the magic
-  20240520, ``header[1]`` the version 1, ``header[2]`` the token count), then the ``uint16`` tokens.
-
-The format is told by the magic. A file with the magic must have version 1 and exactly
-``1024 + 2 * count`` bytes; a headerless file must have an even, non-zero size, and gets a warning
-on stderr when its first 1,024 bytes look like a shard header all the same (a damaged magic, or
-another tool's header): they would be read as tokens. A single file is memory-mapped (nothing is
-read until used); several shards are read and concatenated in sorted order.
-
-The corpus's fingerprint is its file count, token count and the SHA-256 of its tokens (little-endian
-``uint16``, all files in order; ``val_sha256`` of the validation files' too): a resumed run on
-other tokens of the same count is told apart. The whole content is hashed, not sampled blocks or
-sizes and times: a copy of the same corpus elsewhere keeps its fingerprint, and any changed token
-changes it. It costs about a second per GB of tokens (SHA-256 runs in hardware on current CPUs), on
-top of the full read the largest token id already takes, once per start.
-"""
+"""Token corpora from ``.bin`` files: nanoGPT's headerless uint16 arrays and modded-nanogpt shards (a
+header of 256 ``int32``: magic 20240520, version 1, token count; then the ``uint16`` tokens), told
+apart by the magic. The fingerprint hashes every token (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -39,7 +23,6 @@ _HEADER_BYTES = _HEADER_INTS * 4
 
 
 def _format(path: Path) -> str:
-    """``"modded-nanogpt"`` when the file starts with the shard magic, else ``"nanogpt"``."""
     with path.open("rb") as f:
         head = f.read(4)
     magic = int.from_bytes(head, "little", signed=True) if len(head) == 4 else None
@@ -47,9 +30,8 @@ def _format(path: Path) -> str:
 
 
 def _header_like(path: Path, size: int) -> np.ndarray | None:
-    """The first three ``int32`` of a file without the shard magic whose first 1,024 bytes look like
-    a shard header all the same: something in those three, zeros in the 253 after them (as tokens,
-    506 zero tokens in a row, which real text does not give). ``None`` when they do not."""
+    """The first three ``int32`` of a file without the magic whose first 1,024 bytes still look like a
+    shard header (zeros after those three), else ``None``."""
     if size < _HEADER_BYTES:
         return None
     header = np.fromfile(path, dtype="<i4", count=_HEADER_INTS)
@@ -57,7 +39,8 @@ def _header_like(path: Path, size: int) -> np.ndarray | None:
 
 
 def read_token_file(path: str | Path) -> tuple[np.ndarray, str]:
-    """``(tokens, format)`` of one ``.bin`` file; tokens are a read-only ``uint16`` memmap."""
+    """``(tokens, format)`` of one ``.bin`` file; tokens are a read-only ``uint16`` memmap. A headerless
+    file that looks like a shard gets a warning on stderr."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"token file {path} is a folder, not a .bin file")
@@ -107,8 +90,7 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:
-    """The SHA-256 of ``tokens`` as little-endian ``uint16``, read in 32 MiB pieces (a memmap is
-    paged in, never copied whole)."""
+    """SHA-256 of ``tokens`` as little-endian ``uint16``, in 32 MiB pieces (a memmap is not copied whole)."""
     digest = hashlib.sha256()
     step = 1 << 24
     for start in range(0, tokens.size, step):

@@ -1,10 +1,5 @@
-"""Tokenizers: bytes (the default) and a byte-level BPE trained locally, behind one interface.
-
-Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
-``save(directory)``; :func:`load_tokenizer` restores whichever kind a directory holds. A saved
-tokenizer is a small JSON descriptor (``tokenizer_kind.json``: kind and vocab size) plus, for BPE,
-the ``tokenizers`` library's own file (``bpe.json``).
-"""
+"""Tokenizers: bytes (the default) and a byte-level BPE trained locally, behind one interface. A saved
+tokenizer is ``tokenizer_kind.json`` (kind, vocab size) plus, for BPE, ``bpe.json``."""
 
 from __future__ import annotations
 
@@ -28,7 +23,6 @@ _BPE_FILE = "bpe.json"
 
 
 def _as_int_list(ids: Iterable[int] | Any) -> list[int]:
-    """``ids`` (a list, a NumPy array or a tensor) as a flat list of Python ints."""
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return [int(i) for i in ids]
@@ -139,11 +133,8 @@ def _pieces(text: str, size: int | None = None) -> Iterator[str]:
 
 
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE (GPT-2 style) from the ``tokenizers`` package, trained on local text.
-
-    The base alphabet is the 256 bytes, so any text encodes and round-trips exactly; merges are
-    learnt until ``vocab_size`` ids exist (fewer when the text has too few repeated pairs).
-    """
+    """Byte-level BPE (GPT-2 style) from the ``tokenizers`` package, trained on local text: any text
+    round-trips, and merges stop at ``vocab_size`` ids or when repeated pairs run out."""
 
     kind = "bpe"
 

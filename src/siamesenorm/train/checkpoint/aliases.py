@@ -53,9 +53,7 @@ def _expected(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def upgrade_legacy_names(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """``state`` with the names of an earlier layout renamed to ``model``'s: under each module that
-    declares ``legacy_state_names`` (old name under it -> new name), e.g. a Hugging Face
-    attention whose QKV-norm once wrapped its projections."""
+    """``state`` with an earlier layout's names renamed per module's ``legacy_state_names`` (old -> new)."""
     renames = [(f"{path}.{old}" if path else old, f"{path}.{new}" if path else new)
                for path, module in _bare(model).named_modules()
                for old, new in getattr(type(module), "legacy_state_names", {}).items()]
@@ -69,13 +67,11 @@ def upgrade_legacy_names(state: dict[str, Tensor], model: nn.Module) -> dict[str
 
 
 def _bare(module: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (the names of its state are the model's own)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2's shard), without importing ``torch.distributed.tensor``
-    (half a second): where nothing has imported it, its class does not exist and no tensor is one."""
+    """Whether ``t`` is FSDP2's DTensor, without importing ``torch.distributed.tensor`` (half a second)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 

@@ -45,8 +45,7 @@ def _recover(path: Path, clean: bool) -> None:
 
 
 def new_temporary(path: Path) -> Path:
-    """A fresh hidden directory beside ``path`` to write its next version into (after moving back
-    a version that a cut-short swap left hidden, and deleting older leftovers)."""
+    """A fresh hidden directory beside ``path`` for its next version (after recovering a cut-short swap)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _recover(path, clean=True)
     folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -60,7 +59,6 @@ def _digest(file: Path) -> str:
 
 
 def write_checksums(folder: Path) -> None:
-    """Record the SHA-256 and size of every file under ``folder`` in its ``checksums.json``."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
     sums = {p.relative_to(folder).as_posix(): {"sha256": _digest(p), "bytes": p.stat().st_size}
             for p in files}
@@ -70,8 +68,7 @@ def write_checksums(folder: Path) -> None:
 
 
 def verify_checksums(path: str | os.PathLike) -> None:
-    """Refuse (:class:`UserError`, one line) a checkpoint whose files do not match the checksums
-    written with it; a checkpoint without ``checksums.json`` (an older version's) passes."""
+    """Refuse a checkpoint whose files do not match its ``checksums.json``; one without it (older) passes."""
     path = Path(path)
     file = path / CHECKSUM_FILE
     if not file.exists():
@@ -92,9 +89,7 @@ def verify_checksums(path: str | os.PathLike) -> None:
 
 
 def install(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
-    """Swap the complete directory ``tmp`` in at ``path``, after recording its checksums
-    (docs/scaling.md, "Checkpoints"). With ``keep_as``, the checkpoint it replaces is kept there
-    (renamed) rather than deleted."""
+    """Swap the complete ``tmp`` in at ``path`` (checksums recorded); ``keep_as`` keeps the one replaced."""
     write_checksums(tmp)
     _fsync(tmp)
     old = None

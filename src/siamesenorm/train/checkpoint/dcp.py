@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 @functools.cache
 def _on_dcp(own: type, base: str) -> type:
-    """The class ``own`` over ``torch.distributed.checkpoint``'s class ``base`` (``own``'s methods
-    first, reaching ``base``'s through ``super()``), made on first use (see the comment above)."""
+    """The class ``own`` over DCP's class ``base`` (``own``'s methods first), made on first use."""
     from torch.distributed import checkpoint as dcp
 
     return type(own.__name__, (own, getattr(dcp, base)), {"__module__": own.__module__,
@@ -52,9 +51,8 @@ class _VerifiedReader:              # over DCP's FileSystemReader, by _on_dcp
 
 
 class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
-    """torch's load planner, but a non-tensor value (a ``param_groups`` entry) is read with
-    ``torch.load(weights_only=True)`` rather than as any pickle; a value that names anything
-    else is refused (:class:`UnsafeCheckpoint`)."""
+    """torch's load planner, but a non-tensor value is read with ``torch.load(weights_only=True)``; one that
+    names anything else is refused (:class:`UnsafeCheckpoint`)."""
 
     def __init__(self, reader: _VerifiedReader) -> None:
         super().__init__()
@@ -71,11 +69,8 @@ class _PlainValuesPlanner:          # over DCP's DefaultLoadPlanner, by _on_dcp
 
 
 def read_dcp(folder: str | os.PathLike, state: dict) -> None:
-    """``dcp.load(state)`` from the ``torch.distributed.checkpoint`` folder ``folder`` without
-    running code: its metadata through :func:`read_dcp_metadata`, its non-tensor values with
-    ``weights_only``. A damaged folder is a :class:`UserError`, an altered one an
-    :class:`UnsafeCheckpoint` (one line each, on every rank alike). A collective under a process
-    group, as ``dcp.load`` is; a single process without one reads it too."""
+    """``dcp.load(state)`` from ``folder`` without running code; damaged: :class:`UserError`, altered:
+    :class:`UnsafeCheckpoint`, one line on every rank alike. A collective under a process group."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -23,9 +23,7 @@ def older_checkpoints(path: str | os.PathLike) -> list[Path]:
 
 
 def written_here(folder: Path) -> bool:
-    """Whether ``folder`` is a checkpoint as a run writes it and nothing else: a real folder (no
-    link) whose ``checksums.json`` lists every file in it, none of them a link. A ``step_<N>``
-    folder a person made, or a checkpoint someone added files to, is not."""
+    """Whether ``folder`` is as a run writes it: a real folder, all files in ``checksums.json``, no link."""
     if folder.is_symlink():
         return False
     try:
@@ -40,9 +38,8 @@ def written_here(folder: Path) -> bool:
 
 
 def prune_checkpoints(path: str | os.PathLike, keep: int) -> None:
-    """Delete the kept checkpoints beside ``path`` beyond the newest ``keep - 1`` (``path`` itself
-    is the last of ``keep``); only folders :func:`written_here` are counted and deleted, so that a
-    ``step_<N>`` the run did not write (a person's, one in a shared scratch folder) stays."""
+    """Delete the kept checkpoints beside ``path`` beyond the newest ``keep - 1``; only folders
+    :func:`written_here` count, so a ``step_<N>`` a person made stays."""
     ours = [p for p in older_checkpoints(path) if written_here(p)]
     for stale in ours[max(keep - 1, 0):]:
         shutil.rmtree(stale, ignore_errors=True)

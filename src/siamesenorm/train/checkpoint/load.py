@@ -33,8 +33,7 @@ def layout(path: str | os.PathLike) -> str | None:
 
 
 def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
-    """The full state_dict for ``model`` (bare or sharded by FSDP2) from ``file``, checked against
-    the model's own names and full shapes (a sharded model's state is not gathered for it)."""
+    """The full state_dict for ``model`` (bare or FSDP2) from ``file``, its names and shapes checked."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -56,9 +55,8 @@ def read_model(file: Path, model: nn.Module) -> dict[str, Tensor]:
 
 
 def read_state(file: Path, format: int = FORMAT) -> dict:
-    """The training state file of a checkpoint of ``format`` (1 holds the optimizer, 2 does not),
-    read with ``torch.load(weights_only=True)``: tensors and plain values only; a file that names
-    anything else (a planted ``__reduce__``) is refused (:class:`UnsafeCheckpoint`) unexecuted."""
+    """The training state file (format 1 holds the optimizer, 2 does not), read ``weights_only``: a file
+    naming anything else is refused unexecuted (:class:`UnsafeCheckpoint`)."""
     state = load_weights_only(file, file)
     if not isinstance(state, dict) or state.get("format") != format \
             or not isinstance(state.get("extra"), dict) or (format == FORMAT and "optimizer" not in state):
@@ -79,15 +77,9 @@ def checkpoint_extra(path: str | os.PathLike) -> dict:
 
 def load_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None, *, world: World = SINGLE) -> dict:
-    """Load the checkpoint directory ``path`` (either layout, saved at any world size) into
-    ``module`` (plain, DDP-wrapped or sharded by FSDP2) and ``optimizer`` (None: the weights only);
-    return ``extra``. A collective when ``world`` is distributed: every rank calls it.
-
-    A missing, damaged or unreadable checkpoint, or one written by a model of another shape, raises
-    :class:`UserError` with the path and the problem on one line. One process reading a
-    single-process checkpoint checks both files before anything is changed, leaving ``module`` and
-    ``optimizer`` as they were.
-    """
+    """Load the checkpoint ``path`` (either layout, any world size) into ``module`` (plain, DDP or FSDP2)
+    and ``optimizer`` (None: the weights only); returns ``extra``. A collective when distributed. A
+    missing, damaged or mismatched checkpoint is a one-line :class:`UserError`."""
     path = Path(path)
     kind = _verified_layout(path, world)
     if kind == "sharded":
@@ -110,8 +102,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
 
 
 def _verified_layout(path: Path, world: World) -> str:
-    """:func:`layout` of ``path`` after :func:`verify_checksums`, both by rank 0 once for every
-    rank; a missing or damaged checkpoint raises :class:`UserError` on every rank alike."""
+    """:func:`layout` after :func:`verify_checksums`, by rank 0 once for every rank."""
     kind, damaged = None, None
     if world.main:
         kind = layout(path)
@@ -138,9 +129,8 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _optimizer_by_name(saved: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """A single-process ``optimizer.state_dict()`` (parameters numbered in group order) keyed by
-    parameter name instead, for ``set_state_dict``. The numbering is that of ``optimizer``'s own
-    groups: both were built by the same :func:`~.optim.build_optimizer` over the same model."""
+    """A single-process ``optimizer.state_dict()`` keyed by parameter name (for ``set_state_dict``), numbered
+    as ``optimizer``'s own groups: both come from :func:`~.optim.build_optimizer` over the same model."""
     names = _names(model)
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     groups = saved["param_groups"]
@@ -154,8 +144,7 @@ def _optimizer_by_name(saved: dict, optimizer: torch.optim.Optimizer, model: nn.
 
 def _load_single_into_spread(path: Path, module: nn.Module, bare: nn.Module,
                              optimizer: torch.optim.Optimizer | None) -> dict:
-    """A single-process checkpoint (every rank reads the whole file) into a spread ``module``
-    (``bare`` is the model inside it)."""
+    """A single-process checkpoint (read whole by every rank) into a spread ``module``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     tensors = read_model(path / MODEL_FILE, bare)
@@ -171,11 +160,7 @@ def _load_single_into_spread(path: Path, module: nn.Module, bare: nn.Module,
 
 
 def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Read ``path/dcp`` into ``module`` (plain, DDP-wrapped or sharded by FSDP2) and ``optimizer``.
-
-    ``torch.distributed.checkpoint`` reshards as it reads, so the world size of the reader need not
-    be that of the writer; a single process without a process group reads it too.
-    """
+    """Read ``path/dcp`` into ``module`` and ``optimizer``; DCP reshards as it reads, for any world size."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -196,8 +181,7 @@ def load_dcp_into(path: Path, module: nn.Module, optimizer: torch.optim.Optimize
 
 
 def _fits(path: Path, apply) -> None:
-    """``apply()`` (putting what was read into the model and optimizer); what does not fit them is
-    a :class:`UserError` naming the checkpoint."""
+    """``apply()``; what does not fit the model and optimizer is a :class:`UserError` naming ``path``."""
     try:
         apply()
     except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as error:

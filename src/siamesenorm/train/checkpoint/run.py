@@ -21,9 +21,7 @@ from .save import save_checkpoint
 
 @dataclass(frozen=True)
 class Saved:
-    """The named stateful parts of a training run besides the model and optimizer, as a checkpoint
-    holds them: the run's counters, the batch source's state, the generators (rank 0's, and every
-    rank's in a run across processes)."""
+    """What a checkpoint holds besides model and optimizer: counters, source state, generators."""
 
     run: dict
     source: dict
@@ -41,8 +39,7 @@ class Saved:
 
 
 class Checkpoints:
-    """A run's checkpoints: the last at ``path`` (``checkpoints/last``), the ``keep - 1`` before it
-    kept beside it as ``step_<N>``; saved and loaded through one path at any world size."""
+    """A run's checkpoints: the last at ``path``, and the ``keep - 1`` before it beside it as ``step_<N>``."""
 
     def __init__(self, path: Path, keep: int, world: World = SINGLE) -> None:
         self.path, self.keep, self.world = Path(path), keep, world

@@ -23,8 +23,7 @@ _WEIGHTS_ONLY_REASON = "WeightsUnpickler error:"
 
 
 def problem(error: BaseException) -> str:
-    """``error`` in one line of at most 200 characters: its first line; for torch's weights-only
-    refusal, the reason it gives after ``WeightsUnpickler error:`` (on lines of its own)."""
+    """``error`` in one line of at most 200 characters (for torch's weights-only refusal, its reason)."""
     whole = str(error)
     text = whole.strip().splitlines()
     line = text[0] if text else type(error).__name__
@@ -36,10 +35,8 @@ def problem(error: BaseException) -> str:
 
 
 def load_weights_only(source, where: Path | str):
-    """``torch.load(source, weights_only=True)`` on the CPU: what a checkpoint's pickled state is
-    read with. A file naming a Python object is an :class:`UnsafeCheckpoint`; any other failure
-    (damaged, not torch's) a :class:`UserError` naming ``where``, one line; torch's warning about
-    a pickle protocol other than its own is not shown (the refusal says what is wrong)."""
+    """``torch.load(source, weights_only=True)`` on the CPU: a file naming a Python object is an
+    :class:`UnsafeCheckpoint`, any other failure a one-line :class:`UserError` naming ``where``."""
     import warnings
 
     try:
@@ -67,8 +64,7 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)|unsupported class ([\w.]+)|reduce for unr
 
 
 def _refuse_unsafe(error: BaseException, file: Path | str) -> None:
-    """Raise :class:`UnsafeCheckpoint` when ``error`` is ``torch.load(weights_only=True)``
-    refusing a pickled global (or a call of one) in ``file``."""
+    """Raise :class:`UnsafeCheckpoint` when ``error`` is a weights-only refusal of a global in ``file``."""
     if isinstance(error, pickle.UnpicklingError):
         found = _GLOBAL.search(str(error))
         if found is not None:
@@ -89,8 +85,7 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 @functools.cache
 def _dcp_globals() -> dict[tuple[str, str], object]:
-    """The allow-list above, ``(module, name) -> object``, built on first use (it names DCP's
-    classes, and DCP is imported on first use)."""
+    """The allow-list above, ``(module, name) -> object``, built on first use (DCP is imported late)."""
     from torch.distributed.checkpoint import metadata as dcp_metadata
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -110,8 +105,7 @@ def _dcp_globals() -> dict[tuple[str, str], object]:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only :func:`_dcp_globals` and torch's dtypes and layouts, so no
-    other function or class can be called while reading; anything else is refused by name."""
+    """An unpickler resolving only :func:`_dcp_globals` and torch's dtypes and layouts, by name."""
 
     def __init__(self, stream, file: Path) -> None:
         super().__init__(stream)
@@ -130,11 +124,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
-    """The metadata of the ``torch.distributed.checkpoint`` folder ``path`` (or its ``.metadata``
-    file), read without running code: the pickle may name only the checkpoint's metadata classes,
-    ``torch.Size``, dtypes and layouts (:class:`UnsafeCheckpoint` otherwise), and what it holds is
-    checked to be DCP metadata whose data files lie in the folder (:class:`UserError`, one line).
-    Written by PyTorch's writer or OLMo-core's; the result is what ``dcp.load`` expects."""
+    """The metadata of the DCP folder ``path`` (or its ``.metadata``), read without running code: only its
+    classes, ``torch.Size``, dtypes and layouts may be named, and its data files must lie in the folder."""
     file = Path(path)
     if file.is_dir():
         file = file / ".metadata"

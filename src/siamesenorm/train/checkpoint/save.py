@@ -42,9 +42,7 @@ def _write_model(path: Path, model: nn.Module) -> None:
 
 
 def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dict) -> None:
-    """``state.pt``: format 1 with ``optimizer``'s state, or format 2 (sharded: it is in dcp/).
-    Written through a file object of ours: torch's own file writer reports a full disk as an
-    iostream error without the cause, a Python file raises the OSError itself."""
+    """``state.pt`` (format 1 with the optimizer, 2 without) via a Python file: a full disk raises OSError."""
     state = {"format": SHARDED_FORMAT, "extra": extra} if optimizer is None else \
         {"format": FORMAT, "optimizer": optimizer.state_dict(), "extra": extra}
     with open(path, "xb") as f:
@@ -53,12 +51,8 @@ def _write_state(path: Path, optimizer: torch.optim.Optimizer | None, extra: dic
 
 
 class _DcpWriter:                   # over DCP's FileSystemWriter, by _on_dcp
-    """DCP's file writer whose failure on a full or read-only disk is the OSError itself.
-
-    DCP sends each rank's failure to the others pickled, and pickling drops an exception's
-    ``__context__``: torch.save into a stream that hits ENOSPC raises a RuntimeError ("unexpected
-    pos") whose context alone holds the OSError. Which rank fills the disk, and whether it fails
-    in that way or with the OSError, depends on timing; this makes every rank see the errno."""
+    """DCP's file writer whose failure on a full or read-only disk is the OSError itself on every rank
+    (DCP pickles a rank's failure, dropping the ``__context__`` that holds it)."""
 
     def write_data(self, plan, planner):
         try:
@@ -91,16 +85,9 @@ def _write_dcp(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer
 
 def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer,
                     extra: dict, *, world: World = SINGLE, keep_as: Path | None = None) -> None:
-    """Write ``module`` (plain, DDP-wrapped or sharded by FSDP2), ``optimizer`` and ``extra`` into
-    the checkpoint directory ``path``: one process writes ``model.safetensors`` and ``state.pt``
-    (format 1), several write ``dcp/`` and rank 0's ``state.pt`` (format 2). A collective when
-    ``world`` is distributed: every rank calls it; ``extra`` is rank 0's.
-
-    ``extra`` (step, RNG and sampler states, ...) must hold only dicts, lists, tuples, numbers,
-    strings, None and tensors; anything else is a TypeError before a byte is written. An existing
-    checkpoint at ``path`` is replaced atomically (docs/scaling.md, "Checkpoints"), and moved to
-    ``keep_as`` when that is given.
-    """
+    """Write ``module`` (plain, DDP or FSDP2), ``optimizer`` and ``extra`` into the checkpoint ``path``,
+    replacing one there atomically (moved to ``keep_as`` if given). A collective when distributed;
+    ``extra`` is rank 0's, of plain containers, numbers, strings, None and tensors (else a TypeError)."""
     path = Path(path)
     if world.main:
         _check_plain(extra, "extra")
