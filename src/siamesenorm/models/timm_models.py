@@ -1,10 +1,15 @@
 """timm entry points ``vit_{scheme}_{size}_patch16_224`` (DeiT tiny, small, base) for every scheme,
-registered on import when timm imports; no pretrained weights."""
+registered on import when timm imports; no pretrained weights. timm has no plugin hook, so a script
+of timm's gets them with ``--device-modules siamesenorm.models.timm_models`` (train.py) or runs under
+``python -m siamesenorm.models.timm_models SCRIPT ARGS`` (docs/vision.md)."""
 
 from __future__ import annotations
 
 import copy
+import os
 import re
+import runpy
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +27,8 @@ _RENAMED = {"drop_path_rate": "drop_path", "drop_rate": "dropout", "img_size": "
             "num_classes": "num_classes", "in_chans": "in_chans"}
 _IGNORED = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 
-__all__ = ["REGISTERED", "TimmVisionTransformer", "create_entrypoint", "register_timm_models"]
+__all__ = ["REGISTERED", "TimmVisionTransformer", "create_entrypoint", "register_timm_models",
+           "run_timm_script"]
 REGISTERED: list[str] = []
 
 
@@ -122,10 +128,42 @@ def register_timm_models(register_model: Callable[[Callable], Callable]) -> list
     return names
 
 
+USAGE = ("usage: python -m siamesenorm.models.timm_models SCRIPT [ARGS...] runs timm's SCRIPT "
+         "(train.py, validate.py, inference.py) with the vit_{scheme}_{size}_patch16_224 models registered")
+
+
+def run_timm_script(argv: list[str]) -> int:
+    """Run ``argv[0]`` with arguments ``argv[1:]`` as ``python SCRIPT ARGS`` does, these models
+    registered; 2 (after one line on stderr) when it cannot."""
+    problem = None
+    if not argv or argv[0] in ("-h", "--help"):
+        problem = USAGE
+    elif not REGISTERED:
+        problem = f"error: timm does not import here ({_TIMM_ERROR}); pip install 'siamesenorm[timm]'"
+    elif not os.path.isfile(argv[0]):
+        problem = f"error: {argv[0]}: no such file; give the path of timm's train.py, validate.py or " \
+                  "inference.py"
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+_TIMM_ERROR = ""
 try:  # timm is optional: without it (or with a broken install) nothing is registered.
     from timm.models import register_model as _timm_register_model
-except Exception:  # ImportError, or the RuntimeError of a torchvision that does not match torch
+except Exception as error:  # ImportError, or the RuntimeError of a torchvision that does not match torch
     _timm_register_model = None
+    _TIMM_ERROR = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
-if _timm_register_model is not None:
+# run with -m this file is __main__: the import below registers the names, once
+if _timm_register_model is not None and __name__ != "__main__":
     REGISTERED.extend(register_timm_models(_timm_register_model))
+
+if __name__ == "__main__":
+    from siamesenorm.models.timm_models import run_timm_script as _run
+
+    sys.exit(_run(sys.argv[1:]))

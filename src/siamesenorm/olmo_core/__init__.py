@@ -10,7 +10,8 @@
     # TransformerTrainModuleConfig(...).build(model) trains it like any OLMo-core model
 
 A user's own ``TransformerConfig`` (OLMo2, Llama, OLMoE, ...) takes a scheme with
-``from_transformer_config(config, scheme="siamese")``.
+``from_transformer_config(config, scheme="siamese")``; ``load_olmo_core_state`` and
+``olmo_core_state_dict`` move weights between OLMo-core's own model and its scheme model.
 
 OLMo-core builds the attention and feed-forward of every block; the scheme (``model.scheme``) puts
 every norm and residual add around them. See docs/olmo-core.md. Only the commands import this
@@ -63,10 +64,25 @@ from .moe import (  # noqa: E402
     SchemeMoETransformer,
 )
 from .user_config import OWN_OPTIONS, OWN_SCHEME, from_transformer_config  # noqa: E402
+from .weights import (  # noqa: E402
+    load_olmo_core_state,
+    map_from_olmo_core,
+    map_to_olmo_core,
+    olmo_core_state_dict,
+)
 
-__all__ = ["OWN_OPTIONS", "OWN_SCHEME", "CheckpointSafeRouter", "PortableDroplessMLP", "QKVNormAttention",
+__all__ = ["OWN_OPTIONS", "OWN_SCHEME", "CheckpointSafeRouter", "DiagnosticsCallback",
+           "PortableDroplessMLP", "QKVNormAttention",
            "SchemeBlock", "SchemeBlockConfig", "SchemeMoEBlock", "SchemeMoETransformer",
            "SchemeTransformer", "SchemeTransformerConfig", "from_language_model",
            "from_siamesenorm_state_dict", "from_transformer_config", "head_norm_config", "lm_config",
-           "olmo_config", "olmo_moe_config", "save_hf_model", "to_language_model",
+           "load_olmo_core_state", "map_from_olmo_core", "map_to_olmo_core", "olmo_config",
+           "olmo_core_state_dict", "olmo_moe_config", "save_hf_model", "to_language_model",
            "to_siamesenorm_state_dict"]
+
+
+def __getattr__(name: str):     # OLMo-core's trainer modules load on first use
+    if name == "DiagnosticsCallback":
+        from .diagnostics import DiagnosticsCallback
+        return DiagnosticsCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
