@@ -294,13 +294,14 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from .run import analyze_run
+    from .commands.analyze_sources import analyze_source, source_kind
     from .rundir import RunDir
 
     _path_arg(args.run_dir, "RUN_DIR")
     _path_arg(args.out, "--out")
-    out = args.out or args.run_dir
-    result = analyze_run(args.run_dir, args.data, batches=args.batches, device=args.device, out=out)
+    out = args.out or (args.run_dir if source_kind(args.run_dir) == "run" else None)
+    result = analyze_source(args.run_dir, args.data, batches=args.batches, device=args.device, out=out,
+                            seq_len=args.seq_len, batch_size=args.batch_size)
     pruning, lens = result["pruning"], result["lens"]
     lens_text = "no logit lens (the model has no logits)" if lens is None else "logit lens agrees: " + \
         ", ".join(f"{s} {100 * v:.1f}%" for s, v in lens["agreement"].items())
@@ -426,16 +427,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("analyze", help="the paper's diagnostics on a trained run: layer pruning, "
-                                       "logit lens per stream, angular distances, probes")
+    p = sub.add_parser("analyze", help="the paper's diagnostics on a trained run, model folder or "
+                                       "OLMo-core checkpoint: layer pruning, logit lens per stream, "
+                                       "angular distances, probes")
     p.add_argument("run_dir", metavar="RUN_DIR",
-                   help="a run directory of train; its last checkpoint is analysed")
+                   help="a run directory of train (its last checkpoint is analysed), a Hugging Face "
+                        "model folder siamesenorm wrote, or an OLMo-core checkpoint (stepN/ or its "
+                        "save folder)")
     p.add_argument("--data", default=None, help="a text file, folder or token file to analyse "
-                                                "(default: the run's validation split)")
+                                                "(default: the run's validation split; required for "
+                                                "a model folder or checkpoint)")
     p.add_argument("--batches", type=int, default=None,
-                   help="batches of the run's batch_size x seq_len (default: analysis.batches)")
+                   help="batches of batch_size x seq_len (default: analysis.batches, or 2)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="a model folder's or checkpoint's sequence length (default: the checkpoint's, "
+                        "or 256 at most)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="a model folder's or checkpoint's sequences per batch (default: the "
+                        "checkpoint's micro-batch, or 4)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
-    p.add_argument("--out", default=None, help="where analysis.json and analysis/ go (default RUN_DIR)")
+    p.add_argument("--out", default=None, help="where analysis.json and analysis/ go (default RUN_DIR; "
+                                               "required for a model folder or checkpoint)")
     p.set_defaults(func=_cmd_analyze)
 
     p = sub.add_parser("export", help="write a run's trained weights (its last checkpoint, "

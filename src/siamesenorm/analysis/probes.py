@@ -23,6 +23,11 @@ def _wide(t: Tensor) -> Tensor:
     return t.detach().to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _whole(t: Tensor) -> Tensor:
+    """A sharded DTensor's value as a plain tensor (collective: every rank calls it); else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _rms(t: Tensor) -> Tensor:
     return _wide(t).pow(2).mean().sqrt()
 
@@ -50,7 +55,7 @@ def _grad_norm(params, device: torch.device) -> Tensor:
     grads = [_wide(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([_whole(torch.linalg.vector_norm(g)) for g in grads]))
 
 
 def grad_norms(model: SchemeHost) -> dict[str, Any]:
@@ -82,10 +87,10 @@ def norm_gains(model: SchemeHost) -> dict[str, float | list[float]]:
     for name, module in scheme.named_modules():
         weight = getattr(module, "weight", None)
         if name and isinstance(module, NORM_TYPES) and isinstance(weight, Tensor):
-            found[name] = _wide(weight).abs().mean()
+            found[name] = _whole(_wide(weight).abs().mean())
     for name, param in scheme.named_parameters():
         if "gain" in name and param.dim() == 1:
-            found[name] = _wide(param).abs().mean()
+            found[name] = _whole(_wide(param).abs().mean())
     values = dict(zip(found, torch.stack(list(found.values())).tolist())) if found else {}
     out: dict[str, Any] = {}
     for name, value in values.items():

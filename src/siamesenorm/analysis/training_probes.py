@@ -64,7 +64,8 @@ class TrainingProbes:
             model.train(was_training)
         return {"rms": rms, "gains": norm_gains(model)}
 
-    def after_update(self, model: nn.Module, step: int, diverged: bool) -> None:
+    def make_row(self, model: nn.Module, step: int, diverged: bool = False) -> dict[str, Any]:
+        """The record of ``step``: the pending gradient norms of that step and :meth:`record`."""
         grads = self.pending if self.pending is not None and self.pending["step"] == step else {}
         self.pending = None
         row: dict[str, Any] = {"step": step, "grad_norm": grads.get("total"),
@@ -72,9 +73,15 @@ class TrainingProbes:
                                "grad_norm_scheme": grads.get("scheme"), **self.record(model)}
         if diverged:
             row["diverged"] = True
+        return row
+
+    def write(self, row: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(plain(row), allow_nan=False) + "\n")
             self._file.flush()
+
+    def after_update(self, model: nn.Module, step: int, diverged: bool) -> None:
+        self.write(self.make_row(model, step, diverged))
 
     def close(self) -> None:
         if self._file is not None:

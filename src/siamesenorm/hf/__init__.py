@@ -24,8 +24,8 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
 else:
     _MISSING = None
 
-__all__ = ["MODEL_TYPE", "SiameseNormCausalLMOutput", "SiameseNormConfig", "SiameseNormForCausalLM",
-           "adapt", "adapt_from_pretrained", "save"]
+__all__ = ["MODEL_TYPE", "DiagnosticsCallback", "SiameseNormCausalLMOutput", "SiameseNormConfig",
+           "SiameseNormForCausalLM", "adapt", "adapt_from_pretrained", "save"]
 
 if _MISSING is None:
     from .adapted import adapt, adapted_class, capture_outputs
@@ -51,7 +51,10 @@ if _MISSING is None:
     _register()
 
 
-def __getattr__(name: str):   # only reached without transformers, or for a name that is not here
+def __getattr__(name: str):   # a name imported on first use, or one without transformers
+    if name == "DiagnosticsCallback" and _MISSING is None:      # Trainer's modules: on first use
+        from .diagnostics import DiagnosticsCallback
+        return DiagnosticsCallback
     if _MISSING is not None and name in __all__:
         raise ImportError("siamesenorm.hf needs transformers: pip install 'siamesenorm[hf]'") \
             from _MISSING
