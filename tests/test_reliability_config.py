@@ -322,7 +322,7 @@ def test_vit_and_dit_configs_refuse_non_finite_numbers(name, value):
 
     for cls in (ViTConfig, DiTConfig):
         if name in {f.name for f in dataclasses.fields(cls)}:
-            with pytest.raises(UserError, match=f"{name} must be a positive number"):
+            with pytest.raises(UserError, match=f"{name} must be a positive finite number"):
                 cls(**{name: value})
 
 

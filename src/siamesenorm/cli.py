@@ -17,20 +17,6 @@ DEFAULT_PRESET = "default"  # the default task's preset (tasks/lm.py), named in 
 
 
 # What works with every scheme, for `schemes -v`: the norm kinds and the model's own options.
-EVERY_SCHEME = """\
-  model.norm:            layernorm, rmsnorm, dyt (DyT, gamma * tanh(alpha x) + beta,
-                         arXiv 2503.10622) or derf (Derf, gamma * erf(alpha x + s) + beta,
-                         arXiv 2512.10938): every norm a scheme or the attention owns
-  model.value_residual:  true mixes the first layer's values into every later attention layer's,
-                         own * V_n + first * V_1 (ResFormer, arXiv 2410.17897; language models;
-                         model.value_residual_mix: fixed or learned, model.value_residual_own and
-                         model.value_residual_first: the weights, 0.5 and 0.5)
-  model.depth_attention: true: each attention layer's query mixes, per position, the values of
-                         layers 0, s, 2s, ... before it into its own by a softmax over their keys
-                         and its own (Depth-Attention, arXiv 2606.05014; LM, ViT, DiT; not with
-                         value_residual; model.depth_attention_stride: s, by default half the layers)
-  model.embed_scale:     a learnable scalar on the token embedding, started at a number or
-                         sqrt_dim, as the DyT and Derf papers' language models have (null: none)"""
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
@@ -44,7 +30,9 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     if args.verbose:
         for name, summary, paper, opts in rows:
             print(f"{name}\n  equation: {summary}\n  paper:    {paper}\n  options:  {opts}")
-        print(f"\nWith every scheme:\n{EVERY_SCHEME}")
+        from .models.lm_config import help_lines
+
+        print(f"\nWith every scheme:\n{help_lines()}")
         return 0
     w = max(len(r[0]) for r in rows)
     s = max(len(r[1]) for r in rows)

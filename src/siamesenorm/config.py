@@ -1,15 +1,9 @@
 """Run configuration: a YAML preset plus ``key=value`` overrides with dotted keys.
 
-A run's configuration is a tree of dataclasses. Each task (:mod:`siamesenorm.tasks`) declares its
-own top class (``task``, ``model``, ``data``, ``train``, ``seed``, ``analysis`` and what else it
-needs); the sections every task shares, ``train`` (:class:`TrainConfig`) and ``analysis``
-(:class:`AnalysisConfig`), live here with the machinery that fills any such tree:
-:func:`build_config` starts from the class's defaults, applies the preset, then each override
-(``model.n_layers=24 train.lr=2e-3 model.scheme_options.depth_scale=false``), and checks every value
-against its field's type, then every section's own checks, then the scheme's name and options,
-before any work starts. An unknown key, a wrong type or a bad value is a
-:class:`~siamesenorm.errors.UserError` that names the key. Which class a preset fills is the
-task registry's business (:func:`siamesenorm.tasks.load_config` reads the ``task`` key).
+A run's configuration is a tree of frozen dataclasses, each task's top class declaring its sections
+(``train`` and ``analysis`` are shared, here). :func:`build_config` starts from the defaults,
+applies the preset, then each override, checking each key and value where it enters, then builds
+each section once, running its own checks; an error is a one-line :class:`UserError` naming the key.
 """
 
 from __future__ import annotations
@@ -47,21 +41,12 @@ LOGGERS = ("tensorboard", "wandb")     # where train.loggers sends the metrics
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation.
-
-    The global batch is world size x ``data.batch_size`` x ``grad_accum``. ``parallel``: ``auto``
-    (FSDP2 above one process), ``none``, ``ddp`` or ``fsdp``; ``precision``: ``auto`` (bf16
-    autocast on CUDA, else float32), ``fp32`` or ``bf16``; ``activation_checkpointing``: ``none``,
-    ``sublayer`` or ``selective`` (docs/scaling.md). ``keep_checkpoints``: how many a run keeps
-    (``--resume`` falls back to the newest that loads). ``stall_steps``: that many steps of an
-    exactly zero gradient stop the run as stalled. ``deterministic``: PyTorch's deterministic
-    algorithms, for a bit-for-bit repeat. ``log_every``: steps between plain log lines when stderr
-    is not a terminal (``null``: at most a hundred per run; 0: the final line only).
-    ``peak_tflops``: the device's peak dense TFLOP/s for MFU (``null``: the GPU's entry in
-    :data:`siamesenorm.train.throughput.PEAK_TFLOPS`; a CPU then has no MFU). ``loggers``: where
-    the metrics go besides ``metrics.jsonl``: ``tensorboard`` (``tb/``, when it is installed),
-    ``wandb`` (extra ``wandb``), both, or ``[]`` (docs/tasks.md).
-    """
+    """How to train: AdamW, linear warm-up then cosine decay, clipping, accumulation (the global
+    batch is world size x ``data.batch_size`` x ``grad_accum``). ``parallel``: ``auto`` is FSDP2
+    above one process; ``precision``: ``auto`` is bf16 autocast on CUDA; ``stall_steps``: steps of
+    an exactly zero gradient that stop a run; ``log_every``: ``null`` for at most a hundred plain
+    lines, 0 for the last only; ``peak_tflops``: for MFU (``null``: the GPU's known peak);
+    ``loggers``: besides ``metrics.jsonl`` (docs/tasks.md)."""
 
     steps: int = 200
     lr: float = 1e-3
@@ -128,14 +113,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AnalysisConfig:
-    """The paper's diagnostics for a run (see docs/analysis.md).
-
-    ``every``: record probes (stream RMS per sublayer, gradient norm per block, norm gains) in
-    ``probes.jsonl`` every ``every`` steps; 0 turns them off. ``batch_size``: sequences of the
-    probes' fixed batch (taken from the first validation batch). ``batches``: validation batches
-    that ``siamesenorm analyze`` uses. ``at_end``: when probes are on, analyse the final model
-    (``analysis.json`` and plots) as the run finishes.
-    """
+    """The paper's diagnostics (docs/analysis.md): probes every ``every`` steps (0: off) on
+    ``batch_size`` validation sequences; ``batches`` for ``siamesenorm analyze``; ``at_end``: the
+    final model analysed when probes are on."""
 
     every: int = 0
     batch_size: int = 4
@@ -271,10 +251,10 @@ def _made(factory: Callable[[], Any]) -> Any:
     return factory()
 
 
-def _build(cls: type, raw: dict, base: Any = None) -> Any:
+def _build(cls: type, raw: dict, base: Any = None, trusted: bool = False) -> Any:
     """A ``cls`` section from the values given for it (``raw``), the others from ``base`` (a
     default instance) or the class's defaults. Each section is constructed once, from its final
-    values, so its own checks (``__post_init__``) run once."""
+    values, so its own checks (``__post_init__``) run once; ``trusted``: not at all."""
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in raw:
@@ -286,8 +266,13 @@ def _build(cls: type, raw: dict, base: Any = None) -> Any:
             continue
         inner = getattr(base, f.name) if base is not None else \
             _made(f.default_factory) if _section_factory(cls, f) is not None else None
-        kwargs[f.name] = _build(tp, raw[f.name], inner)
-    return cls(**kwargs)
+        kwargs[f.name] = _build(tp, raw[f.name], inner, trusted)
+    if not trusted:
+        return cls(**kwargs)
+    section = object.__new__(cls)
+    for name, value in kwargs.items():
+        object.__setattr__(section, name, value)
+    return section
 
 
 # How deeply a preset or an override may nest mappings and lists. Real presets nest four or five
@@ -525,16 +510,11 @@ def check_scheme(model: Any) -> None:
 def build_config(classes: Mapping[str, type], preset: str | None = None,
                  overrides: list[str] | tuple[str, ...] = (),
                  extra: list[tuple[str, Any]] | tuple[tuple[str, Any], ...] = (),
-                 default: str = "lm", preset_data: dict | None = None) -> Any:
-    """The resolved, frozen configuration: defaults, then the preset, then the overrides, then
-    ``extra`` (already parsed ``(key, value)`` pairs, e.g. a compare variant's settings).
-
-    Each key and value is checked once, where it enters (:func:`_assign`); each section is then
-    constructed once from its final values, running its own checks, and the scheme's options are
-    checked against its declaration. ``preset_data`` is the preset already read
-    (:func:`read_preset`), so a caller that resolves several configurations from one preset reads
-    it once. ``classes`` maps each task's name to its configuration class; the ``task`` key
-    (``default`` when unset) picks one, so it is read first, wherever it is set.
+                 default: str = "lm", preset_data: dict | None = None, trusted: bool = False) -> Any:
+    """The resolved, frozen configuration: defaults, the preset (``preset_data``: already read),
+    the overrides, then ``extra`` (parsed ``(key, value)`` pairs). ``classes`` maps each task to its
+    configuration class; the ``task`` key (``default`` when unset) picks one. ``trusted``: a
+    configuration this tool checked and wrote (a run's ``config.yaml``): typed, not checked again.
     """
     data = preset_data if preset_data is not None else read_preset(preset) if preset else {}
     data = {k: v for k, v in data.items() if k not in NON_RUN_SECTIONS}
@@ -550,8 +530,9 @@ def build_config(classes: Mapping[str, type], preset: str | None = None,
     _refuse_repeated_overrides(overrides, parsed, cls)
     for key, value in _flatten(data, cls) + later:
         _assign(cls, raw, key.split("."), value, key)
-    cfg = _build(cls, raw)
-    check_scheme(cfg.model)
+    cfg = _build(cls, raw, trusted=trusted)
+    if not trusted and not hasattr(type(cfg.model), "resolved_scheme"):  # else checked by the model
+        check_scheme(cfg.model)
     return cfg
 
 

@@ -1,13 +1,7 @@
-"""A Hugging Face family model as a language model of our commands (``model.family``).
-
-``model.family=qwen3`` (any of :data:`~siamesenorm.hf.families.FAMILY_NAMES`) makes a run's model the
-family's causal LM, adapted to ``model.scheme`` by :func:`siamesenorm.hf.adapt`, instead of our
-:class:`~siamesenorm.models.LanguageModel`. The ``model`` section's fields give the family's
-configuration (:func:`family_config`); ``model.family_options`` adds any other field of it in
-the family's own names (``sliding_window``, ``clip_qkv``, ``layer_types``, ...), never one that a
-``model.*`` field sets (:data:`OWN_FIELDS`; :func:`check_family_config`). The data,
-training, probes, analysis, comparison and report are ours and unchanged: :class:`FamilyLM`
-offers what our engine and diagnostics use of a language model.
+"""A Hugging Face family model as a language model of our commands (``model.family``): the family's
+causal LM adapted to ``model.scheme`` (:func:`siamesenorm.hf.adapt`), its configuration made from
+the ``model`` fields as LMConfig declares them (:func:`family_config`) with ``model.family_options``
+on top. Data, training and diagnostics are ours (:class:`FamilyLM`).
 """
 
 from __future__ import annotations
@@ -21,26 +15,16 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ..models.host import SchemeHost
 from ..models.lm import lm_flops_per_token, lm_loss
+from ..models.lm_config import carried, value_on
 from .adapted import adapt, adapted_class
 from .families import FAMILIES
 
 __all__ = ["OWN_FIELDS", "FamilyLM", "check_family_config", "family_config"]
 
-# The family's configuration fields a run's ``model`` section sets (family field -> our key):
-# ``model.family_options`` may not restate them (the run would train one size while its header
-# and config.yaml say another).
-OWN_FIELDS = {
-    "vocab_size": "model.vocab_size", "hidden_size": "model.dim", "intermediate_size": "model.mlp_hidden",
-    "num_hidden_layers": "model.n_layers", "num_attention_heads": "model.n_heads",
-    "num_key_value_heads": "model.n_kv_heads", "head_dim": "model.head_size",
-    "max_position_embeddings": "model.max_seq_len", "rope_theta": "model.rope_theta",
-    "rms_norm_eps": "model.norm_eps", "tie_word_embeddings": "model.tie_embeddings",
-    "initializer_range": "model.init_std", "attention_dropout": "model.dropout",
-    "attention_bias": "model.bias", "num_experts": "model.moe.n_experts",
-    "num_experts_per_tok": "model.moe.top_k", "norm_topk_prob": "model.moe.normalize",
-    "router_aux_loss_coef": "model.moe.aux_loss", "decoder_sparse_step": "model.moe.every",
-    "moe_intermediate_size": "model.moe.hidden",
-}
+# The family's configuration fields a run's ``model`` section sets (family field -> our key), as
+# LMConfig declares them: ``model.family_options`` may not restate them (the run would train one
+# size while its header and config.yaml say another).
+OWN_FIELDS = {to.where: f"model.{name}" for name, to in carried("family")}
 
 
 class FamilyOutput(NamedTuple):
@@ -56,23 +40,13 @@ def family_config(cfg: Any) -> Any:
     family = FAMILIES[cfg.family]
     cls = getattr(transformers, family.config_class)
     accepted = set(inspect.signature(cls.__init__).parameters)
-    values: dict[str, Any] = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std, "attention_dropout": cfg.dropout,
-        "attention_bias": cfg.bias, "hidden_act": "silu", "use_cache": False,
-    }
+    values = {to.where: value_on(cfg, name, to) for name, to in carried("family")
+              if family.moe or not name.startswith("moe.")}
+    values.update(hidden_act="silu", use_cache=False)
     if family.moe:
-        moe = cfg.moe
-        values.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
-                      norm_topk_prob=moe.normalize, router_aux_loss_coef=moe.aux_loss,
-                      decoder_sparse_step=max(moe.every, 1), mlp_only_layers=[],
-                      moe_intermediate_size=moe.expert_hidden(cfg.dim))
+        values["mlp_only_layers"] = []
         if cfg.family == "olmoe":       # OLMoE's experts are intermediate_size wide
-            values["intermediate_size"] = moe.expert_hidden(cfg.dim)
+            values["intermediate_size"] = cfg.moe.expert_hidden(cfg.dim)
     if family.norm == "gemma":          # q scaled by 1 / sqrt(head_dim) (its MLP: gated GELU)
         values["query_pre_attn_scalar"] = cfg.head_dim
     values = {k: v for k, v in values.items() if k in accepted or k == "rope_theta"}

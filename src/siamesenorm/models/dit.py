@@ -20,7 +20,6 @@ from .host import (
     BranchWeight,
     SchemeHost,
     branch_weights,
-    build_model_scheme,
     build_sublayers,
     honour_requirements,
     reset_sublayer_norms,
@@ -173,9 +172,7 @@ class DiT(ResidualStack, SchemeHost):
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
         with torch.random.fork_rng(**rng_devices(device)):
-            scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
-                                        eps=cfg.norm_eps, options=cfg.scheme_options,
-                                        branch_affine=False, final_norm=False, **kw)
+            scheme = cfg.resolved_scheme.build(cfg.dim, cfg.n_layers, norm=cfg.norm, eps=cfg.norm_eps, **kw)
             self._build(scheme, self._build_sublayers(scheme, kw), kw)
         self.reset_parameters()
 

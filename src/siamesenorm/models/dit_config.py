@@ -7,9 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..nn.depth_attention import check_depth_attention
+from ..nn.norms import NORM_KINDS
 from . import config_checks as check
 
 _OWNER = "DiTConfig"
+# The scheme options a DiT changes (models/dit.py): adaLN-Zero modulates its norms, and its final
+# layer has a norm of its own.
+SCHEME_DEFAULTS = {"branch_affine": False, "final_norm": False}
 
 _WIDTHS = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16)}
 
@@ -27,17 +31,9 @@ DIT_SIZES["digits"] = {"input_size": 8, "patch_size": 2, "in_chans": 1, "num_cla
 @dataclass(frozen=True)
 class DiTConfig:
     """DiT with adaLN-Zero blocks (Peebles & Xie 2023, arXiv 2212.09748) over any residual scheme.
-
-    Inputs are ``(B, in_chans, input_size, input_size)``; ``input_size`` must be a multiple of
-    ``patch_size`` and ``dim`` of ``n_heads`` and of 4 (the 2-D sin-cos position embedding splits
-    ``dim`` into four). ``learn_sigma`` doubles the output channels (predicted noise, then the
-    variance interpolation). Labels run ``0 .. num_classes - 1``; ``num_classes`` is the null
-    label of classifier-free guidance, which replaces a label with probability
-    ``class_dropout_prob`` in training. ``frequency_dim`` is the size of the sinusoidal timestep
-    features and ``max_period`` their longest period. ``depth_attention``
-    (``depth_attention_stride``) is the language model's Depth-Attention
-    (:mod:`~siamesenorm.nn.depth_attention`), each token mixing along depth on its own.
-    """
+    ``dim`` divides by ``n_heads`` and 4 (the 2-D sin-cos position embedding); ``learn_sigma``
+    doubles the output channels; label ``num_classes`` is classifier-free guidance's null label,
+    which replaces a label with probability ``class_dropout_prob`` in training."""
 
     input_size: int = 32
     patch_size: int = 2
@@ -72,9 +68,17 @@ class DiTConfig:
         check.divisible(_OWNER, "dim", self.dim, "4 (the 2-D sin-cos position embedding)", 4)
         check.divisible(_OWNER, "frequency_dim", self.frequency_dim, "2 (cos and sin halves)", 2)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
-        check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check.OneOf(NORM_KINDS)(_OWNER, "norm", self.norm)
+        check.scheme_name(_OWNER, "scheme", self.scheme)
+        check.scheme_options(_OWNER, "scheme_options", self.scheme_options)
         check_depth_attention(self.depth_attention, self.depth_attention_stride)
         check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
+        check.resolve_model_scheme(self, **SCHEME_DEFAULTS)
+
+    @property
+    def resolved_scheme(self) -> Any:
+        """The scheme's class and its options, filled and checked once."""
+        return check.resolved_scheme(self, **SCHEME_DEFAULTS)
 
     def estimated_parameters(self) -> int:
         """The parameters of the patch, timestep and label embeddings, every block's attention,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from ..nn.attention import Attention
-from ..schemes.base import ResidualScheme, SchemeRequirements, build_scheme
+from ..schemes.base import ResidualScheme, SchemeRequirements
 
-__all__ = ["BranchWeight", "SchemeHost", "branch_weights", "build_model_scheme", "build_sublayers",
+__all__ = ["BranchWeight", "SchemeHost", "branch_weights", "build_sublayers",
            "honour_requirements", "needs_qkv_norm", "reset_sublayer_norms", "rng_devices"]
 
 
@@ -45,14 +45,6 @@ def rng_devices(device) -> dict:
         return {"devices": []}
     index = dev.index if dev.index is not None else 0
     return {"devices": [index], "device_type": dev.type}
-
-
-def build_model_scheme(name: str, dim: int, n_layers: int, *, norm: str, eps: float,
-                       options: dict[str, Any], device=None, dtype=None,
-                       **defaults: Any) -> ResidualScheme:
-    """The model's scheme, its ``defaults`` overridden by the user's ``options``."""
-    return build_scheme(name, dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype,
-                        **(defaults | options))
 
 
 def build_sublayers(scheme: ResidualScheme, attention: Callable[[int, bool], nn.Module],

@@ -1,16 +1,5 @@
-"""Decoder-only language model: embedding, a residual scheme over attention/MLP sublayers, a head.
-
-The forward pass is the one loop every model in the library runs (:class:`~.stack.ResidualStack`)::
-
-    state = scheme.enter(embed(input_ids))
-    for i, sublayer in enumerate(sublayers):      # even i: attention of block i // 2; odd i: MLP
-        state = scheme.step(state, i, sublayer)
-    logits = head(scheme.exit(state))
-
-The sublayers are bare (no norm, no residual); the scheme owns every norm and residual add. The
-model honours what the scheme declares in ``scheme.requires``: per-head QKV-norm on some blocks,
-DeepNorm's Xavier initialisation, a gain on the branch weights.
-"""
+"""Decoder-only language model: embedding, a residual scheme over bare attention/MLP sublayers
+(``ResidualStack``'s one loop), and a head. The scheme owns every norm and residual add."""
 
 from __future__ import annotations
 
@@ -33,7 +22,6 @@ from .host import (
     BranchWeight,
     SchemeHost,
     branch_weights,
-    build_model_scheme,
     build_sublayers,
     honour_requirements,
     reset_sublayer_norms,
@@ -54,13 +42,9 @@ class LMOutput(NamedTuple):
 
 def lm_loss(logits: Tensor, targets: Tensor,
             extra: Sequence[tuple[str, float, Tensor]] = ()) -> tuple[Tensor, dict[str, Tensor]]:
-    """A language model's loss: the mean cross-entropy of ``logits`` (``(B, T, vocab)``) against
-    the already shifted ``targets`` (``(B, T)``, ``-100`` ignored), in float32 at least, plus each
-    ``(name, weight, loss)`` of ``extra`` (an MoE's load-balancing and z-losses) times its weight.
-
-    Returns the loss and its parts by name (``ce_loss`` and each extra's, detached), or no parts
-    when there is no extra. Our :class:`LanguageModel` and a Hugging Face family's
-    (:class:`~siamesenorm.hf.family_lm.FamilyLM`) both take their loss from here."""
+    """Mean cross-entropy of ``logits`` against shifted ``targets`` (``-100`` ignored), in float32
+    at least, plus each ``(name, weight, loss)`` of ``extra``; returns the loss and its detached
+    parts (none without ``extra``). Our model and a family's take their loss from here."""
     wide = torch.promote_types(logits.dtype, torch.float32)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide), targets.reshape(-1),
                            ignore_index=-100)
@@ -74,12 +58,8 @@ def lm_loss(logits: Tensor, targets: Tensor,
 
 def lm_flops_per_token(config: LMConfig, non_embedding_params: int,
                        seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward) of a language model of ``config`` at context
-    ``seq_len`` (``max_seq_len``): ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` is
-    ``non_embedding_params`` plus ``vocab_size * dim`` for the output projection when it is tied
-    to the embedding (so every matmul weight counts once; norm weights are included, being
-    negligible). The second term is attention's scores and weighted sum over ``seq_len`` keys
-    (``dim`` stands for ``n_heads * head_dim``, which it is unless ``head_size`` is set)."""
+    """Training FLOPs per token at context ``seq_len``: ``6 * N + 12 * n_layers * n_heads *
+    head_dim * seq_len``, ``N`` the non-embedding parameters plus a tied output projection."""
     seq_len = config.max_seq_len if seq_len is None else seq_len
     n = non_embedding_params + (config.vocab_size * config.dim if config.tie_embeddings else 0)
     return float(6 * n + 12 * config.n_layers * config.n_heads * config.head_dim * seq_len)
@@ -93,16 +73,9 @@ def _normal(weight: Tensor, std: float, truncated: bool) -> None:
 
 
 class LanguageModel(ResidualStack, SchemeHost):
-    """Causal language model built from an :class:`LMConfig`.
-
-    Attributes:
-        embed: token embedding ``(vocab_size, dim)``; also the output projection when tied.
-        scheme: the residual scheme (owns every norm of the residual path).
-        sublayers: ``2 * n_layers`` bare sublayers; attention at even, MLP at odd indices.
-        lm_head: untied output projection, or ``None`` when ``tie_embeddings``.
-        embed_scale: the learnable scalar multiplying the embedding (``config.embed_scale``), or
-            ``None``.
-    """
+    """Causal language model of an :class:`LMConfig`: ``embed`` (also the head when tied),
+    ``scheme``, ``sublayers`` (attention at even indices, MLP at odd), ``lm_head`` (untied, else
+    ``None``), ``embed_scale`` (``config.embed_scale``'s learnable scalar, else ``None``)."""
 
     def __init__(self, config: LMConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -112,8 +85,8 @@ class LanguageModel(ResidualStack, SchemeHost):
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
         with torch.random.fork_rng(**rng_devices(device)):
-            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
-                                             eps=cfg.norm_eps, options=cfg.scheme_options, **kw)
+            self.scheme = cfg.resolved_scheme.build(cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                                    eps=cfg.norm_eps, **kw)
             self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, **kw)
             self.sublayers = build_sublayers(
                 self.scheme,
@@ -150,8 +123,7 @@ class LanguageModel(ResidualStack, SchemeHost):
 
     # ---- initialisation ----------------------------------------------------------------------
     def _expert_weights(self) -> list[BranchWeight]:
-        """The expert matrices of every MoE (and its shared expert's), in block order: what
-        :meth:`_init_expert_weight` draws, each expert independently, all gained."""
+        """Every MoE's expert matrices (and its shared expert's), in block order, all gained."""
         out = []
         for i, moe in enumerate(self.sublayers):
             if not isinstance(moe, MoE):
@@ -165,8 +137,7 @@ class LanguageModel(ResidualStack, SchemeHost):
         return out
 
     def _init_expert_weight(self, expert: BranchWeight) -> None:
-        """An MoE's expert matrices drawn as a dense MLP's gate/up and down projections of the same
-        block (``config.init``), each expert independently."""
+        """Each expert drawn as a dense MLP's projections of the same block (``config.init``)."""
         cfg = self.config
         mitchell = cfg.init == "mitchell"
         block = self.scheme.block_of(expert.sublayer)
@@ -197,15 +168,10 @@ class LanguageModel(ResidualStack, SchemeHost):
     def reset_parameters(self) -> None:
         """Re-initialise every parameter and buffer, in a fixed order, from the torch generator.
 
-        ``normal``: embedding and every linear ~ N(0, init_std); attention ``out_proj`` and MLP
-        ``down_proj`` ~ N(0, init_std / sqrt(2 * n_layers)). ``mitchell`` (OLMo): truncated at
-        +-3 std; q/k/v, gate/up, embedding and untied head std 1/sqrt(dim); ``out_proj`` of block l
-        (from 0) std 1/sqrt(2 * dim * (l + 1)); ``down_proj`` std 1/sqrt(2 * mlp_hidden * (l + 1)).
-        Biases are zero; norm weights one; the embedding scale, if any, its start. If the scheme
-        requires ``init="xavier"`` (DeepNorm), every sublayer weight is Xavier-normal instead, with
-        gain ``branch_gain`` on v_proj, out_proj and the MLP (an MoE's experts too, each drawn on
-        its own; its router with gain 1); otherwise a ``branch_gain`` != 1 multiplies those same
-        weights (:func:`~.host.honour_requirements`).
+        ``normal``: N(0, init_std), out/down projections init_std / sqrt(2 * n_layers).
+        ``mitchell`` (OLMo): truncated at 3 std; 1/sqrt(dim), out/down 1/sqrt(2 * fan_in * (l + 1)).
+        Biases zero, norm weights one; the scheme's requirements (DeepNorm's Xavier, a branch gain)
+        override the branch weights (:func:`~.host.honour_requirements`).
         """
         cfg = self.config
         mitchell = cfg.init == "mitchell"
@@ -223,10 +189,7 @@ class LanguageModel(ResidualStack, SchemeHost):
 
     # ---- forward -----------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens.
-
-        ``max_len`` defaults to ``max_seq_len``.
-        """
+        """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` (max_seq_len) tokens."""
         cfg, weight = self.config, self.embed.weight
         return KVCache(cfg.n_layers, batch_size, cfg.kv_heads, max_len or cfg.max_seq_len,
                        cfg.head_dim, device=weight.device, dtype=weight.dtype)
@@ -234,18 +197,10 @@ class LanguageModel(ResidualStack, SchemeHost):
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
                 cache: KVCache | None = None, pos: int = 0, attention_mask: Tensor | None = None,
                 positions: Tensor | None = None, states: list | None = None) -> LMOutput:
-        """Logits for ``input_ids`` (``(B, T)``) sitting at positions ``pos .. pos + T - 1``.
-
-        With ``cache``, keys/values of the new tokens are written into it at ``pos`` and attention
-        also reads the cached positions before ``pos``; ``cache.length`` becomes ``pos + T``.
-        ``targets`` (``(B, T)``, ``-100`` ignored) adds the mean cross-entropy as ``loss``.
-
-        Batches of unequal lengths: ``attention_mask`` (``(B, pos + T)``, 1 for a token, 0 for
-        padding, cached positions included) keeps every query off the padding, and each token's
-        RoPE position is the number of real tokens before it (so a left-padded sequence is
-        computed as it would be alone), unless ``positions`` (``(B, T)``) gives them. ``states``:
-        a list that receives the scheme's state after the embedding and after every block.
-        """
+        """Logits for ``input_ids`` (``(B, T)``) at positions ``pos .. pos + T - 1``, and the loss
+        against ``targets``. ``cache``: read and extended at ``pos``. ``attention_mask`` (``(B, pos
+        + T)``, 0 for padding) keeps queries off padding and numbers positions by real tokens
+        (unless ``positions`` gives them). ``states`` receives the scheme's state per block."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
         b, t = input_ids.shape
@@ -279,9 +234,7 @@ class LanguageModel(ResidualStack, SchemeHost):
         return LMOutput(logits, loss)
 
     def _router_losses(self) -> list[tuple[str, float, Tensor]]:
-        """The MoE layers' load-balancing and z-losses of the last forward pass, summed over the
-        layers, with their weights from ``config.moe`` (none for a dense model): the training loss
-        adds them to the cross-entropy (the parts are left in :attr:`loss_parts`, detached)."""
+        """The MoE layers' summed load-balancing and z-losses of the last forward, with their weights."""
         layers = self.moe_layers()
         if not layers:
             return []
@@ -300,15 +253,12 @@ class LanguageModel(ResidualStack, SchemeHost):
         return total - self.embed.weight.numel() if non_embedding else total
 
     def active_parameters(self, non_embedding: bool = False) -> int:
-        """Parameters one token uses: :meth:`num_parameters` less the experts it is not routed to
-        (``n_experts - top_k`` per MoE layer); the same as it for a dense model."""
+        """Parameters one token uses: the experts it is not routed to left out."""
         unused = sum(m.num_experts_unused_parameters() for m in self.moe_layers())
         return self.num_parameters(non_embedding) - unused
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward) at context ``seq_len`` (max_seq_len):
-        :func:`lm_flops_per_token` of the non-embedding parameters (an MoE counts the experts a
-        token is routed to)."""
+        """:func:`lm_flops_per_token` of the parameters one token uses."""
         return lm_flops_per_token(self.config, self.active_parameters(non_embedding=True), seq_len)
 
     # ---- generation --------------------------------------------------------------------------
@@ -328,15 +278,10 @@ class LanguageModel(ResidualStack, SchemeHost):
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, greedy: bool = False, use_cache: bool = True,
                  generator: torch.Generator | None = None) -> Tensor:
-        """Extend ``input_ids`` (``(B, T)``) by ``max_new_tokens``; returns ``(B, T + new)``.
-
-        ``greedy`` (or ``temperature == 0``) takes the argmax; otherwise tokens are sampled from
-        ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when given,
-        drawing from ``generator``. With ``use_cache`` the prompt is run once and each new token
-        is fed alone through a KV cache (prompt + new tokens must fit in max_seq_len); without
-        it, the last max_seq_len tokens are re-run every step. Runs in eval mode, then restores
-        the training mode.
-        """
+        """``input_ids`` (``(B, T)``) and ``max_new_tokens`` more: greedy, or sampled from
+        ``softmax(logits / temperature)`` (the ``top_k`` likeliest) drawing from ``generator``.
+        ``use_cache``: one pass over the prompt, then one token at a time through a KV cache
+        (everything within max_seq_len); else the last max_seq_len tokens re-run every step."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape (batch, seq>0), got {tuple(input_ids.shape)}")
         if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k <= 0):

@@ -16,7 +16,6 @@ from ..nn.mlp import GELUMLP
 from .host import (
     SchemeHost,
     branch_weights,
-    build_model_scheme,
     build_sublayers,
     honour_requirements,
     reset_sublayer_norms,
@@ -65,8 +64,8 @@ class VisionTransformer(ResidualStack, SchemeHost):
         # Fork the generator so that the default inits below leave the caller's state to
         # reset_parameters(), exactly as a meta-device build followed by reset_parameters() does.
         with torch.random.fork_rng(**rng_devices(device)):
-            self.scheme = build_model_scheme(cfg.scheme, cfg.dim, cfg.n_layers, norm=cfg.norm,
-                                             eps=cfg.norm_eps, options=cfg.scheme_options, **kw)
+            self.scheme = cfg.resolved_scheme.build(cfg.dim, cfg.n_layers, norm=cfg.norm,
+                                                    eps=cfg.norm_eps, **kw)
             self.patch_embed = nn.Conv2d(cfg.in_chans, cfg.dim, cfg.patch_size,
                                          stride=cfg.patch_size, **kw)
             self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim, **kw))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..nn.depth_attention import check_depth_attention
+from ..nn.norms import NORM_KINDS
 from . import config_checks as check
 
 _OWNER = "ViTConfig"
@@ -23,19 +24,10 @@ VIT_SIZES: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Vision transformer in the DeiT style (arXiv 2012.12877) with a swappable residual scheme.
-
-    ``image_size`` (square) must be a multiple of ``patch_size``; the sequence is one class token
-    plus ``(image_size / patch_size) ** 2`` patches. The MLP hidden size is
-    ``int(dim * mlp_ratio)``. ``drop_path`` is the stochastic-depth rate of the last block (block
-    ``b`` of ``L`` drops with ``drop_path * b / (L - 1)``); ``dropout`` acts after the position
-    embedding, on the attention weights and on the attention and MLP outputs. ``label_smoothing``
-    applies to integer targets in training mode and, folded into the mixed targets, under
-    mixup/cutmix (unless ``data.augment.smoothing`` is set), as DeiT does. ``init_std`` is the
-    truncated-normal std of every linear, the class token and the position embedding.
-    ``depth_attention`` (``depth_attention_stride``) is the language model's Depth-Attention
-    (:mod:`~siamesenorm.nn.depth_attention`), each token mixing along depth on its own.
-    """
+    """Vision transformer in the DeiT style (arXiv 2012.12877) over any residual scheme: one class
+    token and ``(image_size / patch_size) ** 2`` patches, MLP size ``int(dim * mlp_ratio)``,
+    stochastic depth rising linearly to ``drop_path`` at the last block, ``label_smoothing`` as DeiT
+    applies it (folded into mixup/cutmix targets unless ``data.augment.smoothing`` is set)."""
 
     image_size: int = 224
     patch_size: int = 16
@@ -68,9 +60,17 @@ class ViTConfig:
                         self.patch_size)
         check.divisible(_OWNER, "dim", self.dim, f"{_OWNER}.n_heads", self.n_heads)
         check.mlp_hidden(_OWNER, self.dim, self.mlp_ratio)
-        check.norm_and_scheme(_OWNER, self.norm, self.scheme, self.scheme_options)
+        check.OneOf(NORM_KINDS)(_OWNER, "norm", self.norm)
+        check.scheme_name(_OWNER, "scheme", self.scheme)
+        check.scheme_options(_OWNER, "scheme_options", self.scheme_options)
         check_depth_attention(self.depth_attention, self.depth_attention_stride)
         check.buildable(_OWNER, self.n_layers, self.estimated_parameters())
+        check.resolve_model_scheme(self)
+
+    @property
+    def resolved_scheme(self) -> Any:
+        """The scheme's class and its options, filled and checked once."""
+        return check.resolved_scheme(self)
 
     def estimated_parameters(self) -> int:
         """The parameters of the patch embedding, class token, position embedding, every block's

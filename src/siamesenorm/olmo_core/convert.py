@@ -1,20 +1,17 @@
-"""Between our ``LanguageModel`` and the OLMo-core :class:`~.model.SchemeTransformer`: the
-configuration and the parameters, both ways, so that a run can move from one to the other.
-
-Names map block by block (``sublayers.{2b}.q_proj`` <-> ``blocks.{b}.attention.w_q``,
-``sublayers.{2b+1}.gate_proj`` <-> ``blocks.{b}.feed_forward.w1``, ``scheme.*`` unchanged, the MoE
-experts flattened to OLMo-core's ``(E*H, d)``): the tables are in docs/olmo-core.md ("Moving a run
-between the two", "Mixture of experts"). OLMo-core ties embeddings by making
-``lm_head.w_out.weight`` the embedding's parameter, so its state dict lists it twice; ours has
-``embed.weight`` alone. The maps pass tensors through (no copy, but the experts' gate and up
-matrices, transposed: a copy one way); an unknown name raises ``KeyError``.
+"""Between our ``LanguageModel`` and the OLMo-core :class:`~.model.SchemeTransformer`, both ways:
+the configuration, field by field as LMConfig declares it, and the parameters, block by block
+(``sublayers.{2b}.q_proj`` <-> ``blocks.{b}.attention.w_q``, ...; the tables: docs/olmo-core.md).
+OLMo-core's tied head is the embedding's parameter, listed twice in its state dict. Tensors pass
+through uncopied (but the experts' gate and up matrices); an unknown name raises ``KeyError``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,9 +27,8 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..models.lm import LanguageModel
-from ..models.lm_config import LMConfig
+from ..models.lm_config import LMConfig, carried, value_on
 from ..models.lm_config import MoEConfig as OurMoEConfig
-from ..nn.mlp import default_mlp_hidden
 from .model import SchemeBlockConfig, SchemeTransformer, SchemeTransformerConfig, head_norm_config
 
 __all__ = ["from_language_model", "from_siamesenorm_state_dict", "lm_config", "olmo_config",
@@ -53,81 +49,84 @@ _THEIRS_MOE = re.compile(r"blocks\.(\d+)\.feed_forward_moe\.(router\.weight|expe
 
 
 # ---- configuration ---------------------------------------------------------------------------
+# How a part of the config that LMConfig's declarations fill (To.where: "attention.rope.theta", ...)
+# is made from its values, with the constants our model fixes (a dropless MoE, a SiLU-gated MLP).
+def _makers(dtype: DType) -> dict[str, Callable[..., Any]]:
+    return {"attention": partial(AttentionConfig, dtype=dtype),
+            "attention.rope": partial(RoPEConfig, name=RoPEType.default),
+            "attention.qk_norm": head_norm_config,
+            "feed_forward": partial(FeedForwardConfig, dtype=dtype),
+            "feed_forward.activation": ActivationFunction,
+            "moe": partial(MoEConfig, name=MoEType.dropless, scale_loss_by_num_layers=False, dtype=dtype),
+            "moe.router": MoERouterConfig}
+
+
+class _Node(dict):
+    """A part of the config being filled (not a value that is a dict, as ``scheme_options``)."""
+
+
+def _assembled(values: dict[str, Any], dtype: DType) -> dict[str, Any]:
+    """``{"d_model": 64, "attention.n_heads": 4, ...}`` as OLMo-core's config parts."""
+    tree = _Node()
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, _Node())
+        node[leaf] = value
+    makers = _makers(dtype)
+
+    def made(node: _Node, prefix: str) -> dict[str, Any]:
+        out = {}
+        for key, value in node.items():
+            path, make = f"{prefix}{key}", makers.get(f"{prefix}{key}")
+            if isinstance(value, _Node):
+                value = make(**made(value, path + "."))
+            elif make is not None and value is not None:
+                value = make(**value) if isinstance(value, dict) else make(value)
+            out[key] = value
+        return out
+
+    return made(tree, "")
+
+
+def _olmo_values(cfg: LMConfig, moe: bool) -> dict[str, Any]:
+    return {path: value_on(cfg, name, to) for name, to in carried("olmo_core")
+            if moe or not name.startswith("moe.") for path in to.paths}
+
+
 def olmo_config(cfg: LMConfig, *, dtype: DType | str = DType.float32, **kwargs: Any
                 ) -> SchemeTransformerConfig:
-    """The :class:`~.model.SchemeTransformerConfig` of the model that ``cfg`` describes: same
-    width, depth, heads, kv heads and head size, SwiGLU hidden size, RoPE theta, QK-norm (per
-    head, or over all heads: ``qk_norm_per_head``), biases,
-    vocabulary, tied or untied embeddings, scheme (with its options, ``norm`` and ``norm_eps``).
-    ``kwargs`` go to the config (``init_method``, ``init_std``, ``init_seed``, ...).
-
-    Mixture-of-experts blocks (``cfg.moe.every``) get OLMo-core's dropless MoE
-    (:func:`olmo_moe_config`); with ``every`` > 1 the others are dense (``block_overrides``).
-
-    Refused: what :data:`~siamesenorm.models.lm_config.UNSUPPORTED` says OLMo-core cannot carry
-    (DyT, GELU MLPs, dropout, a Hugging Face ``family``, value residuals, an embedding scale), and a
-    shared expert (see :func:`olmo_moe_config`). ``cfg.init`` and
-    ``cfg.max_seq_len`` have no counterpart: OLMo-core initialises by its ``init_method``, and
-    takes the sequence length from its train module.
-    """
+    """The :class:`~.model.SchemeTransformerConfig` of the model ``cfg`` describes, field by field
+    as LMConfig declares (``kwargs``: ``init_method``, ``init_std``, ...). MoE blocks
+    (``cfg.moe.every``) get OLMo-core's dropless MoE, the others (``every`` > 1) stay dense
+    (``block_overrides``). What OLMo-core cannot carry is refused in one line."""
     cfg.check_host("olmo_core")
     dtype = DType(dtype)
-    theta = int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta
-    head_norm = head_norm_config(cfg.norm, cfg.norm_eps)
-    attention = AttentionConfig(
-        n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size, bias=cfg.bias,
-        rope=RoPEConfig(name=RoPEType.default, theta=theta),
-        qk_norm=head_norm if cfg.qk_norm else None,
-        use_head_qk_norm=cfg.qk_norm_per_head if cfg.qk_norm else None, dtype=dtype)
-    block = SchemeBlockConfig(
-        sequence_mixer=attention,
-        feed_forward=FeedForwardConfig(hidden_size=cfg.hidden_dim, bias=cfg.bias, dtype=dtype,
-                                       activation=ActivationFunction.silu))
+    parts = _assembled(_olmo_values(cfg, bool(cfg.moe.every)), dtype)
+    block = SchemeBlockConfig(sequence_mixer=parts.pop("attention"), feed_forward=parts.pop("feed_forward"))
     overrides = None
     if cfg.moe.every:
-        moe_block = replace(block, feed_forward=None, feed_forward_moe=olmo_moe_config(cfg, dtype))
+        moe_block = replace(block, feed_forward=None, feed_forward_moe=parts.pop("moe"))
         if cfg.moe.every == 1:
             block = moe_block
         else:
             overrides = {b: moe_block for b in range(cfg.n_layers) if cfg.moe.is_moe(b)}
     return SchemeTransformerConfig(
-        d_model=cfg.dim, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, block=block,
-        block_overrides=overrides,
-        lm_head=LMHeadConfig(layer_norm=None, bias=False, dtype=dtype), dtype=dtype,
-        tie_word_embeddings=cfg.tie_embeddings, scheme=cfg.scheme,
-        scheme_options=dict(cfg.scheme_options), norm=cfg.norm, norm_eps=cfg.norm_eps, **kwargs)
+        **parts, block=block, block_overrides=overrides,
+        lm_head=LMHeadConfig(layer_norm=None, bias=False, dtype=dtype), dtype=dtype, **kwargs)
 
 
 def olmo_moe_config(cfg: LMConfig, dtype: DType | str = DType.float32) -> MoEConfig:
-    """OLMo-core's ``MoEConfig`` of ``cfg.moe``: dropless (``MoEType.dropless``), ``n_experts``
-    SwiGLU experts of hidden size ``expert_hidden(dim)``, a linear softmax router choosing
-    ``top_k``, renormalised over them when ``normalize`` (``normalize_expert_weights=1``: divided
-    by their sum). The losses as ours add them to the training loss, per MoE layer:
-    OLMo-core's load-balancing loss is ``E / k * sum_i f_i P_i`` against our ``E * sum_i f_i P_i``,
-    so ``lb_loss_weight = aux_loss * top_k``; ``z_loss_weight = z_loss`` (the same mean squared
-    log-sum-exp); neither divided by the depth (``scale_loss_by_num_layers=False``); a z-loss
-    weight of 0 is none (``None``). Both are computed over each rank's micro-batch
-    (``local_batch``).
-
-    Refused: a shared expert (``shared_hidden`` > 0). OLMo-core averages it with the routed
-    output, ``shared / (k + 1) + routed * k / (k + 1)``, where ours adds them; no weight-for-weight
-    map gives both the same function.
-    """
-    moe = cfg.moe
-    if moe.shared_hidden:
-        raise UserError("model.moe.shared_hidden must be 0 for OLMo-core: it averages a shared expert "
-                          "with the routed experts (shared/(k+1) + routed*k/(k+1)), ours adds them")
-    return MoEConfig(
-        name=MoEType.dropless, num_experts=moe.n_experts, hidden_size=moe.expert_hidden(cfg.dim),
-        router=MoERouterConfig(top_k=moe.top_k, normalize_expert_weights=1.0 if moe.normalize else None),
-        lb_loss_weight=moe.aux_loss * moe.top_k,       # 0, not None: None reloads as 0.01
-        z_loss_weight=moe.z_loss if moe.z_loss else None, scale_loss_by_num_layers=False,
-        dtype=DType(dtype))
+    """OLMo-core's ``MoEConfig`` of ``cfg.moe`` (dropless, the losses weighted as ours, per MoE
+    layer, over each rank's micro-batch); a shared expert is refused (OLMo-core averages it)."""
+    cfg.check_host("olmo_core")
+    return _assembled(_olmo_values(cfg, True), DType(dtype))["moe"]
 
 
-def _our_moe(moe: MoEConfig, every: int, d_model: int, n_layers: int) -> OurMoEConfig:
-    """Our ``MoEConfig`` of OLMo-core's ``moe`` on every ``every``-th block (the inverse of
-    :func:`olmo_moe_config`), or a ``UserError`` naming what has no counterpart."""
+def _our_moe(moe: MoEConfig, every: int, config: SchemeTransformerConfig) -> OurMoEConfig:
+    """Our ``MoEConfig`` of OLMo-core's ``moe`` on every ``every``-th block, or a ``UserError``
+    naming what has no counterpart."""
     router = moe.router
     problems = [what for what, bad in (
         ("a capacity-factor MoE (ours is dropless)", moe.name != MoEType.dropless),
@@ -143,16 +142,23 @@ def _our_moe(moe: MoEConfig, every: int, d_model: int, n_layers: int) -> OurMoEC
          moe.lb_loss_granularity != MoELoadBalancingLossGranularity.local_batch)) if bad]
     if problems:
         raise UserError("the OLMo-core MoE has no counterpart in our MoE: " + "; ".join(problems))
-    depth = n_layers if moe.scale_loss_by_num_layers else 1
+    src = SimpleNamespace(config=config, moe=moe)
+    return OurMoEConfig(every=every, **_ours(src, "moe."))
 
-    def weight(w: float | None, per: int) -> float:   # ours, rounded off the float noise of * and /
-        return 0.0 if w is None else float(f"{w / depth / per:.15g}")
 
-    return OurMoEConfig(
-        every=every, n_experts=moe.num_experts, top_k=router.top_k,
-        hidden=None if moe.hidden_size == OurMoEConfig().expert_hidden(d_model) else moe.hidden_size,
-        normalize=router.normalize_expert_weights is not None,
-        aux_loss=weight(moe.lb_loss_weight, router.top_k), z_loss=weight(moe.z_loss_weight, 1))
+def _ours(src: Any, prefix: str) -> dict[str, Any]:
+    """Our fields under ``prefix`` (``""``: the model's, ``"moe."``: its MoE's) read back from the
+    OLMo-core config parts in ``src``, as LMConfig declares them."""
+    out = {}
+    for name, to in carried("olmo_core"):
+        if name.startswith("moe.") != (prefix == "moe."):
+            continue
+        path = to.paths[0].split(".")
+        value: Any = src if hasattr(src, path[0]) else src.config    # a part, or the model's own
+        for part in path:
+            value = None if value is None else getattr(value, part)
+        out[name.removeprefix(prefix)] = value if to.back is None else to.back(value, src)
+    return out
 
 
 def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, FeedForwardConfig | None,
@@ -175,16 +181,15 @@ def _split_blocks(config: SchemeTransformerConfig) -> tuple[SchemeBlockConfig, F
             or any(blocks[i].feed_forward_moe != blocks[moe_at[0]].feed_forward_moe for i in moe_at)
             or moe_at != [b for b in range(config.n_layers) if every and b % every == every - 1]):
         raise UserError("lm_config maps blocks that differ only in an MoE on every n-th block "
-                          "(blocks n-1, 2n-1, ...) with one MoE config")
-    moe = OurMoEConfig() if not moe_at else _our_moe(
-        blocks[moe_at[0]].feed_forward_moe, every, config.d_model, config.n_layers)
+                        "(blocks n-1, 2n-1, ...) with one MoE config")
+    moe = OurMoEConfig() if not moe_at else _our_moe(blocks[moe_at[0]].feed_forward_moe, every, config)
     return blocks[0], dense[0] if dense else None, moe
 
 
 def _qk_norm_difference(norm: Any, config: SchemeTransformerConfig) -> str | None:
-    """How the QK-norm ``norm`` differs from the one our model builds of the scheme's
-    norm kind and eps (``None``: it does not). Its parameters' dtype is no difference: ours keep
-    float32 parameters, OLMo-core's ``None`` means the model's."""
+    """How the QK-norm ``norm`` differs from the one our model builds of the scheme's norm kind
+    and eps (``None``: it does not). Its parameters' dtype is no difference: ours keep float32
+    parameters, OLMo-core's ``None`` means the model's."""
     if norm is None:
         return None
     ours = head_norm_config(config.norm, config.norm_eps)
@@ -197,17 +202,14 @@ def _qk_norm_difference(norm: Any, config: SchemeTransformerConfig) -> str | Non
 
 def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwargs: Any) -> LMConfig:
     """Our ``LMConfig`` of the model ``config`` describes (the inverse of :func:`olmo_config`);
-    ``max_seq_len`` and ``kwargs`` (``init``, ...) are ours alone. A feed-forward of the default
-    SwiGLU size gives ``mlp_hidden=None``, and so does a model with no dense block; experts of the
-    default hidden size (``dim // 2``) give ``moe.hidden=None``; kv heads left unset stay unset, and
-    so does a head size of ``d_model // n_heads``."""
+    ``max_seq_len`` and ``kwargs`` (``init``, ...) are ours alone. Default sizes come back as
+    ``None`` (``mlp_hidden``, ``moe.hidden``, ``head_size``)."""
     if isinstance(config, SchemeTransformerConfig):
         config.check_sizes()        # before its blocks are resolved: n_layers of them
     block, ff, moe = _split_blocks(config)
     att = block.sequence_mixer
     if not isinstance(att, AttentionConfig):
         raise UserError("lm_config needs an attention")
-    head_size = None if att.head_dim in (None, config.d_model // att.n_heads) else att.head_dim
     problems = [
         what for what, bad in (
             ("d_model not divisible by n_heads with no head_dim of its own",
@@ -231,16 +233,8 @@ def lm_config(config: SchemeTransformerConfig, *, max_seq_len: int = 2048, **kwa
         if bad]
     if problems:
         raise UserError("the OLMo-core config has no LMConfig counterpart: " + "; ".join(problems))
-    return LMConfig(
-        vocab_size=config.vocab_size, dim=config.d_model, n_layers=config.n_layers,
-        n_heads=att.n_heads, n_kv_heads=att.n_kv_heads, mlp="swiglu",
-        mlp_hidden=None if ff is None or ff.hidden_size == default_mlp_hidden("swiglu", config.d_model)
-        else ff.hidden_size, moe=moe,
-        max_seq_len=max_seq_len, rope_theta=float(att.rope.theta), qk_norm=att.qk_norm is not None,
-        qk_norm_per_head=att.qk_norm is None or bool(att.use_head_qk_norm), head_size=head_size,
-        tie_embeddings=config.tie_word_embeddings, bias=bool(att.bias), norm=config.norm,
-        norm_eps=config.norm_eps, scheme=config.scheme,
-        scheme_options=dict(config.scheme_options), **kwargs)
+    src = SimpleNamespace(config=config, attention=att, feed_forward=ff)
+    return LMConfig(**_ours(src, ""), moe=moe, max_seq_len=max_seq_len, **kwargs)
 
 
 # ---- parameters ------------------------------------------------------------------------------

@@ -1,21 +1,12 @@
-"""Every residual scheme of the package as an OLMo-core ``Transformer``.
-
-OLMo-core builds the attention and the feed-forward of each block (its modules, kernels, init and
-FLOP count); the residual wiring and every norm on the residual path are one of our schemes
-(:func:`siamesenorm.schemes.build_scheme`), owned by the model as ``model.scheme``. The forward
-pass is the scheme's loop, split over OLMo-core's blocks::
+"""Every residual scheme of the package as an OLMo-core ``Transformer``: OLMo-core builds each
+block's attention and feed-forward; the residual wiring and every norm on it are one of our schemes
+(``model.scheme``), whose state travels from block to block::
 
     state = scheme.enter(embeddings(input_ids))           # SchemeTransformer.forward
     for block in blocks:                                  # SchemeBlock.forward, block b:
-        state = scheme.step(state, 2 b, attention)        #   sublayer 2b: attention
-        state = scheme.step(state, 2 b + 1, feed_forward) #   sublayer 2b + 1: feed-forward
+        state = scheme.step(state, 2 b, attention)
+        state = scheme.step(state, 2 b + 1, feed_forward)
     logits = lm_head(scheme.exit(state))                  # the LM head has no norm of its own
-
-The state (one tensor, a tuple of streams, or stacked streams) travels from block to block; a
-block never looks inside it. OLMo-core's block and model types are enums that cannot be extended
-from outside, so the pieces are subclasses: :class:`SchemeBlockConfig` builds
-:class:`SchemeBlock`, :class:`SchemeTransformerConfig` builds :class:`SchemeTransformer`, which a
-``TransformerTrainModuleConfig.build(model)`` trains like any OLMo-core model.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, cast
 
 import torch
@@ -51,7 +42,8 @@ from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel,
 from ..errors import UserError
 from ..models.config_checks import MAX_EXPERTS, buildable, positive_int
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
-from ..schemes import ResidualScheme, build_scheme
+from ..models.lm_config import refusal
+from ..schemes import ResidualScheme, build_scheme, get_scheme_class
 from .views import SchemeBlockView, like_a_block_output
 
 __all__ = ["QKVNormAttention", "SchemeBlock", "SchemeBlockConfig", "SchemeTransformer",
@@ -69,11 +61,11 @@ PP_REFUSAL = ("pipeline parallelism of a SchemeTransformer is not supported: OLM
 
 
 def refuse_dyt(norm: str) -> None:
-    """DyT (``norm="dyt"``) and Derf (``norm="derf"``) are not offered inside OLMo-core: its
-    blocks' per-head norms are OLMo-core's own norm classes, which have neither."""
-    if norm in ("dyt", "derf"):
-        raise UserError(f"norm={norm!r} is not available in OLMo-core models (OLMo-core's per-head "
-                          "norms have no DyT or Derf); use rmsnorm or layernorm there")
+    """Refuse the norm kinds LMConfig declares OLMo-core cannot carry (DyT, Derf)."""
+    rule = refusal("olmo_core", "norm")
+    if norm not in rule.allowed:
+        raise UserError(f"norm={norm!r} is not available in OLMo-core models ({rule.why}); use "
+                        f"{' or '.join(rule.allowed)} there")
 
 
 def head_norm_config(norm: str, eps: float) -> LayerNormConfig:
@@ -154,17 +146,10 @@ def local(t: Tensor) -> Tensor:
 
 
 class SchemeBlock(TransformerBlockBase):
-    """Block ``block_idx``: OLMo-core's attention (sublayer ``2 * block_idx``) and feed-forward
-    (sublayer ``2 * block_idx + 1``), bare, run by ``scheme.step``. The scheme is the model's
-    (:meth:`bind_scheme`); it is not a submodule of the block, so FSDP shards the block's own
-    attention and feed-forward with it and the scheme's parameters with the model's root. The
-    block steps through its ``view`` of the scheme (views.py), which ``torch.compile`` traces
-    as one graph for every block of a kind.
-
-    ``forward(state, **attention_kwargs) -> state``: the scheme's state in and out. Under tensor
-    parallelism (:meth:`apply_tp`) the state enters and leaves as plain tensors, the same on every
-    rank of the TP group, and is a replicated DTensor inside.
-    """
+    """Block ``block_idx``: OLMo-core's attention and feed-forward (sublayers ``2 b`` and ``2 b + 1``),
+    bare, run by the model's scheme (held by reference, so FSDP shards it with the root) through
+    the block's ``view`` of it (one compiled graph per kind of block). Under tensor parallelism
+    the state enters and leaves as plain tensors, a replicated DTensor inside."""
 
     _tp_mesh: DeviceMesh | None = None
 
@@ -378,20 +363,11 @@ def recompile_limit_for(n_blocks: int) -> int:
 
 
 class SchemeTransformer(Transformer):
-    """OLMo-core's ``Transformer`` whose blocks are :class:`SchemeBlock` and whose residual
-    scheme is ``self.scheme`` (any of :func:`siamesenorm.list_schemes`, built with ``norm``,
-    ``norm_eps`` and ``scheme_options``). The LM head must have no norm (the scheme's ``exit``
-    ends in the final norm). The other arguments are ``Transformer``'s.
-
-    Weight init is OLMo-core's (``init_method``, ``init_std``) for the embedding, attention,
-    feed-forward and head, and the scheme's own ``reset_parameters`` for its norms and mixing
-    parameters; where the scheme requires it (DeepNorm) the branch weights are then Xavier-normal
-    with its ``branch_gain``. Parallelism: FSDP/HSDP, DDP, tensor parallelism (the state
-    replicated over the TP group, :meth:`apply_tp`), context parallelism (the attention's; the
-    scheme works token by token on each rank's part of the sequence) and OLMo-core's activation
-    checkpointing. Not supported: pipeline parallelism (``PP_REFUSAL``), DDP together with TP,
-    named block patterns.
-    """
+    """OLMo-core's ``Transformer`` of :class:`SchemeBlock` blocks and the residual scheme
+    ``self.scheme`` (``scheme``, ``scheme_options``, ``norm``, ``norm_eps``); the LM head has no
+    norm. Init is OLMo-core's, the scheme's own, then the scheme's requirements. Parallelism:
+    FSDP/HSDP, DDP, TP (the state replicated), CP and activation checkpointing; not pipeline
+    parallelism, DDP with TP, or named block patterns."""
 
     def __init__(self, *, scheme: str = "pre", scheme_options: dict[str, Any] | None = None,
                  norm: str = "rmsnorm", norm_eps: float = 1e-5, d_model: int, n_layers: int,
@@ -431,16 +407,9 @@ class SchemeTransformer(Transformer):
     # ---- initialisation ----------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, **kwargs: Any) -> torch.Generator:
-        """OLMo-core's ``init_weights`` (which also resets the scheme), then the scheme's
-        requirements on the branch weights (:meth:`branch_weights`), applied as for our models by
-        :func:`~siamesenorm.models.host.honour_requirements` with OLMo-core's generator (DeepNorm:
-        Xavier-normal, gain ``branch_gain`` on v, out and the feed-forward; any other
-        ``branch_gain`` != 1 multiplies those weights).
-
-        Once FSDP or TP has made the scheme's parameters DTensors, a scheme's own
-        ``reset_parameters`` may not run on them (hyper-connections write plain tensors into
-        slices); the scheme is then reset by giving each DTensor its part of a freshly built
-        scheme's tensors."""
+        """OLMo-core's ``init_weights`` (the scheme reset with it: from a fresh build's tensors once
+        they are DTensors), then the scheme's requirements on :meth:`branch_weights` with
+        OLMo-core's generator."""
         scheme = self.scheme
         if any(isinstance(t, DTensor) for t in (*scheme.parameters(), *scheme.buffers())):
             # shadows the method during OLMo-core's reset of every module
@@ -530,24 +499,10 @@ class SchemeTransformer(Transformer):
         raise NotImplementedError(PP_REFUSAL)
 
     def apply_tp(self, tp_mesh: DeviceMesh, float8_enabled: bool | None = None) -> None:
-        """Tensor parallelism over ``tp_mesh``, with the scheme's state **replicated** over it.
-
-        OLMo-core's own blocks keep the residual stream sequence-sharded between blocks
-        (``Shard(1)``) and gather it inside each sublayer. Here every stream of the state (one
-        tensor, SiameseNorm's two, hyper-connections' stacked ones) is whole on every rank: a
-        ``Replicate()`` DTensor wherever the scheme computes (plain tensors between blocks, see
-        :meth:`SchemeBlock.apply_tp`):
-        the embedding's row-parallel lookup ends in an all-reduce, the scheme's norms and mixing
-        parameters are replicated DTensors, so ``enter``, ``step`` and ``exit`` run unchanged (and
-        whatever their layout of the streams) on whole tensors on every rank; each attention and
-        feed-forward takes the replicated input as it is and returns a replicated output (its
-        row-parallel projection all-reduces), and the LM head starts from the replicated
-        ``exit``. The price against sequence sharding: the scheme's elementwise work and the
-        state's memory are not divided by the TP degree, and each sublayer ends in an all-reduce
-        instead of a reduce-scatter (the matmuls, the bulk of the work, are split all the same).
-        The gain: no scheme needs a sharding rule of its own, and every parameter is a DTensor of
-        the TP mesh, as OLMo-core's gradient clipping, FSDP and checkpoints expect.
-        """
+        """Tensor parallelism over ``tp_mesh`` with every stream of the scheme's state whole on
+        every rank (a replicated DTensor where the scheme computes), rather than OLMo-core's
+        sequence sharding: no scheme needs a sharding rule, at the price of the scheme's
+        elementwise work undivided and an all-reduce per sublayer (docs/olmo-core.md)."""
         if self.embeddings is None or self.lm_head is None:
             raise NotImplementedError(PP_REFUSAL)
         if self.tie_word_embeddings and self.lm_head.loss_implementation == LMLossImplementation.fused_linear:
@@ -581,13 +536,8 @@ class SchemeTransformer(Transformer):
         super().apply_ddp(*args, **kwargs)
 
     def apply_compile(self) -> None:
-        """OLMo-core's per-block ``torch.compile``. Each block runs the scheme through its view
-        (:class:`~siamesenorm.olmo_core.views.SchemeBlockView`: the sublayer index symbolic, the
-        norms reached by reference), so blocks of one kind share a graph: one for every block of
-        Pre-Norm or SiameseNorm, two for Mix-LN or SpanNorm, one per block for AttnRes (each
-        block receives one more source). Dynamo's recompile limit is raised to cover one graph
-        per block all the same: at the default (8) the blocks past the eighth of a scheme with a
-        graph per block would run uncompiled, silently."""
+        """OLMo-core's per-block ``torch.compile``, Dynamo's recompile limit raised to one graph per
+        block (a scheme such as AttnRes has one per block; past the limit blocks run uncompiled)."""
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, recompile_limit_for(len(self.blocks)))
         super().apply_compile()
@@ -595,11 +545,8 @@ class SchemeTransformer(Transformer):
     def apply_activation_checkpointing(self, mode: TransformerActivationCheckpointingMode,
                                        block_interval: int | None = None,
                                        modules: list[str] | None = None, **kwargs: Any) -> None:
-        """OLMo-core's activation checkpointing; the wrapped blocks take and return the scheme's
-        state (a tensor or a tuple), which torch's non-reentrant checkpoint passes through.
-        ``selected_modules`` may name blocks or modules inside them, not the scheme: its norms
-        are read by ``scheme.step`` (fused), never called as modules, so wrapping them would
-        change the parameter names and checkpoint nothing."""
+        """OLMo-core's activation checkpointing; ``modules`` may not name the scheme's modules (its
+        norms are read by ``scheme.step``, not called: wrapping them checkpoints nothing)."""
         if mode == TransformerActivationCheckpointingMode.selected_modules:
             scheme_names = [n for n, _ in self.named_modules() if n == "scheme" or n.startswith("scheme.")]
             hit = sorted({p for p in modules or () for n in scheme_names if fnmatch(n, p)})
@@ -608,6 +555,22 @@ class SchemeTransformer(Transformer):
                                   "name blocks or their attention/feed_forward instead")
         super().apply_activation_checkpointing(mode, block_interval=block_interval, modules=modules,
                                                **kwargs)
+
+
+def _meta_scheme(scheme: str, d_model: int, n_layers: int, norm: str, eps: float,
+                 options: tuple) -> ResidualScheme:
+    """The scheme of a config on the meta device, built (its options checked) once per distinct
+    configuration: its requirements and parameter count are read from it."""
+    try:
+        return _cached_meta_scheme(get_scheme_class(scheme), d_model, n_layers, norm, eps, options)
+    except TypeError:       # an unhashable option value
+        return build_scheme(scheme, d_model, n_layers, norm=norm, eps=eps, device="meta", **dict(options))
+
+
+@lru_cache(maxsize=32)
+def _cached_meta_scheme(cls: type[ResidualScheme], d_model: int, n_layers: int, norm: str, eps: float,
+                        options: tuple) -> ResidualScheme:
+    return build_scheme(cls.name, d_model, n_layers, norm=norm, eps=eps, device="meta", **dict(options))
 
 
 @dataclass
@@ -623,13 +586,8 @@ class SchemeTransformerConfig(TransformerConfig):
     norm_eps: float = 1e-5
 
     def check_sizes(self, owner: str = "config") -> None:
-        """Refuse, in one line and before anything is built, sizes our ``LMConfig`` refuses: a
-        width, vocabulary, depth, head count, head size, hidden size, expert count or top-k that
-        is not a positive integer, more than :data:`~siamesenorm.models.config_checks.MAX_LAYERS`
-        blocks or :data:`~siamesenorm.models.config_checks.MAX_EXPERTS` experts, a block override
-        outside the depth. ``owner`` names the config in the message. What a config read from a
-        file (``import-olmo-core``'s config.json) says is checked here before OLMo-core resolves
-        its blocks (a list of ``n_layers`` configs: a billion never finishes)."""
+        """Refuse, in one line, sizes our ``LMConfig`` refuses (``owner`` names the config), before
+        OLMo-core resolves ``n_layers`` block configs."""
         for name in ("d_model", "vocab_size", "n_layers"):
             positive_int(owner, name, getattr(self, name))
         buildable(owner, self.n_layers, 0)
@@ -649,8 +607,8 @@ class SchemeTransformerConfig(TransformerConfig):
     def _scheme_on_meta(self) -> ResidualScheme:
         self.check_sizes()
         refuse_dyt(self.norm)
-        return build_scheme(self.scheme, self.d_model, self.n_layers, norm=self.norm,
-                            eps=self.norm_eps, device="meta", **self.scheme_options)
+        return _meta_scheme(self.scheme, self.d_model, self.n_layers, self.norm, self.norm_eps,
+                            tuple(self.scheme_options.items()))
 
     @property
     def resolved_block_configs(self) -> list[TransformerBlockConfig]:

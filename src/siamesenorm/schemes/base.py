@@ -1,22 +1,20 @@
 """The residual-scheme interface and its registry.
 
-A Transformer is an embedding, a stack of sublayers ``F_i`` (attention and MLP alternate, so sublayer
-``i`` belongs to block ``i // 2``) and a head. A :class:`ResidualScheme` is everything in between: how
-the residual stream(s) carry state from one sublayer to the next and where the norms sit. Every model
-runs the same loop and never branches on a scheme's name::
+A :class:`ResidualScheme` is everything between the embedding and the head: how the residual
+stream(s) carry state from sublayer to sublayer (attention at even ``i``, MLP at odd) and where
+the norms sit. Every model runs the same loop over bare sublayers::
 
     state = scheme.enter(h)
     for i, sublayer in enumerate(sublayers):
         state = scheme.step(state, i, sublayer)
     h = scheme.exit(state)
 
-``branch`` is the bare sublayer (attention or MLP with no norm around it); the scheme applies every
-norm itself. What a scheme needs from the sublayers (QKV-norm, an initialisation gain) it declares as
-data in :attr:`ResidualScheme.requires`, and the model builder honours it.
+What a scheme needs of the sublayers it declares in :attr:`ResidualScheme.requires`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from abc import ABC, abstractmethod
@@ -38,14 +36,9 @@ SUBLAYERS_PER_BLOCK = 2
 
 @dataclass(frozen=True)
 class SchemeRequirements:
-    """What a scheme asks of the model that hosts it.
-
-    Attributes:
-        qkv_norm_blocks: blocks whose attention must normalise q, k and v per head (HybridNorm).
-        init: ``None`` (the model's own initialisation) or ``"xavier"`` (DeepNorm).
-        branch_gain: multiplier on the initialisation of the value and output projections of
-            attention and of every MLP weight (DeepNorm's beta); 1.0 means unchanged.
-    """
+    """What a scheme asks of its host: per-head QKV-norm on ``qkv_norm_blocks`` (HybridNorm),
+    ``init`` ``None`` or ``"xavier"`` (DeepNorm), and a ``branch_gain`` on the initialisation of
+    the value and output projections and every MLP weight (DeepNorm's beta)."""
 
     qkv_norm_blocks: frozenset[int] = field(default_factory=frozenset)
     init: str | None = None
@@ -139,23 +132,13 @@ class Option:
 
 
 class ResidualScheme(nn.Module, ABC):
-    """Base class: owns every norm and mixing parameter of the residual path of one model.
+    """Owns every norm and mixing parameter of one model's residual path.
 
-    Args:
-        dim: model width.
-        n_layers: number of blocks; the scheme serves ``2 * n_layers`` sublayers.
-        norm: ``"layernorm"``, ``"rmsnorm"``, ``"dyt"`` or ``"derf"``, used for every norm the scheme owns.
-        eps: epsilon of those norms.
-        device, dtype: factory kwargs for the parameters.
-        **options: the scheme's options, declared in :attr:`options` (undeclared: refused; missing:
-            the default); every scheme has ``branch_affine`` and ``final_norm`` (docs/schemes.md,
-            "Options every scheme has").
-
-    A subclass declares its options in its ``options`` table (name -> :class:`Option`), takes
-    ``(dim, n_layers, **kwargs)``, calls ``super().__init__`` first and builds its parameters from the
-    attributes that hold the options. Attributes: ``dim``, ``n_layers``, ``eps``, ``norm_kind``,
-    ``branch_affine``, ``use_final_norm``, ``requires`` (:class:`SchemeRequirements`), and the class's
-    ``options`` (:meth:`all_options` merges them over the hierarchy).
+    Takes the host's ``dim``, ``n_layers`` (blocks; ``2 * n_layers`` sublayers), ``norm`` (a
+    :data:`~siamesenorm.nn.norms.NORM_KINDS`), ``eps``, ``device``, ``dtype``, and the options
+    its ``options`` table declares (name -> :class:`Option`; undeclared: refused, missing: the
+    default; ``branch_affine`` and ``final_norm`` for all). A subclass takes ``(dim, n_layers,
+    **kwargs)``, calls ``super().__init__`` first, and builds from the attributes holding them.
     """
 
     name: ClassVar[str] = ""
@@ -183,26 +166,14 @@ class ResidualScheme(nn.Module, ABC):
     def __init__(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
                  device=None, dtype=None, **options: Any) -> None:
         super().__init__()
-        declared = self.all_options()
-        _refuse_unknown(self.name, options, declared)
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
-            raise UserError(f"scheme {self.name!r}: dim must be a positive integer, got {dim!r}")
-        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
-            raise UserError(
-                f"scheme {self.name!r}: n_layers must be a positive integer, got {n_layers!r}")
-        if norm not in NORM_KINDS:
-            raise UserError(f"scheme {self.name!r}: unknown norm {norm!r}; "
-                              f"choose one of {', '.join(NORM_KINDS)}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not is_finite(eps) \
-                or not eps > 0:
-            raise UserError(f"scheme {self.name!r}: eps must be a positive finite number, got {eps!r}")
-        values = {k: o.check(self.name, k, options[k]) if k in options else o.default
-                  for k, o in declared.items()}
-        self.check_together(values, dim)
+        _checked = options.pop("_checked", None)    # a ResolvedScheme's options, checked there
+        if _checked is None:        # built directly: check it all here
+            check_host_args(self.name, dim, n_layers, norm, eps)
+            _checked = _resolve(type(self), options, dim).options
         self.dim, self.n_layers, self.norm_kind, self.eps = dim, n_layers, norm, float(eps)
-        for k, o in declared.items():
+        for k, o in self.all_options().items():
             if o.attr is not None:
-                setattr(self, o.attr or k, values[k])
+                setattr(self, o.attr or k, _checked[k])
         self._factory = {"device": device, "dtype": dtype}
         self.requires = SchemeRequirements()
 
@@ -220,6 +191,13 @@ class ResidualScheme(nn.Module, ABC):
         """Refuse options that pass their own checks but not together (or not with the model width
         ``dim``, when known); ``options`` holds the options given (the constructor gives them all,
         defaults filled in). Default: nothing to refuse."""
+
+    @classmethod
+    def count_parameters(cls, dim: int, n_layers: int, norm: str, options: Mapping[str, Any]) -> int:
+        """The parameters of the scheme at these sizes, with ``options`` already checked. Counted
+        on a meta-device build; a scheme with a closed form may override it."""
+        scheme = ResolvedScheme(cls, dict(options), dim).build(dim, n_layers, norm=norm, device="meta")
+        return sum(p.numel() for p in scheme.parameters())
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -322,14 +300,12 @@ def register_scheme(cls: type[ResidualScheme]) -> type[ResidualScheme]:
 
 
 def _declare_signature_options(cls: type[ResidualScheme]) -> None:
-    """Declare the options a scheme written before option tables takes as keyword-only arguments
-    of its ``__init__``, so that :func:`build_scheme` and :func:`scheme_options` know them: a new
-    one unchecked and not stored (its ``__init__`` keeps it), a declared one with the default the
-    signature gives it."""
+    """Declare the keyword-only arguments of an older scheme's ``__init__`` as options (a new one
+    unchecked and not stored, a declared one with the signature's default)."""
     declared = cls.all_options()
     found = {}
     for k, p in inspect.signature(cls.__init__).parameters.items():
-        if p.kind is not p.KEYWORD_ONLY or k in _HOST_ARGS:
+        if p.kind is not p.KEYWORD_ONLY or k in _NOT_OPTIONS:
             continue
         if k not in declared:
             found[k] = Option(p.default, _unchecked, attr=None)
@@ -354,7 +330,7 @@ def list_schemes() -> list[str]:
 def get_scheme_class(name: str) -> type[ResidualScheme]:
     try:
         return _REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):       # TypeError: an unhashable name
         raise UserError(f"unknown scheme {name!r}; choose one of {', '.join(_REGISTRY)}") from None
 
 
@@ -365,6 +341,7 @@ def get_scheme_class(name: str) -> type[ResidualScheme]:
 # has ``final_norm=False``).
 COMMON_OPTIONS = ("branch_affine", "final_norm")
 _HOST_ARGS = ("norm", "eps", "device", "dtype")
+_NOT_OPTIONS = (*_HOST_ARGS, "_checked")
 
 
 def scheme_options(name: str) -> dict[str, Any]:
@@ -374,33 +351,115 @@ def scheme_options(name: str) -> dict[str, Any]:
     return own | {k: options[k].default for k in COMMON_OPTIONS}
 
 
-def _refuse_unknown(name: str, options: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
-    """Raise :class:`UserError` naming the ``options`` not in ``declared`` and the valid ones."""
+def _refuse_unknown(name: str, options: Mapping[str, Any], declared: Mapping[str, Any],
+                    key: str = "") -> None:
+    """Name the ``options`` not in ``declared`` and the valid ones (``key``: where they were set)."""
     unknown = sorted(set(options) - set(declared))
-    if unknown:
-        raise UserError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; "
-                          f"its options are: {', '.join(sorted(declared)) or 'none'} (and norm, eps)")
+    if not unknown:
+        return
+    valid = ", ".join(sorted(declared)) or "none"
+    if key:
+        raise UserError(f"{key}.{unknown[0]}: scheme {name!r} has no option {unknown[0]!r}; its "
+                        f"options are: {valid}")
+    raise UserError(f"scheme {name!r} has no option {', '.join(map(repr, unknown))}; its options "
+                    f"are: {valid} (and norm, eps)")
+
+
+def check_host_args(name: str, dim: Any, n_layers: Any, norm: Any, eps: Any) -> None:
+    """What a scheme takes from its host: a width, a depth, a norm kind and its eps."""
+    for what, value in (("dim", dim), ("n_layers", n_layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"scheme {name!r}: {what} must be a positive integer, got {value!r}")
+    if norm not in NORM_KINDS:
+        raise UserError(f"scheme {name!r}: unknown norm {norm!r}; choose one of {', '.join(NORM_KINDS)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not is_finite(eps) or not eps > 0:
+        raise UserError(f"scheme {name!r}: eps must be a positive finite number, got {eps!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedScheme:
+    """A scheme's class and the value of every option (given, else the model's default, else the
+    scheme's), checked once for width ``dim``. Hosts build from it without checking again."""
+
+    cls: type[ResidualScheme]
+    options: dict[str, Any]
+    dim: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def build(self, dim: int, n_layers: int, *, norm: str = "layernorm", eps: float = 1e-5,
+              device=None, dtype=None) -> ResidualScheme:
+        """The scheme; ``dim``, ``n_layers``, ``norm`` and ``eps`` are the host's, checked there."""
+        if dim != self.dim:
+            self.cls.check_together(self.options, dim)
+        named, takes_checked = _signature(self.cls)
+        if takes_checked:
+            options = {k: self.options[k] for k in named} | {"_checked": self.options}
+        else:       # a scheme whose __init__ names every option checks them itself
+            options = dict(self.options)
+        return self.cls(dim, n_layers, norm=norm, eps=eps, device=device, dtype=dtype, **options)
+
+    def num_parameters(self, dim: int, n_layers: int, norm: str = "layernorm") -> int:
+        items = tuple(self.options.items())
+        try:
+            return _count(self.cls, dim, n_layers, norm, items)
+        except TypeError:       # an unhashable option value: not cached
+            return self.cls.count_parameters(dim, n_layers, norm, self.options)
+
+
+@functools.lru_cache(maxsize=64)
+def _count(cls: type[ResidualScheme], dim: int, n_layers: int, norm: str, items: tuple) -> int:
+    return cls.count_parameters(dim, n_layers, norm, dict(items))
+
+
+@functools.cache
+def _signature(cls: type[ResidualScheme]) -> tuple[tuple[str, ...], bool]:
+    """The options ``cls.__init__`` names as keyword-only arguments, and whether it passes other
+    keywords on to the base class (so takes ``_checked``)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    named = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _NOT_OPTIONS)
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _resolve(cls: type[ResidualScheme], given: Mapping[str, Any], dim: int | None,
+             defaults: Mapping[str, Any] | None = None, key: str = "") -> ResolvedScheme:
+    declared = cls.all_options()
+    _refuse_unknown(cls.name, given, declared, key)
+    given = {**(defaults or {}), **given}
+    values = {k: o.check(cls.name, k, given[k]) if k in given else o.default
+              for k, o in declared.items()}
+    cls.check_together(values, dim)
+    return ResolvedScheme(cls, values, dim)
+
+
+def resolve_scheme(name: str, options: Mapping[str, Any], dim: int | None = None, *,
+                   defaults: Mapping[str, Any] | None = None, key: str = "") -> ResolvedScheme:
+    """Check the scheme ``name`` and its ``options`` once (over the model's ``defaults``; with
+    the width ``dim`` when known): an unknown scheme, an unknown option or a bad value raises
+    :class:`UserError` (``key``, e.g. ``model.scheme_options``, names where they were set)."""
+    return _resolve(get_scheme_class(name), options, dim, defaults, key)
+
+
+def trusted_scheme(name: str, options: Mapping[str, Any], dim: int,
+                   defaults: Mapping[str, Any] | None = None) -> ResolvedScheme:
+    """The :class:`ResolvedScheme` of options checked before (a ``config.yaml`` this tool wrote),
+    filled with the defaults and not checked again."""
+    cls = get_scheme_class(name)
+    given = {**(defaults or {}), **options}
+    return ResolvedScheme(cls, {k: given.get(k, o.default) for k, o in cls.all_options().items()}, dim)
 
 
 def build_scheme(name: str, dim: int, n_layers: int, **options: Any) -> ResidualScheme:
-    """Build the scheme ``name``; an option it does not have is refused with its valid options."""
+    """Build the scheme ``name``, checking everything; an option it does not have is refused with
+    its valid options."""
+    host = {k: options.pop(k) for k in _HOST_ARGS if k in options}
     cls = get_scheme_class(name)
-    _refuse_unknown(name, {k: v for k, v in options.items() if k not in _HOST_ARGS}, cls.all_options())
-    return cls(dim, n_layers, **options)
+    check_host_args(name, dim, n_layers, host.get("norm", "layernorm"), host.get("eps", 1e-5))
+    return _resolve(cls, options, dim).build(dim, n_layers, **host)
 
 
-def check_scheme_options(name: str, options: Mapping[str, Any], dim: int | None = None) -> None:
-    """Check ``options`` (a configuration's ``scheme_options``) against the scheme ``name``'s
-    declared checks and :meth:`~ResidualScheme.check_together` (with the model width ``dim`` when
-    given), without building it: an unknown scheme, an unknown option or a bad value raises
-    :class:`UserError`."""
-    cls = get_scheme_class(name)
-    declared = cls.all_options()
-    unknown = sorted(set(options) - set(declared))
-    if unknown:
-        raise UserError(f"model.scheme_options.{unknown[0]}: scheme {name!r} has no option "
-                          f"{unknown[0]!r}; its options are: {', '.join(sorted(declared)) or 'none'}")
-    for option, spec in declared.items():  # the order the constructor checks in
-        if option in options:
-            spec.check(name, option, options[option])
-    cls.check_together(options, dim)
+def check_scheme_options(name: str, options: Mapping[str, Any], dim: int | None = None) -> ResolvedScheme:
+    """:func:`resolve_scheme` of a configuration's ``scheme_options``, nothing built."""
+    return resolve_scheme(name, options, dim, key="model.scheme_options")

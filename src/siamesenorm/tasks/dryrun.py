@@ -1,15 +1,7 @@
-"""``siamesenorm train PRESET [key=value ...] --dry-run [--nproc N]``: a run's size and cost, with
-no data, no memory and nothing written.
-
-:func:`dry_run` loads nothing but the configuration: the task's ``build_model`` builds the model on
-the ``meta`` device with the sizes the configuration gives, and it returns plain numbers
-(parameters, FLOPs per token, tokens per step, memory per rank under DDP and FSDP2 for each
-activation-checkpointing mode); :func:`format_dry_run` prints them as a table, with this machine's
-device memory when it is present. Sizes no machine builds are refused before building, from the
-configuration alone (``estimated_parameters``, :func:`~siamesenorm.models.config_checks.buildable`).
-A real run is refused up front by :func:`check_fits` when :func:`memory_floor` (arithmetic on the
-sizes) exceeds the device's memory :data:`MEMORY_MARGIN` times over. Each figure's formula and what
-is left out: docs/scaling.md, "Sizing a run before it starts".
+"""``siamesenorm train PRESET [key=value ...] --dry-run [--nproc N]``: a run's size and cost from
+its configuration alone: the model built on the meta device, plain numbers (:func:`dry_run`) and a
+table (:func:`format_dry_run`). :func:`check_fits` refuses a real run whose :func:`memory_floor`
+exceeds the device's memory :data:`MEMORY_MARGIN` times over. Formulas: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -116,16 +108,9 @@ def _memory(engine: str, n: int, p: int, unsharded: int, bf16: bool,
 
 
 def dry_run(cfg: Any, nproc: int | None = None) -> dict[str, Any]:
-    """The size and cost of the run ``cfg`` (a task's run configuration) at ``nproc`` ranks
-    (:func:`world_size`), from a model built on the meta device; nothing is loaded or written.
-
-    Keys: ``task``, ``nproc``, ``precision``, ``parameters`` (:func:`parameter_counts`),
-    ``shard_groups``, ``seq_len``, ``flops_per_token`` (None where the model gives none),
-    ``tokens_per_sample``, ``tokens_per_step``, ``steps``, ``tokens``, ``flops``,
-    ``activations`` (bytes per checkpointing mode), ``memory`` (one dict per column: ``engine``
-    ``none``, ``ddp`` or ``fsdp``, ``nproc``, the byte terms, ``total`` per checkpointing mode),
-    ``configured`` (``parallel``, ``activation_checkpointing``, ``total`` bytes per rank).
-    """
+    """The size and cost of the run ``cfg`` at ``nproc`` ranks, from a model built on the meta
+    device: parameters, FLOPs and tokens per step, and memory per rank under each engine and
+    activation-checkpointing mode (keys: see the return value); nothing is loaded or written."""
     n = world_size(nproc)
     task = get_task(cfg.task)
     engine = parallel_mode(cfg.train.parallel, World(size=n))   # refuses parallel=none at n > 1
@@ -182,15 +167,10 @@ MEMORY_MARGIN = 2
 
 
 def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
-    """A lower bound on the bytes one process of the run ``cfg`` needs, from its sizes alone
-    (nothing is built, so it costs nothing at any size): ``parameters`` (the estimate of the
-    model configuration's ``estimated_parameters``), ``states`` (fp32 weights, gradients and two
-    AdamW moments: 16 bytes a parameter, sharded over the ranks under FSDP2), ``buffers`` (a
-    language model's rotary tables, ``max_seq_len x head_dim`` fp32 per layer), ``activations``
-    (each sublayer keeps at least its input for backward, one micro-batch in the compute dtype,
-    and a language model its fp32 logits) and ``total``. ``parameters`` counts the scheme's own
-    (norms, mixing maps: a multi-stream scheme's grow as n^2), built on the meta device. Left out:
-    the blocks' norms, every other saved tensor, the framework's own memory."""
+    """A lower bound on the bytes one process of ``cfg`` needs, from its sizes alone:
+    ``parameters`` (the estimate plus the scheme's own), ``states`` (16 bytes a parameter, sharded
+    under FSDP2), ``buffers``, ``activations`` (each sublayer's input, a language model's fp32
+    logits) and ``total``. Left out: the blocks' norms, other saved tensors, the framework."""
     m = cfg.model
     params = m.estimated_parameters() + _scheme_parameters(m)
     engine = parallel_mode(cfg.train.parallel, World(size=world_size))
@@ -205,11 +185,8 @@ def memory_floor(cfg: Any, world_size: int = 1) -> dict[str, int]:
 
 
 def _scheme_parameters(m: Any) -> int:
-    """The parameters of the model's residual scheme, counted on the meta device (no memory)."""
-    from ..schemes import build_scheme
-
-    scheme = build_scheme(m.scheme, m.dim, m.n_layers, device="meta", **m.scheme_options)
-    return sum(p.numel() for p in scheme.parameters())
+    """The parameters of the model's residual scheme, counted by its class."""
+    return m.resolved_scheme.num_parameters(m.dim, m.n_layers, m.norm)
 
 
 def _bytes(n: int) -> str:

@@ -1,17 +1,9 @@
 """One training run of any task, from a resolved configuration to a finished run folder.
 
-A :class:`Run` claims its folder once (the lock, then the "already holds a run" refusal or the
-resume checks, then clearing a run this tool marked that stopped before its first checkpoint, then
-marking a fresh run's folder as its own), prepares it (the data, the configuration fitted to it,
-``config.yaml`` and the task's assets), and trains: the model built
-from ``seed``, the engine (:func:`siamesenorm.train.train`), and with the probes on
-(``analysis.every > 0`` and ``analysis.at_end``) the analysis of the final model. What differs
-between tasks comes from their :class:`~.spec.Task`.
-
-Across processes: under a launcher that starts the command in every rank (``torchrun``), rank 0
-claims and prepares while the others wait, then every rank trains. ``--nproc`` is thinner: this
-process claims and prepares, then starts the ranks on the prepared folder
-(:mod:`siamesenorm.tasks.worker`), which read its ``config.yaml`` and only train.
+A :class:`Run` claims its folder once (the lock, then the refusals, then clearing what a stopped run
+of ours left), prepares it (data, the configuration fitted to it, ``config.yaml``, the task's
+assets) and trains. Across processes rank 0 claims and prepares; with ``--nproc`` this process does,
+then starts ranks (:mod:`.worker`) that read its ``config.yaml`` and only train.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from typing import Any
 import torch
 
 from ..analysis import TrainingProbes, analyze_model, write_analysis
-from ..config import dump_config
+from ..config import build_config, dump_config
 from ..devices import deterministic, environment, resolve_device
 from ..errors import UserError
 from ..locks import check_free, folder_lock
@@ -50,16 +42,9 @@ RESUME_SETTINGS = ("train.steps", "train.eval_every", "train.checkpoint_every", 
 
 
 class Run:
-    """The run folder ``run_dir`` of one run, and what it takes to train into it.
-
-    ``resume``: continue the run there from its own ``config.yaml``. ``command`` names the holder
-    in the lock (``train``, ``compare``). ``restart``: a fresh run may replace what an unfinished
-    earlier attempt of this tool left there (compare's own run folders; only the files a run
-    writes are deleted); otherwise a folder that already holds a run, or that holds anything but a
-    run this tool marked and that stopped before its first checkpoint, is refused.
-    ``allow_data_change``: a resumed run whose data's record (the corpus fingerprint) differs from
-    the one it started with goes on, with a warning, keeping both records; otherwise it is refused.
-    """
+    """The run folder ``run_dir`` of one run. ``resume``: continue it from its ``config.yaml``;
+    ``command`` names the lock's holder; ``restart``: replace an unfinished earlier attempt of this
+    tool (only its files); ``allow_data_change``: resume on changed data, with a warning."""
 
     def __init__(self, run_dir: str | Path, *, resume: bool = False, command: str = "train",
                  restart: bool = False, allow_data_change: bool = False) -> None:
@@ -231,17 +216,10 @@ def _difference(before: Any, now: Any, where: str = "data") -> str:
 def run_task(cfg: Any, run_dir: str | Path, *, resume: bool = False, progress: bool | None = None,
              data: TaskData | None = None, command: str = "train", restart: bool = False,
              allow_data_change: bool = False, changes: list[str] | None = None) -> dict:
-    """Train ``cfg`` into ``run_dir`` (or continue the run there with ``resume``, from its own
-    ``config.yaml``; ``cfg`` is then ignored); returns the summary. ``data``: the data of ``cfg``'s
-    setting, already loaded, with ``cfg`` fitted to it (compare loads each setting once). Every
-    refusal comes before anything is written; a fresh run refuses a folder that already holds one
-    (unless ``restart``). ``changes`` (with ``resume``): overrides of :data:`RESUME_SETTINGS`
-    (``train.steps=N`` trains the run further), recorded in the run.
-
-    Under a launcher that runs this in every process, rank 0 claims and prepares the folder while
-    the others wait; they then load the data as a resumed run does (the saved tokenizer) and all
-    train one model together. A refusal on rank 0 is raised on every rank.
-    """
+    """Train ``cfg`` into ``run_dir`` (``resume``: continue the run there from its own config,
+    with ``changes`` to :data:`RESUME_SETTINGS`); returns the summary. ``data``: already loaded,
+    ``cfg`` fitted to it. Every refusal comes before anything is written. Under a launcher rank 0
+    claims and prepares while the others wait, then all train one model."""
     run = Run(run_dir, resume=resume, command=command, restart=restart,
               allow_data_change=allow_data_change)
     old = None
@@ -312,7 +290,7 @@ def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = 
     holds) in ``run_dir``, from its ``config.yaml``. ``data``: the run's data as its launcher
     loaded it (compare's workers), to which ``config.yaml`` is fitted already."""
     run = Run(run_dir, resume=resume, allow_data_change=allow_data_change)
-    cfg = saved_config(run.run_dir, f"{run.run_dir} holds no config.yaml")
+    cfg = _fitted_config(run.folder)
     world, device = init_world(cfg.train.device)
     try:
         if data is None:
@@ -322,6 +300,14 @@ def train_prepared(run_dir: str | Path, resume: bool, allow_data_change: bool = 
         return run.train(cfg, data, world, device, progress=None)
     finally:
         leave_world(world)
+
+
+def _fitted_config(folder: RunDir) -> Any:
+    """The ``config.yaml`` the launcher checked, fitted and wrote, read without checking it again."""
+    if not folder.config.is_file():
+        raise UserError(f"{folder.path} holds no config.yaml")
+    classes = {name: task.config_class for name, task in TASKS.items()}
+    return build_config(classes, str(folder.config), trusted=True)
 
 
 def check_distributed(cfg: Any, world: World) -> None:
