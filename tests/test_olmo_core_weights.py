@@ -160,3 +160,13 @@ def test_the_docs_recipe_runs(tmp_path, monkeypatch):
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "docs/olmo-core.md", "exec"), {"__name__": "__docs__"})
+
+
+def test_a_block_override_of_another_placement_is_refused():
+    """One block placing its norms otherwise than the rest would be computed in the scheme's one
+    placement, silently unlike the stock model: refused."""
+    user = olmo2_like(Block.default)
+    other = replace(user.block, name=Block.reordered_norm)
+    with pytest.raises(UserError, match=r"block_overrides\[1\]\.name=reordered_norm places its norms unlike"):
+        from_transformer_config(replace(user, block_overrides={1: other}), "pre")
+    assert from_transformer_config(replace(user, block_overrides={1: user.block}), "siamese") is not None

@@ -67,6 +67,10 @@ def _norm_kind(norm: LayerNormConfig | None, where: str) -> tuple[str, float]:
                     "default (LayerNorm)")
 
 
+def _placement(name: Any) -> tuple[str, dict]:
+    return OWN_SCHEME.get(name, ""), OWN_OPTIONS.get(name, {})
+
+
 def _block(block: Any, where: str) -> tuple[SchemeBlockConfig, tuple[str, float]]:
     if isinstance(block, SchemeBlockConfig):
         raise UserError(f"{where} is already a SchemeBlockConfig; give the user's TransformerConfig")
@@ -109,6 +113,10 @@ def from_transformer_config(config: TransformerConfig, scheme: str,
     overrides = {}
     for i, other in sorted((config.block_overrides or {}).items()):
         overrides[i], other_kind = _block(other, f"config.block_overrides[{i}]")
+        if _placement(other.name) != _placement(config.block.name):
+            raise UserError(f"config.block_overrides[{i}].name={other.name!s} places its norms unlike "
+                            f"config.block.name={config.block.name!s}: a scheme places every block's norms "
+                            "one way")
         if other_kind != kind:
             raise UserError(f"config.block_overrides[{i}].layer_norm is {other_kind[0]} eps={other_kind[1]}, "
                             f"config.block's {kind[0]} eps={kind[1]}: a scheme has one norm kind")
