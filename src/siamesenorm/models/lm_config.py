@@ -285,6 +285,10 @@ def _rope_theta(c: LMConfig) -> int | float:
     return int(c.rope_theta) if float(c.rope_theta).is_integer() else c.rope_theta
 
 
+# The check of both value-residual weights.
+_VR_WEIGHT = check.Bounded(-MAX_VALUE_RESIDUAL_WEIGHT, MAX_VALUE_RESIDUAL_WEIGHT, low_open=False,
+                           what=" (a weight on a layer's values; the paper's is 0.5)")
+
 @dataclass(frozen=True)
 class LMConfig:
     """Decoder-only Transformer language model; each field's declaration says what it does.
@@ -387,13 +391,11 @@ class LMConfig:
                                        needs="value_residual", family=Refused(_OWN_ATTENTION),
                                        olmo_core=Refused(_NO_FIRST_VALUES))
     value_residual_own: float = lm_field(
-        0.5, check=check.Bounded(-MAX_VALUE_RESIDUAL_WEIGHT, MAX_VALUE_RESIDUAL_WEIGHT, low_open=False,
-                                 what=" (a weight on a layer's values; the paper's is 0.5)"),
+        0.5, check=_VR_WEIGHT,
         owner=_M, needs="value_residual", family=Refused(_OWN_ATTENTION),
         olmo_core=Refused(_NO_FIRST_VALUES))
     value_residual_first: float = lm_field(
-        0.5, check=check.Bounded(-MAX_VALUE_RESIDUAL_WEIGHT, MAX_VALUE_RESIDUAL_WEIGHT, low_open=False,
-                                 what=" (a weight on a layer's values; the paper's is 0.5)"),
+        0.5, check=_VR_WEIGHT,
         owner=_M, needs="value_residual", family=Refused(_OWN_ATTENTION),
         olmo_core=Refused(_NO_FIRST_VALUES))
     depth_attention: bool = lm_field(
