@@ -289,6 +289,7 @@ def _rope_theta(c: LMConfig) -> int | float:
 _VR_WEIGHT = check.Bounded(-MAX_VALUE_RESIDUAL_WEIGHT, MAX_VALUE_RESIDUAL_WEIGHT, low_open=False,
                            what=" (a weight on a layer's values; the paper's is 0.5)")
 
+
 @dataclass(frozen=True)
 class LMConfig:
     """Decoder-only Transformer language model; each field's declaration says what it does.
