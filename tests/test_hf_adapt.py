@@ -666,7 +666,8 @@ def test_refusals_are_one_line_config_errors():
     for kwargs, match in [({"scheme": "nope"}, "unknown scheme 'nope'"),
                           ({"scheme": "pre", "form": "hybrid_pre"}, "has no option 'form'"),
                           ({"scheme": "siamese", "form": "bad"}, "form='bad'"),
-                          ({"scheme": "pre", "norm": "layernorm"}, "norm")]:
+                          ({"scheme": "pre", "norm": "batchnorm"}, "norm must be one of"),
+                          ({"scheme": "pre", "eps": 1e-6}, "eps come")]:
         with pytest.raises(ConfigError, match=match) as e:
             H.adapt(cfg, **kwargs)
         assert "\n" not in str(e.value)

@@ -23,8 +23,9 @@ from ..errors import UserError
 from ..models.host import BranchWeight, honour_requirements, needs_qkv_norm
 from ..models.stack import ResidualStack, hidden_at
 from ..nn.attention import HEAD_NORMED, HeadNormedAttention, head_norm, head_norm_name
+from ..nn.depth_attention import DepthKeysValues, DepthMixedValues, check_depth_attention, depth_stride
 from ..nn.legacy import LegacyStateNames
-from ..nn.norms import LayerNorm
+from ..nn.norms import NORM_KINDS, LayerNorm, build_norm, set_llm_dyt_alpha0
 from ..schemes.base import ResidualScheme, build_scheme
 from .common import BaseConfig, SchemeCheckpointing, cache_keyword, derive_buffers, load_legacy_names
 from .families import FAMILIES, Family
@@ -147,6 +148,29 @@ def _head_normed_class(attention: type) -> type:
     return _ATTENTION_CLASSES[name]
 
 
+def _depth_class(attention: type, family: Family) -> type:
+    """``attention`` with :class:`DepthMixedValues` mixed in, rotating q and k by the family's RoPE."""
+    name = attention.__name__.replace("Attention", "DepthAttention")
+    if name not in _ATTENTION_CLASSES:
+        module = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+        cls = type(name, (DepthMixedValues, attention),
+                   {"__module__": __name__, "depth_rotation": staticmethod(module.apply_rotary_pos_emb)})
+        globals()[name] = _ATTENTION_CLASSES[name] = cls          # importable by name (pickling)
+    return _ATTENTION_CLASSES[name]
+
+
+def _replace_qk_norms(attn: nn.Module, kind: str, eps: float, ref: Tensor) -> None:
+    """The family's QK-norms (per head or over the whole width) as norms of ``kind``, as our
+    attention's QK-norm is."""
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if isinstance(norm, nn.Module):
+            weight = getattr(norm, "weight", None)
+            width = weight.shape[-1] if isinstance(weight, Tensor) else attn.head_dim
+            setattr(attn, name, build_norm(kind, width, eps, role="attention", device=ref.device,
+                                           dtype=ref.dtype))
+
+
 def _mark_initialised(module: nn.Module) -> None:
     """Keep transformers' ``post_init`` from initialising these modules again."""
     for m in module.modules():
@@ -188,6 +212,9 @@ class _SchemeModel:
         self.stack = stack
         self.layer_types = _layer_types(self.family, config)
         self.gradient_checkpointing = False
+        spec = _spec_of(config)
+        self.depth_stride = depth_stride(spec["depth_attention_stride"], config.num_hidden_layers) \
+            if spec["depth_attention"] else None
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -239,6 +266,8 @@ class _SchemeModel:
         states: list | None = [] if output_hidden_states else None
         attention_kwargs = {"position_embeddings": position_embeddings, "position_ids": position_ids,
                             _CACHE_ARG: cache, "use_cache": use_cache, **kwargs}
+        if self.depth_stride is not None:       # the source layers' keys and values, for the later ones
+            attention_kwargs["depth_kv"] = DepthKeysValues(self.depth_stride)
         layer_types = self.layer_types
 
         def wrap(i: int, branch: Any) -> Any:
@@ -247,8 +276,9 @@ class _SchemeModel:
             kind = layer_types[scheme.block_of(i)]
             mask = masks[kind]
             if rope is not None:
-                return lambda u: branch(u, attention_mask=mask, position_embeddings=rope[kind])[0]
-            return lambda u: branch(u, attention_mask=mask)[0]   # the family's attention: (out, w)
+                return lambda u, **kw: branch(u, attention_mask=mask, position_embeddings=rope[kind],
+                                              **kw)[0]
+            return lambda u, **kw: branch(u, attention_mask=mask, **kw)[0]  # the family's: (out, w)
 
         h = self.stack.run(inputs_embeds, attention_kwargs=attention_kwargs, wrap=wrap,
                            states=states)
@@ -299,27 +329,33 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
         ref = src_model.embed_tokens.weight
         meta = ref.device.type == "meta"
         layers = src_model.layers[:config.num_hidden_layers]
-        norm, eps = ("layernorm", 1e-5) if family.norm == "olmo" else ("rmsnorm", config.rms_norm_eps)
-        if getattr(config, "use_bidirectional_attention", False):
-            raise UserError(f"adapt: {config.model_type} with use_bidirectional_attention is not "
-                            f"supported (a causal LM's masks only)")
+        own_norm, eps = _family_norm(family, config)
+        norm = spec["norm"] or own_norm
+        _refuse_for_family(config, spec)
         scheme = build_scheme(spec["scheme"], config.hidden_size, len(layers), norm=norm, eps=eps,
                               device=ref.device, dtype=ref.dtype, **spec["scheme_options"])
-        if family.norm == "olmo":
+        bare = family.norm == "olmo" and norm == own_norm       # OLMo's norms have no parameters
+        if bare:
             _drop_norm_parameters(scheme)
         sublayers: list[nn.Module] = []
         for b, layer in enumerate(layers):
             attn = _own_tree(layer.self_attn, config)
+            if norm != own_norm:
+                _replace_qk_norms(attn, norm, eps, ref)
             if needs_qkv_norm(scheme, b):
                 attn.__class__ = _head_normed_class(type(attn))
                 for name in HEAD_NORMED:
                     if name != "v_proj" and getattr(attn, f"{name[0]}_norm", None) is not None:
                         continue          # the family normalises q and k already (QK-norm)
-                    per_head = head_norm(norm, attn.head_dim, eps, affine=family.norm != "olmo",
-                                         device=ref.device, dtype=ref.dtype)
+                    per_head = head_norm(norm, attn.head_dim, eps, affine=not bare, device=ref.device,
+                                         dtype=ref.dtype)
                     attn.add_module(head_norm_name(name), per_head)
+            if spec["depth_attention"]:
+                attn.__class__ = _depth_class(type(attn), family)
             sublayers += [attn, _own_tree(layer.mlp, config)]
         stack = _scheme_stack(scheme, sublayers)
+        if norm == "dyt" and not meta:      # the DyT paper's LLM alpha0, as our language model's
+            set_llm_dyt_alpha0(stack, config.hidden_size)
         if not meta:              # initialised already: the family's or the scheme's own values
             for module in (stack, src_model.embed_tokens, src_model.rotary_emb, lm_head):
                 _mark_initialised(module)
@@ -331,8 +367,10 @@ class _SchemeCausalLM(SavesItsCode, SchemeCheckpointing):
             src_model, "_output_capturing_hooks_installed", False)      # a copy's copied hooks
         self.model, self.lm_head = base, lm_head
         self.post_init()
-        # norms with a model norm's role start as copies of it (after post_init, which would reset)
-        _copy_role_norms(scheme, family, layers, src_model.norm)
+        # norms with a model norm's role start as copies of it (after post_init, which would reset);
+        # norms of another kind than the family's start at their own initialisation
+        if norm == own_norm:
+            _copy_role_norms(scheme, family, layers, src_model.norm)
         if source is None and not meta:       # the family's init, then the scheme's requirements
             honour_requirements(_branch_weights(stack.sublayers), scheme.requires)
         load_legacy_names(self)               # folders of an earlier layout load (QKV-norm)
@@ -369,14 +407,52 @@ def _spec_of(config: Any) -> dict:
         raise UserError(f"config.siamesenorm.scheme_options must be a mapping of option names to "
                         f"values, got {type(options).__name__}")
     _refuse_host_options(options, getattr(config, "model_type", "the family"))
-    return {"scheme": spec["scheme"], "scheme_options": dict(options)}
+    out = {"scheme": spec["scheme"], "scheme_options": dict(options), "norm": spec.get("norm"),
+           "depth_attention": spec.get("depth_attention", False),
+           "depth_attention_stride": spec.get("depth_attention_stride")}
+    _check_model_options(out, "config.siamesenorm: ")
+    return out
+
+
+def _check_model_options(spec: dict, where: str) -> None:
+    if spec["norm"] is not None and spec["norm"] not in NORM_KINDS:
+        raise UserError(f"{where}norm must be one of {', '.join(NORM_KINDS)} (or None: the family's "
+                        f"own), got {spec['norm']!r}")
+    try:
+        check_depth_attention(spec["depth_attention"], spec["depth_attention_stride"], owner="",
+                              true="True")
+    except UserError as error:
+        raise UserError(f"{where}{error}") from None
+
+
+def _family_norm(family: Family, config: Any) -> tuple[str, float]:
+    """The family's own norm kind (Gemma's ``1 + w`` RMSNorm is our RMSNorm) and eps."""
+    return ("layernorm", 1e-5) if family.norm == "olmo" else ("rmsnorm", config.rms_norm_eps)
+
+
+def _refuse_for_family(config: Any, spec: dict) -> None:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UserError(f"adapt: {config.model_type} with use_bidirectional_attention is not "
+                        f"supported (a causal LM's masks only)")
+    if spec["depth_attention"] and getattr(config, "clip_qkv", None) is not None:
+        raise UserError(f"adapt: depth_attention with {config.model_type}'s clip_qkv="
+                        f"{config.clip_qkv} is not supported: the family clips q, k and v after the "
+                        "projections, where Depth-Attention mixes the values; set clip_qkv=None")
+
+
+# our language model's value residual (its options too), which adapt does not carry into a family
+_VALUE_RESIDUAL = ("value_residual", "value_residual_mix", "value_residual_own", "value_residual_first")
 
 
 def _refuse_host_options(options: dict, model_type: str) -> None:
-    taken = sorted({"norm", "eps", "device", "dtype"} & set(options))
+    taken = sorted({"eps", "device", "dtype"} & set(options))
     if taken:
         raise UserError(f"adapt: {', '.join(taken)} come(s) from the {model_type} configuration, not "
                         "from scheme options")
+    for name in _VALUE_RESIDUAL:
+        if name in options:
+            raise UserError(f"adapt: {name} is not available in a Hugging Face family (its attention "
+                            "takes no first layer's values; LanguageModel and ResidualStack have it)")
 
 
 def adapted_class(model_type: str) -> type:
@@ -411,15 +487,16 @@ def adapted_class(model_type: str) -> type:
 
 
 # ---- the API -------------------------------------------------------------------------------------
-def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
+def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False, norm: str | None = None,
+          depth_attention: bool = False, depth_attention_stride: int | None = None,
           **scheme_options: Any) -> PreTrainedModel:
     """A causal LM of the family of ``config_or_model`` whose residual path is ``scheme``.
 
     From a configuration: a fresh model, the family's init. From a causal LM: built from a copy of its
     modules (``share=True``: the modules themselves, so training one trains both); ``adapt(model,
-    "pre")`` computes what ``model`` computes. ``scheme_options`` are the scheme's; the norm and eps
-    are the family's. Raises ``UserError`` (one line) for an unsupported family, an unknown scheme or
-    a bad option."""
+    "pre")`` computes what ``model`` computes. ``scheme_options`` are the scheme's; ``norm`` (default:
+    the family's) replaces every norm, QK-norms too; ``depth_attention`` as our language model's.
+    Raises ``UserError`` (one line) for an unsupported family, scheme or option."""
     _need_transformers5()
     if isinstance(config_or_model, BaseConfig):
         config, source = copy.deepcopy(config_or_model), None
@@ -438,11 +515,18 @@ def adapt(config_or_model: Any, scheme: str = "siamese", *, share: bool = False,
         raise UserError(f"adapt takes a {family.causal_lm} (or its configuration); got "
                           f"{type(source).__name__}")
     _refuse_host_options(scheme_options, config.model_type)
+    model_options = {"norm": norm, "depth_attention": depth_attention,
+                     "depth_attention_stride": depth_attention_stride}
+    _check_model_options(model_options, "adapt: ")
+    if norm == _family_norm(family, config)[0]:
+        model_options["norm"] = None                  # the family's own
+    _refuse_for_family(config, model_options)
     # every check of the scheme and its options (one-line UserErrors), on the meta device
     build_scheme(scheme, config.hidden_size, config.num_hidden_layers, device="meta",
-                 **scheme_options)
+                 norm=model_options["norm"] or "rmsnorm", **scheme_options)
     config = to_scheme_config(config)
-    config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)}
+    config.siamesenorm = {"scheme": scheme, "scheme_options": dict(scheme_options)} | {
+        k: v for k, v in model_options.items() if v not in (None, False)}
     if source is None:
         return cls(config)
     out = cls(config, source=source if share else copy.deepcopy(source), shared=share)

@@ -71,6 +71,7 @@ def model_card(model: Any, name: str, tokenizer: bool) -> str:
         "names the scheme).",
         f"- Scheme: `{spec['scheme']}`, {scheme.paper}; options: {options}.",
         f"- Equation: `{scheme.summary}`",
+        *_model_options(spec),
         f"- Size: {sum(p.numel() for p in model.parameters()):,} parameters; "
         f"{config.num_hidden_layers} blocks, width {config.hidden_size}, "
         f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}.",
@@ -91,3 +92,11 @@ def model_card(model: Any, name: str, tokenizer: bool) -> str:
               "`from_pretrained(path)` then uses the installed code, with or without "
               "`trust_remote_code`.", ""]
     return "\n".join(lines)
+
+
+def _model_options(spec: dict) -> list[str]:
+    out = [f"- Norms: `{spec['norm']}` in place of the family's, QK-norms too."] if spec.get("norm") else []
+    if spec.get("depth_attention"):
+        stride = spec.get("depth_attention_stride") or "half the layers"
+        out.append(f"- Depth-Attention (arXiv 2606.05014), stride {stride}.")
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -9,7 +10,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
+from ..nn.attention import Attention
 from ..nn.carrier import LayerCarrier
+from ..nn.depth_attention import DepthKeysValues, check_depth_attention, depth_stride
+from ..nn.value_residual import FirstValues
 from ..schemes.base import SUBLAYERS_PER_BLOCK, ResidualScheme, build_scheme
 from ..schemes.fusion import settled
 from .checkpointing import carrying_step, set_scheme_checkpointing
@@ -34,13 +39,18 @@ class ResidualStack(nn.Module):
     """A residual scheme around bare sublayers, attention at even indices and MLP at odd ones.
 
     ``scheme`` is a built scheme or a name, built with ``dim`` (required then), ``norm``, ``eps`` and
-    ``options``. Attention of your own must honour ``scheme.requires`` (QKV-norm). The package's
-    models subclass it (``ResidualStack()``, no arguments) and call :meth:`run`."""
+    ``options``. Attention of your own must honour ``scheme.requires`` (QKV-norm). ``depth_attention``
+    and ``value_residual`` hand every attention sublayer ``depth_kv`` or ``first_values`` per forward
+    (docs/own_model.md). The package's models subclass it (``ResidualStack()``) and call :meth:`run`."""
+
+    carried: tuple[tuple[str, Callable[[], LayerCarrier]], ...] = ()   # made per forward, by keyword
 
     def __init__(self, scheme: ResidualScheme | str | None = None,
                  sublayers: Sequence[nn.Module | Callable[..., Tensor]] | None = None, *,
                  dim: int | None = None, norm: str = "layernorm", eps: float = 1e-5,
-                 checkpointing: str = "none", **options: Any) -> None:
+                 checkpointing: str = "none", depth_attention: bool = False,
+                 depth_attention_stride: int | None = None, value_residual: bool = False,
+                 **options: Any) -> None:
         super().__init__()
         if scheme is None and sublayers is None:
             return       # a subclass sets both itself
@@ -71,6 +81,8 @@ class ResidualStack(nn.Module):
                              f"got {len(sublayers)} sublayers")
         self.scheme = scheme
         self.sublayers = nn.ModuleList(s if isinstance(s, nn.Module) else _Function(s) for s in sublayers)
+        self.carried = _layer_carriers(scheme, self.sublayers, depth_attention, depth_attention_stride,
+                                       value_residual)
         self.set_checkpointing(checkpointing)
 
     def set_checkpointing(self, mode: str) -> None:
@@ -89,6 +101,8 @@ class ResidualStack(nn.Module):
             raise ValueError(f"ResidualStack: the input's last dimension is {h.shape[-1]}, the scheme's "
                              f"width (dim) is {scheme.dim}")
         bound = dict(attention_kwargs or {})
+        for name, make in self.carried:
+            bound.setdefault(name, make())
         carriers = {name: bound.pop(name) for name, value in list(bound.items())
                     if isinstance(value, LayerCarrier)}
         state = scheme.enter(h)
@@ -105,6 +119,10 @@ class ResidualStack(nn.Module):
                 state = scheme.step(state, i, branch)
             if states is not None and not attention:
                 states.append(state)
+        for name, _ in self.carried:
+            if not carriers[name].held and not torch.compiler.is_compiling():
+                raise UserError(f"ResidualStack: no attention sublayer used {name}; "
+                                f"{_CARRIED_USE[name]}")
         return scheme.exit(state)
 
     def forward(self, h: Tensor, **kwargs: Any) -> Tensor:
@@ -113,6 +131,60 @@ class ResidualStack(nn.Module):
             return self.run(h, **kwargs)
         wrap = _width_checked(self.scheme.dim, self.sublayers, kwargs.pop("wrap", None))
         return self.run(h, **kwargs, wrap=wrap)
+
+
+# ---- what attention layers hand to later ones --------------------------------------------------
+_CARRIED_USE = {"depth_kv": "with depth_attention=True each attention sublayer takes depth_kv and mixes "
+                            "its values with depth_kv.mix(block, q, k, v) (docs/own_model.md)",
+                "first_values": "with value_residual=True each attention sublayer takes first_values "
+                                "(siamesenorm.nn.attention.Attention(value_residual=...) does)"}
+
+
+def _takes(sub: Any, keyword: str) -> bool:
+    fn = sub.fn if isinstance(sub, _Function) else sub.forward if isinstance(sub, nn.Module) else sub
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True             # no signature to read: the check after the forward says it
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _layer_carriers(scheme: ResidualScheme, sublayers: nn.ModuleList, depth_attention: Any,
+                    stride: Any, value_residual: Any) -> tuple[tuple[str, Callable[[], LayerCarrier]], ...]:
+    """The carriers a forward hands the attention sublayers; our :class:`Attention` ones are switched
+    to Depth-Attention, and checked to be built for the block they sit in."""
+    try:
+        check_depth_attention(depth_attention, stride, owner="", true="True")
+    except UserError as error:
+        raise UserError(f"ResidualStack: {error}") from None
+    if not isinstance(value_residual, bool):
+        raise UserError(f"ResidualStack: value_residual must be True or False, got {value_residual!r}")
+    if depth_attention and value_residual:
+        raise UserError("ResidualStack: depth_attention and value_residual both rewrite the values "
+                        "attention reads, and Depth-Attention defines no combination; choose one")
+    carried: list[tuple[str, Callable[[], LayerCarrier]]] = []
+    if depth_attention:
+        carried.append(("depth_kv", partial(DepthKeysValues, depth_stride(stride, scheme.n_layers))))
+    if value_residual:
+        carried.append(("first_values", FirstValues))
+    for i, sub in enumerate(sublayers):
+        if not carried or not scheme.is_attention(i):
+            continue
+        name, block = type(sub.fn if isinstance(sub, _Function) else sub).__name__, scheme.block_of(i)
+        for keyword, _ in carried:
+            if not _takes(sub, keyword):
+                raise UserError(f"ResidualStack: sublayers[{i}] ({name}) takes no {keyword} keyword; "
+                                f"{_CARRIED_USE[keyword]}")
+        if not isinstance(sub, Attention):
+            continue
+        if sub.layer_idx != block:
+            raise UserError(f"ResidualStack: sublayers[{i}] (Attention) has layer_idx={sub.layer_idx} but "
+                            f"is block {block}'s attention; build it with layer_idx={block}")
+        if value_residual and sub.value_residual is None:
+            raise UserError(f"ResidualStack: sublayers[{i}] (Attention) has no value residual; build it "
+                            "with value_residual='fixed' or 'learned'")
+        sub.depth_attention = sub.depth_attention or bool(depth_attention)   # no parameters of its own
+    return tuple(carried)
 
 
 # ---- sublayers of another width ------------------------------------------------------------------

@@ -4,7 +4,9 @@ depth, of some earlier layers' values and its own (equations: docs/schemes.md)."
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,18 +16,22 @@ from ..errors import UserError
 from .carrier import LayerCarrier
 from .fused import fused_enabled
 
-__all__ = ["DepthKeysValues", "check_depth_attention", "depth_mix", "depth_stride"]
+__all__ = ["DepthKeysValues", "DepthMixedValues", "check_depth_attention", "depth_mix", "depth_stride"]
 
 
-def check_depth_attention(enabled: object, stride: object) -> None:
-    """Refuse a ``model.depth_attention`` or ``model.depth_attention_stride`` that is not one."""
+def check_depth_attention(enabled: object, stride: object, *, owner: str = "model.",
+                          true: str = "true") -> None:
+    """Refuse a ``depth_attention`` or ``depth_attention_stride`` that is not one (``owner``, ``true``:
+    how the caller spells the key and true)."""
+    false, null = ("false", "null") if true == "true" else ("False", "None")
     if not isinstance(enabled, bool):
-        raise UserError(f"model.depth_attention must be true or false, got {enabled!r}")
+        raise UserError(f"{owner}depth_attention must be {true} or {false}, got {enabled!r}")
     if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 1):
-        raise UserError(f"model.depth_attention_stride must be a positive integer or null, got {stride!r}")
+        raise UserError(f"{owner}depth_attention_stride must be a positive integer or {null}, got "
+                        f"{stride!r}")
     if stride is not None and not enabled:
-        raise UserError("model.depth_attention_stride is set but model.depth_attention is false; add "
-                        "model.depth_attention=true")
+        raise UserError(f"{owner}depth_attention_stride is set but {owner}depth_attention is {false}; "
+                        f"add {owner}depth_attention={true}")
 
 
 def depth_stride(stride: int | None, n_layers: int) -> int:
@@ -55,6 +61,70 @@ class DepthKeysValues(LayerCarrier):
     def keep(self, layer: int, item: tuple[Tensor, Tensor]) -> None:
         if layer % self.stride == 0:
             super().keep(layer, item)
+
+    def mix(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention layer ``layer``'s values mixed along depth (``q``, ``k``, ``v`` as :func:`depth_mix`
+        takes them, as the attention reads them), kept for the later layers."""
+        v = depth_mix(q, k, v, *self.sources(layer))
+        self.keep(layer, (k, v))
+        return v
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+class DepthMixedValues:
+    """Mixed in before an attention class whose forward calls ``self.q_proj(x)``, ``self.k_proj(x)``,
+    then ``self.v_proj(x)`` (a Hugging Face family's): in ``forward(..., depth_kv=...)`` ``v_proj``
+    returns the values mixed along depth, scored with q and k as the attention reads them (its
+    ``q_norm``, ``k_norm``, then ``depth_rotation(q, k, *position_embeddings)``). Needs ``head_dim``,
+    ``layer_idx``."""
+
+    depth_rotation: Callable[..., tuple[Tensor, Tensor]] | None = None
+
+    def forward(self, *args: Any, depth_kv: DepthKeysValues | None = None, **kwargs: Any) -> Any:
+        if depth_kv is None:
+            raise ValueError(f"{type(self).__name__} runs Depth-Attention: its forward needs "
+                             "depth_kv=DepthKeysValues(stride), one per forward pass")
+        rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+        self.__dict__["_depth_call"] = {"kv": depth_kv, "rope": rope}
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_depth_call", None)
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        call = self.__dict__.get("_depth_call")
+        if call is not None and name in _PROJECTIONS:
+            return partial(self._depth_projection, name, value, call)
+        return value
+
+    def _depth_projection(self, name: str, proj: Callable[[Tensor], Tensor], call: dict,
+                          x: Tensor) -> Tensor:
+        out = proj(x)
+        if name != "v_proj":
+            call[name] = out
+            return out
+        if "q_proj" not in call or "k_proj" not in call:
+            raise RuntimeError(f"{type(self).__name__}: v_proj ran before q_proj and k_proj, so "
+                               "Depth-Attention has no query and key to score with")
+        q = self._depth_heads(call.pop("q_proj"), "q_norm")
+        k = self._depth_heads(call.pop("k_proj"), "k_norm")
+        if self.depth_rotation is not None and call["rope"] is not None:
+            q, k = self.depth_rotation(q, k, *call["rope"])
+        v = out.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        return call["kv"].mix(self.layer_idx, q, k, v).transpose(1, 2).flatten(-2)
+
+    def _depth_heads(self, x: Tensor, norm_name: str) -> Tensor:
+        """``(B, T, n * head_dim)`` -> ``(B, n, T, head_dim)``, through the attention's norm (per head
+        or over the whole width, as its size says)."""
+        norm = getattr(self, norm_name, None)
+        if isinstance(norm, torch.nn.Module):
+            weight = getattr(norm, "weight", None)
+            width = weight.shape[-1] if isinstance(weight, Tensor) else getattr(norm, "dim", None)
+            x = norm(x) if width == x.shape[-1] else norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
 
 def depth_mix(q: Tensor, k: Tensor, v: Tensor, source_keys: Sequence[Tensor],
