@@ -498,14 +498,7 @@ HOSTS = {"LanguageModel": _lm_host, "ResidualStack": _stack_host, "model.family=
 MUST_WORK = {(o, h) for o in OPTIONS for h in ("LanguageModel", "ResidualStack")} | \
     {(o, f"adapt[{f}]") for o in OPTIONS if o != "value_residual" for f in TABLE}
 # Gaps of hosts this issue does not own, marked until their owners close them.
-GAPS = {
-    ("norm=dyt", "olmo_core"): "from_transformer_config(options={'norm': 'dyt'}) raises KeyError "
-                               "'norm', not a one-line refusal",
-    ("norm=derf", "olmo_core"): "from_transformer_config(options={'norm': 'derf'}) raises KeyError "
-                                "'norm', not a one-line refusal",
-    ("norm=layernorm", "model.family=qwen3"): "LMConfig lets model.norm=layernorm through for a family "
-                                              "and FamilyLM does not pass it to adapt: RMSNorm is used",
-}
+GAPS: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("host", list(HOSTS))

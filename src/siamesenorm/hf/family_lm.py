@@ -16,6 +16,7 @@ from ..errors import UserError
 from ..models.host import SchemeHost
 from ..models.lm import lm_flops_per_token, lm_loss
 from ..models.lm_config import carried, value_on
+from ..nn.fused import POINTWISE_KINDS
 from .adapted import adapt, adapted_class
 from .families import FAMILIES
 
@@ -57,12 +58,22 @@ def family_config(cfg: Any) -> Any:
     return config
 
 
+def _norm(cfg: Any) -> str | None:
+    """``adapt``'s ``norm``: DyT or Derf replace the family's norms; rmsnorm and layernorm name its
+    own (``None``), and layernorm only a family whose own norms are LayerNorms."""
+    if cfg.norm == "layernorm" and FAMILIES[cfg.family].norm != "olmo":
+        raise UserError(f"model.norm=layernorm: {cfg.family}'s own norms are RMSNorm; model.norm names "
+                        "them (rmsnorm) or replaces them (dyt, derf)")
+    return cfg.norm if cfg.norm in POINTWISE_KINDS else None
+
+
 def check_family_config(cfg: Any) -> None:
     """Refuse, in one line and before anything is built, ``model.family_options`` that restate a
     ``model.*`` field, an attention implementation this machine cannot run (a missing FlashAttention,
     an unknown name, a kernel from the Hub, which is never fetched), and values the family's
     configuration rejects (a ``layer_types`` of the wrong length)."""
     family = FAMILIES[cfg.family]
+    _norm(cfg)
     restated = sorted(set(cfg.family_options) & set(OWN_FIELDS))
     if restated:
         key = restated[0]
@@ -100,7 +111,9 @@ class FamilyLM(nn.Module, SchemeHost):
         super().__init__()
         self.config = cfg
         with torch.device(device if device is not None else torch.get_default_device()):
-            self.hf = adapt(family_config(cfg), cfg.scheme, **cfg.scheme_options)
+            self.hf = adapt(family_config(cfg), cfg.scheme, norm=_norm(cfg),
+                            depth_attention=cfg.depth_attention,
+                            depth_attention_stride=cfg.depth_attention_stride, **cfg.scheme_options)
         self.moe = FAMILIES[cfg.family].moe
         self.loss_parts: dict[str, Tensor] = {}
 

@@ -271,6 +271,7 @@ def default_expert_hidden(dim: int) -> int:
 
 # ---- the language model -----------------------------------------------------------------------
 _OWN_ATTENTION = "the family's own attention"
+_ADAPTED = "an argument of adapt(), which mixes the family's values along depth"
 _NO_FIRST_VALUES = "its attention takes no first layer's values"
 _NO_DEPTH = "its attention reads no earlier layer's keys"
 _ADAPTED = "siamesenorm.hf.adapt builds it into the family's model"
@@ -348,7 +349,8 @@ class LMConfig:
                                        lambda v, src: bool(v)))
     norm: str = lm_field(
         "rmsnorm", check=check.OneOf(NORM_KINDS),
-        family=Refused("the family's own norm class is used", ("rmsnorm", "layernorm")),
+        family=Elsewhere("adapt(norm=): dyt and derf replace the family's norms; rmsnorm and "
+                         "layernorm name its own"),
         olmo_core=(Refused("OLMo-core's per-head norms have no DyT or Derf", ("rmsnorm", "layernorm")),
                    To("norm")),
         help="layernorm, rmsnorm, dyt (DyT, gamma * tanh(alpha x) + beta, arXiv 2503.10622) or derf "
@@ -400,14 +402,14 @@ class LMConfig:
         owner=_M, needs="value_residual", family=Refused(_OWN_ATTENTION),
         olmo_core=Refused(_NO_FIRST_VALUES))
     depth_attention: bool = lm_field(
-        False, check=check.boolean, owner=_M, family=Refused(_OWN_ATTENTION),
+        False, check=check.boolean, owner=_M, family=Elsewhere(_ADAPTED),
         olmo_core=Refused(_NO_DEPTH),
         help="true: each attention layer's query mixes, per position, the values of layers 0, s, 2s, "
              "... before it into its own by a softmax over their keys and its own (Depth-Attention, "
              "arXiv 2606.05014; LM, ViT, DiT; not with value_residual; model.depth_attention_stride: "
              "s, by default half the layers)")
     depth_attention_stride: int | None = lm_field(None, check=check.positive_int_or_null, owner=_M,
-                                                  needs="depth_attention", family=Refused(_OWN_ATTENTION),
+                                                  needs="depth_attention", family=Elsewhere(_ADAPTED),
                                                   olmo_core=Refused(_NO_DEPTH))
     embed_scale: float | str | None = lm_field(
         None, check=_embed_scale, owner=_M, family=Refused("the family's own embedding"),

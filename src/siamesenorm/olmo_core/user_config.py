@@ -67,6 +67,17 @@ def _norm_kind(norm: LayerNormConfig | None, where: str) -> tuple[str, float]:
                     "default (LayerNorm)")
 
 
+# Model options that an OLMo-core config settles, and why they are not options of its scheme.
+_MODEL_OPTIONS = {
+    "norm": "the config's block.layer_norm sets the kind (OLMo-core has LayerNorm and RMSNorm; no DyT "
+            "or Derf)",
+    "eps": "the config's block.layer_norm sets it",
+    "depth_attention": "OLMo-core's attention reads no earlier layer's keys",
+    "depth_attention_stride": "OLMo-core's attention reads no earlier layer's keys",
+    "value_residual": "OLMo-core's attention takes no first layer's values",
+}
+
+
 def _placement(name: Any) -> tuple[str, dict]:
     return OWN_SCHEME.get(name, ""), OWN_OPTIONS.get(name, {})
 
@@ -106,6 +117,8 @@ def from_transformer_config(config: TransformerConfig, scheme: str,
         raise UserError(f"from_transformer_config takes an OLMo-core TransformerConfig, got "
                         f"{type(config).__name__}")
     get_scheme_class(scheme)
+    for key in sorted(set(options or {}) & set(_MODEL_OPTIONS)):
+        raise UserError(f"options: {key}={options[key]!r} is not a scheme option here: {_MODEL_OPTIONS[key]}")
     if isinstance(config.block, dict) or config.block_pattern is not None:
         raise UserError("config.block_pattern: named block patterns have no scheme counterpart yet; "
                         "give one block and block_overrides")
