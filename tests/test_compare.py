@@ -18,6 +18,7 @@ from siamesenorm.experiments import stats
 from siamesenorm.experiments.compare import read_runs, text_table
 from siamesenorm.experiments.grid import choose_baseline
 from siamesenorm.experiments.report import seeds_section
+from siamesenorm.tasks.spec import Metric
 from test_cli import run
 
 
@@ -182,7 +183,9 @@ def test_compare_over_two_seeds_sums_them_up_and_counts_divergence(tmp_path):
             assert d["verdict"] is None
         assert f"- {stats.verdict_sentence(d)}" in report
     assert "mean over the seeds that did not diverge or stall" in report and "shaded" in report
-    assert "+-" in first.stdout    # the printed table: means with intervals
+    assert "+-" in first.stdout    # the printed table: means with intervals, and the verdicts
+    header = next(line for line in first.stdout.splitlines() if line.startswith("scheme "))
+    assert header.split()[-8:] == ["vs", "pre", "at", "0.001", "vs", "pre", "at", "10000"]
     # Another baseline re-reports the same runs: nothing trains again.
     again = run(*args, "--baseline", "siamese")
     assert again.returncode == 0, again.stderr
@@ -222,6 +225,9 @@ def test_the_baseline_is_the_named_one_else_pre_else_the_first():
         choose_baseline(["pre", "siamese"], "x")
 
 
+FINAL = Metric("final_val_loss", "final val loss")
+
+
 def _rows(losses: dict, lr: float = 0.01) -> list[dict]:
     return [{"run": f"{s}-s{seed}", "scheme": s, "lr": lr, "seed": seed, "final_val_loss": v[seed],
              "best_val_loss": v[seed], "diverged": False, "diverged_at": None, "stalled_at": None}
@@ -234,7 +240,7 @@ def test_the_report_gives_a_verdict_only_when_the_interval_excludes_zero():
     rows = _rows({"pre": [2.0, 2.2, 2.4], "siamese": [1.9, 2.05, 2.3], "post": [2.1, 2.0, 2.6]})
     metrics = ["final_val_loss"]
     text = "\n".join(seeds_section(stats.aggregate(rows, metrics),
-                                   stats.paired_differences(rows, metrics, "pre"), "pre"))
+                                   stats.paired_differences(rows, [FINAL], "pre"), "pre"))
     [line] = [x for x in text.splitlines() if x.startswith("| pre | 0.01 |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == "3" and cells[4] == "none of 3"
@@ -245,7 +251,7 @@ def test_the_report_gives_a_verdict_only_when_the_interval_excludes_zero():
     assert "post is lower" not in text and "post is higher" not in text
     one = _rows({"pre": [2.0], "siamese": [1.0]})
     text = "\n".join(seeds_section(stats.aggregate(one, metrics),
-                                   stats.paired_differences(one, metrics, "pre"), "pre"))
+                                   stats.paired_differences(one, [FINAL], "pre"), "pre"))
     assert "no verdicts" in text and "is lower than" not in text and "95% CI" not in text
 
 
@@ -673,7 +679,7 @@ def test_the_unigram_paragraph_is_only_in_a_language_model_s_report(tmp_path):
     for row in rows:
         row.update(tokens_per_s=1.0, num_parameters=10, max_grad_norm=None)
     metrics = ["final_val_loss"]
-    parts = (stats.aggregate(rows, metrics), stats.paired_differences(rows, metrics, "pre"), "pre")
+    parts = (stats.aggregate(rows, metrics), stats.paired_differences(rows, [FINAL], "pre"), "pre")
     assert "unigram" not in "\n".join(seeds_section(*parts))
     assert "at or above 98% of the unigram loss" in "\n".join(seeds_section(*parts, unigram=True))
     write_report(tmp_path, rows, ["pre", "siamese"], [0.01], aggregate=parts[0], differences=parts[1],

@@ -469,7 +469,8 @@ def _cells(dim: int, n: int, device: str = "cpu", layers: int = 12) -> list:
     return [SimpleNamespace(config=cfg)] * n
 
 
-def test_auto_on_the_cpu_runs_one_run_per_core_and_gives_the_cores_left_over_as_threads():
+def test_auto_on_the_cpu_runs_one_run_per_core_and_gives_the_cores_left_over_as_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)       # set by conftest: it would win
     small = _cells(64, 12)
     pick = choose(small, "auto", cores=2, memory=1 << 40)
     assert (pick.jobs, pick.threads) == (2, 1)
@@ -499,6 +500,7 @@ def test_auto_on_the_cpu_runs_one_run_per_core_and_gives_the_cores_left_over_as_
 
 def test_on_cuda_each_run_at_once_gets_its_own_device(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     gpus = _cells(64, 12, "cuda")
     pick = choose(gpus, "auto", cores=16, cuda_count=4)
     assert (pick.jobs, pick.threads, pick.devices) == (4, 4, ("0", "1", "2", "3"))
@@ -569,6 +571,7 @@ def test_one_at_a_time_a_run_that_raises_does_not_stop_the_next_either(tmp_path,
 def test_each_run_at_once_gets_its_slot_s_device_and_its_folder_stays_locked(tmp_path, monkeypatch):
     """train_in_workers with a stand-in for the worker process: three runs over two slots on two
     CUDA devices; the third takes the device of the slot that came free."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     from siamesenorm.experiments import training
     from siamesenorm.experiments.compare import load_data
     from siamesenorm.experiments.grid import plan

@@ -12,6 +12,10 @@ import math
 import pytest
 
 from siamesenorm.experiments import stats
+from siamesenorm.tasks.spec import Metric
+
+FINAL = Metric("final_val_loss", "final val loss")
+ACC = Metric("final_val_acc", "val top-1", higher_is_better=True)
 
 
 def _row(scheme, lr, seed, loss, *, diverged=False, stalled=False, **extra):
@@ -144,14 +148,16 @@ def test_a_stalled_seed_is_counted_as_stalled():
 
 def test_metrics_present_takes_the_losses_and_the_task_columns_that_have_numbers():
     rows = [_row("pre", 0.01, 0, 2.0, final_val_acc=0.5, final_fd_proxy=None)]
-    assert stats.metrics_present(rows, ["final_val_acc", "final_fd_proxy", "final_arith_acc"]) == [
+    declared = [FINAL, Metric("best_val_loss", "best"), ACC, Metric("final_fd_proxy", "FD"),
+                Metric("final_arith_acc", "arith", True)]
+    assert [m.key for m in stats.metrics_present(rows, declared)] == [
         "final_val_loss", "best_val_loss", "final_val_acc"]
 
 
 # --- paired differences and verdicts -----------------------------------------------------------
 
 def test_paired_difference_that_excludes_zero_gets_a_verdict(rows):
-    diffs = stats.paired_differences(rows, ["final_val_loss"], "pre")
+    diffs = stats.paired_differences(rows, [FINAL], "pre")
     assert {d["scheme"] for d in diffs} == {"siamese", "post"}       # no pre-minus-pre
     d = _diff(diffs, "siamese", 0.01)
     # differences -0.1, -0.15, -0.1: mean -0.11667, sd 0.028868, half 4.303 * 0.028868 / sqrt(3) = 0.07172
@@ -164,7 +170,7 @@ def test_paired_difference_that_excludes_zero_gets_a_verdict(rows):
 
 
 def test_paired_difference_whose_interval_holds_zero_is_seed_noise(rows):
-    diffs = stats.paired_differences(rows, ["final_val_loss"], "pre")
+    diffs = stats.paired_differences(rows, [FINAL], "pre")
     d = _diff(diffs, "post", 0.01)
     # differences +0.1, -0.2, +0.2: mean 0.03333, sd 0.20817, half 4.303 * 0.20817 / sqrt(3) = 0.51716
     assert d["mean"] == pytest.approx(0.033333, abs=1e-6) and d["sd"] == pytest.approx(0.208167, abs=1e-6)
@@ -177,7 +183,7 @@ def test_paired_difference_whose_interval_holds_zero_is_seed_noise(rows):
 
 
 def test_pairs_leave_out_the_seeds_where_either_run_diverged(rows):
-    d = _diff(stats.paired_differences(rows, ["final_val_loss"], "pre"), "siamese", 0.1)
+    d = _diff(stats.paired_differences(rows, [FINAL], "pre"), "siamese", 0.1)
     # pre's seed 1 diverged: pairs of seeds 0 and 2, differences -0.2 and -0.25: mean -0.225,
     # sd 0.035355, half 12.706 * 0.035355 / sqrt(2) = 0.31765: -0.54265 to 0.09265, holds zero
     assert d["seeds"] == [0, 2] and d["n"] == 2 and d["mean"] == pytest.approx(-0.225)
@@ -188,13 +194,13 @@ def test_pairs_leave_out_the_seeds_where_either_run_diverged(rows):
 
 def test_one_seed_gives_no_interval_and_no_verdict():
     rows = [_row("pre", 0.01, 0, 2.0), _row("siamese", 0.01, 0, 1.5)]
-    [d] = stats.paired_differences(rows, ["final_val_loss"], "pre")
+    [d] = stats.paired_differences(rows, [FINAL], "pre")
     assert d["n"] == 1 and d["mean"] == pytest.approx(-0.5)
     assert d["ci_low"] is None and d["ci_high"] is None and d["sd"] is None and d["verdict"] is None
     text = stats.verdict_sentence(d)
     assert text == "siamese vs pre at lr 0.01: one seed: no verdict (difference -0.500)"
     rows[0]["diverged"] = True
-    [d] = stats.paired_differences(rows, ["final_val_loss"], "pre")
+    [d] = stats.paired_differences(rows, [FINAL], "pre")
     assert d["n"] == 0 and d["mean"] is None and d["verdict"] is None
     assert stats.verdict_sentence(d).endswith("no verdict")
 
@@ -204,8 +210,7 @@ def test_higher_accuracy_is_better_and_higher_loss_is_worse():
     loss = {"pre": [1.0, 1.1, 1.2], "siamese": [1.2, 1.3, 1.45]}
     rows = [_row(s, 0.001, seed, loss[s][seed], final_val_acc=acc[s][seed])
             for seed in range(3) for s in ("pre", "siamese")]
-    diffs = stats.paired_differences(rows, ["final_val_loss", "final_val_acc"], "pre",
-                                     higher_is_better=["final_val_acc"])
+    diffs = stats.paired_differences(rows, [FINAL, ACC], "pre")
     a = _diff(diffs, "siamese", 0.001, "final_val_acc")
     # differences 0.10, 0.09, 0.11: mean 0.10, sd 0.01, half 4.303 * 0.01 / sqrt(3) = 0.02484
     assert a["better"] == "higher" and a["mean"] == pytest.approx(0.10)
@@ -221,10 +226,13 @@ def test_higher_accuracy_is_better_and_higher_loss_is_worse():
 
 
 def test_the_tasks_say_which_figures_are_better_higher():
-    from siamesenorm.experiments.compare import EXTRA_COLUMNS, HIGHER_IS_BETTER
+    from siamesenorm.tasks import TASKS
 
-    assert HIGHER_IS_BETTER == {"final_val_acc", "final_arith_acc", "final_sample_acc"}
-    assert "final_fd_proxy" in EXTRA_COLUMNS and "final_fd_proxy" not in HIGHER_IS_BETTER
+    better = {name: {m.key: m.better for m in task.metrics} for name, task in TASKS.items()}
+    losses = {"final_val_loss": "lower", "best_val_loss": "lower"}
+    assert better == {"lm": {**losses, "final_arith_acc": "higher"},
+                      "vit": {**losses, "final_val_acc": "higher"},
+                      "dit": {**losses, "final_fd_proxy": "lower", "final_sample_acc": "higher"}}
 
 
 def test_a_run_within_two_percent_of_the_unigram_loss_is_at_the_plateau_and_stays_in_the_mean():

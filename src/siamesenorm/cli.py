@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,18 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+_MEASURED = re.compile(r"Measured: (train|compare), ([\d.]+ (?:s|min)) on 2 CPU cores \(\d{4}-\d\d-\d\d")
+
+
+def preset_header(path) -> tuple[str, str]:
+    """A preset file's description (its first comment line: whole sentences) and measured time
+    (``compare 5.8 min`` from its ``# Measured: compare, 5.8 min on ...`` line; else not measured)."""
+    lines = [line[1:].strip() for line in path.read_text(encoding="utf-8").splitlines()
+             if line.startswith("#")]
+    measured = next((m for line in lines if (m := _MEASURED.match(line))), None)
+    return (lines[0] if lines else ""), (f"{measured[1]} {measured[2]}" if measured else "time not measured")
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     from .config import PRESET_DIR, read_preset
     from .tasks.registry import DEFAULT_TASK
@@ -49,17 +62,15 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     rows = []
     for path in sorted(PRESET_DIR.glob("*.yaml")):
         data = read_preset(path.stem)
-        head = next((line[1:].strip() for line in path.read_text(encoding="utf-8").splitlines()
-                     if line.startswith("#") and line[1:].strip()), "")
-        head = head.removeprefix(f"{path.stem}:").strip()
-        rows.append((path.stem, data.get("task", DEFAULT_TASK), head))
+        rows.append((path.stem, data.get("task", DEFAULT_TASK), *preset_header(path)))
     w = max(len(r[0]) for r in rows)
-    print(f"{'preset':<{w}}  task  about")
-    for name, task, head in rows:
-        text = head if len(head) <= 88 else head[:85] + "..."
-        print(f"{name:<{w}}  {task:<4}  {text}")
-    print(f"\nEach file's header says more ({PRESET_DIR}/NAME.yaml). `siamesenorm train PRESET` trains "
-          "one run of it, `siamesenorm compare PRESET` its grid of schemes, learning rates and seeds.")
+    t = max(len(r[3]) for r in rows)
+    print(f"{'preset':<{w}}  task  {'time, 2 CPU cores':<{t}}  about")
+    for name, task, head, took in rows:
+        print(f"{name:<{w}}  {task:<4}  {took:<{t}}  {head}")
+    print(f"\nEach file's header says more ({PRESET_DIR}/NAME.yaml): what the time was measured with, and "
+          "when. `siamesenorm train PRESET` trains one run of it, `siamesenorm compare PRESET` its grid of "
+          "schemes, learning rates and seeds.")
     return 0
 
 
@@ -69,7 +80,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     check_seed(args.seed, "--seed")
     run_demo(schemes=args.schemes.split(","), n_layers=args.layers, dim=args.dim,
-             steps=args.steps, lr=args.lr, seed=args.seed)
+             steps=args.steps, lr=args.lr, seed=args.seed, threads=args.threads)
     return 0
 
 
@@ -102,14 +113,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UserError("--allow-data-change goes with --resume (a new run records its data)")
     finished = _finished_steps(args.out) if args.resume and changes is None else None
     cfg = None if args.resume else load_config(_preset_or_default(preset, overrides), overrides)
-    if args.nproc is not None and args.nproc > 1:
-        from .tasks import launch_task
+    with _run_threads(args, cfg):       # said as training starts
+        if args.nproc is not None and args.nproc > 1:
+            from .tasks import launch_task
 
-        summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume,
-                              allow_data_change=args.allow_data_change, changes=changes)
-    else:
-        summary = run_training(cfg, args.out, resume=args.resume,
-                               allow_data_change=args.allow_data_change, changes=changes)
+            summary = launch_task(cfg, args.out, nproc=args.nproc, resume=args.resume,
+                                  allow_data_change=args.allow_data_change, changes=changes)
+        else:
+            summary = run_training(cfg, args.out, resume=args.resume,
+                                   allow_data_change=args.allow_data_change, changes=changes)
     if _other_rank():
         return 0        # one line per run: rank 0's
     state = f"diverged at step {summary['diverged_at']}" if summary["diverged"] else \
@@ -124,6 +136,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"(N > {finished})" if state.startswith("already") else ""
     print(f"{args.out}: {state}{spread}, {loss}{further}")
     return 0
+
+
+def _run_threads(args: argparse.Namespace, cfg):
+    """The threads of ``train``'s run (each of its processes): ``--threads``, OMP_NUM_THREADS, the
+    run's ``train.threads`` (a resumed run's in its config.yaml), else the free cores."""
+    import torch
+
+    from .devices import check_threads, choose_threads, use_threads
+
+    if cfg is not None:
+        config = cfg.train.threads
+    else:
+        try:
+            import yaml
+
+            from .rundir import RunDir
+
+            saved = yaml.safe_load(RunDir(args.out).config.read_text())
+            config = check_threads(saved["train"].get("threads"))
+        except Exception:       # no config, or a damaged one: the resume says what is wrong
+            config = None
+    return use_threads(choose_threads(args.threads, config, processes=args.nproc or 1,
+                                      ceiling=torch.get_num_threads()), announce=True)
 
 
 def _resume_changes(preset: str | None, overrides: list[str]) -> list[str] | None:
@@ -176,6 +211,20 @@ def _nproc(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> int | None:
+    """``--threads``: a whole number of intra-op threads per process, at least 1, or ``auto``."""
+    from .devices import check_threads
+
+    try:
+        return check_threads(text, "--threads")
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--threads ")) from None
+
+
+THREADS_HELP = ("intra-op threads per process (default: OMP_NUM_THREADS, else train.threads, else auto: "
+                "the cores other processes leave free, by the load average; one line says which)")
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .experiments import compare
     from .streams import outlive_readers
@@ -187,7 +236,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     compare(_preset_or_default(preset, overrides), overrides, args.out,
             schemes=_csv(args.schemes, str, "--schemes"), lrs=_csv(args.lrs, float, "--lrs"),
             seeds=_csv(args.seeds, int, "--seeds"), baseline=args.baseline, nproc=args.nproc,
-            jobs=args.jobs)
+            jobs=args.jobs, threads=args.threads)
     return 0
 
 
@@ -372,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the model's parameters, FLOPs, tokens per step and memory per rank "
                         "(DDP, FSDP2) at --nproc ranks; load no data, write nothing")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N|auto", help=THREADS_HELP)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("compare", help="train several schemes (x learning rates x seeds) side by "
@@ -398,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train up to N runs at once, each in its own process with its share of the "
                         "cores (one per GPU on CUDA); default: compare.jobs, else auto, which "
                         "picks what is fastest for the model size on this machine and says so")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N|auto", help=THREADS_HELP)
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run's model")
@@ -481,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the weights and the batches, the same for every scheme "
                         "(default %(default)s)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N|auto",
+                   help="intra-op threads (default: OMP_NUM_THREADS, else the cores other processes "
+                        "leave free); the first line says which")
     p.set_defaults(func=_cmd_demo)
     return parser
 

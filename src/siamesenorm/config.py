@@ -23,7 +23,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .devices import check_device_name
+from .devices import check_device_name, check_threads
 from .errors import UserError
 from .schemes import check_scheme_options
 
@@ -46,7 +46,8 @@ class TrainConfig:
     above one process; ``precision``: ``auto`` is bf16 autocast on CUDA; ``stall_steps``: steps of
     an exactly zero gradient that stop a run; ``log_every``: ``null`` for at most a hundred plain
     lines, 0 for the last only; ``peak_tflops``: for MFU (``null``: the GPU's known peak);
-    ``loggers``: besides ``metrics.jsonl`` (docs/tasks.md)."""
+    ``loggers``: besides ``metrics.jsonl`` (docs/tasks.md); ``threads``: per process (null or
+    ``auto``: the free cores, docs/training.md#threads)."""
 
     steps: int = 200
     lr: float = 1e-3
@@ -70,8 +71,10 @@ class TrainConfig:
     log_every: int | None = None
     peak_tflops: float | None = None
     loggers: tuple[str, ...] = ("tensorboard",)
+    threads: int | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "threads", check_threads(self.threads))
         for name, allowed in (("parallel", PARALLEL_MODES), ("precision", PRECISIONS),
                               ("activation_checkpointing", CHECKPOINTING_MODES)):
             if getattr(self, name) not in allowed:

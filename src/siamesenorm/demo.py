@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .analysis.probes import block_grad_norms, stream_rms
-from .devices import machine_memory
+from .devices import check_threads, choose_threads, machine_memory, use_threads
 from .errors import UserError
 from .models import LanguageModel, LMConfig
 from .schemes import list_schemes
@@ -37,13 +37,21 @@ def _refuse_beyond_memory(configs: list[LMConfig], batch: int, seq: int) -> None
 
 
 def run_demo(schemes: list[str], n_layers: int = 12, dim: int = 64, steps: int = 60,
-             lr: float = 3e-3, seed: int = 0, batch: int = 8, seq: int = 64) -> dict:
+             lr: float = 3e-3, seed: int = 0, batch: int = 8, seq: int = 64,
+             threads: int | None = None) -> dict:
+    """Train ``schemes`` side by side; ``threads``: intra-op threads (``None``: :func:`choose_threads`)."""
     unknown = [s for s in schemes if s not in list_schemes()]
     if unknown:
         raise UserError(f"unknown scheme {unknown[0]!r}; choose from {', '.join(list_schemes())}")
     if steps <= 0 or n_layers <= 0 or dim <= 0 or not lr > 0:
         raise UserError("steps, layers, dim and lr must be positive")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    choice = choose_threads(check_threads(threads, "--threads"), ceiling=torch.get_num_threads())
+    with use_threads(choice):
+        return _side_by_side(schemes, n_layers, dim, steps, lr, seed, batch, seq, choice.line())
+
+
+def _side_by_side(schemes: list[str], n_layers: int, dim: int, steps: int, lr: float, seed: int,
+                  batch: int, seq: int, threads_line: str) -> dict:
     data = torch.frombuffer(bytearray(embedded_text()), dtype=torch.uint8).long()
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
@@ -51,6 +59,7 @@ def run_demo(schemes: list[str], n_layers: int = 12, dim: int = 64, steps: int =
     configs = {name: LMConfig(vocab_size=256, dim=dim, n_layers=n_layers, n_heads=heads, max_seq_len=seq,
                               scheme=name) for name in schemes}       # sizes checked before any is built
     _refuse_beyond_memory(list(configs.values()), batch, seq)
+    print(threads_line)
     models, optims = {}, {}
     for name in schemes:
         torch.manual_seed(seed)

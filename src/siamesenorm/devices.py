@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,8 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["check_device_name", "deterministic", "environment", "machine_memory", "resolve_device"]
+__all__ = ["Threads", "available_cores", "busy_cores", "check_device_name", "check_threads", "choose_threads",
+           "deterministic", "environment", "machine_memory", "resolve_device", "run_threads", "use_threads"]
 
 # The kinds of device a run or a command can use. ``meta`` (shapes without data) builds models for
 # ``--dry-run`` but cannot train or generate; other backends (xpu, hpu, ...) are not supported.
@@ -123,3 +127,171 @@ def deterministic(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = cudnn
+
+
+# ---- intra-op threads: as many as the cores other processes leave free (docs/training.md#threads) ----
+PROC = Path("/proc")
+SAMPLE_S = 0.1      # how long the cores are watched: the load average lags a minute behind
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, a container's cpuset), else the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def machine_load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _ticks(exclude: Sequence[int]) -> tuple[int, int, int]:
+    """Busy and all CPU ticks of this process's CPUs (``/proc/stat``), and the ticks of ``exclude``."""
+    try:
+        mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except AttributeError:
+        mine = None
+    busy = total = 0
+    for line in (PROC / "stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu" and (mine is None or name in mine):
+            ticks = [int(x) for x in fields[:8]]     # user nice system idle iowait irq softirq steal
+            busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
+    theirs = 0
+    for pid in exclude:
+        try:
+            fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+            theirs += int(fields[11]) + int(fields[12])      # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return busy, total, theirs
+
+
+def busy_cores(exclude: Sequence[int] = (), window: float = SAMPLE_S) -> float | None:
+    """How many of this process's CPUs other processes (not it, not ``exclude``) keep busy now:
+    ``/proc/stat`` over ``window`` seconds; ``None`` where there is no ``/proc``."""
+    try:
+        busy, total, theirs = _ticks(exclude)
+        time.sleep(window)
+        busy2, total2, theirs2 = _ticks(exclude)
+    except (OSError, ValueError):
+        return None
+    if total2 <= total:
+        return None
+    cpus = available_cores()
+    return max(0.0, cpus * ((busy2 - busy) - (theirs2 - theirs)) / (total2 - total))
+
+
+def machine_now(exclude: Sequence[int] = (), watch: bool = True) -> tuple[int, float | None, float | None]:
+    """This process's cores, how many of them others keep busy (``watch``) and the load average."""
+    return available_cores(), busy_cores(exclude) if watch else None, machine_load()
+
+
+def check_threads(value: Any, source: str = "train.threads") -> int | None:
+    """``value`` as a thread count from 1, or ``None`` for auto (``auto``, null); else a UserError."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return None
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise UserError(f"{source} must be a whole number of threads (1 or more) or auto, "
+                            f"got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{source} must be a whole number of threads (1 or more) or auto, got {value!r}")
+    if value < 1:
+        raise UserError(f"{source} must be at least 1 (threads per process) or auto, got {value}")
+    return value
+
+
+def env_threads(env: dict | None = None) -> int | None:
+    """``OMP_NUM_THREADS`` when it is a whole number from 1 (what OpenMP reads), else ``None``."""
+    text = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
+@dataclass(frozen=True)
+class Threads:
+    """Intra-op threads per process and why; ``auto``: from the machine's free cores, ``seen``
+    being what was seen of it (``, 1.9 busy, load 6.8``)."""
+
+    count: int
+    why: str
+    auto: bool = False
+    processes: int = 1
+    seen: str = ""
+
+    def line(self) -> str:
+        each = " per process" if self.processes > 1 else ""
+        return f"threads: {self.count}{each} ({self.why})"
+
+
+def choose_threads(flag: int | None = None, config: int | None = None, *, flag_name: str = "--threads",
+                   processes: int = 1, ceiling: int | None = None, exclude: Sequence[int] = (),
+                   cores: int | None = None, busy: float | None = None, load: float | None = None,
+                   env: dict | None = None) -> Threads:
+    """The threads of each of ``processes`` processes: ``flag``, else ``OMP_NUM_THREADS``, else
+    ``train.threads`` (``config``), else the cores other processes (not ``exclude``) leave free now
+    (:func:`busy_cores`; the 1-minute load average where it cannot be seen), shared out, at most
+    ``ceiling`` in all. ``cores``, ``busy`` and ``load`` fake the machine (tests)."""
+    for value, name in ((flag, flag_name), (env_threads(env), "OMP_NUM_THREADS"), (config, "train.threads")):
+        if value is not None:
+            sep = " " if name.startswith("-") else "="
+            return Threads(value, f"{name}{sep}{value}", processes=processes)
+    if cores is None:       # watched only when more than one thread could come of it
+        cores = available_cores()
+        cores, busy, load = machine_now(exclude, min(cores, ceiling or cores) // processes > 1)
+    taken = busy if busy is not None else load or 0.0
+    free = max(1, min(cores, math.floor(cores - taken + 0.5)))
+    count = max(1, min(free, ceiling or free) // processes)
+    seen = f", {busy:.1f} busy" if busy is not None else ""
+    if load is not None:
+        seen += f", load {load:.1f}"
+    why = f"{cores} core{'s' if cores != 1 else ''}{seen}"
+    if processes > 1:
+        why = f"{processes} processes on {why}"
+    if ceiling is not None and ceiling < free:
+        why += f"; the process had {ceiling}"
+    return Threads(count, why, auto=True, processes=processes, seen=seen)
+
+
+_chosen: list = [None, False]       # the threads a command chose for its runs, and whether to say so
+
+
+@contextlib.contextmanager
+def use_threads(choice: Threads, announce: bool = False) -> Iterator[None]:
+    """``choice.count`` intra-op threads in the block, then as before; a run trained in it keeps them
+    (:func:`run_threads`), and with ``announce`` the first says so."""
+    before, outer = torch.get_num_threads(), list(_chosen)
+    torch.set_num_threads(choice.count)
+    _chosen[:] = [choice, announce]
+    try:
+        yield
+    finally:
+        _chosen[:] = outer
+        torch.set_num_threads(before)
+
+
+def chosen_threads() -> tuple[Threads | None, str | None]:
+    """What :func:`use_threads` chose for this block, and its line the first time it is to be said."""
+    choice, announce = _chosen
+    _chosen[1] = False
+    return choice, choice.line() if choice is not None and announce else None
+
+
+@contextlib.contextmanager
+def run_threads(config: int | None) -> Iterator[str | None]:
+    """The threads of one run: those of :func:`use_threads` (yields its line when it is to be
+    said), else ``train.threads`` unless ``OMP_NUM_THREADS`` is set, else the process's."""
+    choice, line = chosen_threads()
+    if choice is not None or config is None or env_threads() is not None:
+        yield line
+        return
+    with use_threads(Threads(config, f"train.threads={config}")):
+        yield None

@@ -1,5 +1,6 @@
 """How many runs of a comparison train at once (``--jobs``, ``compare.jobs``), with how many threads:
-``auto`` is one run per core (per device on CUDA) as memory allows (docs/performance.md)."""
+``auto`` is one run per core (per device on CUDA) as memory allows (docs/performance.md), each with
+its share of the cores other processes leave free (:func:`~siamesenorm.devices.choose_threads`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..devices import Threads, choose_threads, machine_now
+from ..devices import available_cores as available_cores  # where it lived before
 from ..errors import UserError
 
 AUTO = "auto"
@@ -36,14 +39,6 @@ def check_jobs(value: Any, source: str = "compare.jobs") -> int | str:
     if value < 1:
         raise UserError(f"{source} must be at least 1 (runs at once) or auto, got {value}")
     return value
-
-
-def available_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, a container's cpuset), else the machine's."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -105,22 +100,41 @@ def slot_devices(jobs: int, visible: Sequence[str]) -> tuple[str, ...]:
     return tuple(visible[i % len(visible)] for i in range(jobs))
 
 
-def choose(cells: Sequence[Any], jobs: int | str, **machine: Any) -> Concurrency:
+def choose(cells: Sequence[Any], jobs: int | str, *, threads: int | None = None,
+           **machine: Any) -> Concurrency:
     """How to run the whole grid ``cells`` (finished or not, so a run's thread count never depends on how
-    far an earlier attempt got) with ``jobs``; ``machine`` overrides what this machine has (tests)."""
+    far an earlier attempt got) with ``jobs``; ``threads``: ``--threads``; ``machine`` overrides what
+    this machine has (tests)."""
     grid = max(1, len(cells))
     if jobs == AUTO or jobs <= grid:
-        return _choose(cells, jobs, **machine)
-    chosen = _choose(cells, grid, **machine)
+        return _choose(cells, jobs, threads, **machine)
+    chosen = _choose(cells, grid, threads, **machine)
     return dataclasses.replace(chosen, why=f"{chosen.why}; --jobs {jobs} is more than the grid's "
                                            f"{grid} run{'s' if grid != 1 else ''}")
 
 
-def _choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, world_size: int = 1,
-            cores: int | None = None, cuda_count: int | None = None,
-            memory: int | None = None) -> Concurrency:
-    cores = available_cores() if cores is None else cores
+def _load_note(pick: Threads, usual: int) -> str:
+    """What made ``pick`` differ from ``usual`` threads (the cores' share), if it does."""
+    if pick.count == usual:
+        return ""
+    return pick.seen if pick.auto else f"; {pick.why}"
+
+
+def _choose(cells: Sequence[Any], jobs: int | str, flag: int | None = None, *, nproc: int | None = None,
+            world_size: int = 1, cores: int | None = None, cuda_count: int | None = None,
+            memory: int | None = None, busy: float | None = None, load: float | None = None,
+            env: dict | None = None) -> Concurrency:
+    if cores is None:
+        cores, busy, load = machine_now()
     configs = [cell.config for cell in cells]
+    config = max((cfg.train.threads for cfg in configs if cfg.train.threads), default=None)
+
+    def pick(processes: int) -> Threads:
+        return choose_threads(flag, config, processes=processes, cores=cores, busy=busy, load=load, env=env)
+
+    def note(processes: int) -> str:
+        return _load_note(pick(processes), max(1, cores // processes))
+
     spread = (nproc or 1) > 1 or world_size > 1
     if spread:
         if jobs != AUTO and jobs > 1:
@@ -140,24 +154,25 @@ def _choose(cells: Sequence[Any], jobs: int | str, *, nproc: int | None = None, 
         why = (f"auto: one run per CUDA device, {len(visible)} device{'s' if len(visible) != 1 else ''}"
                if jobs == AUTO else f"--jobs {jobs} over {len(visible)} CUDA device"
                f"{'s' if len(visible) != 1 else ''}")
-        return Concurrency(n, max(1, cores // n), slot_devices(n, visible), why)
+        return Concurrency(n, pick(n).count, slot_devices(n, visible), why + note(n))
     if kinds & {"any", "named"}:        # a named device (or a mix): the runs share what they name
         n = 1 if jobs == AUTO else jobs
         why = "auto: the runs name their CUDA device" if jobs == AUTO else f"--jobs {jobs}"
-        return Concurrency(n, max(1, cores // n), None, why)
+        return Concurrency(n, pick(n).count, None, why + note(n))
+    on = f"on {cores} core{'s' if cores != 1 else ''}"
     if jobs != AUTO:
-        return Concurrency(jobs, max(1, cores // jobs), None,
-                           f"--jobs {jobs} on {cores} core{'s' if cores != 1 else ''}")
+        return Concurrency(jobs, pick(jobs).count, None, f"--jobs {jobs} {on}{note(jobs)}")
     work = max(work_per_step(cfg) for cfg in configs)
     width = max(getattr(cfg.model, "dim", 0) for cfg in configs)
-    on = f"on {cores} core{'s' if cores != 1 else ''}"
     run_work = max(work_per_run(cfg) for cfg in configs)
     if run_work < WORK_PER_PROCESS:
-        return Concurrency(1, cores, None, f"auto: width {width}, {run_work / 1e9:.3g} GFLOP a run, "
-                           f"too little to pay for a process each, {on}")
-    n = max(1, min(cores, len(configs), _memory_room(configs, memory)))
-    return Concurrency(n, max(1, cores // n), None,
-                       f"auto: width {width}, {work / 1e9:.3g} GFLOP a step, {on}")
+        return Concurrency(1, pick(1).count, None, f"auto: width {width}, {run_work / 1e9:.3g} GFLOP a "
+                           f"run, too little to pay for a process each, {on}{note(1)}")
+    fixed = pick(1)         # threads the user set: as many runs as leave each of them a core
+    per_run = 1 if fixed.auto else fixed.count
+    n = max(1, min(cores // per_run, len(configs), _memory_room(configs, memory)))
+    return Concurrency(n, pick(n).count, None,
+                       f"auto: width {width}, {work / 1e9:.3g} GFLOP a step, {on}{note(n)}")
 
 
 def _memory_room(configs: Sequence[Any], memory: int | None) -> int:

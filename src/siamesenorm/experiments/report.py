@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..analysis.report_section import diagnostics_section
 from ..rundir import RunDir, save_figure, write_text
 from ..shapes import METRICS_ROW, read_rows
+from ..tasks.spec import LOSSES, Metric, default_title
 from . import stats
 
 
@@ -161,10 +163,8 @@ def _plot_grid(out: Path, aggregate: list[dict], schemes: list[str], lrs: list[f
     return "lr_grid.png"
 
 
-# Figures of some tasks, shown as extra table columns when any run has them.
-_EXTRA = (("final_val_acc", "val top-1"), ("final_arith_acc", "arith acc"),
-          ("final_fd_proxy", "FD-proxy"), ("final_sample_acc", "sample acc"))
-TITLES = {"final_val_loss": "final val loss", "best_val_loss": "best val loss", **dict(_EXTRA)}
+def _title(key: str, titles: Mapping[str, str] | None) -> str:
+    return (titles or {}).get(key) or default_title(key)
 
 
 def _estimate_text(est: dict, digits: int = 4) -> str:
@@ -178,14 +178,15 @@ def _estimate_text(est: dict, digits: int = 4) -> str:
 
 
 def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str,
-                  unigram: bool = False) -> list[str]:
+                  unigram: bool = False, titles: Mapping[str, str] | None = None) -> list[str]:
     """Markdown lines of the seeds summed up: the table per scheme and learning rate, and the verdicts
-    against ``baseline``; ``unigram``: the plateau is explained."""
+    against ``baseline`` for every figure; ``unigram``: the plateau is explained; ``titles``: each
+    figure's name."""
     if all(cell["runs"] <= 1 for cell in aggregate):
         return ["One seed per scheme and learning rate: no confidence intervals and no verdicts "
                 "(run several, e.g. `--seeds 0,1,2`). The runs are below.", ""]
     metrics = list(aggregate[0]["metrics"]) if aggregate else []
-    head = ["scheme", "lr", "seeds", *(TITLES.get(k, k) for k in metrics), "failed"]
+    head = ["scheme", "lr", "seeds", *(_title(k, titles) for k in metrics), "failed"]
     lines = ["## Over seeds", "",
              "Each figure is the mean over the seeds of a scheme and learning rate that did not "
              "diverge or stall, ± the half-width of its 95% confidence interval (Student t, n - 1 "
@@ -207,7 +208,7 @@ def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str,
         diffs = [d for d in differences if d["metric"] == key]
         if diffs:
             better = diffs[0]["better"]
-            lines += [f"{TITLES.get(key, key)} ({better} is better):", ""]
+            lines += [f"{_title(key, titles)} ({better} is better):", ""]
             lines += [f"- {stats.verdict_sentence(d)}" for d in diffs] + [""]
     if not differences:
         lines += [f"No scheme besides {baseline}: nothing to compare.", ""]
@@ -215,14 +216,19 @@ def seeds_section(aggregate: list[dict], differences: list[dict], baseline: str,
 
 
 def write_report(out: Path, rows: list[dict], schemes: list[str], lrs: list[float], *,
-                 aggregate: list[dict], differences: list[dict], baseline: str) -> None:
-    """``out/report.md`` and its plots: ``aggregate`` and ``differences`` (from :mod:`.stats`)
-    summed up over seeds against ``baseline``, then every run of ``rows``."""
-    extra = [(k, title) for k, title in _EXTRA if any(r.get(k) is not None for r in rows)]
+                 aggregate: list[dict], differences: list[dict], baseline: str,
+                 metrics: Sequence[Metric] = ()) -> None:
+    """``out/report.md`` and its plots: ``aggregate`` and ``differences`` (from :mod:`.stats`) of the
+    figures ``metrics`` summed up over seeds against ``baseline``, then every run of ``rows``."""
+    titles = {m.key: m.title for m in metrics}
+    keys = [m.key for m in metrics] or (list(aggregate[0]["metrics"]) if aggregate else list(LOSSES))
+    extra = [(k, _title(k, titles)) for k in keys
+             if k not in LOSSES and any(r.get(k) is not None for r in rows)]
     head = ["run", "scheme", "lr", "seed", "final val loss", "best val loss", *(t for _, t in extra),
             "diverged (step)", "max grad norm (step)", "tokens/s", "parameters"]
     unigram = any(r.get("unigram_val_loss") is not None for r in rows)
-    lines = ["# Comparison", "", *seeds_section(aggregate, differences, baseline, unigram), "## Runs", "",
+    lines = ["# Comparison", "", *seeds_section(aggregate, differences, baseline, unigram, titles),
+             "## Runs", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         div = f"yes ({r['diverged_at']})" if r["diverged"] else "no"

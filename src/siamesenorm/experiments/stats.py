@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+
+from ..tasks.spec import LOSSES, Metric
 
 # t_{0.975, df}: Student's t quantile with 97.5% below it, for df = 1 .. 30 (4 decimals).
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
@@ -14,9 +16,6 @@ Z975 = 1.959963984540054     # the standard normal's 97.5% quantile: the limit a
 
 # A final validation loss at or above (1 - PLATEAU_MARGIN) x the unigram loss is at the plateau.
 PLATEAU_MARGIN = 0.02
-
-# The figures every comparison has, both better lower; a task's columns follow them.
-LOSSES = ("final_val_loss", "best_val_loss")
 
 
 def t975(df: int) -> float:
@@ -84,10 +83,9 @@ def _value(row: dict, key: str) -> float | None:
         else None
 
 
-def metrics_present(rows: list[dict], columns: Iterable[str] = ()) -> list[str]:
-    """The figures to sum up: both losses, then those of ``columns`` some row has a number for."""
-    return list(LOSSES) + [k for k in columns if k not in LOSSES
-                           and any(_value(r, k) is not None for r in rows)]
+def metrics_present(rows: list[dict], metrics: Iterable[Metric]) -> list[Metric]:
+    """Of the declared ``metrics``, those to sum up: the losses, and the others some row has a number for."""
+    return [m for m in metrics if m.key in LOSSES or any(_value(r, m.key) is not None for r in rows)]
 
 
 def cells(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
@@ -114,12 +112,9 @@ def aggregate(rows: list[dict], metrics: list[str]) -> list[dict]:
     return out
 
 
-def paired_differences(rows: list[dict], metrics: list[str], baseline: str,
-                       higher_is_better: Iterable[str] = ()) -> list[dict]:
+def paired_differences(rows: list[dict], metrics: Sequence[Metric], baseline: str) -> list[dict]:
     """Per scheme other than ``baseline``, learning rate and metric: scheme minus baseline over the seeds
-    both ran without failing, its interval, and ``verdict``: ``better`` or ``worse`` when the interval
-    excludes zero, ``indistinguishable`` when not, ``None`` under 2 pairs."""
-    higher = set(higher_is_better)
+    both ran without failing, its interval, and ``verdict`` (:func:`verdict`)."""
     by_cell = cells(rows)
     out = []
     for (scheme, lr), group in by_cell.items():
@@ -127,26 +122,47 @@ def paired_differences(rows: list[dict], metrics: list[str], baseline: str,
             continue
         base = {r["seed"]: r for r in by_cell.get((baseline, lr), []) if not failed(r)}
         mine = {r["seed"]: r for r in group if not failed(r)}
-        for key in metrics:
+        for metric in metrics:
+            key = metric.key
             pairs = [(s, a, b) for s in mine if s in base
                      and (a := _value(mine[s], key)) is not None
                      and (b := _value(base[s], key)) is not None]
             est = estimate(a - b for _, a, b in pairs)
-            better = "higher" if key in higher else "lower"
-            if est.n < 2:
-                verdict = None
-            elif not est.excludes_zero():
-                verdict = "indistinguishable"
-            else:
-                verdict = "better" if (est.mean > 0) == (better == "higher") else "worse"
             out.append({"scheme": scheme, "baseline": baseline, "lr": lr, "metric": key,
-                        "better": better, "seeds": [s for s, _, _ in pairs], **asdict(est),
-                        "verdict": verdict})
+                        "better": metric.better, "seeds": [s for s, _, _ in pairs], **asdict(est),
+                        "verdict": verdict(est, metric)})
     return out
 
 
-def _num(x: float) -> str:
-    return f"{x:.3f}"
+def verdict(diff: Estimate, metric: Metric) -> str | None:
+    """``better`` or ``worse`` (by ``metric``'s direction) when the interval of the paired differences
+    excludes zero, ``indistinguishable`` when it holds it, ``None`` under two pairs."""
+    if diff.n < 2:
+        return None
+    if not diff.excludes_zero():
+        return "indistinguishable"
+    return "better" if (diff.mean > 0) == metric.higher_is_better else "worse"
+
+
+# How the printed table words each verdict.
+VERDICT_WORDS = {"better": "better", "worse": "worse", "indistinguishable": "no difference"}
+
+
+def difference_text(diff: dict) -> str:
+    """A paired difference in a table cell: ``-0.480+-0.132 better``, ``+0.004+-0.053 no difference``,
+    ``-0.500 (1 seed)``, or ``-`` when no seed paired."""
+    if diff["n"] == 0:
+        return "-"
+    if diff["ci_low"] is None:
+        return f"{diff['mean']:+.3f} (1 seed)"
+    half, d = (diff["ci_high"] - diff["ci_low"]) / 2, _decimals(diff)
+    return f"{diff['mean']:+.{d}f}+-{half:.{d}f} {VERDICT_WORDS[diff['verdict']]}"
+
+
+def _decimals(diff: dict) -> int:
+    """3, or as many as show two digits of a narrower interval's half-width (0.000097+-0.000040)."""
+    half = 0.0 if diff["ci_low"] is None else (diff["ci_high"] - diff["ci_low"]) / 2
+    return 3 if not 0 < half < 0.01 else min(12, 1 - math.floor(math.log10(half)))
 
 
 def verdict_sentence(diff: dict, title: str | None = None) -> str:
@@ -158,13 +174,13 @@ def verdict_sentence(diff: dict, title: str | None = None) -> str:
                 "or stalling: no verdict")
     if n == 1:
         return f"{head}{scheme} vs {base} at lr {lr}: one seed: no verdict (difference {diff['mean']:+.3f})"
-    lo, hi = diff["ci_low"], diff["ci_high"]
+    lo, hi, d = diff["ci_low"], diff["ci_high"], _decimals(diff)
     if diff["verdict"] == "indistinguishable":
         return (f"{head}{scheme} vs {base} at lr {lr}: not distinguishable from seed noise "
-                f"(difference {diff['mean']:+.3f}, 95% CI {_num(lo)} to {_num(hi)}, {n} seeds)")
+                f"(difference {diff['mean']:+.{d}f}, 95% CI {lo:.{d}f} to {hi:.{d}f}, {n} seeds)")
     word, lo, hi = ("higher", lo, hi) if diff["mean"] > 0 else ("lower", -hi, -lo)
-    return (f"{head}{scheme} is {word} than {base} by {_num(abs(diff['mean']))} (95% CI {_num(lo)} "
-            f"to {_num(hi)}, {n} seeds) at lr {lr}: {diff['verdict']}")
+    return (f"{head}{scheme} is {word} than {base} by {abs(diff['mean']):.{d}f} (95% CI {lo:.{d}f} "
+            f"to {hi:.{d}f}, {n} seeds) at lr {lr}: {diff['verdict']}")
 
 
 def failures_text(cell: dict) -> str:

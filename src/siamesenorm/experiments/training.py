@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..devices import Threads, choose_threads, use_threads
 from ..errors import RankFailed, UserError, environment_problem
 from ..locks import folder_lock
 from ..rundir import RunDir
@@ -76,6 +78,34 @@ class Todo:
         return self.before.get("checkpoint_step") or 0
 
 
+class RunThreads:
+    """Each run's threads, chosen as it starts: the cores other processes than this comparison's
+    leave free, shared by ``processes`` runs at once, at most ``ceiling``; a resumed run's count is
+    at most the one it started with."""
+
+    def __init__(self, flag: int | None, processes: int, ceiling: int | None = None) -> None:
+        self.flag, self.processes, self.ceiling = flag, processes, ceiling
+        self.last: int | None = None        # the count last said
+
+    def pick(self, cfg: Any, exclude: Sequence[int] = ()) -> Threads:
+        """``exclude``: the processes of this comparison's running runs."""
+        return choose_threads(self.flag, cfg.train.threads, processes=self.processes,
+                              ceiling=self.ceiling, exclude=exclude)
+
+    def choose(self, item: Todo, resume: bool, exclude: Sequence[int] = ()) -> Threads:
+        pick = self.pick(item.cell.config, exclude)
+        started = threads_of(item.before, pick.count) if resume else pick.count
+        if pick.auto and started < pick.count:
+            pick = dataclasses.replace(pick, count=started, why=f"{pick.why}; as the run started")
+        return pick
+
+    def say(self, log, name: str, pick: Threads) -> None:
+        """A line when ``pick`` differs from the count said before."""
+        if self.last is not None and pick.count != self.last:
+            log(f"compare: {name}: {pick.count} thread{'s' if pick.count != 1 else ''} ({pick.why})")
+        self.last = pick.count
+
+
 class Finished:
     """The line of each run that ends, with the comparison's progress and ETA."""
 
@@ -119,9 +149,10 @@ class Finished:
 
 
 def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: int | None, data: dict,
-               log, keep_checkpoints: str = "last") -> tuple[dict[str, dict], dict[str, Failure]]:
-    """Train ``todo`` as ``concurrency`` says: the summaries of the runs that ended and the failures of
-    those that failed (an interruption is raised once all have stopped)."""
+               log, keep_checkpoints: str = "last",
+               threads: int | None = None) -> tuple[dict[str, dict], dict[str, Failure]]:
+    """Train ``todo`` as ``concurrency`` says (``threads``: ``--threads``): the summaries of the runs
+    that ended and the failures of those that failed (an interruption is raised once all have stopped)."""
     eta = Eta()
     for item in todo:
         eta.add(item.cell.name, item.cell.config.train.steps - item.start_step,
@@ -135,13 +166,17 @@ def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: in
     try:
         if concurrency.jobs > 1:
             log(concurrency.line())
-            train_in_workers(todo, concurrency, data, done, summaries, failures, log)
+            chooser = RunThreads(threads, concurrency.jobs)
+            chooser.last = concurrency.threads
+            train_in_workers(todo, concurrency, data, done, summaries, failures, log, chooser)
         else:
+            chooser = RunThreads(threads, nproc or 1, torch.get_num_threads())
             if spread:
                 log(f"compare: 1 run at a time, each across {nproc} processes (--nproc {nproc})")
-            else:       # here: the threads this process has
-                log(Concurrency(1, torch.get_num_threads(), None, concurrency.why).line())
-            train_here(todo, nproc, data, done, summaries, failures, log)
+            else:       # here: the threads the first run gets
+                chooser.last = chooser.pick(todo[0].cell.config).count if todo else torch.get_num_threads()
+                log(dataclasses.replace(concurrency, threads=chooser.last).line())
+            train_here(todo, nproc, data, done, summaries, failures, log, chooser)
     finally:
         view.close()
     return summaries, failures
@@ -160,32 +195,22 @@ def _failure_of(error: Exception) -> Failure:
     return Failure(f"{type(error).__name__}: {first}".rstrip(": "))
 
 
-@contextmanager
-def _intra_op_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    if n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
 def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
-                summaries: dict, failures: dict, log) -> None:
-    """Train ``todo`` one after the other here; a resumed run keeps the thread count it started with."""
+                summaries: dict, failures: dict, log, chooser: RunThreads | None = None) -> None:
+    """Train ``todo`` one after the other here, each with the threads ``chooser`` gives it as it starts."""
     view = done.view
+    chooser = chooser or RunThreads(None, nproc or 1, torch.get_num_threads())
     for item in todo:
         name, cfg = item.cell.name, item.cell.config
         log(f"[{item.index}/{done.total}] {name}: training")
         # a run with a checkpoint resumes; any other starts afresh, replacing what an earlier
         # attempt left (the folder is this experiment's)
         resume = RunDir(item.run_dir).has_checkpoints()
-        threads = threads_of(item.before, torch.get_num_threads()) if resume else torch.get_num_threads()
+        pick = chooser.choose(item, resume)
+        chooser.say(log, name, pick)
         view.started(name, item.start_step if resume else 0, cfg.train.steps, resume)
         try:
-            with _intra_op_threads(threads):
+            with use_threads(pick):
                 if nproc and nproc > 1:
                     summary = launch_task(cfg, item.run_dir, nproc=nproc, resume=resume, command="compare",
                                           restart=not resume)
@@ -203,10 +228,11 @@ def train_here(todo: list[Todo], nproc: int | None, data: dict, done: Finished,
 
 
 def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, done: Finished,
-                      summaries: dict, failures: dict, log) -> None:
+                      summaries: dict, failures: dict, log, chooser: RunThreads | None = None) -> None:
     """Train ``todo``, ``concurrency.jobs`` at once in worker processes; Ctrl-C or SIGTERM stops them all
     (checkpointed) and is raised once they have ended."""
     pending, running = list(todo), {}
+    chooser = chooser or RunThreads(None, concurrency.jobs)
     pickled: dict = {}      # each data setting pickled once, for the fresh runs' workers
     free = list(range(concurrency.jobs))
     view, passed_on = done.view, 0
@@ -217,7 +243,9 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
                     item, slot = pending.pop(0), min(free)
                     log(f"[{item.index}/{done.total}] {item.cell.name}: training")
                     try:
-                        started = _start_worker(item, concurrency, slot, data, pickled, view, stop)
+                        ours = [w.proc.pid for _, w, _ in running.values() if getattr(w, "proc", None)]
+                        started = _start_worker(item, concurrency, slot, data, pickled, view, stop,
+                                                chooser, log, ours)
                     except Exception as error:
                         with view.paused():
                             failures[item.cell.name] = _failure_of(error)
@@ -252,7 +280,8 @@ def train_in_workers(todo: list[Todo], concurrency: Concurrency, data: dict, don
 
 
 def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, pickled: dict,
-                  view: GridView, stop: StopSignals) -> tuple[Todo, Worker, ExitStack] | None:
+                  view: GridView, stop: StopSignals, chooser: RunThreads, log,
+                  ours: Sequence[int] = ()) -> tuple[Todo, Worker, ExitStack] | None:
     """Claim and prepare ``item``'s folder, then start its worker, which inherits the lock (and gets a fresh
     run's data); ``None`` when a stop came meanwhile."""
     cfg, run_dir = item.cell.config, item.run_dir
@@ -267,13 +296,14 @@ def _start_worker(item: Todo, concurrency: Concurrency, slot: int, data: dict, p
         if stop.requested:
             claim.close()
             return None
-        threads = threads_of(item.before, concurrency.threads) if resume else concurrency.threads
+        pick = chooser.choose(item, resume, ours)
+        chooser.say(log, item.cell.name, pick)
         device = concurrency.devices[slot] if concurrency.devices else None
         key = data_key(cfg)
         if not resume and key not in pickled:
             pickled[key] = pickle.dumps(data[key], protocol=pickle.HIGHEST_PROTOCOL)
         name = item.cell.name
-        worker = Worker(name, run_dir, resume, threads, device, lock.fd,
+        worker = Worker(name, run_dir, resume, pick.count, device, lock.fd,
                         on_line=lambda line: view.run_line(name, line),
                         data=None if resume else pickled[key])
         view.started(name, item.start_step if resume else 0, cfg.train.steps, resume)

@@ -14,6 +14,7 @@ import traceback
 import uuid
 from pathlib import Path
 
+from ..devices import choose_threads, chosen_threads
 from ..errors import RankFailed, Terminated, UserError
 
 __all__ = ["ERROR_DIR_ENV", "launch", "report_failure"]
@@ -72,6 +73,7 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
         raise UserError("--nproc starts its own processes; it cannot run under torchrun "
                           f"(WORLD_SIZE={os.environ['WORLD_SIZE']}): leave out --nproc")
+    import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -80,8 +82,13 @@ def launch(nproc: int, args: list[str], *, what: str = "run") -> None:
     folder = Path(tempfile.mkdtemp(prefix="siamesenorm-ranks-"))
     saved = {k: os.environ.get(k) for k in (ERROR_DIR_ENV, "OMP_NUM_THREADS")}
     os.environ[ERROR_DIR_ENV] = str(folder)
-    if saved["OMP_NUM_THREADS"] is None:   # the processes share the cores
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    choice, line = chosen_threads()     # the command's, else the free cores shared out
+    if choice is None and saved["OMP_NUM_THREADS"] is None:
+        choice = choose_threads(processes=nproc, ceiling=torch.get_num_threads())
+    if choice is not None:
+        os.environ["OMP_NUM_THREADS"] = str(choice.count)
+    if line:
+        print(f"[train] {line}", file=sys.stderr, flush=True)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"siamesenorm-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,

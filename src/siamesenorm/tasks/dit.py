@@ -206,6 +206,7 @@ TASK = Task(
     headline=("final_fd_proxy", "final FD-proxy, lower is better (not Inception FID)"),
     columns=("final_fd_proxy", "final_sample_acc"),
     higher_is_better=("final_sample_acc",),
+    titles={"final_fd_proxy": "FD-proxy", "final_sample_acc": "sample acc"},
     head_fn=None,  # a DiT has no logits: no lens
     kind="DiT image-diffusion",
     micro_batch=image_micro_batch("input_size"),

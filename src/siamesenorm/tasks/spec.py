@@ -10,8 +10,8 @@ one line in :mod:`~siamesenorm.tasks.registry`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +20,28 @@ from torch import nn
 
 from ..analysis.adapters import HeadFn, LossFn, lm_loss
 from ..train import BatchSource, Evaluation
+
+# Every task's validation losses (better lower); its ``columns`` follow them in compare's figures.
+LOSSES = ("final_val_loss", "best_val_loss")
+_TITLES = {"final_val_loss": "final val loss", "best_val_loss": "best val loss"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A figure of a run's ``summary.json`` that compare sums up over seeds and pairs with its baseline."""
+
+    key: str
+    title: str
+    higher_is_better: bool = False
+
+    @property
+    def better(self) -> str:
+        return "higher" if self.higher_is_better else "lower"
+
+
+def default_title(key: str) -> str:
+    """A figure's name in tables when its task gives none: ``final_arith_acc`` -> ``arith acc``."""
+    return _TITLES.get(key) or key.removeprefix("final_").replace("_", " ")
 
 
 class TaskData(Protocol):
@@ -55,8 +77,9 @@ class Task:
     - ``build_model(cfg, device)``: the module to train, initialised from the (seeded) torch generator.
     - ``evaluation(cfg, data, run_dir, device) -> Evaluation``: the figures of every evaluation.
     - ``analysis_batches(cfg, run_dir, path, n)``: batches for ``analyze`` (the run's own, or of ``path``).
-    - ``headline``, ``columns`` (``final_<name>``), ``higher_is_better``: what compare's tables show
-      (every figure not in ``higher_is_better`` is better lower).
+    - ``headline``, ``columns`` (``final_<name>``), ``higher_is_better``, ``titles``: the figures
+      compare sums up and pairs (:attr:`metrics`; every figure not in ``higher_is_better`` is
+      better lower) and their names in its tables (default: the key's words).
     - ``loss_fn``, ``head_fn`` (``None``: no logits, no logit lens): how the diagnostics run the
       model; ``generate`` (``None``: the task does not generate); ``kind``: its name in messages.
     - ``micro_batch(cfg) -> (x, y)`` on the meta device, ``tokens_per_sample(cfg)``,
@@ -87,3 +110,10 @@ class Task:
     exports_hf: bool = False
     head_memory: Callable[[Any, int], tuple[int, int]] = lambda cfg, tokens: (0, 0)
     default_preset: str | None = None
+    titles: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def metrics(self) -> tuple[Metric, ...]:
+        """Both losses, then the task's columns, each with its title and direction."""
+        return tuple(Metric(k, self.titles.get(k) or default_title(k), k in self.higher_is_better)
+                     for k in dict.fromkeys((*LOSSES, *self.columns)))

@@ -129,6 +129,7 @@ TASK = Task(
     headline=("final_val_acc", "final validation top-1 accuracy"),
     columns=("final_val_acc",),
     higher_is_better=("final_val_acc",),
+    titles={"final_val_acc": "val top-1"},
     head_fn=vit_head,  # the lens reads the class token
     kind="ViT image-classification",
     micro_batch=image_micro_batch("image_size"),

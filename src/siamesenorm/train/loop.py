@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..devices import run_threads
 from ..errors import Terminated
 from ..parallel import RankSource, World, all_max, autocast_for, current_world, parallel_mode, parallelize
 from ..rundir import RunDir, plain, write_json
@@ -196,7 +197,19 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     good checkpoint. Ctrl-C or SIGTERM checkpoints the step, writes ``summary.json`` (``interrupted``)
     and re-raises. ``progress``: ``None`` a bar on a terminal, lines elsewhere; ``False`` nothing.
     """
-    run_dir, world = Path(run_dir), current_world()
+    with run_threads(getattr(cfg, "threads", None)) as line:
+        if info and "environment" in info:      # recorded before the run's own threads were set
+            info = {**info, "environment": {**info["environment"], "threads": torch.get_num_threads()}}
+        return _train(model, source, cfg, Path(run_dir), seed=seed, eval_batches=eval_batches,
+                      evaluation=evaluation, resume=resume, device=device, progress=progress, probe=probe,
+                      info=info, threads_line=line)
+
+
+def _train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: Path, *, seed: int | None,
+           eval_batches: Sequence, evaluation: Evaluation | None, resume: bool, device: str | torch.device,
+           progress: bool | None, probe: StepProbe | None, info: dict[str, Any] | None,
+           threads_line: str | None) -> dict[str, Any]:
+    world = current_world()
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
@@ -208,6 +221,8 @@ def train(model: nn.Module, source: BatchSource, cfg: Any, run_dir: str | Path, 
     log = MetricsLog(run_dir, keep_until, cfg.loggers) if world.main else None
     if probe is not None:
         probe.start(run_dir, keep_until)
+    if threads_line and world.main and progress is not False and cfg.log_every != 0:
+        print(f"[train] {threads_line}", file=sys.stderr, flush=True)     # once nothing can be refused
     every = log_interval(cfg.log_every, cfg.steps)
     display = RunLog(cfg.steps, trainer.state.step, every,
                      RunLog.choose(progress if world.main else False, every),
