@@ -205,8 +205,9 @@ def test_nproc_train_end_to_end_then_export_generate_and_analyze(tmp_path, capfd
     final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     assert res.stdout.strip().splitlines() == [
         f"{run_dir}: 4 steps (2 processes), final val loss {final:.4f}"]
-    lines = res.stderr.splitlines()       # the threads chosen, rank 0's plain lines alone, every 2 steps,
-    assert lines[0].startswith(f"{LOG_PREFIX} threads: ") and "per process" in lines[0], lines   # its final line
+    # the threads chosen, then rank 0's plain lines alone, every 2 steps, then its final line
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"{LOG_PREFIX} threads: ") and "per process" in lines[0], lines
     lines = lines[1:]
     assert [int(STEP.match(line)[1]) for line in lines[:-1]] == [2, 4], lines
     assert lines[-1].startswith(f"{LOG_PREFIX} done: 4/4 steps"), lines
