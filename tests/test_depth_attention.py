@@ -179,7 +179,6 @@ def test_attention_needs_the_earlier_layers() -> None:
     ({"depth_attention": False, "depth_attention_stride": 2},
      "model.depth_attention_stride is set but model.depth_attention is false"),
     ({"value_residual": True}, "model.depth_attention and model.value_residual both rewrite the values"),
-    ({"family": "qwen3"}, "model.depth_attention=true is not available with model.family=qwen3"),
 ])
 def test_bad_values_are_one_line_config_errors(overrides: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:

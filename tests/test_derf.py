@@ -249,12 +249,9 @@ def test_train_with_model_norm_derf(tmp_path):
     assert "norm: derf" in (out / "config.yaml").read_text()
 
 
-def test_derf_with_a_family_is_refused_in_one_line():
-    res = cli_in_process("train", "tiny", "model.norm=derf", "model.family=qwen3", "train.steps=1")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and "model.norm=derf" in res.stderr, res.stderr
-    with pytest.raises(ConfigError, match="family"):
-        LMConfig(norm="derf", family="qwen3")
+def test_derf_with_a_family_is_taken():
+    """A family run replaces the family's norms (tests/test_options_everywhere.py checks them)."""
+    assert LMConfig(norm="derf", family="qwen3").norm == "derf"
 
 
 def test_derf_in_olmo_core_is_refused_in_one_line():

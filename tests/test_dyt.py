@@ -218,12 +218,9 @@ def test_train_with_model_norm_dyt(tmp_path):
     assert "norm: dyt" in (out / "config.yaml").read_text()
 
 
-def test_dyt_with_a_family_is_refused_in_one_line():
-    res = run_cli("train", "tiny", "model.norm=dyt", "model.family=qwen3", "train.steps=1")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and "model.norm=dyt" in res.stderr, res.stderr
-    with pytest.raises(ConfigError, match="family"):
-        LMConfig(norm="dyt", family="qwen3")
+def test_dyt_with_a_family_is_taken():
+    """A family run replaces the family's norms (tests/test_options_everywhere.py checks them)."""
+    assert LMConfig(norm="dyt", family="qwen3").norm == "dyt"
 
 
 def test_unknown_norm_lists_dyt():
