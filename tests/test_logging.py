@@ -60,7 +60,8 @@ def test_a_log_file_gets_a_line_every_log_every_steps_and_at_evaluations_then_a_
     assert res.returncode == 0, lines
     assert all(line.startswith(LOG_PREFIX + " ") for line in lines), lines
     assert not any("\r" in line for line in lines)
-    *periodic, final = lines
+    threads, *periodic, final = lines          # first the threads chosen, then the steps
+    assert threads.startswith(f"{LOG_PREFIX} threads: "), lines
     matches = [STEP.match(line) for line in periodic]
     assert all(matches), periodic
     logged = {r["step"]: r for r in rows(run_dir)}
