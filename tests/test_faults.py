@@ -508,7 +508,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes_exactly(tmp_path, m
     run_dir = tmp_path / "run"
     assert cli_module.main(["train", "tiny", *six, "--out", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    logged = [line.split(" | ")[0] for line in err if line.startswith(LOG_PREFIX)]
+    logged = [line.split(" | ")[0] for line in err if line.startswith(f"{LOG_PREFIX} step")]
     assert logged == [f"{LOG_PREFIX} step 1/6", f"{LOG_PREFIX} step 2/6"]   # the steps recorded
     assert [line for line in err if not line.startswith(LOG_PREFIX)] == [
         "siamesenorm train: error: No space left on device: metrics.jsonl"]
