@@ -58,17 +58,24 @@ def load_legacy_names(model: Any) -> None:
     """Let ``from_pretrained`` of ``type(model)`` read an earlier layout's names (its modules'
     ``legacy_state_names``); saving writes the new ones."""
     try:
-        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
         from transformers.core_model_loading import WeightRenaming
     except ImportError:                 # pragma: no cover - transformers before 5.2
         return
     name = type(model).__name__
-    known = _LEGACY_NAMES.setdefault(name, {})
-    found = {old: new for module in model.modules()
+    found = {r"\." + re.escape(old): "." + new for module in model.modules()
              for old, new in getattr(type(module), "legacy_state_names", {}).items()}
-    if not found.keys() - known.keys():
+    # what is registered under the name now: a folder's vendored copy of this code registers the
+    # same class name with what its own model holds, so a cache of ours would go stale
+    now = get_checkpoint_conversion_mapping(name) or []
+    ours = [t for t in now if type(t).__name__ == "LoadOnlyRenaming"]
+    registered = {source: target for t in ours
+                  for source, target in zip(t.source_patterns, t.target_patterns)}
+    if not found.keys() - registered.keys():
         return
-    known.update(found)
 
     class LoadOnlyRenaming(WeightRenaming):
         __slots__ = ()
@@ -76,9 +83,6 @@ def load_legacy_names(model: Any) -> None:
         def reverse_transform(self) -> WeightRenaming:      # saving keeps the names as they are
             return WeightRenaming(source_patterns=r"(?!)", target_patterns="")
 
-    register_checkpoint_conversion_mapping(name, [
-        LoadOnlyRenaming(source_patterns=r"\." + re.escape(old), target_patterns="." + new)
-        for old, new in known.items()], overwrite=True)
-
-
-_LEGACY_NAMES: dict[str, dict[str, str]] = {}      # class name -> the renamings registered for it
+    register_checkpoint_conversion_mapping(name, [t for t in now if t not in ours] + [
+        LoadOnlyRenaming(source_patterns=source, target_patterns=target)
+        for source, target in {**registered, **found}.items()], overwrite=True)
