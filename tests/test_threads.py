@@ -23,6 +23,7 @@ from siamesenorm.devices import (
     use_threads,
 )
 from siamesenorm.errors import UserError
+from siamesenorm.experiments import training
 from siamesenorm.experiments.jobs import choose
 from siamesenorm.experiments.training import RunThreads, Todo
 from siamesenorm.tasks import load_config
@@ -180,7 +181,9 @@ def test_compare_shares_the_free_cores_and_says_when_the_load_cut_them(machine):
     assert choose(small, 2).threads == 1
 
 
-def test_each_run_is_given_threads_as_it_starts_and_a_resumed_one_no_more_than_it_had(machine, tmp_path):
+def test_each_run_is_given_threads_as_it_starts_and_a_resumed_one_no_more_than_it_had(machine, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(training, "RECHECK_S", -1.0)        # every run looks again
     cfg = load_config("tiny", [])
     todo = Todo(1, SimpleNamespace(config=cfg, name="a"), tmp_path, None)
     chooser = RunThreads(None, 1, ceiling=2)
@@ -199,6 +202,10 @@ def test_each_run_is_given_threads_as_it_starts_and_a_resumed_one_no_more_than_i
     had_two = Todo(1, todo.cell, tmp_path, {"environment": {"threads": 2}})
     assert chooser.choose(had_two, resume=True).count == 1
     assert RunThreads(2, 1).choose(resumed, resume=True).count == 2     # --threads: as given
+    # a run that starts within RECHECK_S of the last look takes what was seen then
+    monkeypatch.setattr(training, "RECHECK_S", 3600.0)
+    machine(2, 0.0)
+    assert chooser.choose(todo, resume=False).count == 1
 
 
 # ---- the commands ----------------------------------------------------------------------------------
@@ -257,7 +264,8 @@ def test_bad_thread_counts_are_one_line_with_status_2_and_write_nothing(tmp_path
     assert fragment in res.stderr and "Traceback" not in res.stderr and not out.exists()
 
 
-def test_compare_says_its_threads_and_rechecks_them_between_runs(machine, tmp_path):
+def test_compare_says_its_threads_and_rechecks_them_between_runs(machine, tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "RECHECK_S", -1.0)        # runs of seconds: every one looks again
     out = tmp_path / "exp"
     first = out / "pre-lr0.001-s0" / "summary.json"
     machine(2, lambda: 6.8 if first.exists() else 0.1)     # the load comes once the first run ends

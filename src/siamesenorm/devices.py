@@ -131,7 +131,7 @@ def deterministic(enabled: bool) -> Iterator[None]:
 
 # ---- intra-op threads: as many as the cores other processes leave free (docs/training.md#threads) ----
 PROC = Path("/proc")
-SAMPLE_S = 0.1      # how long the cores are watched: the load average lags a minute behind
+SAMPLE_S = 0.2      # how long the cores are watched: the load average lags a minute behind
 
 
 def available_cores() -> int:
@@ -219,7 +219,7 @@ def env_threads(env: dict | None = None) -> int | None:
 @dataclass(frozen=True)
 class Threads:
     """Intra-op threads per process and why; ``auto``: from the machine's free cores, ``seen``
-    being what was seen of it (``, 1.9 busy, load 6.8``)."""
+    being what was seen of it and what bounded it (``, 1.9 busy, load 6.8``)."""
 
     count: int
     why: str
@@ -253,11 +253,11 @@ def choose_threads(flag: int | None = None, config: int | None = None, *, flag_n
     seen = f", {busy:.1f} busy" if busy is not None else ""
     if load is not None:
         seen += f", load {load:.1f}"
+    if ceiling is not None and ceiling < free:
+        seen += f"; the process had {ceiling}"
     why = f"{cores} core{'s' if cores != 1 else ''}{seen}"
     if processes > 1:
         why = f"{processes} processes on {why}"
-    if ceiling is not None and ceiling < free:
-        why += f"; the process had {ceiling}"
     return Threads(count, why, auto=True, processes=processes, seen=seen)
 
 

@@ -10,6 +10,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from ..config import config_to_dict
 from ..devices import check_threads, resolve_device
 from ..errors import UserError
@@ -168,7 +170,7 @@ def compare(preset: str | None, overrides: list[str], out: str | Path, *,
     p = plan(preset, overrides, schemes=schemes, lrs=lrs, seeds=seeds, baseline=baseline)
     threads = check_threads(threads, "--threads")
     concurrency = choose(p.cells, p.jobs if jobs is None else check_jobs(jobs, "--jobs"), nproc=nproc,
-                         world_size=launched_world_size(), threads=threads)
+                         world_size=launched_world_size(), threads=threads, ceiling=torch.get_num_threads())
     out = Path(out)
     check_out_dir(out)
     check_free(out, "compare")

@@ -104,7 +104,7 @@ def choose(cells: Sequence[Any], jobs: int | str, *, threads: int | None = None,
            **machine: Any) -> Concurrency:
     """How to run the whole grid ``cells`` (finished or not, so a run's thread count never depends on how
     far an earlier attempt got) with ``jobs``; ``threads``: ``--threads``; ``machine`` overrides what
-    this machine has (tests)."""
+    this machine has (tests), ``ceiling`` bounds the threads of a run trained in this process."""
     grid = max(1, len(cells))
     if jobs == AUTO or jobs <= grid:
         return _choose(cells, jobs, threads, **machine)
@@ -123,14 +123,15 @@ def _load_note(pick: Threads, usual: int) -> str:
 def _choose(cells: Sequence[Any], jobs: int | str, flag: int | None = None, *, nproc: int | None = None,
             world_size: int = 1, cores: int | None = None, cuda_count: int | None = None,
             memory: int | None = None, busy: float | None = None, load: float | None = None,
-            env: dict | None = None) -> Concurrency:
+            env: dict | None = None, ceiling: int | None = None) -> Concurrency:
     if cores is None:
         cores, busy, load = machine_now()
     configs = [cell.config for cell in cells]
     config = max((cfg.train.threads for cfg in configs if cfg.train.threads), default=None)
 
     def pick(processes: int) -> Threads:
-        return choose_threads(flag, config, processes=processes, cores=cores, busy=busy, load=load, env=env)
+        return choose_threads(flag, config, processes=processes, cores=cores, busy=busy, load=load, env=env,
+                              ceiling=ceiling if processes == 1 else None)     # the threads this process has
 
     def note(processes: int) -> str:
         return _load_note(pick(processes), max(1, cores // processes))

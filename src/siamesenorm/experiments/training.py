@@ -11,12 +11,13 @@ import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..devices import Threads, choose_threads, use_threads
+from ..devices import Threads, available_cores, choose_threads, machine_now, use_threads
 from ..errors import RankFailed, UserError, environment_problem
 from ..locks import folder_lock
 from ..rundir import RunDir
@@ -78,6 +79,9 @@ class Todo:
         return self.before.get("checkpoint_step") or 0
 
 
+RECHECK_S = 10.0        # a run that starts sooner after the last look at the cores takes what it saw
+
+
 class RunThreads:
     """Each run's threads, chosen as it starts: the cores other processes than this comparison's
     leave free, shared by ``processes`` runs at once, at most ``ceiling``; a resumed run's count is
@@ -86,11 +90,20 @@ class RunThreads:
     def __init__(self, flag: int | None, processes: int, ceiling: int | None = None) -> None:
         self.flag, self.processes, self.ceiling = flag, processes, ceiling
         self.last: int | None = None        # the count last said
+        self.seen: tuple[float, tuple] | None = None        # when the cores were last looked at, and what
 
     def pick(self, cfg: Any, exclude: Sequence[int] = ()) -> Threads:
         """``exclude``: the processes of this comparison's running runs."""
-        return choose_threads(self.flag, cfg.train.threads, processes=self.processes,
-                              ceiling=self.ceiling, exclude=exclude)
+        pick = partial(choose_threads, self.flag, cfg.train.threads, processes=self.processes,
+                       ceiling=self.ceiling)
+        if not pick(cores=1).auto:          # set by the user: nothing to look at
+            return pick()
+        now = time.monotonic()
+        if self.seen is None or now - self.seen[0] > RECHECK_S:
+            cores = available_cores()
+            self.seen = now, machine_now(exclude, min(cores, self.ceiling or cores) // self.processes > 1)
+        cores, busy, load = self.seen[1]
+        return pick(cores=cores, busy=busy, load=load)
 
     def choose(self, item: Todo, resume: bool, exclude: Sequence[int] = ()) -> Threads:
         pick = self.pick(item.cell.config, exclude)
@@ -173,9 +186,9 @@ def train_runs(todo: list[Todo], total: int, concurrency: Concurrency, nproc: in
             chooser = RunThreads(threads, nproc or 1, torch.get_num_threads())
             if spread:
                 log(f"compare: 1 run at a time, each across {nproc} processes (--nproc {nproc})")
-            else:       # here: the threads the first run gets
-                chooser.last = chooser.pick(todo[0].cell.config).count if todo else torch.get_num_threads()
-                log(dataclasses.replace(concurrency, threads=chooser.last).line())
+            else:       # here, within the threads this process has
+                chooser.last = concurrency.threads
+                log(concurrency.line())
             train_here(todo, nproc, data, done, summaries, failures, log, chooser)
     finally:
         view.close()
