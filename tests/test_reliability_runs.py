@@ -312,14 +312,20 @@ def test_an_unrecorded_hash_is_unknown_and_every_other_entry_is_compared():
 
 
 # ---- 4. data.tokenizer=bpe on .bin token files ---------------------------------------------------------
-def test_token_files_are_named_as_such(tmp_path):
+def test_token_files_are_named_as_such(tmp_path, monkeypatch):
     from siamesenorm.data import names_token_files
+    from siamesenorm.data.text.corpora import resolve_paths
 
     corpus = token_file(tmp_path / "tokens.bin")
     (tmp_path / "text.txt").write_text("some text\n" * 100)
     assert names_token_files(str(corpus))
     for spec in (str(tmp_path / "text.txt"), "pystdlib", str(tmp_path / "missing.bin"), ""):
         assert not names_token_files(spec), spec
+    # an unset corpus is not the working folder (a preset's "" walked the whole tree it ran in)
+    monkeypatch.chdir(tmp_path)
+    assert names_token_files(".") and not names_token_files("") and not names_token_files("  ")
+    with pytest.raises(UserError, match="corpus path is empty"):
+        resolve_paths("")
 
 
 def test_a_token_file_run_records_the_ids_it_reads_not_a_tokenizer(tmp_path):

@@ -35,6 +35,9 @@ def resolve_paths(spec: str | Path) -> tuple[list[Path], bool]:
     """``(files, is_tokens)`` of a path spec (a file, a folder, a glob), sorted; a folder with ``.bin``
     files at its top level names those shards. A path that is not a regular file or folder is refused."""
     text = str(spec)
+    if not text.strip():        # Path("") is the working folder: never read it unasked
+        raise UserError("corpus path is empty; give pystdlib, arithmetic, hf:NAME, or a text file, "
+                        "folder or .bin file")
     path = Path(text).expanduser()
     if path.is_dir():
         shards = sorted(p for p in path.glob("*.bin") if p.is_file())
@@ -142,8 +145,11 @@ def check_corpus_options(spec: str, options: dict) -> tuple[Callable[..., Corpus
 def names_token_files(spec: str) -> bool:
     """Whether ``spec`` names ``.bin`` token files (read as the ids they hold, with no tokenizer);
     False for anything else, a spec naming no files yet included (its loading refuses it)."""
-    if not isinstance(spec, str) or _loader(spec)[0] is not _load_path:
+    if not isinstance(spec, str) or not spec.strip() or _loader(spec)[0] is not _load_path:
         return False
+    path = Path(spec).expanduser()
+    if path.is_dir() and any(p.is_file() for p in path.glob("*.bin")):     # shards: no need to walk it
+        return True
     try:
         return resolve_paths(spec)[1]
     except UserError:
