@@ -13,7 +13,7 @@ import yaml
 
 from ..rundir import RunDir
 from ..shapes import ANALYSIS, METRICS_ROW, PROBE_ROW, mismatch, read_rows
-from .plots import pyplot, save
+from . import style
 
 SPIKE_FACTOR = 5.0   # a gradient norm above this multiple of the run's median after warm-up is a spike
 
@@ -125,84 +125,125 @@ def pruning_sentence(runs: list[dict]) -> str:
 
 
 # ---- plots -----------------------------------------------------------------------------------
-# One panel per learning rate (shared axes), one colour per scheme, one line style per seed, so a
-# 24-run grid stays readable and the same scheme has the same colour in every plot.
-_STYLES = ("-", "--", ":", "-.")
+# One panel per learning rate (shared axes), the scheme's colour and the learning rate's line style
+# of every plot of the experiment (:mod:`.style`); the seeds of a cell share both: thin lines each,
+# and a thick line through their median, so a 24-run grid stays readable.
+_STREAM_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 class _Layout:
-    def __init__(self, runs: list[dict]) -> None:
+    def __init__(self, runs: list[dict], schemes: list[str] | None = None) -> None:
         self.lrs = sorted({r["lr"] for r in runs}, key=lambda v: (v is None, v or 0.0))
-        self.schemes = list(dict.fromkeys(r["scheme"] for r in runs))
+        self.schemes = list(dict.fromkeys([*(schemes or ()), *(r["scheme"] for r in runs)]))
         self.seeds = sorted({r["seed"] for r in runs}, key=lambda v: (v is None, v or 0))
+        self.colours = style.scheme_colours(self.schemes)
+        self.styles = style.lr_styles([lr for lr in self.lrs if lr is not None])
 
     def figure(self, title: str, xlabel: str, ylabel: str, **axes: Any):
-        plt = pyplot()
+        plt = style.pyplot()
         n = len(self.lrs)
-        fig, panels = plt.subplots(1, n, figsize=(max(7.0, 4.2 * n), 4.5), sharex=True, sharey=True,
+        fig, panels = plt.subplots(1, n, figsize=(max(6.0, 4.0 * n), 4.2), sharex=True, sharey=True,
                                    squeeze=False)
         for lr, ax in zip(self.lrs, panels[0]):
-            ax.set(xlabel=xlabel, **axes, title=title if n == 1 else f"{title}, lr {lr:g}")
+            ax.set(xlabel=xlabel, **axes, title=title if n == 1 else "lr ?" if lr is None else f"lr {lr:g}")
             ax.grid(alpha=0.3)
+        if n > 1:
+            fig.suptitle(title)
         panels[0][0].set_ylabel(ylabel)
         return fig, dict(zip(self.lrs, panels[0]))
 
     def color(self, r: dict) -> str:
-        return f"C{self.schemes.index(r['scheme']) % 10}"
+        return self.colours[r["scheme"]]
 
-    def style(self, r: dict) -> str:
-        return _STYLES[self.seeds.index(r["seed"]) % len(_STYLES)]
+    def style(self, r: dict) -> Any:
+        return self.styles.get(r["lr"], "-")
 
-    def label(self, r: dict) -> str:
-        return f"{r['scheme']} seed {r['seed']}" if len(self.seeds) > 1 else str(r["scheme"])
+    def cells(self, runs: list[dict]) -> dict[tuple, list[dict]]:
+        """The runs by (scheme, lr), in the experiment's scheme order."""
+        out: dict[tuple, list[dict]] = {}
+        for r in sorted(runs, key=lambda r: self.schemes.index(r["scheme"])):
+            out.setdefault((r["scheme"], r["lr"]), []).append(r)
+        return out
+
+    def legend(self, panels: dict, drawn: set, extra: list | None = None) -> None:
+        """One legend, right of the last panel: colours are the ``drawn`` schemes, styles learning
+        rates."""
+        from matplotlib.lines import Line2D
+
+        used = {s: c for s, c in self.colours.items() if s in drawn}
+        handles = style.key_handles(used, self.styles) + list(extra or [])
+        if len(self.seeds) > 1:
+            handles += [Line2D([], [], color="black", lw=2, label="median over seeds"),
+                        Line2D([], [], color="black", lw=0.8, alpha=0.4, label="each seed")]
+        style.legend_outside(list(panels.values())[-1], handles)
 
 
-def _legends(panels: dict) -> None:
-    for ax in panels.values():
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+def _gid(scheme: str, lr: float | None) -> str:
+    return f"{scheme} lr {lr:g}" if lr is not None else str(scheme)
 
 
-def _plot_rms(out: Path, runs: list[dict]) -> str:
-    layout = _Layout(runs)
+def _plot_rms(out: Path, runs: list[dict], schemes: list[str] | None = None) -> str:
+    return style.save(rms_figure(runs, schemes), out / "diag_hidden_rms.png")
+
+
+def rms_figure(runs: list[dict], schemes: list[str] | None = None):
+    """Hidden-state RMS against depth per learning rate; streams by marker."""
+    from matplotlib.lines import Line2D
+
+    layout = _Layout(runs, schemes)
     fig, panels = layout.figure("Hidden-state RMS vs depth", "depth (blocks)", "hidden-state RMS",
                                 yscale="log")
-    for r in runs:
-        if not r["rms"]:
-            continue
-        for j, (stream, values) in enumerate(r["rms"].items()):   # streams by line style here
-            points = [(k / r["per"], v) for k, v in enumerate(values) if _finite(v)]
-            if points:
-                panels[r["lr"]].plot(*zip(*points), _STYLES[j % len(_STYLES)], color=layout.color(r),
-                                     label=f"{layout.label(r)} {stream}")
-    _legends(panels)
-    return save(fig, out / "diag_hidden_rms.png")
+    streams = list(dict.fromkeys(s for r in runs if r["rms"] for s in r["rms"]))
+    for (scheme, lr), group in layout.cells(runs).items():
+        for stream in streams:
+            curves = [[(k / r["per"], v) for k, v in enumerate(r["rms"][stream]) if _finite(v)]
+                      for r in group if r["rms"] and stream in r["rms"]]
+            style.seed_lines(panels[lr], curves, layout.color(group[0]), layout.style(group[0]),
+                             _STREAM_MARKERS[streams.index(stream) % len(_STREAM_MARKERS)],
+                             gid=_gid(scheme, lr))
+    for ax in panels.values():
+        style.integer_ticks(ax)
+    extra = [Line2D([], [], color="black", ls="", marker=_STREAM_MARKERS[i % len(_STREAM_MARKERS)],
+                    ms=4, label=f"stream {s}") for i, s in enumerate(streams)] if len(streams) > 1 else []
+    layout.legend(panels, {r["scheme"] for r in runs if r["rms"]}, extra)
+    return fig
 
 
-def _plot_grads(out: Path, runs: list[dict]) -> str:
-    layout = _Layout(runs)
-    fig, panels = layout.figure("Gradient norm during training", "step", "gradient norm (before clipping)",
-                                yscale="log")
-    for r in runs:
-        if r["grads"]:
-            panels[r["lr"]].plot(*zip(*r["grads"]), layout.style(r), color=layout.color(r), lw=1,
-                                 label=layout.label(r))
-    _legends(panels)
-    return save(fig, out / "diag_grad_norm.png")
+def _plot_grads(out: Path, runs: list[dict], schemes: list[str] | None = None) -> str:
+    return style.save(grads_figure(runs, schemes), out / "diag_grad_norm.png")
 
 
-def _plot_pruning(out: Path, runs: list[dict]) -> str:
-    layout = _Layout(runs)
+def grads_figure(runs: list[dict], schemes: list[str] | None = None):
+    """Gradient norm against step per learning rate."""
+    layout = _Layout(runs, schemes)
+    fig, panels = layout.figure("Gradient norm during training", "step",
+                                "gradient norm (before clipping)", yscale="log")
+    for ax in panels.values():
+        style.integer_ticks(ax)
+    for (scheme, lr), group in layout.cells(runs).items():
+        style.seed_lines(panels[lr], [r["grads"] for r in group], layout.color(group[0]),
+                         layout.style(group[0]), gid=_gid(scheme, lr))
+    layout.legend(panels, {r["scheme"] for r in runs if r["grads"]})
+    return fig
+
+
+def _plot_pruning(out: Path, runs: list[dict], schemes: list[str] | None = None) -> str:
+    return style.save(pruning_figure(runs, schemes), out / "diag_pruning.png")
+
+
+def pruning_figure(runs: list[dict], schemes: list[str] | None = None):
+    """Validation loss increase when one block is skipped, per learning rate."""
+    layout = _Layout(runs, schemes)
     fig, panels = layout.figure("Layer pruning sensitivity", "block skipped", "validation loss increase")
-    for r in runs:
-        if r["pruning"]:
-            per_block = r["pruning"]["per_block"]
-            panels[r["lr"]].plot(range(len(per_block)), per_block, layout.style(r), marker="o", ms=3,
-                                 color=layout.color(r), label=layout.label(r))
+    for (scheme, lr), group in layout.cells(runs).items():
+        style.seed_lines(panels[lr], [list(enumerate(r["pruning"]["per_block"])) for r in group
+                                      if r["pruning"]], layout.color(group[0]), layout.style(group[0]),
+                         gid=_gid(scheme, lr))
     for ax in panels.values():
         ax.axhline(0.0, color="gray", lw=0.8)
-    _legends(panels)
-    return save(fig, out / "diag_pruning.png")
+        style.integer_ticks(ax)
+    layout.legend(panels, {r["scheme"] for r in runs if r["pruning"]})
+    return fig
 
 
 def _table(runs: list[dict]) -> list[str]:
@@ -227,17 +268,18 @@ def _table(runs: list[dict]) -> list[str]:
     return lines
 
 
-def diagnostics_section(out: Path, rows: list[dict]) -> list[str]:
-    """Markdown lines of the diagnostics section of ``out/report.md``; writes its plots into ``out``."""
+def diagnostics_section(out: Path, rows: list[dict], schemes: list[str] | None = None) -> list[str]:
+    """Markdown lines of the diagnostics section of ``out/report.md``; writes its plots into ``out``
+    (``schemes``: the experiment's order, which picks the colours)."""
     runs = collect(Path(out), rows)
     lines = ["## Diagnostics", ""]
     if any(r["rms"] for r in runs):
-        lines += [rms_sentence(runs), "", f"![hidden RMS vs depth]({_plot_rms(out, runs)})", ""]
+        lines += [rms_sentence(runs), "", f"![hidden RMS vs depth]({_plot_rms(out, runs, schemes)})", ""]
     else:
         lines += ["No stream RMS recorded: set `analysis.every=N` to record probes every N steps.", ""]
-    lines += [grad_sentence(runs), "", f"![gradient norm]({_plot_grads(out, runs)})", ""]
+    lines += [grad_sentence(runs), "", f"![gradient norm]({_plot_grads(out, runs, schemes)})", ""]
     if any(r["pruning"] for r in runs):
-        lines += [pruning_sentence(runs), "", f"![layer pruning]({_plot_pruning(out, runs)})", ""]
+        lines += [pruning_sentence(runs), "", f"![layer pruning]({_plot_pruning(out, runs, schemes)})", ""]
     else:
         lines += ["No layer-pruning analysis: run `siamesenorm analyze RUN_DIR`, or train with "
                   "`analysis.every=N` (and `analysis.at_end=true`).", ""]

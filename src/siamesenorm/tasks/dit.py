@@ -24,6 +24,7 @@ from torch import nn
 from ..config import AnalysisConfig, TrainConfig, check_seed, derive
 from ..data import ImageSet, check_image_options
 from ..diffusion import DiffusionObjective, create_diffusion, sample, save_image_grid
+from ..diffusion.grid import class_labels
 from ..diffusion.schedule import linear_betas
 from ..errors import UserError
 from ..eval.fid_proxy import get_proxy, sample_quality
@@ -181,7 +182,8 @@ class SampleEvaluation(Evaluation):
         grid = self.draw(model, grid_labels, self.cfg.seed)
         inner_folder(RunDir(self.run_dir).samples)
         save_image_grid(grid.cpu(), RunDir(self.run_dir).sample_grid(step),
-                        nrow=d.grid_per_class, upscale=max(1, 64 // self.data.image_size))
+                        nrow=d.grid_per_class, upscale=max(1, 64 // self.data.image_size),
+                        padding=4, pad_value=255, row_labels=class_labels(self.data.train.class_names))
         if self.proxy is None:
             self.proxy = get_proxy(self.data.train, device=self.device)
         labels = torch.arange(d.eval_samples) % k
