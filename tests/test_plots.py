@@ -165,6 +165,19 @@ def test_analysis_plots_tick_blocks_with_integers_and_mark_a_two_point_curve():
     style.pyplot().close("all")
 
 
+def test_log_axes_read_as_plain_numbers(tmp_path):
+    """Not 6x10^0: a hidden-state RMS from 1 to 7 reads 1, 2, 3, 4, 6 on its axis."""
+    fig = analysis_figures(_analysis(), [])["hidden_rms.png"]
+    ax = fig.axes[0]
+    ax.set_ylim(1, 7)
+    style.plain_log_labels(fig)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+    assert {"1", "2", "6"} <= set(labels), labels
+    assert all(float(x) > 0 for x in labels), labels        # "$\\mathdefault{6\\times10^{0}}$" before
+    style.pyplot().close("all")
+
+
 def test_the_lr_grid_marks_a_cell_whose_seeds_all_failed_or_went_flat(tmp_path):
     from matplotlib.patches import Rectangle
 

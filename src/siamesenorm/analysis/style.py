@@ -112,8 +112,24 @@ def pyplot():
     return plt
 
 
+def plain_log_labels(fig) -> None:
+    """Log axes of ``fig`` labelled ``0.3, 1, 6`` rather than ``3x10^-1, 10^0, 6x10^0``."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:g}"
+
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale == "log":
+                axis.set_major_formatter(Plain())
+                axis.set_minor_formatter(Plain(minor_thresholds=(1, 0.4)))
+
+
 def save(fig, path: Path, dpi: int = 110) -> str:
     """Write ``fig`` to ``path`` cropped to what it draws (legends outside included) and close it."""
+    plain_log_labels(fig)
     fig.tight_layout()
     save_figure(fig, path, dpi=dpi, bbox_inches="tight")   # never through a link planted under its name
     pyplot().close(fig)
