@@ -55,6 +55,17 @@ def test_with_its_native_scheme_the_family_model_is_the_familys_own(family):
     assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())
 
 
+def test_the_families_said_to_have_a_qk_norm_are_those_whose_attention_has_one():
+    """Read from the family's own model on the meta device (what refuses ``model.qk_norm=true``)."""
+    for family in FAMILY_NAMES:
+        config = family_config(load_config("moe-tiny" if FAMILIES[family].moe else "tiny",
+                                           [f"model.family={family}"]).model)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        has = any(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_modules())
+        assert has == FAMILIES[family].qk_norm, family
+
+
 def test_the_family_models_loss_and_flops_are_our_language_models():
     """One loss (cross-entropy over shifted targets, -100 ignored, plus the router's weighted
     auxiliary loss) and one FLOP formula (``models.lm``) for our model and a family's."""
@@ -129,6 +140,9 @@ def test_the_gpu_preset_is_the_papers_shape_through_the_olmo_family():
     ("model.family_options={}", "model.family: unknown value 'qwen4'; choose one of llama, mistral"),
     ("model.family_options.nope=1", "model.family_options.nope: Qwen3Config has no field 'nope'"),
     ("model.mlp=gelu", "model.mlp=gelu is not available with model.family=qwen3 (it has its own gated"),
+    # a QK-norm the family does not have was dropped without a word
+    ("model.qk_norm=true", "model.qk_norm=true is not available with model.family=llama (its attention "
+                           "has no QK-norm; qwen3, qwen3_moe, olmoe, olmo2, olmo3, gemma3_text have"),
     ("model.scheme=nosuch", "unknown scheme 'nosuch'"),
     ("model.scheme_options.form=x", "scheme 'pre' has no option 'form'"),
     # restating a model.* field trained one size under another's name (issue 37)
@@ -145,7 +159,7 @@ def test_the_gpu_preset_is_the_papers_shape_through_the_olmo_family():
      "model.family_options: Qwen3Config refuses them: ValueError: `num_hidden_layers` (2) must be equal"),
 ])
 def test_bad_family_settings_are_one_line_and_exit_2(override, message, tmp_path):
-    family = "qwen4" if "qwen4" in message else "qwen3"
+    family = next((f for f in ("qwen4", "llama") if f"family={f}" in message or f"'{f}'" in message), "qwen3")
     res = run("train", "tiny", f"model.family={family}", override, "--out", str(tmp_path / "run"))
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

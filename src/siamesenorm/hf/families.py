@@ -30,6 +30,7 @@ class Family:
     native: tuple[str, tuple[tuple[str, object], ...]] = ("pre", ())
     rope_per_layer_type: bool = False
     config_name: str = ""
+    qk_norm: bool = False       # its attention norms queries and keys (its own QK-norm)
 
     @property
     def config_class(self) -> str:
@@ -48,18 +49,18 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", "full"),
     "mistral": Family("mistral", "MistralForCausalLM", "window"),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", "layer_types"),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "layer_types"),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True),
-    "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "layer_types", qk_norm=True),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "window", moe=True, qk_norm=True),
+    "olmoe": Family("olmoe", "OlmoeForCausalLM", "full", moe=True, qk_norm=True),
     "olmo": Family("olmo", "OlmoForCausalLM", "full", norm="olmo"),
     "olmo2": Family("olmo2", "Olmo2ForCausalLM", "full", inputs=_NONE, outputs=_REORDERED,
-                    native=_OLMO2),
+                    native=_OLMO2, qk_norm=True),
     "olmo3": Family("olmo3", "Olmo3ForCausalLM", "layer_types", inputs=_NONE, outputs=_REORDERED,
-                    native=_OLMO2, rope_per_layer_type=True),
+                    native=_OLMO2, rope_per_layer_type=True, qk_norm=True),
     "gemma3_text": Family("gemma3", "Gemma3ForCausalLM", "layer_types", norm="gemma",
                           inputs=("input_layernorm", "pre_feedforward_layernorm"),
                           outputs=_REORDERED, native=("peri_ln", ()), rope_per_layer_type=True,
-                          config_name="Gemma3TextConfig"),
+                          config_name="Gemma3TextConfig", qk_norm=True),
 }
 
 FAMILY_NAMES = tuple(FAMILIES)      # what model.family may name

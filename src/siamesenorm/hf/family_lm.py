@@ -74,6 +74,11 @@ def check_family_config(cfg: Any) -> None:
     configuration rejects (a ``layer_types`` of the wrong length)."""
     family = FAMILIES[cfg.family]
     _norm(cfg)
+    if cfg.qk_norm and not family.qk_norm:      # it was dropped without a word
+        with_one = ", ".join(name for name, f in FAMILIES.items() if f.qk_norm)
+        raise UserError(f"model.qk_norm=true is not available with model.family={cfg.family} (its "
+                        f"attention has no QK-norm; {with_one} have their own); set model.qk_norm=false "
+                        "or choose one of those")
     restated = sorted(set(cfg.family_options) & set(OWN_FIELDS))
     if restated:
         key = restated[0]

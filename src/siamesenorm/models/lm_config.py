@@ -328,7 +328,8 @@ class LMConfig:
     rope_theta: float = lm_field(10000.0, check=check.positive_number, owner=_M, family=To("rope_theta"),
                                  olmo_core=To("attention.rope.theta", _rope_theta, lambda v, src: float(v)))
     qk_norm: bool = lm_field(False, check=check.boolean, owner=_M,
-                             family=Elsewhere("the family decides its QK-norm"),
+                             family=Elsewhere("the family decides its QK-norm; true is refused "
+                                              "where it has none"),
                              olmo_core=To("attention.qk_norm", _qk_norm, lambda v, src: v is not None))
     qk_norm_per_head: bool = lm_field(
         True, check=check.boolean, owner=_M, needs="qk_norm",
