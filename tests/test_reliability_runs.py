@@ -321,6 +321,17 @@ def test_token_files_are_named_as_such(tmp_path, monkeypatch):
     assert names_token_files(str(corpus))
     for spec in (str(tmp_path / "text.txt"), "pystdlib", str(tmp_path / "missing.bin"), ""):
         assert not names_token_files(spec), spec
+    # a folder of nested .bin files names tokens; one text file among them does not; hidden folders
+    # (a .venv, a .git) are neither read nor walked
+    nested = tmp_path / "nested"
+    (nested / "a").mkdir(parents=True)
+    token_file(nested / "a" / "0.bin")
+    (nested / ".cache").mkdir()
+    (nested / ".cache" / "notes.txt").write_text("hidden\n")
+    assert names_token_files(str(nested))
+    (nested / "b").mkdir()
+    (nested / "b" / "readme.txt").write_text("text\n")
+    assert not names_token_files(str(nested))
     # an unset corpus is not the working folder (a preset's "" walked the whole tree it ran in)
     monkeypatch.chdir(tmp_path)
     assert names_token_files(".") and not names_token_files("") and not names_token_files("  ")

@@ -16,7 +16,7 @@ from .arithmetic import check_arithmetic_options, load_arithmetic
 from .corpus import Corpus
 from .hf_datasets import load_hf
 from .pystdlib import load_pystdlib
-from .textfiles import folder_files, load_text_files
+from .textfiles import folder_files, load_text_files, visible_files
 from .tokenfiles import load_token_files
 
 __all__ = ["check_corpus_options", "load_corpus", "names_token_files", "resolve_paths"]
@@ -148,8 +148,15 @@ def names_token_files(spec: str) -> bool:
     if not isinstance(spec, str) or not spec.strip() or _loader(spec)[0] is not _load_path:
         return False
     path = Path(spec).expanduser()
-    if path.is_dir() and any(p.is_file() for p in path.glob("*.bin")):     # shards: no need to walk it
-        return True
+    if path.is_dir():       # token files when all its files are .bin: stop at the first that is not
+        if any(p.is_file() for p in path.glob("*.bin")):       # shards at its top
+            return True
+        found = False
+        for file in visible_files(path):
+            if file.suffix != ".bin" and file.is_file():
+                return False
+            found = found or file.is_file()
+        return found
     try:
         return resolve_paths(spec)[1]
     except UserError:

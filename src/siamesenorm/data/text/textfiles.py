@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,10 +79,17 @@ def text_fingerprint(text: str, n_files: int) -> dict:
     return {"files": n_files, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def visible_files(root: Path) -> Iterator[Path]:
+    """The files under ``root`` (links to files too, not to folders), in no order, never entering a
+    hidden folder (``.venv``, ``.git``: a hidden file or folder is skipped, so is what it holds)."""
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        yield from (Path(folder, name) for name in names if not name.startswith("."))
+
+
 def folder_files(root: Path) -> list[Path]:
     """Every regular file under ``root``, recursively, sorted by relative path; hidden ones skipped."""
-    files = [p for p in root.rglob("*")
-             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    files = [p for p in visible_files(root) if p.is_file()]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import UserError
 from ...rundir import as_created
-from .names import CHECKSUM_FILE
+from .names import CHECKSUM_FILE, OLD_MARK
 
 
 def _fsync(path: Path) -> None:
@@ -97,7 +97,7 @@ def install(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
         if keep_as is not None and not keep_as.exists():
             os.replace(path, keep_as)
         else:
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+            old = path.parent / f".{path.name}{OLD_MARK}{uuid.uuid4().hex[:12]}"
             os.replace(path, old)
     os.replace(tmp, path)
     _fsync(path.parent)

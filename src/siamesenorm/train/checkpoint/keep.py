@@ -7,19 +7,20 @@ import os
 import shutil
 from pathlib import Path
 
-from .names import CHECKSUM_FILE
+from .names import CHECKSUM_FILE, KEPT_PREFIX
 
 
 def kept_name(path: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` goes when a newer one replaces it at ``path``."""
-    return path.parent / f"step_{step}"
+    return path.parent / f"{KEPT_PREFIX}{step}"
 
 
 def older_checkpoints(path: str | os.PathLike) -> list[Path]:
     """The kept checkpoints beside ``path`` (``step_<N>`` folders), newest first."""
     path = Path(path)
-    found = [p for p in path.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+    n = len(KEPT_PREFIX)
+    found = [p for p in path.parent.glob(f"{KEPT_PREFIX}*") if p.is_dir() and p.name[n:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[n:]), reverse=True)
 
 
 def written_here(folder: Path) -> bool:
