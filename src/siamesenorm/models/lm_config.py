@@ -236,7 +236,7 @@ class MoEConfig:
         olmo_core=To("moe.hidden_size", lambda c: c.moe.expert_hidden(c.dim),
                      lambda v, src: None if v == default_expert_hidden(src.config.d_model) else v))
     shared_hidden: int = lm_field(
-        0, check=check.Count("none"), owner=_MOE, family=Elsewhere(_NO_SHARED),
+        0, check=check.Count("none"), owner=_MOE, family=Refused(_NO_SHARED),
         olmo_core=Refused("OLMo-core averages a shared expert with the routed ones, "
                           "shared/(k+1) + routed*k/(k+1); ours adds them"))
     normalize: bool = lm_field(True, check=check.boolean, owner=_MOE, family=To("norm_topk_prob"),
