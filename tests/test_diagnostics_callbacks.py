@@ -10,6 +10,8 @@ import copy
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -311,9 +313,22 @@ def _olmo_core_run(root: Path, nproc: int = 1) -> Path:
         [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
     launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                     str(nproc)]
-    proc = subprocess.run([sys.executable, *launch, str(root / "run.py"), str(root), "64", str(SEQ)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    command = [sys.executable, *launch, str(root / "run.py"), str(root), "64", str(SEQ)]
+    # OLMo-core 3.0.0's trainer over gloo now and then hangs in its metric reduction as the last
+    # checkpoint is saved, the two ranks in different all_reduce calls (reproduced without our
+    # callback: 1 run in 5 to 14 beside a busy CPU). A normal run takes 15-40 s: a hung one is
+    # stopped, launcher and ranks, and tried once more.
+    for _ in range(1 if nproc == 1 else 2):
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=240)
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            shutil.rmtree(root / "save", ignore_errors=True)
+    assert proc.returncode == 0, out[-3000:] + err[-6000:]
     return root
 
 
