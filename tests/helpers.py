@@ -131,3 +131,14 @@ def what_a_process_would_print() -> Iterator[list[str]]:
     finally:
         root.removeHandler(handler)
     lines.extend(f"{w.category.__name__}: {w.message}" for w in caught)
+
+
+def run_docs_section(page: str, heading: str) -> None:
+    """Run the one Python block of ``docs/<page>``'s section ``## <heading>``, as a reader would
+    paste it (in the working folder: a test chdirs to its tmp_path first)."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / page).read_text()
+    section = doc.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(code, f"docs/{page}", "exec"), {"__name__": "__docs__"})

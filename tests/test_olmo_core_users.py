@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.nn.transformer.config import TransformerBlockType as Block  # noqa: E402
 
+from helpers import run_docs_section  # noqa: E402
 from siamesenorm.errors import UserError  # noqa: E402
 from siamesenorm.olmo_core import (  # noqa: E402
     OWN_OPTIONS,
@@ -203,8 +203,5 @@ def test_a_scheme_config_or_a_bad_scheme_is_refused():
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "olmo-core.md").read_text()
-    section = doc.split("## Your own TransformerConfig", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "docs/olmo-core.md", "exec"), {"__name__": "__docs__"})
+    run_docs_section("olmo-core.md", "Your own TransformerConfig")

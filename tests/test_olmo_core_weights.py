@@ -6,9 +6,7 @@ in one line; docs/olmo-core.md's recipe runs."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ pytest.importorskip("olmo_core")
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer.config import TransformerBlockType as Block  # noqa: E402
 
+from helpers import run_docs_section  # noqa: E402
 from siamesenorm.errors import UserError  # noqa: E402
 from siamesenorm.olmo_core import (  # noqa: E402
     OWN_OPTIONS,
@@ -155,11 +154,8 @@ def test_a_state_of_another_block_type_or_size_is_refused():
 
 
 def test_the_docs_recipe_runs(tmp_path, monkeypatch):
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "olmo-core.md").read_text()
-    section = doc.split("## A stock OLMo-core model's weights", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "docs/olmo-core.md", "exec"), {"__name__": "__docs__"})
+    run_docs_section("olmo-core.md", "A stock OLMo-core model's weights")
 
 
 def test_a_block_override_of_another_placement_is_refused():
