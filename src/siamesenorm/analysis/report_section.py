@@ -27,11 +27,20 @@ def _analysis(path: Path) -> dict | None:
     return data if mismatch(data, ANALYSIS) is None else None
 
 
-def _warmup(run_dir: RunDir) -> int:
+def run_config(run_dir: str | Path) -> dict:
+    """A run's ``config.yaml`` as a dict (``{}`` when missing or unreadable)."""
     try:
-        cfg = yaml.safe_load(run_dir.config.read_text()) or {}
-        return int(cfg.get("train", {}).get("warmup", 0))
-    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError, RecursionError):
+        data = yaml.safe_load(RunDir(run_dir).config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):      # ValueError: not UTF-8
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _warmup(run_dir: RunDir) -> int:
+    train = run_config(run_dir).get("train")
+    try:
+        return int(train.get("warmup", 0)) if isinstance(train, dict) else 0
+    except (TypeError, ValueError):
         return 0
 
 
@@ -168,13 +177,10 @@ class _Layout:
     def legend(self, panels: dict, drawn: set, extra: list | None = None) -> None:
         """One legend, right of the last panel: colours are the ``drawn`` schemes, styles learning
         rates."""
-        from matplotlib.lines import Line2D
-
         used = {s: c for s, c in self.colours.items() if s in drawn}
         handles = style.key_handles(used, self.styles) + list(extra or [])
         if len(self.seeds) > 1:
-            handles += [Line2D([], [], color="black", lw=2, label="median over seeds"),
-                        Line2D([], [], color="black", lw=0.8, alpha=0.4, label="each seed")]
+            handles += style.seed_handles("median")
         style.legend_outside(list(panels.values())[-1], handles)
 
 

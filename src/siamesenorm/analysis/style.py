@@ -61,6 +61,17 @@ def key_handles(colours: dict[str, str], styles: dict[float, Any]) -> list:
     return out
 
 
+def seed_handles(centre: str, band: bool = False) -> list:
+    """Legend entries for a cell's seeds as :func:`seed_lines` draws them: the thick ``centre``
+    line, then the shaded band (``band``) or each seed's thin line."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    return [Line2D([], [], color="black", lw=2, label=f"{centre} over seeds"),
+            Patch(color="black", alpha=0.15, lw=0, label="minimum to maximum") if band else
+            Line2D([], [], color="black", lw=0.8, alpha=0.4, label="each seed")]
+
+
 def legend_outside(ax, handles: Sequence | None = None, **options: Any):
     """The legend of ``ax`` right of its axes (never over the data); ``None`` without entries."""
     if handles is None:

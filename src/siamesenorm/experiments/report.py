@@ -6,10 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import yaml
-
 from ..analysis import style
-from ..analysis.report_section import diagnostics_section
+from ..analysis.report_section import diagnostics_section, run_config
 from ..rundir import RunDir, write_text
 from ..shapes import METRICS_ROW, read_rows
 from ..tasks.spec import LOSSES, Metric, default_title
@@ -47,15 +45,6 @@ _CHANCE = ("val_acc", "sample_acc")
 BEST_MARGIN = 0.01
 
 
-def _config(run_dir: Path) -> dict:
-    """A run's ``config.yaml`` as a dict (``{}`` when unreadable)."""
-    try:
-        data = yaml.safe_load(RunDir(run_dir).config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _shared(values) -> object | None:
     """The one value all of ``values`` agree on (``None`` ignored), else ``None``."""
     distinct = {v for v in values if v is not None}
@@ -66,7 +55,7 @@ def _axis_label(out: Path, rows: list[dict], key: str, label: str) -> str:
     """``label`` with its unit: a cross-entropy loss (``lm``, ``vit``) is in nats."""
     if key != "val_loss":
         return label
-    task = _shared(_config(out / r["run"]).get("task", "lm") for r in rows)
+    task = _shared(run_config(out / r["run"]).get("task", "lm") for r in rows)
     return f"{label} (nats)" if task in ("lm", "vit") else f"{label} (the training objective)"
 
 
@@ -74,7 +63,7 @@ def _chance(out: Path, rows: list[dict], key: str) -> float | None:
     """1 / classes for an accuracy over classes when every run names the same class count."""
     if key not in _CHANCE:
         return None
-    model = (_config(out / r["run"]).get("model") for r in rows)
+    model = (run_config(out / r["run"]).get("model") for r in rows)
     k = _shared(m.get("num_classes") for m in model if isinstance(m, dict))
     return 1.0 / k if isinstance(k, int) and k > 1 else None
 
@@ -127,14 +116,9 @@ def _keys(rows: list[dict], schemes: list[str] | None) -> tuple[dict, dict]:
 
 
 def _seed_handles(rows: list[dict], centre: str, band: bool = False) -> list:
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    if all(len(g) <= 1 for g in stats.cells(rows).values()):
-        return []
-    return [Line2D([], [], color="black", lw=2, label=f"{centre} over seeds"),
-            Patch(color="black", alpha=0.15, lw=0, label="minimum to maximum") if band else
-            Line2D([], [], color="black", lw=0.8, alpha=0.4, label="each seed")]
+    """:func:`style.seed_handles` where some cell has several seeds."""
+    several = any(len(g) > 1 for g in stats.cells(rows).values())
+    return style.seed_handles(centre, band) if several else []
 
 
 def _plot_curves(out: Path, rows: list[dict], key: str, label: str, filename: str,
