@@ -186,9 +186,14 @@ def busy_cores(exclude: Sequence[int] = (), window: float = SAMPLE_S) -> float |
     return max(0.0, cpus * ((busy2 - busy) - (theirs2 - theirs)) / (total2 - total))
 
 
-def machine_now(exclude: Sequence[int] = (), watch: bool = True) -> tuple[int, float | None, float | None]:
-    """This process's cores, how many of them others keep busy (``watch``) and the load average."""
-    return available_cores(), busy_cores(exclude) if watch else None, machine_load()
+def machine_now(exclude: Sequence[int] = (), *, ceiling: int | None = None,
+                processes: int = 1) -> tuple[int, float | None, float | None]:
+    """This process's cores, how many of them others keep busy (watched only where more than one
+    thread a process could come of it: ``ceiling`` threads shared by ``processes``) and the load
+    average."""
+    cores = available_cores()
+    watch = min(cores, ceiling or cores) // processes > 1
+    return cores, busy_cores(exclude) if watch else None, machine_load()
 
 
 def check_threads(value: Any, source: str = "train.threads") -> int | None:
@@ -232,6 +237,16 @@ class Threads:
         return f"threads: {self.count}{each} ({self.why})"
 
 
+def set_threads(flag: int | None = None, config: int | None = None, *, flag_name: str = "--threads",
+                processes: int = 1, env: dict | None = None) -> Threads | None:
+    """The threads the user set: ``flag``, else ``OMP_NUM_THREADS``, else ``train.threads``."""
+    for value, name in ((flag, flag_name), (env_threads(env), "OMP_NUM_THREADS"), (config, "train.threads")):
+        if value is not None:
+            sep = " " if name.startswith("-") else "="
+            return Threads(value, f"{name}{sep}{value}", processes=processes)
+    return None
+
+
 def choose_threads(flag: int | None = None, config: int | None = None, *, flag_name: str = "--threads",
                    processes: int = 1, ceiling: int | None = None, exclude: Sequence[int] = (),
                    cores: int | None = None, busy: float | None = None, load: float | None = None,
@@ -240,13 +255,11 @@ def choose_threads(flag: int | None = None, config: int | None = None, *, flag_n
     ``train.threads`` (``config``), else the cores other processes (not ``exclude``) leave free now
     (:func:`busy_cores`; the 1-minute load average where it cannot be seen), shared out, at most
     ``ceiling`` in all. ``cores``, ``busy`` and ``load`` fake the machine (tests)."""
-    for value, name in ((flag, flag_name), (env_threads(env), "OMP_NUM_THREADS"), (config, "train.threads")):
-        if value is not None:
-            sep = " " if name.startswith("-") else "="
-            return Threads(value, f"{name}{sep}{value}", processes=processes)
-    if cores is None:       # watched only when more than one thread could come of it
-        cores = available_cores()
-        cores, busy, load = machine_now(exclude, min(cores, ceiling or cores) // processes > 1)
+    given = set_threads(flag, config, flag_name=flag_name, processes=processes, env=env)
+    if given is not None:
+        return given
+    if cores is None:
+        cores, busy, load = machine_now(exclude, ceiling=ceiling, processes=processes)
     taken = busy if busy is not None else load or 0.0
     free = max(1, min(cores, math.floor(cores - taken + 0.5)))
     count = max(1, min(free, ceiling or free) // processes)

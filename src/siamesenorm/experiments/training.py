@@ -11,13 +11,12 @@ import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..devices import Threads, available_cores, choose_threads, machine_now, use_threads
+from ..devices import Threads, choose_threads, machine_now, set_threads, use_threads
 from ..errors import RankFailed, UserError, environment_problem
 from ..locks import folder_lock
 from ..rundir import RunDir
@@ -94,16 +93,15 @@ class RunThreads:
 
     def pick(self, cfg: Any, exclude: Sequence[int] = ()) -> Threads:
         """``exclude``: the processes of this comparison's running runs."""
-        pick = partial(choose_threads, self.flag, cfg.train.threads, processes=self.processes,
-                       ceiling=self.ceiling)
-        if not pick(cores=1).auto:          # set by the user: nothing to look at
-            return pick()
+        given = set_threads(self.flag, cfg.train.threads, processes=self.processes)
+        if given is not None:               # set by the user: nothing to look at
+            return given
         now = time.monotonic()
         if self.seen is None or now - self.seen[0] > RECHECK_S:
-            cores = available_cores()
-            self.seen = now, machine_now(exclude, min(cores, self.ceiling or cores) // self.processes > 1)
+            self.seen = now, machine_now(exclude, ceiling=self.ceiling, processes=self.processes)
         cores, busy, load = self.seen[1]
-        return pick(cores=cores, busy=busy, load=load)
+        return choose_threads(self.flag, cfg.train.threads, processes=self.processes, ceiling=self.ceiling,
+                              cores=cores, busy=busy, load=load)
 
     def choose(self, item: Todo, resume: bool, exclude: Sequence[int] = ()) -> Threads:
         pick = self.pick(item.cell.config, exclude)
