@@ -148,14 +148,12 @@ def _run_threads(args: argparse.Namespace, cfg):
     if cfg is not None:
         config = cfg.train.threads
     else:
+        from .rundir import RunDir
+
+        train = RunDir(args.out).read_config().get("train")
         try:
-            import yaml
-
-            from .rundir import RunDir
-
-            saved = yaml.safe_load(RunDir(args.out).config.read_text())
-            config = check_threads(saved["train"].get("threads"))
-        except Exception:       # no config, or a damaged one: the resume says what is wrong
+            config = check_threads(train.get("threads")) if isinstance(train, dict) else None
+        except UserError:       # a damaged config: the resume says what is wrong
             config = None
     return use_threads(choose_threads(args.threads, config, processes=args.nproc or 1,
                                       ceiling=torch.get_num_threads()), announce=True)
@@ -222,7 +220,7 @@ def _threads(text: str) -> int | None:
 
 
 THREADS_HELP = ("intra-op threads per process (default: OMP_NUM_THREADS, else train.threads, else auto: "
-                "the cores other processes leave free, by the load average; one line says which)")
+                "the cores other processes leave free as it starts; one line says which)")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

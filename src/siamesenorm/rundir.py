@@ -63,6 +63,17 @@ class RunDir:
     def config(self) -> Path:
         return self.path / "config.yaml"
 
+    def read_config(self) -> dict:
+        """``config.yaml`` as a dict, ``{}`` when missing or unreadable (for reports: a run's own
+        loading says what is wrong with it)."""
+        import yaml
+
+        try:
+            data = yaml.safe_load(self.config.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError, RecursionError):      # ValueError: not UTF-8
+            return {}
+        return data if isinstance(data, dict) else {}
+
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"

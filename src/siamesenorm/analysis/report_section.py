@@ -9,8 +9,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..rundir import RunDir
 from ..shapes import ANALYSIS, METRICS_ROW, PROBE_ROW, mismatch, read_rows
 from . import style
@@ -27,17 +25,8 @@ def _analysis(path: Path) -> dict | None:
     return data if mismatch(data, ANALYSIS) is None else None
 
 
-def run_config(run_dir: str | Path) -> dict:
-    """A run's ``config.yaml`` as a dict (``{}`` when missing or unreadable)."""
-    try:
-        data = yaml.safe_load(RunDir(run_dir).config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError, RecursionError):      # ValueError: not UTF-8
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _warmup(run_dir: RunDir) -> int:
-    train = run_config(run_dir).get("train")
+    train = run_dir.read_config().get("train")
     try:
         return int(train.get("warmup", 0)) if isinstance(train, dict) else 0
     except (TypeError, ValueError):

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..analysis import style
-from ..analysis.report_section import diagnostics_section, run_config
+from ..analysis.report_section import diagnostics_section
 from ..rundir import RunDir, write_text
 from ..shapes import METRICS_ROW, read_rows
 from ..tasks.spec import LOSSES, Metric, default_title
@@ -55,7 +55,7 @@ def _axis_label(out: Path, rows: list[dict], key: str, label: str) -> str:
     """``label`` with its unit: a cross-entropy loss (``lm``, ``vit``) is in nats."""
     if key != "val_loss":
         return label
-    task = _shared(run_config(out / r["run"]).get("task", "lm") for r in rows)
+    task = _shared(RunDir(out / r["run"]).read_config().get("task", "lm") for r in rows)
     return f"{label} (nats)" if task in ("lm", "vit") else f"{label} (the training objective)"
 
 
@@ -63,7 +63,7 @@ def _chance(out: Path, rows: list[dict], key: str) -> float | None:
     """1 / classes for an accuracy over classes when every run names the same class count."""
     if key not in _CHANCE:
         return None
-    model = (run_config(out / r["run"]).get("model") for r in rows)
+    model = (RunDir(out / r["run"]).read_config().get("model") for r in rows)
     k = _shared(m.get("num_classes") for m in model if isinstance(m, dict))
     return 1.0 / k if isinstance(k, int) and k > 1 else None
 
